@@ -1,0 +1,29 @@
+// `limbo` subcommands. Each returns a process exit code and throws
+// limbo::Error subclasses for main() to report.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace limbo::cli {
+
+struct TrainArgs {
+  std::string config_file;
+  std::vector<std::string> overrides;  // "section.key=value"
+  std::string run_dir;                 // empty = runs/<model>-<dataset>-<time>
+  bool resume = false;
+};
+int run_train(const TrainArgs& a);
+
+struct CheckpointArgs {
+  std::string checkpoint;
+  std::vector<std::string> overrides;  // e.g. data.path for another machine
+  std::string out;                     // export: output .safetensors path
+};
+int run_eval(const CheckpointArgs& a);
+int run_export(const CheckpointArgs& a);
+
+// Prints the resolved config (or the schema as Markdown).
+int run_config(const TrainArgs& a, bool schema_markdown);
+
+}  // namespace limbo::cli

@@ -1,0 +1,80 @@
+// `limbo`: the command line. The only place that reads argv and the
+// environment; everything below receives explicit options.
+#include <CLI/CLI.hpp>
+
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+
+#include "cli/commands.h"
+#include "common/error.h"
+#include "common/log.h"
+
+namespace {
+
+int report(const char* kind, const std::string& msg, int code) {
+  std::fprintf(stderr, "limbo: %s: %s\n", kind, msg.c_str());
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace limbo;
+  CLI::App app{"Limbo: distributed training on resources that are not fixed"};
+  app.require_subcommand(1);
+  std::string level = "info";
+  app.add_option("--log-level", level, "debug, info, warn or error")
+      ->check(CLI::IsMember({"debug", "info", "warn", "error"}));
+
+  cli::TrainArgs train_args;
+  auto* train = app.add_subcommand("train", "train a model (single process)");
+  train->add_option("--config", train_args.config_file, "TOML config file")->check(CLI::ExistingFile);
+  train->add_option("--set", train_args.overrides, "override a key: section.key=value (repeatable)");
+  train->add_option("--run-dir", train_args.run_dir,
+                    "output folder (default runs/<model>-<dataset>-<time>)");
+  train->add_flag("--resume", train_args.resume, "continue from the run directory's checkpoint");
+
+  cli::CheckpointArgs ck_args;
+  auto* eval = app.add_subcommand("eval", "evaluate a checkpoint on its test split");
+  eval->add_option("--checkpoint", ck_args.checkpoint, "checkpoint.pt")->required();
+  eval->add_option("--set", ck_args.overrides, "override a stored key, e.g. data.path=DIR");
+  auto* exp = app.add_subcommand("export", "write a checkpoint's weights as safetensors");
+  exp->add_option("--checkpoint", ck_args.checkpoint, "checkpoint.pt")->required();
+  exp->add_option("--out", ck_args.out, "output .safetensors file")->required();
+  exp->add_option("--set", ck_args.overrides, "override a stored key");
+
+  bool schema_md = false;
+  cli::TrainArgs cfg_args;
+  auto* config = app.add_subcommand("config", "print the resolved config, or the schema");
+  config->add_option("--config", cfg_args.config_file, "TOML config file")->check(CLI::ExistingFile);
+  config->add_option("--set", cfg_args.overrides, "override a key: section.key=value");
+  config->add_flag("--schema", schema_md, "print every key as a Markdown table");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? kExitOk : kExitInvalidInput;
+  }
+  set_log_level(level == "debug"  ? LogLevel::Debug
+                : level == "warn" ? LogLevel::Warn
+                : level == "error" ? LogLevel::Error
+                                   : LogLevel::Info);
+  try {
+    if (*train) return cli::run_train(train_args);
+    if (*eval) return cli::run_eval(ck_args);
+    if (*exp) return cli::run_export(ck_args);
+    if (*config) return cli::run_config(cfg_args, schema_md);
+  } catch (const InvalidInput& e) {
+    return report("error", e.what(), kExitInvalidInput);
+  } catch (const PeerFailure& e) {
+    return report("peer failure", e.what(), kExitPeerFailure);
+  } catch (const Timeout& e) {
+    return report("timeout", e.what(), kExitTimeout);
+  } catch (const c10::Error& e) {
+    return report("internal error (libtorch)", e.what_without_backtrace(), kExitFailure);
+  } catch (const std::exception& e) {
+    return report("internal error", e.what(), kExitFailure);
+  }
+  return kExitFailure;
+}

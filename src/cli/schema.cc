@@ -1,0 +1,171 @@
+#include "cli/schema.h"
+
+#include "common/error.h"
+#include "data/sampler.h"
+#include "models/net.h"
+
+namespace limbo::cli {
+namespace {
+
+KeySpec S(std::string key, std::string def, std::vector<std::string> choices, std::string doc) {
+  KeySpec k;
+  k.key = std::move(key);
+  k.type = ValueType::String;
+  k.def = std::move(def);
+  k.choices = std::move(choices);
+  k.doc = std::move(doc);
+  return k;
+}
+KeySpec I(std::string key, int64_t def, std::optional<double> min, std::optional<double> max,
+          std::string doc) {
+  KeySpec k;
+  k.key = std::move(key);
+  k.type = ValueType::Int;
+  k.def = def;
+  k.min = min;
+  k.max = max;
+  k.doc = std::move(doc);
+  return k;
+}
+KeySpec F(std::string key, double def, std::optional<double> min, std::optional<double> max,
+          std::string doc, bool min_open = false, bool max_open = false) {
+  KeySpec k;
+  k.key = std::move(key);
+  k.type = ValueType::Float;
+  k.def = def;
+  k.min = min;
+  k.max = max;
+  k.min_open = min_open;
+  k.max_open = max_open;
+  k.doc = std::move(doc);
+  return k;
+}
+KeySpec B(std::string key, bool def, std::string doc) {
+  KeySpec k;
+  k.key = std::move(key);
+  k.type = ValueType::Bool;
+  k.def = def;
+  k.doc = std::move(doc);
+  return k;
+}
+
+}  // namespace
+
+std::shared_ptr<const Schema> train_schema() {
+  static const std::shared_ptr<const Schema> schema = [] {
+    auto s = std::make_shared<Schema>();
+    s->add(S("model.name", "lenet", models::model_names(), "model architecture"));
+    s->add(I("model.width", 256, 1, 1 << 16, "mlp: hidden units per layer"));
+    s->add(I("model.depth", 2, 0, 64, "mlp: number of hidden layers"));
+
+    s->add(S("data.dataset", "fashion-mnist", {"fashion-mnist", "mnist", "cifar10", "synthetic"},
+             "dataset"));
+    s->add(S("data.path", "", {}, "folder with the dataset files; empty = the dataset's default "
+                                  "(/usr/share/datasets/fashion-mnist for fashion-mnist)"));
+    s->add(I("data.batch_size", 64, 1, 1 << 16, "mini-batch size (per worker)"));
+    s->add(S("data.order", "shuffle", {"shuffle", "fixed-cycle", "sequential"},
+             "sample order: reshuffle every epoch, one fixed shuffled cycle, or in file order"));
+    s->add(B("data.drop_last", false, "skip the incomplete last batch of each epoch"));
+    s->add(I("data.train_limit", 0, 0, std::nullopt,
+             "use only the first N training samples (0 = all; for synthetic, the size)"));
+    s->add(I("data.test_limit", 0, 0, std::nullopt, "use only the first N test samples (0 = all)"));
+    s->add(I("data.prefetch", 4, 1, 64, "batches prepared ahead on the loader thread"));
+
+    s->add(F("optim.lr", 0.01, 0.0, 100.0, "base learning rate", true));
+    s->add(F("optim.momentum", 0.9, 0.0, 1.0, "momentum coefficient", false, true));
+    s->add(B("optim.nesterov", false, "Nesterov momentum"));
+    s->add(F("optim.weight_decay", 0.0, 0.0, 1.0, "L2 weight decay"));
+    s->add(F("optim.dampening", 0.0, 0.0, 1.0, "momentum dampening", false, true));
+    s->add(S("optim.schedule", "constant", {"constant", "step", "multistep", "cosine", "inv"},
+             "learning-rate schedule"));
+    s->add(F("optim.gamma", 0.1, 0.0, 1.0, "step/multistep decay factor", true));
+    s->add(F("optim.step_epochs", 1.0, 0.0, std::nullopt, "step: epochs between decays", true));
+    s->add(S("optim.milestones", "", {}, "multistep: comma-separated epochs, e.g. \"30,60\""));
+    s->add(F("optim.cosine_epochs", 0.0, 0.0, std::nullopt,
+             "cosine: horizon in epochs (0 = train.epochs)"));
+    s->add(F("optim.min_lr", 0.0, 0.0, std::nullopt, "cosine: final learning rate"));
+    s->add(F("optim.inv_gamma", 1e-4, 0.0, std::nullopt, "inv: gamma (per iteration)"));
+    s->add(F("optim.inv_power", 0.75, 0.0, std::nullopt, "inv: power"));
+    s->add(F("optim.warmup_epochs", 0.0, 0.0, std::nullopt, "linear warm-up length in epochs"));
+    s->add(F("optim.warmup_start_factor", 0.1, 0.0, 1.0,
+             "warm-up starts at this fraction of the scheduled rate"));
+
+    s->add(I("train.epochs", 2, 1, 100000, "epochs to train"));
+    s->add(I("train.max_steps", 0, 0, std::nullopt, "stop after this many steps (0 = no limit)"));
+    s->add(I("train.seed", 1, 0, std::nullopt, "seed for initialisation and data order"));
+    s->add(I("train.threads", 0, 0, 1024, "intra-op (OpenMP) threads; 0 = all cores"));
+    s->add(I("train.blas_threads", 0, 0, 1024,
+             "BLAS threads; 0 = share the intra-op OpenMP pool (OpenBLAS-OpenMP)"));
+    s->add(I("train.log_every", 50, 1, std::nullopt, "steps between metrics.jsonl lines"));
+    s->add(I("train.eval_every_epochs", 1, 0, std::nullopt,
+             "evaluate on the test split every N epochs (0 = only at the end)"));
+    s->add(I("train.checkpoint_every_steps", 0, 0, std::nullopt, "checkpoint every N steps (0 = off)"));
+    s->add(I("train.checkpoint_every_epochs", 1, 0, std::nullopt,
+             "checkpoint every N epochs (0 = off; a final checkpoint is always written)"));
+    s->add(B("train.progress", true, "show a progress bar (terminal) or progress lines"));
+    s->add(I("train.pause_at_step", 0, 0, std::nullopt,
+             "testing aid: after step N, print 'paused at step N' and wait to be killed"));
+    return std::shared_ptr<const Schema>(s);
+  }();
+  return schema;
+}
+
+train::TrainerConfig trainer_config(const Config& c) {
+  train::TrainerConfig t;
+  t.source.dataset = c.get_string("data.dataset");
+  t.source.path = c.get_string("data.path");
+  t.source.train_limit = c.get_int("data.train_limit");
+  t.source.test_limit = c.get_int("data.test_limit");
+  t.source.seed = static_cast<uint64_t>(c.get_int("train.seed"));
+
+  t.loader.batch_size = c.get_int("data.batch_size");
+  t.loader.order = data::parse_order(c.get_string("data.order"));
+  t.loader.drop_last = c.get_bool("data.drop_last");
+  t.loader.prefetch = static_cast<int>(c.get_int("data.prefetch"));
+  t.loader.seed = static_cast<uint64_t>(c.get_int("train.seed"));
+
+  t.model.name = c.get_string("model.name");
+  t.model.width = c.get_int("model.width");
+  t.model.depth = c.get_int("model.depth");
+
+  t.sgd.momentum = c.get_float("optim.momentum");
+  t.sgd.nesterov = c.get_bool("optim.nesterov");
+  t.sgd.weight_decay = c.get_float("optim.weight_decay");
+  t.sgd.dampening = c.get_float("optim.dampening");
+  if (t.sgd.nesterov && t.sgd.momentum <= 0)
+    throw InvalidInput("optim.nesterov = true needs optim.momentum > 0");
+  if (t.sgd.nesterov && t.sgd.dampening != 0)
+    throw InvalidInput("optim.nesterov = true needs optim.dampening = 0");
+
+  t.lr.kind = c.get_string("optim.schedule");
+  t.lr.base_lr = c.get_float("optim.lr");
+  t.lr.gamma = c.get_float("optim.gamma");
+  t.lr.step_epochs = c.get_float("optim.step_epochs");
+  t.lr.milestones = optim::parse_milestones(c.get_string("optim.milestones"), "optim.milestones");
+  if (t.lr.kind == "multistep" && t.lr.milestones.empty())
+    throw InvalidInput("optim.schedule = \"multistep\" needs optim.milestones, e.g. \"30,60\"");
+  double cos_epochs = c.get_float("optim.cosine_epochs");
+  t.lr.cosine_epochs = cos_epochs > 0 ? cos_epochs : static_cast<double>(c.get_int("train.epochs"));
+  t.lr.min_lr = c.get_float("optim.min_lr");
+  t.lr.inv_gamma = c.get_float("optim.inv_gamma");
+  t.lr.inv_power = c.get_float("optim.inv_power");
+  t.lr.warmup_epochs = c.get_float("optim.warmup_epochs");
+  t.lr.warmup_start_factor = c.get_float("optim.warmup_start_factor");
+
+  t.train.epochs = c.get_int("train.epochs");
+  t.train.max_steps = c.get_int("train.max_steps");
+  t.train.seed = static_cast<uint64_t>(c.get_int("train.seed"));
+  t.train.log_every = c.get_int("train.log_every");
+  t.train.eval_every_epochs = c.get_int("train.eval_every_epochs");
+  t.train.checkpoint_every_steps = c.get_int("train.checkpoint_every_steps");
+  t.train.checkpoint_every_epochs = c.get_int("train.checkpoint_every_epochs");
+  t.train.progress = c.get_bool("train.progress");
+  t.train.pause_at_step = c.get_int("train.pause_at_step");
+
+  t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));
+  t.threads.blas = static_cast<int>(c.get_int("train.blas_threads"));
+  t.config_toml = c.to_toml();
+  return t;
+}
+
+}  // namespace limbo::cli

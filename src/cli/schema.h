@@ -1,0 +1,18 @@
+// The configuration schema of `limbo train` and the translation of a
+// validated Config into the typed options of each layer.
+#pragma once
+
+#include <memory>
+
+#include "common/config.h"
+#include "train/trainer.h"
+
+namespace limbo::cli {
+
+std::shared_ptr<const Schema> train_schema();
+
+// Builds the trainer's options; throws InvalidInput for cross-key problems
+// (e.g. Nesterov without momentum, multistep without milestones).
+train::TrainerConfig trainer_config(const Config& cfg);
+
+}  // namespace limbo::cli

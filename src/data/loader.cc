@@ -1,0 +1,108 @@
+#include "data/loader.h"
+
+#include "common/error.h"
+
+namespace limbo::data {
+
+Batch make_batch(const Dataset& d, const Normalization& norm, const std::vector<int64_t>& ids) {
+  const int64_t n = static_cast<int64_t>(ids.size());
+  const auto& s = d.shape;
+  const int64_t plane = s.height * s.width;
+  Batch b;
+  b.x = torch::empty({n, s.channels, s.height, s.width}, torch::kFloat32);
+  b.y = torch::empty({n}, torch::kInt64);
+  float* x = b.x.data_ptr<float>();
+  int64_t* y = b.y.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* src = d.image(ids[i]);
+    for (int64_t c = 0; c < s.channels; ++c) {
+      // (v/255 - mean)/std == v*scale + shift
+      const float scale = 1.0f / (255.0f * norm.std[c]);
+      const float shift = -norm.mean[c] / norm.std[c];
+      const uint8_t* p = src + c * plane;
+      float* q = x + (i * s.channels + c) * plane;
+      for (int64_t k = 0; k < plane; ++k) q[k] = p[k] * scale + shift;
+    }
+    y[i] = d.labels[ids[i]];
+  }
+  return b;
+}
+
+BatchLoader::BatchLoader(std::shared_ptr<const Dataset> dataset, Normalization norm,
+                         LoaderOptions opt, Cursor start)
+    : dataset_(std::move(dataset)),
+      norm_(std::move(norm)),
+      opt_(opt),
+      sampler_(dataset_->size(), opt.order, opt.seed) {
+  if (opt_.prefetch < 1) opt_.prefetch = 1;
+  start_thread(start);
+}
+
+BatchLoader::~BatchLoader() { stop_thread(); }
+
+void BatchLoader::start_thread(Cursor from) {
+  stop_ = false;
+  error_ = nullptr;
+  queue_.clear();
+  next_cursor_ = from;
+  thread_ = std::thread([this] { run(); });
+}
+
+void BatchLoader::stop_thread() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void BatchLoader::restart(Cursor from, int world, int rank) {
+  stop_thread();
+  opt_.world = world;
+  opt_.rank = rank;
+  start_thread(from);
+}
+
+void BatchLoader::run() {
+  try {
+    for (;;) {
+      Cursor at;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || static_cast<int>(queue_.size()) < opt_.prefetch; });
+        if (stop_) return;
+        at = next_cursor_;
+      }
+      // Planning and gathering run without the lock: the consumer keeps going.
+      BatchPlan plan = plan_batch(sampler_, at, opt_.batch_size, opt_.world, opt_.rank,
+                                  opt_.drop_last);
+      Batch b = make_batch(*dataset_, norm_, plan.ids);
+      b.plan = std::move(plan);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (stop_) return;
+        next_cursor_ = b.plan.end;
+        queue_.push_back(std::move(b));
+      }
+      cv_.notify_all();
+    }
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = std::current_exception();
+    cv_.notify_all();
+  }
+}
+
+Batch BatchLoader::next() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !queue_.empty() || error_; });
+  if (queue_.empty() && error_) std::rethrow_exception(error_);
+  Batch b = std::move(queue_.front());
+  queue_.pop_front();
+  lock.unlock();
+  cv_.notify_all();
+  return b;
+}
+
+}  // namespace limbo::data

@@ -1,0 +1,76 @@
+// Background batch preparation.
+//
+// A BatchLoader owns one producer thread that plans batches with a Sampler,
+// gathers the uint8 images of the planned ids and normalises them into float
+// tensors, keeping up to `prefetch` batches ready. next() blocks only when the
+// queue is empty, and rethrows any error raised on the producer thread.
+// restart() discards prepared batches and continues from a new cursor / world
+// (used after a resume or a membership change). All methods are called from
+// one consumer thread.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "data/dataset.h"
+#include "data/sampler.h"
+
+namespace limbo::data {
+
+struct Batch {
+  torch::Tensor x;  // float [n, C, H, W], normalised
+  torch::Tensor y;  // int64 [n]
+  BatchPlan plan;
+};
+
+struct LoaderOptions {
+  int64_t batch_size = 64;  // per worker
+  int world = 1;
+  int rank = 0;
+  bool drop_last = false;
+  int prefetch = 4;
+  Order order = Order::Shuffle;
+  uint64_t seed = 1;
+};
+
+// Gathers and normalises the given samples (used by the loader and eval).
+Batch make_batch(const Dataset& d, const Normalization& norm, const std::vector<int64_t>& ids);
+
+class BatchLoader {
+ public:
+  BatchLoader(std::shared_ptr<const Dataset> dataset, Normalization norm, LoaderOptions opt,
+              Cursor start);
+  ~BatchLoader();
+  BatchLoader(const BatchLoader&) = delete;
+  BatchLoader& operator=(const BatchLoader&) = delete;
+
+  Batch next();
+  void restart(Cursor from, int world, int rank);
+  const LoaderOptions& options() const { return opt_; }
+
+ private:
+  void run();
+  void stop_thread();
+  void start_thread(Cursor from);
+
+  std::shared_ptr<const Dataset> dataset_;
+  Normalization norm_;
+  LoaderOptions opt_;
+  Sampler sampler_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Batch> queue_;
+  std::exception_ptr error_;
+  bool stop_ = false;
+  Cursor next_cursor_;
+  std::thread thread_;
+};
+
+}  // namespace limbo::data

@@ -1,0 +1,39 @@
+#include "data/registry.h"
+
+#include "common/error.h"
+#include "data/cifar10.h"
+#include "data/idx.h"
+#include "data/synthetic.h"
+
+namespace limbo::data {
+
+std::string default_path(const std::string& dataset) {
+  if (dataset == "fashion-mnist") return "/usr/share/datasets/fashion-mnist";
+  if (dataset == "mnist") return "/usr/share/datasets/mnist";
+  if (dataset == "cifar10") return "data/cifar-10-batches-bin";
+  return "";
+}
+
+DatasetSplits load_dataset(const DataSource& src) {
+  std::string path = src.path.empty() ? default_path(src.dataset) : src.path;
+  DatasetSplits s;
+  if (src.dataset == "fashion-mnist" || src.dataset == "mnist") {
+    s = load_mnist_family(path, src.dataset);
+  } else if (src.dataset == "cifar10") {
+    s = load_cifar10(path);
+  } else if (src.dataset == "synthetic") {
+    SyntheticOptions o;
+    o.seed = src.seed;
+    if (src.train_limit > 0) o.train_size = src.train_limit;
+    if (src.test_limit > 0) o.test_size = src.test_limit;
+    s = make_synthetic(o);
+  } else {
+    throw InvalidInput("unknown dataset '" + src.dataset +
+                       "'; allowed: fashion-mnist, mnist, cifar10, synthetic");
+  }
+  if (src.train_limit > 0) s.train.truncate(src.train_limit);
+  if (src.test_limit > 0) s.test.truncate(src.test_limit);
+  return s;
+}
+
+}  // namespace limbo::data

@@ -1,0 +1,43 @@
+// Contiguous parameter and gradient storage for a module.
+//
+// The constructor copies every parameter of the module into one flat float
+// buffer and re-points the parameter at its slice (as a view), and gives each
+// parameter a gradient that is a view into a second flat buffer. Autograd then
+// accumulates gradients in place into that buffer. Consequences:
+//   - an optimizer step is a handful of vectorised ops over one tensor;
+//   - all-reduce / push of the whole gradient needs no packing copy;
+//   - zero_grad() is one fill.
+// Call zero_grad() (never Module::zero_grad, which would detach the views)
+// before each backward. Buffers (e.g. BatchNorm statistics) are not included.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace limbo::optim {
+
+class FlatParams {
+ public:
+  explicit FlatParams(torch::nn::Module& module);
+
+  torch::Tensor& data() { return data_; }
+  torch::Tensor& grad() { return grad_; }
+  int64_t numel() const { return data_.numel(); }
+  void zero_grad() { grad_.zero_(); }
+
+  struct Entry {
+    std::string name;
+    std::vector<int64_t> shape;
+    int64_t offset, numel;
+  };
+  // Parameter names, shapes and offsets, in flat order.
+  const std::vector<Entry>& entries() const { return entries_; }
+
+ private:
+  torch::Tensor data_, grad_;
+  std::vector<Entry> entries_;
+};
+
+}  // namespace limbo::optim

@@ -1,0 +1,147 @@
+#include "train/checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstdio>
+
+#include "common/error.h"
+#include "common/files.h"
+
+namespace limbo::train {
+namespace {
+
+constexpr int64_t kFormatVersion = 1;
+
+torch::Tensor scalar(int64_t v) { return torch::tensor({v}, torch::kInt64); }
+
+torch::Tensor bytes_tensor(const std::string& s) {
+  auto t = torch::empty({static_cast<int64_t>(s.size())}, torch::kUInt8);
+  if (!s.empty()) std::memcpy(t.data_ptr<uint8_t>(), s.data(), s.size());
+  return t;
+}
+
+std::string tensor_bytes(const torch::Tensor& t) {
+  auto c = t.contiguous();
+  return std::string(reinterpret_cast<const char*>(c.data_ptr<uint8_t>()), c.numel());
+}
+
+// Like nn::Module::load, but copies values into the existing tensors instead
+// of swapping their storage.
+void load_into(torch::nn::Module& m, torch::serialize::InputArchive& ar, const std::string& file,
+               const std::string& prefix) {
+  torch::NoGradGuard no_grad;
+  auto copy = [&](const std::string& key, torch::Tensor& dst, bool is_buffer) {
+    torch::Tensor src;
+    if (!ar.try_read(key, src, is_buffer))
+      throw InvalidInput("checkpoint '" + file + "' lacks tensor '" + prefix + key + "'");
+    if (src.sizes() != dst.sizes())
+      throw InvalidInput("checkpoint '" + file + "': tensor '" + prefix + key + "' has shape " +
+                         c10::str(src.sizes()) + ", the model expects " + c10::str(dst.sizes()) +
+                         " (was it written for another model or dataset?)");
+    dst.copy_(src);
+  };
+  for (auto& p : m.named_parameters(false)) copy(p.key(), p.value(), false);
+  for (auto& b : m.named_buffers(false)) copy(b.key(), b.value(), true);
+  for (auto& c : m.named_children()) {
+    torch::serialize::InputArchive child;
+    if (!ar.try_read(c.key(), child))
+      throw InvalidInput("checkpoint '" + file + "' lacks submodule '" + prefix + c.key() + "'");
+    load_into(*c.value(), child, file, prefix + c.key() + ".");
+  }
+}
+
+int64_t read_int(torch::serialize::InputArchive& ar, const std::string& key,
+                 const std::string& file) {
+  torch::Tensor t;
+  if (!ar.try_read(key, t)) throw InvalidInput("checkpoint '" + file + "' lacks state/" + key);
+  return t.item<int64_t>();
+}
+
+torch::serialize::InputArchive open_archive(const std::string& path) {
+  if (!file_exists(path)) throw InvalidInput("checkpoint '" + path + "' does not exist");
+  torch::serialize::InputArchive ar;
+  try {
+    ar.load_from(path);
+  } catch (const c10::Error& e) {
+    throw InvalidInput("checkpoint '" + path + "' is not a readable Limbo checkpoint: " +
+                       e.msg().substr(0, 200));
+  }
+  return ar;
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, torch::nn::Module& model, const optim::Sgd& sgd,
+                     const TrainState& st) {
+  torch::serialize::OutputArchive root, m, o, s;
+  model.save(m);
+  if (sgd.buffer().defined()) o.write("momentum_buffer", sgd.buffer());
+  s.write("format_version", scalar(kFormatVersion));
+  s.write("step", scalar(st.step));
+  s.write("epoch", scalar(st.cursor.epoch));
+  s.write("position", scalar(st.cursor.position));
+  s.write("samples", scalar(st.samples));
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    s.write("rng", gen.get_state());
+  }
+  s.write("config", bytes_tensor(st.config_toml));
+  root.write("model", m);
+  root.write("optim", o);
+  root.write("state", s);
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  root.save_to(tmp);
+  // Flush to disk before the rename, so a crash leaves the old or the new
+  // checkpoint, never a torn one.
+  int fd = ::open(tmp.c_str(), O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw Error("cannot move checkpoint into place at '" + path + "'");
+  }
+}
+
+TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Sgd* sgd) {
+  auto root = open_archive(path);
+  torch::serialize::InputArchive m, o, s;
+  if (!root.try_read("model", m) || !root.try_read("state", s))
+    throw InvalidInput("checkpoint '" + path + "' lacks its model/ or state/ section");
+  if (read_int(s, "format_version", path) != kFormatVersion)
+    throw InvalidInput("checkpoint '" + path + "' has an unsupported format version");
+  load_into(model, m, path, "");
+  if (sgd) {
+    torch::Tensor buf;
+    if (root.try_read("optim", o) && o.try_read("momentum_buffer", buf)) sgd->set_buffer(buf);
+    else sgd->set_buffer(torch::Tensor());
+  }
+  TrainState st;
+  st.step = read_int(s, "step", path);
+  st.cursor.epoch = read_int(s, "epoch", path);
+  st.cursor.position = read_int(s, "position", path);
+  st.samples = read_int(s, "samples", path);
+  torch::Tensor rng, cfg;
+  if (s.try_read("rng", rng)) {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng);
+  }
+  if (s.try_read("config", cfg)) st.config_toml = tensor_bytes(cfg);
+  return st;
+}
+
+std::string read_checkpoint_config(const std::string& path) {
+  auto root = open_archive(path);
+  torch::serialize::InputArchive s;
+  torch::Tensor cfg;
+  if (!root.try_read("state", s) || !s.try_read("config", cfg))
+    throw InvalidInput("checkpoint '" + path + "' holds no configuration");
+  return tensor_bytes(cfg);
+}
+
+}  // namespace limbo::train

@@ -1,0 +1,40 @@
+// Checkpoints: one libtorch archive holding everything needed to resume.
+//
+//   model/   parameters and buffers, nested by submodule (nn::Module layout)
+//   optim/   momentum_buffer (absent before the first momentum step)
+//   state/   step, epoch, position, samples, format_version, rng (torch CPU
+//            generator state), config (resolved TOML, as uint8 bytes)
+//
+// Files are written atomically (temp file + rename). PyTorch for Python reads
+// them with torch.jit.load(path); ckpt.model.state_dict() has the usual
+// dotted parameter names.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+
+#include "data/sampler.h"
+#include "optim/sgd.h"
+
+namespace limbo::train {
+
+struct TrainState {
+  int64_t step = 0;         // completed optimizer steps
+  data::Cursor cursor;      // next sample of the epoch order
+  int64_t samples = 0;      // samples trained on (all workers)
+  std::string config_toml;  // resolved configuration
+};
+
+void save_checkpoint(const std::string& path, torch::nn::Module& model, const optim::Sgd& sgd,
+                     const TrainState& state);
+
+// Loads into an existing model (values copied in place, so flat-parameter
+// views survive) and optimizer; restores the torch RNG. Throws InvalidInput
+// naming the file and the mismatching tensor on a missing file or shape clash.
+TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Sgd* sgd);
+
+// Reads only the resolved config stored in a checkpoint.
+std::string read_checkpoint_config(const std::string& path);
+
+}  // namespace limbo::train

@@ -1,0 +1,30 @@
+#include "train/run_dir.h"
+
+#include "common/error.h"
+#include "common/files.h"
+
+namespace limbo::train {
+
+RunDir::RunDir(std::string path, bool append_metrics) : path_(std::move(path)) {
+  if (path_.empty()) return;
+  make_dirs(path_);
+  std::string metrics = path_ + "/metrics.jsonl";
+  metrics_.open(metrics, append_metrics ? std::ios::app : std::ios::trunc);
+  if (!metrics_) throw Error("cannot open '" + metrics + "' for writing");
+}
+
+void RunDir::write_config(const std::string& toml) const {
+  if (enabled()) write_file_atomic(path_ + "/config.toml", toml);
+}
+
+void RunDir::append_metrics(const nlohmann::json& record) {
+  if (!enabled()) return;
+  metrics_ << record.dump() << "\n";
+  metrics_.flush();
+}
+
+void RunDir::write_summary(const nlohmann::json& summary) const {
+  if (enabled()) write_file_atomic(path_ + "/summary.json", summary.dump(2) + "\n");
+}
+
+}  // namespace limbo::train

@@ -1,0 +1,35 @@
+// The run directory: what a training run leaves for people and tools.
+//
+//   config.toml      the resolved configuration (every key)
+//   metrics.jsonl    one JSON object per logged step or evaluation
+//   summary.json     written at the end (atomically)
+//   checkpoint.pt    the latest checkpoint (see checkpoint.h)
+// metrics.jsonl is appended to on --resume, so a resumed run's history is
+// continuous. Lines are flushed as they are written.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <string>
+
+namespace limbo::train {
+
+class RunDir {
+ public:
+  // Creates the directory. An empty path disables all output.
+  RunDir(std::string path, bool append_metrics);
+  bool enabled() const { return !path_.empty(); }
+  const std::string& path() const { return path_; }
+  std::string checkpoint_path() const { return path_ + "/checkpoint.pt"; }
+
+  void write_config(const std::string& toml) const;
+  void append_metrics(const nlohmann::json& record);
+  void write_summary(const nlohmann::json& summary) const;
+
+ private:
+  std::string path_;
+  std::ofstream metrics_;
+};
+
+}  // namespace limbo::train

@@ -1,0 +1,202 @@
+#include "train/trainer.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "common/error.h"
+#include "common/files.h"
+#include "common/log.h"
+#include "common/progress.h"
+#include "train/evaluate.h"
+#include "train/run_dir.h"
+
+namespace limbo::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+}  // namespace
+
+models::InputSpec input_spec(const data::Dataset& d) {
+  return {d.shape.channels, d.shape.height, d.shape.width, d.num_classes};
+}
+
+Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
+  threads_ = apply_thread_settings(cfg_.threads);
+  splits_ = std::make_shared<data::DatasetSplits>(data::load_dataset(cfg_.source));
+  if (splits_->train.size() == 0) throw InvalidInput("the training split is empty");
+  norm_ = data::compute_normalization(splits_->train);
+  torch::manual_seed(cfg_.train.seed);
+  model_ = models::make_model(cfg_.model, input_spec(splits_->train));
+  flat_ = std::make_unique<optim::FlatParams>(*model_);
+  sgd_ = std::make_shared<optim::Sgd>(cfg_.sgd);
+  schedule_ = std::make_unique<optim::LrSchedule>(cfg_.lr);
+  rule_ = std::make_unique<LocalUpdate>(sgd_);
+  state_.config_toml = cfg_.config_toml;
+  if (!cfg_.run_dir.empty()) checkpoint_path_ = cfg_.run_dir + "/checkpoint.pt";
+}
+
+void Trainer::checkpoint(const std::string& why) {
+  if (checkpoint_path_.empty()) return;
+  save_checkpoint(checkpoint_path_, *model_, *sgd_, state_);
+  log_debug("checkpoint (" + why + ") at step " + std::to_string(state_.step));
+}
+
+nlohmann::json Trainer::run() {
+  const auto& t = cfg_.train;
+  const auto wall_start = Clock::now();
+  int64_t resumed_from = -1;
+  if (!checkpoint_path_.empty() && file_exists(checkpoint_path_) && !t.resume)
+    throw InvalidInput("run directory '" + cfg_.run_dir +
+                       "' already holds a checkpoint; pass --resume to continue that run, or "
+                       "choose another --run-dir");
+  if (t.resume) {
+    if (checkpoint_path_.empty() || !file_exists(checkpoint_path_))
+      throw InvalidInput("--resume: no checkpoint at '" + checkpoint_path_ + "'");
+    state_ = load_checkpoint(checkpoint_path_, *model_, sgd_.get());
+    state_.config_toml = cfg_.config_toml;
+    resumed_from = state_.step;
+    log_info("resumed from step " + std::to_string(state_.step) + " (epoch " +
+             std::to_string(state_.cursor.epoch) + ", position " +
+             std::to_string(state_.cursor.position) + ")");
+  }
+  RunDir run_dir(cfg_.run_dir, t.resume);
+  run_dir.write_config(cfg_.config_toml);
+
+  const auto& train_set = splits_->train;
+  const int64_t n = train_set.size();
+  auto loader_opt = cfg_.loader;
+  loader_opt.seed = t.seed;
+  data::BatchLoader loader(std::shared_ptr<const data::Dataset>(splits_, &splits_->train), norm_,
+                           loader_opt, state_.cursor);
+  const int64_t global_batch = loader_opt.batch_size * loader_opt.world;
+  const int64_t per_epoch = data::batches_per_epoch(n, global_batch, loader_opt.drop_last);
+  int64_t total_steps = t.epochs * per_epoch;
+  if (t.max_steps > 0) total_steps = std::min(total_steps, t.max_steps);
+
+  log_info("training " + cfg_.model.name + " (" + std::to_string(models::parameter_count(*model_)) +
+           " parameters) on " + train_set.name + " (" + std::to_string(n) + " samples), batch " +
+           std::to_string(global_batch) + ", " + std::to_string(t.epochs) + " epochs, " +
+           std::to_string(threads_.intra_op) + " threads, BLAS " + threads_.blas_library);
+
+  Progress progress("train", total_steps, stderr);
+  model_->train();
+  EvalResult last_eval;
+  int64_t last_eval_step = -1;
+  double train_seconds = 0, window_loss = 0, last_loss = NAN;
+  int64_t window_steps = 0, window_samples = 0, samples_this_run = 0;
+  auto window_start = Clock::now();
+
+  auto do_eval = [&] {
+    auto e0 = Clock::now();
+    last_eval = evaluate(*model_, splits_->test, norm_);
+    last_eval_step = state_.step;
+    double epoch = state_.cursor.epoch + static_cast<double>(state_.cursor.position) / n;
+    run_dir.append_metrics({{"kind", "eval"}, {"step", state_.step}, {"epoch", epoch},
+                            {"test_loss", last_eval.loss}, {"test_accuracy", last_eval.accuracy},
+                            {"eval_seconds", seconds_since(e0)}});
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "epoch %.2f step %ld: test loss %.4f, test accuracy %.2f%%",
+                  epoch, static_cast<long>(state_.step), last_eval.loss, 100 * last_eval.accuracy);
+    if (t.progress) log_info(buf);
+  };
+
+  for (;;) {
+    if (state_.cursor.epoch >= t.epochs) break;
+    if (t.max_steps > 0 && state_.step >= t.max_steps) break;
+    auto step_start = Clock::now();
+    data::Batch batch = loader.next();
+    if (!(batch.plan.begin == state_.cursor) && batch.plan.begin.position != 0)
+      throw Error("internal: loader out of step with the training cursor");
+    const double epoch_progress =
+        batch.plan.begin.epoch + static_cast<double>(batch.plan.begin.position) / n;
+    const double lr = schedule_->lr(epoch_progress, state_.step);
+
+    flat_->zero_grad();
+    auto logits = model_->forward(batch.x);
+    auto loss = torch::nn::functional::cross_entropy(logits, batch.y);
+    loss.backward();
+    StepContext ctx{flat_->data(), flat_->grad(), loss.item<double>(),
+                    static_cast<int64_t>(batch.plan.ids.size()), lr, state_.step};
+    StepResult res = rule_->apply(ctx);
+
+    state_.step += 1;
+    state_.samples += res.global_batch;
+    state_.cursor = batch.plan.end;
+    samples_this_run += res.global_batch;
+    last_loss = res.loss;
+    window_loss += res.loss;
+    window_steps += 1;
+    window_samples += res.global_batch;
+    train_seconds += seconds_since(step_start);
+
+    if (window_steps >= t.log_every || batch.plan.last_in_epoch) {
+      double secs = seconds_since(window_start);
+      double epoch_now = state_.cursor.epoch + static_cast<double>(state_.cursor.position) / n;
+      run_dir.append_metrics({{"kind", "train"}, {"step", state_.step}, {"epoch", epoch_now},
+                              {"loss", window_loss / window_steps}, {"lr", lr},
+                              {"batch_size", res.global_batch},
+                              {"samples_per_second", secs > 0 ? window_samples / secs : 0.0}});
+      window_loss = 0;
+      window_steps = 0;
+      window_samples = 0;
+      window_start = Clock::now();
+    }
+    if (t.progress) {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "epoch %ld loss %.4f lr %.4g",
+                    static_cast<long>(state_.cursor.epoch), last_loss, lr);
+      progress.update(state_.step - std::max<int64_t>(resumed_from, 0), buf);
+    }
+    if (batch.plan.last_in_epoch) {
+      const int64_t done = state_.cursor.epoch;
+      if (t.eval_every_epochs > 0 && done % t.eval_every_epochs == 0) do_eval();
+      if (t.checkpoint_every_epochs > 0 && done % t.checkpoint_every_epochs == 0)
+        checkpoint("epoch " + std::to_string(done));
+      window_start = Clock::now();  // exclude eval/checkpoint time from throughput
+    }
+    if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0)
+      checkpoint("step " + std::to_string(state_.step));
+    if (t.pause_at_step > 0 && state_.step == t.pause_at_step) {
+      std::fprintf(stderr, "paused at step %ld\n", static_cast<long>(state_.step));
+      std::fflush(stderr);
+      for (;;) ::pause();
+    }
+  }
+  if (last_eval_step != state_.step) do_eval();
+  checkpoint("final");
+  if (t.progress) {
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "test accuracy %.2f%%", 100 * last_eval.accuracy);
+    progress.finish(buf);
+  }
+
+  nlohmann::json summary = {
+      {"test_accuracy", last_eval.accuracy},
+      {"test_loss", last_eval.loss},
+      {"train_loss", std::isnan(last_loss) ? nlohmann::json() : nlohmann::json(last_loss)},
+      {"epochs", state_.cursor.epoch + static_cast<double>(state_.cursor.position) / n},
+      {"steps", state_.step},
+      {"samples", state_.samples},
+      {"wall_seconds", seconds_since(wall_start)},
+      {"train_seconds", train_seconds},
+      {"samples_per_second", train_seconds > 0 ? samples_this_run / train_seconds : 0.0},
+      {"model", cfg_.model.name},
+      {"parameters", models::parameter_count(*model_)},
+      {"dataset", cfg_.source.dataset},
+      {"update_rule", rule_->name()},
+      {"threads", threads_.intra_op},
+      {"blas_threads", threads_.blas},
+      {"blas", threads_.blas_library},
+      {"resumed_from_step", resumed_from >= 0 ? nlohmann::json(resumed_from) : nlohmann::json()}};
+  run_dir.write_summary(summary);
+  return summary;
+}
+
+}  // namespace limbo::train

@@ -1,0 +1,91 @@
+// The training loop (one loop for every mode).
+//
+// Trainer owns the data splits, the model (with flat parameters), the
+// optimizer, the learning-rate schedule and the run directory. run() trains
+// until `epochs` epochs or `max_steps` steps are complete, evaluating on the
+// test split and checkpointing as configured, and returns the summary it also
+// writes to summary.json. How a gradient becomes an update is the UpdateRule
+// (local SGD by default; distributed modes install their own).
+//
+// Determinism: for a given seed and thread count, two runs produce the same
+// weights; a run resumed from a checkpoint continues bit-for-bit where the
+// uninterrupted run would be (the data order is a function of the cursor).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <string>
+
+#include "data/loader.h"
+#include "data/registry.h"
+#include "models/net.h"
+#include "optim/flat_params.h"
+#include "optim/lr_schedule.h"
+#include "optim/sgd.h"
+#include "train/checkpoint.h"
+#include "train/threads.h"
+#include "train/update_rule.h"
+
+namespace limbo::train {
+
+struct TrainOptions {
+  int64_t epochs = 2;
+  int64_t max_steps = 0;  // 0 = no step limit
+  uint64_t seed = 1;
+  int64_t log_every = 50;  // steps between metrics lines
+  int64_t eval_every_epochs = 1;
+  int64_t checkpoint_every_steps = 0;  // 0 = off
+  int64_t checkpoint_every_epochs = 1;  // 0 = off (a final checkpoint is always written)
+  bool resume = false;
+  bool progress = true;
+  // Testing aid: after completing this step (and its checkpoint, if any), the
+  // process announces "paused at step N" on stderr and sleeps until killed.
+  int64_t pause_at_step = 0;
+};
+
+struct TrainerConfig {
+  data::DataSource source;
+  data::LoaderOptions loader;
+  models::ModelOptions model;
+  optim::SgdOptions sgd;
+  optim::LrScheduleOptions lr;
+  TrainOptions train;
+  ThreadSettings threads;
+  std::string run_dir;      // empty = no files written
+  std::string config_toml;  // resolved config, stored in run dir and checkpoints
+};
+
+class Trainer {
+ public:
+  explicit Trainer(TrainerConfig cfg);  // loads data, builds the model; throws InvalidInput
+  nlohmann::json run();
+
+  models::Net& model() { return *model_; }
+  optim::FlatParams& params() { return *flat_; }
+  optim::Sgd& sgd() { return *sgd_; }
+  const data::DatasetSplits& data() const { return *splits_; }
+  const data::Normalization& normalization() const { return norm_; }
+  const TrainState& state() const { return state_; }
+  void set_update_rule(std::unique_ptr<UpdateRule> rule) { rule_ = std::move(rule); }
+
+ private:
+  void checkpoint(const std::string& why);
+
+  TrainerConfig cfg_;
+  ThreadReport threads_;
+  std::shared_ptr<data::DatasetSplits> splits_;
+  data::Normalization norm_;
+  models::NetPtr model_;
+  std::unique_ptr<optim::FlatParams> flat_;
+  std::shared_ptr<optim::Sgd> sgd_;
+  std::unique_ptr<optim::LrSchedule> schedule_;
+  std::unique_ptr<UpdateRule> rule_;
+  TrainState state_;
+  std::string checkpoint_path_;
+};
+
+// Builds InputSpec from a dataset.
+models::InputSpec input_spec(const data::Dataset& d);
+
+}  // namespace limbo::train

@@ -1,0 +1,55 @@
+// The one seam between "a gradient was computed" and "the weights changed".
+//
+// The training loop is the same for single-process, all-reduce and
+// parameter-server training; only the UpdateRule differs. After backward, the
+// loop hands the rule the flat weights and gradient of this worker's batch;
+// the rule turns them into an update (locally, after an all-reduce, or via a
+// parameter server) and reports the loss it decided on (the global loss when
+// workers average). Rules run on the training thread and may block; errors
+// propagate as exceptions (PeerFailure / Timeout for distributed rules).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+
+#include "optim/sgd.h"
+
+namespace limbo::train {
+
+struct StepContext {
+  torch::Tensor& weights;  // flat, updated in place
+  torch::Tensor& grad;     // flat mean gradient of this worker's batch
+  double loss;             // this worker's mean batch loss
+  int64_t batch_size;      // this worker's batch
+  double lr;               // scheduled learning rate for this step
+  int64_t iteration;       // steps completed before this one
+};
+
+struct StepResult {
+  double loss;           // loss to report/decide on (global when averaged)
+  int64_t global_batch;  // samples that contributed to this update
+};
+
+class UpdateRule {
+ public:
+  virtual ~UpdateRule() = default;
+  virtual StepResult apply(StepContext& ctx) = 0;
+  virtual const char* name() const = 0;
+};
+
+// Single process: w <- SGD step with the local gradient.
+class LocalUpdate : public UpdateRule {
+ public:
+  explicit LocalUpdate(std::shared_ptr<optim::Sgd> sgd) : sgd_(std::move(sgd)) {}
+  StepResult apply(StepContext& ctx) override {
+    sgd_->step(ctx.weights, ctx.grad, ctx.lr);
+    return {ctx.loss, ctx.batch_size};
+  }
+  const char* name() const override { return "local"; }
+
+ private:
+  std::shared_ptr<optim::Sgd> sgd_;
+};
+
+}  // namespace limbo::train
