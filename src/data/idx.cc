@@ -125,11 +125,14 @@ DatasetSplits load_mnist_family(const std::string& dir, const std::string& name)
     throw InvalidInput("dataset '" + name + "': neither '" + gz + "' nor '" + raw +
                        "' exists (set data.path to the folder holding the IDX files)");
   };
+  // Resolved one by one, so errors name the first missing file.
+  const std::string train_images = pick("train-images-idx3-ubyte");
+  const std::string train_labels = pick("train-labels-idx1-ubyte");
+  const std::string test_images = pick("t10k-images-idx3-ubyte");
+  const std::string test_labels = pick("t10k-labels-idx1-ubyte");
   DatasetSplits s;
-  s.train = read_idx_dataset(pick("train-images-idx3-ubyte"), pick("train-labels-idx1-ubyte"),
-                             name + "/train");
-  s.test = read_idx_dataset(pick("t10k-images-idx3-ubyte"), pick("t10k-labels-idx1-ubyte"),
-                            name + "/test");
+  s.train = read_idx_dataset(train_images, train_labels, name + "/train");
+  s.test = read_idx_dataset(test_images, test_labels, name + "/test");
   return s;
 }
 

@@ -1,0 +1,147 @@
+// Checkpoints: round trip, exact resume (in process), refusal to overwrite,
+// and interoperability with PyTorch for Python.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "common/error.h"
+#include "common/files.h"
+#include "train/checkpoint.h"
+#include "train/safetensors.h"
+#include "train/trainer.h"
+#include "test_util.h"
+
+using namespace limbo;
+using namespace limbo::train;
+
+namespace {
+
+TrainerConfig small_config(const std::string& run_dir, int64_t epochs) {
+  TrainerConfig c;
+  c.source.dataset = "synthetic";
+  c.source.train_limit = 300;
+  c.source.test_limit = 100;
+  c.model.name = "lenet";
+  c.loader.batch_size = 32;
+  c.sgd.momentum = 0.9;
+  c.sgd.weight_decay = 1e-4;
+  c.lr.kind = "step";
+  c.lr.base_lr = 0.02;
+  c.lr.step_epochs = 1;
+  c.lr.gamma = 0.5;
+  c.train.epochs = epochs;
+  c.train.progress = false;
+  c.threads.intra_op = 1;
+  c.run_dir = run_dir;
+  c.config_toml = "[train]\nepochs = " + std::to_string(epochs) + "\n";
+  return c;
+}
+
+TEST(Checkpoint, RoundTripRestoresWeightsMomentumAndState) {
+  limbo::testing::TempDir d;
+  auto cfg = small_config(d.path(), 1);
+  cfg.train.max_steps = 4;
+  Trainer a(cfg);
+  a.run();
+  Trainer b(small_config("", 1));
+  EXPECT_FALSE(torch::equal(a.params().data(), b.params().data()));
+  auto st = load_checkpoint(d.file("checkpoint.pt"), b.model(), &b.sgd());
+  EXPECT_TRUE(torch::equal(a.params().data(), b.params().data()));
+  EXPECT_TRUE(torch::equal(a.sgd().buffer(), b.sgd().buffer()));
+  EXPECT_EQ(st.step, 4);
+  EXPECT_EQ(st.cursor.epoch, 0);
+  EXPECT_EQ(st.cursor.position, 128);
+  EXPECT_EQ(st.samples, 128);
+  EXPECT_EQ(st.config_toml, cfg.config_toml);
+  EXPECT_EQ(read_checkpoint_config(d.file("checkpoint.pt")), cfg.config_toml);
+  // Parameters are still views of the flat buffer after loading.
+  b.params().data().zero_();
+  EXPECT_EQ(b.model().parameters()[0].abs().sum().item<float>(), 0.0f);
+}
+
+TEST(Checkpoint, ResumeIsExact) {
+  limbo::testing::TempDir full, part;
+  Trainer a(small_config(full.path(), 2));
+  auto sa = a.run();
+  {
+    Trainer b(small_config(part.path(), 1));  // stops after epoch 1
+    b.run();
+  }
+  auto cfg = small_config(part.path(), 2);
+  cfg.train.resume = true;
+  Trainer c(cfg);
+  auto sc = c.run();
+  EXPECT_EQ(sc["resumed_from_step"].get<int64_t>(), 10);
+  EXPECT_EQ(sa["steps"], sc["steps"]);
+  EXPECT_EQ(sa["samples"], sc["samples"]);
+  // Same thread count and data order: bit-identical.
+  EXPECT_TRUE(torch::equal(a.params().data(), c.params().data()));
+  EXPECT_TRUE(torch::equal(a.sgd().buffer(), c.sgd().buffer()));
+  EXPECT_DOUBLE_EQ(sa["test_accuracy"].get<double>(), sc["test_accuracy"].get<double>());
+}
+
+TEST(Trainer, DeterministicForASeedAndThreadCount) {
+  auto cfg = small_config("", 1);
+  cfg.train.max_steps = 6;
+  Trainer a(cfg), b(cfg);
+  a.run();
+  b.run();
+  EXPECT_TRUE(torch::equal(a.params().data(), b.params().data()));
+  cfg.train.seed = 2;
+  cfg.loader.seed = 2;
+  Trainer c(cfg);
+  c.run();
+  EXPECT_FALSE(torch::equal(a.params().data(), c.params().data()));
+}
+
+TEST(Checkpoint, RefusesToOverwriteARunWithoutResume) {
+  limbo::testing::TempDir d;
+  auto cfg = small_config(d.path(), 1);
+  cfg.train.max_steps = 1;
+  Trainer(cfg).run();
+  try {
+    Trainer(cfg).run();
+    FAIL();
+  } catch (const InvalidInput& e) {
+    EXPECT_NE(std::string(e.what()).find("--resume"), std::string::npos);
+  }
+}
+
+TEST(Checkpoint, ShapeMismatchAndGarbageAreClearErrors) {
+  limbo::testing::TempDir d;
+  auto cfg = small_config(d.path(), 1);
+  cfg.train.max_steps = 1;
+  Trainer(cfg).run();
+  auto other = small_config("", 1);
+  other.model.name = "mlp";
+  Trainer m(other);
+  EXPECT_THROW(load_checkpoint(d.file("checkpoint.pt"), m.model(), nullptr), InvalidInput);
+  limbo::testing::write_bytes(d.file("junk.pt"), "not a checkpoint", false);
+  EXPECT_THROW(load_checkpoint(d.file("junk.pt"), m.model(), nullptr), InvalidInput);
+  EXPECT_THROW(load_checkpoint(d.file("none.pt"), m.model(), nullptr), InvalidInput);
+}
+
+TEST(Checkpoint, PyTorchReadsCheckpointAndSafetensors) {
+  if (std::system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0)
+    GTEST_SKIP() << "python3-torch is not installed";
+  limbo::testing::TempDir d;
+  auto cfg = small_config(d.path(), 1);
+  cfg.model.name = "resnet20";  // has buffers (BatchNorm) as well as parameters
+  cfg.train.max_steps = 2;
+  Trainer t(cfg);
+  t.run();
+  write_safetensors(d.file("model.safetensors"), state_dict(t.model()), {{"format", "pt"}});
+  std::string cmd = std::string("/usr/bin/python3 ") + LIMBO_SOURCE_DIR +
+                    "/tests/python/check_interop.py " + d.file("checkpoint.pt") + " " +
+                    d.file("model.safetensors") + " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, p)) out += buf;
+  int rc = ::pclose(p);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("interop ok"), std::string::npos) << out;
+}
+
+}  // namespace

@@ -1,0 +1,105 @@
+// Config validation: unknown keys, ranges, types, TOML files, --set, and the
+// cross-key checks of the trainer options.
+#include <gtest/gtest.h>
+
+#include "cli/schema.h"
+#include "common/config.h"
+#include "common/error.h"
+#include "test_util.h"
+
+using namespace limbo;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InvalidInput& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+void expect_has(const std::string& msg, const std::vector<std::string>& needles) {
+  for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << msg;
+}
+
+TEST(Config, DefaultsAreTheDefaultJob) {
+  Config c(cli::train_schema());
+  EXPECT_EQ(c.get_string("model.name"), "lenet");
+  EXPECT_EQ(c.get_string("data.dataset"), "fashion-mnist");
+  EXPECT_EQ(c.get_int("data.batch_size"), 64);
+  EXPECT_EQ(c.get_int("train.epochs"), 2);
+  EXPECT_FALSE(c.is_set("optim.lr"));
+}
+
+TEST(Config, UnknownKeyNamesItAndSuggests) {
+  Config c(cli::train_schema());
+  auto msg = error_of([&] { c.apply_override("optim.lrr=0.1"); });
+  expect_has(msg, {"optim.lrr", "did you mean 'optim.lr'", "optim.momentum"});
+  msg = error_of([&] { c.load_toml_string("[trian]\nepochs = 3\n", "job.toml"); });
+  expect_has(msg, {"trian.epochs", "job.toml", "did you mean 'train.epochs'"});
+}
+
+TEST(Config, OutOfRangeAndWrongTypesNameKeyValueAndAllowed) {
+  Config c(cli::train_schema());
+  expect_has(error_of([&] { c.apply_override("optim.momentum=1.5"); }),
+             {"optim.momentum", "1.5", "out of range", "[0, 1)"});
+  expect_has(error_of([&] { c.apply_override("data.batch_size=0"); }),
+             {"data.batch_size", "out of range", "[1, 65536]"});
+  expect_has(error_of([&] { c.apply_override("model.name=vgg"); }),
+             {"model.name", "vgg", "lenet", "resnet20"});
+  expect_has(error_of([&] { c.apply_override("train.epochs=two"); }),
+             {"train.epochs", "two", "integer"});
+  expect_has(error_of([&] { c.load_toml_string("[optim]\nlr = \"fast\"\n", "f.toml"); }),
+             {"optim.lr", "f.toml", "number"});
+  expect_has(error_of([&] { c.apply_override("optim.lr"); }), {"section.key=value"});
+  expect_has(error_of([&] { c.load_toml_string("[optim\nlr=1", "bad.toml"); }),
+             {"bad.toml", "syntax"});
+  expect_has(error_of([&] { c.load_toml_string("lr = 0.1\n", "top.toml"); }),
+             {"top.toml", "lr", "[section]"});
+  // A rejected value leaves the previous one in place.
+  EXPECT_EQ(c.get_float("optim.momentum"), 0.9);
+}
+
+TEST(Config, TomlFileOverridesAndRoundTrip) {
+  limbo::testing::TempDir d;
+  std::string path = d.file("job.toml");
+  limbo::testing::write_bytes(path,
+                              "[model]\nname = \"mlp\"\n[optim]\nlr = 1\nmilestones = [3, 6]\n"
+                              "[train]\nepochs = 5\n",
+                              false);
+  Config c(cli::train_schema());
+  c.load_toml_file(path);
+  c.apply_override("train.epochs=7");
+  c.apply_override("optim.nesterov=true");
+  EXPECT_EQ(c.get_string("model.name"), "mlp");
+  EXPECT_DOUBLE_EQ(c.get_float("optim.lr"), 1.0);  // integer accepted for a float key
+  EXPECT_EQ(c.get_string("optim.milestones"), "3,6");
+  EXPECT_EQ(c.get_int("train.epochs"), 7);
+  EXPECT_TRUE(c.get_bool("optim.nesterov"));
+  Config again(cli::train_schema());
+  again.load_toml_string(c.to_toml(), "resolved");
+  EXPECT_EQ(again.to_toml(), c.to_toml());
+  EXPECT_THROW(c.load_toml_file(d.file("missing.toml")), InvalidInput);
+}
+
+TEST(Config, CrossKeyChecks) {
+  Config c(cli::train_schema());
+  c.apply_override("optim.momentum=0");
+  c.apply_override("optim.nesterov=true");
+  expect_has(error_of([&] { cli::trainer_config(c); }), {"optim.nesterov", "optim.momentum"});
+  Config m(cli::train_schema());
+  m.apply_override("optim.schedule=multistep");
+  expect_has(error_of([&] { cli::trainer_config(m); }), {"optim.milestones"});
+  m.apply_override("optim.milestones=5,2");
+  expect_has(error_of([&] { cli::trainer_config(m); }), {"ascending"});
+}
+
+TEST(Config, SchemaMarkdownListsEveryKey) {
+  auto md = cli::train_schema()->to_markdown();
+  for (const auto& k : cli::train_schema()->keys())
+    EXPECT_NE(md.find("`" + k.key + "`"), std::string::npos) << k.key;
+}
+
+}  // namespace

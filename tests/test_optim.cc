@@ -1,0 +1,166 @@
+// SGD (against libtorch's own torch::optim::SGD, which implements PyTorch's
+// rule), flat parameter storage, and learning-rate schedules.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "common/error.h"
+#include "models/net.h"
+#include "optim/flat_params.h"
+#include "optim/lr_schedule.h"
+#include "optim/sgd.h"
+
+using namespace limbo;
+using namespace limbo::optim;
+
+namespace {
+
+struct SgdCase {
+  double momentum, dampening, wd;
+  bool nesterov;
+};
+
+class SgdMatchesTorch : public ::testing::TestWithParam<SgdCase> {};
+
+TEST_P(SgdMatchesTorch, OverManySteps) {
+  auto c = GetParam();
+  torch::manual_seed(0);
+  models::ModelOptions mo;
+  mo.name = "mlp";
+  mo.width = 16;
+  models::InputSpec in{1, 4, 4, 3};
+  auto ours = models::make_model(mo, in);
+  torch::manual_seed(0);
+  auto ref = models::make_model(mo, in);
+  FlatParams flat(*ours);
+  Sgd sgd({c.momentum, c.dampening, c.wd, c.nesterov});
+  torch::optim::SGD tsgd(ref->parameters(), torch::optim::SGDOptions(0.05)
+                                                .momentum(c.momentum)
+                                                .dampening(c.dampening)
+                                                .weight_decay(c.wd)
+                                                .nesterov(c.nesterov));
+  for (int step = 0; step < 20; ++step) {
+    auto x = torch::randn({8, 1, 4, 4});
+    auto y = torch::randint(0, 3, {8});
+    double lr = 0.05 * (1.0 + 0.1 * step);  // the rate may change every step
+    static_cast<torch::optim::SGDOptions&>(tsgd.param_groups()[0].options()).lr(lr);
+    flat.zero_grad();
+    torch::nn::functional::cross_entropy(ours->forward(x), y).backward();
+    sgd.step(flat.data(), flat.grad(), lr);
+    tsgd.zero_grad();
+    torch::nn::functional::cross_entropy(ref->forward(x), y).backward();
+    tsgd.step();
+  }
+  auto a = ours->parameters(), b = ref->parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-5, 1e-6)) << "parameter " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, SgdMatchesTorch,
+                         ::testing::Values(SgdCase{0, 0, 0, false}, SgdCase{0.9, 0, 0, false},
+                                           SgdCase{0.9, 0, 5e-4, true}, SgdCase{0.5, 0.3, 1e-3, false}));
+
+TEST(Sgd, RejectsNesterovWithoutMomentum) {
+  EXPECT_THROW(Sgd({0.0, 0.0, 0.0, true}), InvalidInput);
+}
+
+TEST(FlatParams, ParametersAndGradientsLiveInTheFlatBuffers) {
+  models::ModelOptions mo;
+  mo.name = "lenet";
+  auto net = models::make_model(mo, {1, 28, 28, 10});
+  auto before = net->parameters();
+  std::vector<torch::Tensor> values;
+  for (auto& p : before) values.push_back(p.detach().clone());
+  FlatParams flat(*net);
+  EXPECT_EQ(flat.numel(), models::parameter_count(*net));
+  auto params = net->parameters();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], values[i]));
+  // Writing the flat buffer changes the parameters.
+  flat.data().fill_(0.5);
+  EXPECT_EQ(params[0].view(-1)[0].item<float>(), 0.5f);
+  // Backward accumulates into the flat gradient, twice = double.
+  flat.zero_grad();
+  auto x = torch::randn({2, 1, 28, 28});
+  net->forward(x).sum().backward();
+  auto once = flat.grad().clone();
+  EXPECT_GT(once.abs().sum().item<double>(), 0);
+  net->forward(x).sum().backward();
+  EXPECT_TRUE(torch::allclose(flat.grad(), 2 * once));
+  EXPECT_EQ(params[0].grad().data_ptr<float>(), flat.grad().data_ptr<float>());
+}
+
+LrScheduleOptions base(const std::string& kind) {
+  LrScheduleOptions o;
+  o.kind = kind;
+  o.base_lr = 0.1;
+  return o;
+}
+
+TEST(LrSchedule, Constant) {
+  LrSchedule s(base("constant"));
+  EXPECT_DOUBLE_EQ(s.lr(0, 0), 0.1);
+  EXPECT_DOUBLE_EQ(s.lr(55.5, 9999), 0.1);
+}
+
+TEST(LrSchedule, Step) {
+  auto o = base("step");
+  o.step_epochs = 2;
+  o.gamma = 0.5;
+  LrSchedule s(o);
+  EXPECT_DOUBLE_EQ(s.lr(1.99, 0), 0.1);
+  EXPECT_DOUBLE_EQ(s.lr(2.0, 0), 0.05);
+  EXPECT_DOUBLE_EQ(s.lr(5.0, 0), 0.025);
+}
+
+TEST(LrSchedule, Multistep) {
+  auto o = base("multistep");
+  o.milestones = {3, 7};
+  LrSchedule s(o);
+  EXPECT_DOUBLE_EQ(s.lr(2.9, 0), 0.1);
+  EXPECT_NEAR(s.lr(3.0, 0), 0.01, 1e-15);
+  EXPECT_NEAR(s.lr(9.0, 0), 0.001, 1e-15);
+}
+
+TEST(LrSchedule, Cosine) {
+  auto o = base("cosine");
+  o.cosine_epochs = 10;
+  o.min_lr = 0.001;
+  LrSchedule s(o);
+  EXPECT_DOUBLE_EQ(s.lr(0, 0), 0.1);
+  EXPECT_NEAR(s.lr(5, 0), 0.001 + 0.099 * 0.5, 1e-12);
+  EXPECT_NEAR(s.lr(10, 0), 0.001, 1e-12);
+  EXPECT_NEAR(s.lr(12, 0), 0.001, 1e-12);
+}
+
+TEST(LrSchedule, CaffeInv) {
+  auto o = base("inv");
+  o.inv_gamma = 1e-4;
+  o.inv_power = 0.75;
+  LrSchedule s(o);
+  EXPECT_DOUBLE_EQ(s.lr(0, 0), 0.1);
+  EXPECT_NEAR(s.lr(3.0, 10000), 0.1 * std::pow(2.0, -0.75), 1e-12);
+}
+
+TEST(LrSchedule, LinearWarmupComposes) {
+  auto o = base("step");
+  o.step_epochs = 1;
+  o.gamma = 0.5;
+  o.warmup_epochs = 2;
+  o.warmup_start_factor = 0.0;
+  LrSchedule s(o);
+  EXPECT_DOUBLE_EQ(s.lr(0, 0), 0.0);
+  EXPECT_NEAR(s.lr(0.5, 0), 0.1 * 0.25, 1e-12);
+  EXPECT_NEAR(s.lr(1.5, 0), 0.05 * 0.75, 1e-12);
+  EXPECT_NEAR(s.lr(2.0, 0), 0.025, 1e-12);
+}
+
+TEST(LrSchedule, RejectsBadSettings) {
+  EXPECT_THROW(LrSchedule(base("exp")), InvalidInput);
+  EXPECT_THROW(LrSchedule(base("multistep")), InvalidInput);
+  EXPECT_THROW(parse_milestones("5,3", "optim.milestones"), InvalidInput);
+  EXPECT_THROW(parse_milestones("5,x", "optim.milestones"), InvalidInput);
+  EXPECT_EQ(parse_milestones("1,2.5", "k"), (std::vector<double>{1, 2.5}));
+}
+
+}  // namespace

@@ -1,0 +1,103 @@
+#include "test_util.h"
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+namespace limbo::testing {
+
+TempDir::TempDir() {
+  char tmpl[] = "/tmp/limbo-test-XXXXXX";
+  if (!::mkdtemp(tmpl)) throw std::runtime_error("mkdtemp failed");
+  path_ = tmpl;
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+void write_bytes(const std::string& path, const std::string& bytes, bool gzip) {
+  if (gzip) {
+    gzFile f = gzopen(path.c_str(), "wb");
+    if (!f) throw std::runtime_error("gzopen " + path);
+    gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size()));
+    gzclose(f);
+  } else {
+    std::ofstream out(path, std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+}
+
+std::string idx_bytes(const std::vector<int32_t>& dims, const std::vector<uint8_t>& data) {
+  std::string s = {0, 0, 0x08, static_cast<char>(dims.size())};
+  for (int32_t d : dims)
+    for (int shift = 24; shift >= 0; shift -= 8) s.push_back(static_cast<char>((d >> shift) & 0xff));
+  s.append(data.begin(), data.end());
+  return s;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+pid_t spawn_limbo(const std::vector<std::string>& args, const std::string& log) {
+  pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(fd, 1);
+    ::dup2(fd, 2);
+    std::vector<char*> argv;
+    std::string bin = LIMBO_BINARY;
+    argv.push_back(bin.data());
+    std::vector<std::string> copy = args;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(bin.c_str(), argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+ProcessResult wait_child(pid_t pid, const std::string& log) {
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ProcessResult r;
+  if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
+  r.output = slurp(log);
+  return r;
+}
+
+ProcessResult run_limbo(const std::vector<std::string>& args) {
+  char tmpl[] = "/tmp/limbo-log-XXXXXX";
+  int fd = ::mkstemp(tmpl);
+  ::close(fd);
+  auto r = wait_child(spawn_limbo(args, tmpl), tmpl);
+  std::remove(tmpl);
+  return r;
+}
+
+bool wait_for_text(const std::string& file, const std::string& needle, double timeout_s) {
+  auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (std::chrono::steady_clock::now() < end) {
+    if (slurp(file).find(needle) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+}  // namespace limbo::testing

@@ -1,0 +1,47 @@
+// Helpers shared by the test executables: temporary folders, small IDX
+// files, and running the limbo binary as a real child process.
+#pragma once
+
+#include <signal.h>
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace limbo::testing {
+
+// A fresh directory under /tmp, removed (recursively) on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+void write_bytes(const std::string& path, const std::string& bytes, bool gzip);
+// IDX bytes: magic 0x0000 08 <ndims>, big-endian dims, then the data.
+std::string idx_bytes(const std::vector<int32_t>& dims, const std::vector<uint8_t>& data);
+
+struct ProcessResult {
+  int exit_code = -1;  // -1 when killed by a signal
+  int signal = 0;
+  std::string output;  // stdout + stderr
+};
+
+// Runs the limbo binary with arguments; waits for it.
+ProcessResult run_limbo(const std::vector<std::string>& args);
+
+// Starts the limbo binary; returns its pid; its combined output goes to `log`.
+pid_t spawn_limbo(const std::vector<std::string>& args, const std::string& log);
+// Waits until `needle` appears in the file or the timeout passes.
+bool wait_for_text(const std::string& file, const std::string& needle, double timeout_s);
+ProcessResult wait_child(pid_t pid, const std::string& log);
+
+std::string slurp(const std::string& path);
+
+}  // namespace limbo::testing
