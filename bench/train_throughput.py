@@ -1,6 +1,10 @@
 #!/usr/bin/python3
 """Training throughput: Limbo against PyTorch for Python, side by side.
 
+PyTorch runs in its default (NCHW) memory format and, for conv nets, also
+with channels-last weights and inputs, which is Limbo's default
+(model.channels_last); ratios against both are printed.
+
 Trains the same model (mlp, lenet) on Fashion-MNIST with the same batch size
 and number of steps in both, with the same SGD settings, for several thread
 settings, and prints samples/s, the ratio Limbo/PyTorch at each side's best
@@ -77,10 +81,12 @@ def train_flops_per_sample(model):
     return 3 * flops
 
 
-def pytorch_rate(name, x, y, batch, steps, threads):
+def pytorch_rate(name, x, y, batch, steps, threads, channels_last=False):
     torch.set_num_threads(threads)
     torch.manual_seed(1)
     model = LeNet() if name == "lenet" else Mlp()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     perm = torch.randperm(len(y), generator=g)
@@ -88,6 +94,8 @@ def pytorch_rate(name, x, y, batch, steps, threads):
     for s in range(steps):
         idx = perm[(s * batch) % (len(y) - batch):][:batch]
         xb, yb = x[idx], y[idx]
+        if channels_last:
+            xb = xb.contiguous(memory_format=torch.channels_last)
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(xb), yb)
         loss.backward()
@@ -138,11 +146,15 @@ def main():
     print(f"batch {args.batch}, {args.steps} steps, SGD momentum 0.9\n")
     print(f"{'model':6} {'side':8} {'threads':>7} {'blas':>5} {'samples/s':>10}")
     for name in args.models.split(","):
-        best_t, best_l = (0, None), (0, None)
+        best_t, best_c, best_l = (0, None), (0, None), (0, None)
         for t in threads:
             r, model = pytorch_rate(name, x, y, args.batch, args.steps, t)
             print(f"{name:6} {'pytorch':8} {t:7d} {'omp':>5} {r:10.0f}")
             best_t = max(best_t, (r, t))
+            if name != "mlp":
+                rc, _ = pytorch_rate(name, x, y, args.batch, args.steps, t, channels_last=True)
+                print(f"{name:6} {'pytorch-cl':10} {t:5d} {'omp':>5} {rc:10.0f}")
+                best_c = max(best_c, (rc, t))
             for blas in (0, 1):
                 rl = limbo_rate(args.limbo, name, args.batch, args.steps, t, blas)
                 print(f"{name:6} {'limbo':8} {t:7d} {('omp' if blas == 0 else '1'):>5} {rl:10.0f}")
@@ -150,6 +162,8 @@ def main():
         fl = train_flops_per_sample(model)
         print(f"{name}: best limbo {best_l[0]:.0f}/s ({best_l[1]} thr) vs best pytorch "
               f"{best_t[0]:.0f}/s ({best_t[1]} thr): ratio {best_l[0] / best_t[0]:.2f}x; "
+              + (f"vs pytorch channels-last {best_c[0]:.0f}/s: {best_l[0] / best_c[0]:.2f}x; "
+                 if best_c[1] else "") +
               f"{fl / 1e6:.2f} MFLOP/sample -> limbo {best_l[0] * fl / 1e9:.2f} GFLOP/s "
               f"= {100 * best_l[0] * fl / peak:.0f}% of matmul peak\n")
 

@@ -103,3 +103,13 @@ TEST(Config, SchemaMarkdownListsEveryKey) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Config, DocsMatchTheSchema) {
+  std::string doc = limbo::testing::slurp(std::string(LIMBO_SOURCE_DIR) + "/docs/config.md");
+  EXPECT_NE(doc.find(cli::train_schema()->to_markdown()), std::string::npos)
+      << "docs/config.md is stale: regenerate the table with `limbo config --schema`";
+}
+
+}  // namespace

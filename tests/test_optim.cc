@@ -90,6 +90,30 @@ TEST(FlatParams, ParametersAndGradientsLiveInTheFlatBuffers) {
   EXPECT_EQ(params[0].grad().data_ptr<float>(), flat.grad().data_ptr<float>());
 }
 
+TEST(FlatParams, ChannelsLastLayoutGivesTheSameGradients) {
+  models::ModelOptions mo;
+  mo.name = "lenet";
+  torch::manual_seed(3);
+  auto a = models::make_model(mo, {1, 28, 28, 10});
+  torch::manual_seed(3);
+  auto b = models::make_model(mo, {1, 28, 28, 10});
+  FlatParams fa(*a, false), fb(*b, true);
+  EXPECT_TRUE(torch::equal(a->parameters()[0], b->parameters()[0]));  // same values
+  EXPECT_TRUE(b->parameters()[2].is_contiguous(at::MemoryFormat::ChannelsLast));  // conv2 (20 in)
+  EXPECT_FALSE(b->parameters()[2].is_contiguous());
+  auto x = torch::randn({4, 1, 28, 28});
+  auto y = torch::randint(0, 10, {4});
+  fa.zero_grad();
+  fb.zero_grad();
+  torch::nn::functional::cross_entropy(a->forward(x), y).backward();
+  torch::nn::functional::cross_entropy(b->forward(x.contiguous(at::MemoryFormat::ChannelsLast)), y)
+      .backward();
+  auto pa = a->parameters(), pb = b->parameters();
+  for (size_t i = 0; i < pa.size(); ++i)
+    EXPECT_TRUE(torch::allclose(pa[i].grad(), pb[i].grad(), 1e-4, 1e-6)) << i;
+  EXPECT_EQ(pb[0].grad().data_ptr<float>(), fb.grad().data_ptr<float>());
+}
+
 LrScheduleOptions base(const std::string& kind) {
   LrScheduleOptions o;
   o.kind = kind;

@@ -57,6 +57,9 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(S("model.name", "lenet", models::model_names(), "model architecture"));
     s->add(I("model.width", 256, 1, 1 << 16, "mlp: hidden units per layer"));
     s->add(I("model.depth", 2, 0, 64, "mlp: number of hidden layers"));
+    s->add(B("model.channels_last", true,
+             "keep convolution weights and inputs in channels-last memory order (faster oneDNN "
+             "convolutions on CPU; same results up to rounding)"));
 
     s->add(S("data.dataset", "fashion-mnist", {"fashion-mnist", "mnist", "cifar10", "synthetic"},
              "dataset"));
@@ -127,6 +130,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.model.name = c.get_string("model.name");
   t.model.width = c.get_int("model.width");
   t.model.depth = c.get_int("model.depth");
+  t.model.channels_last = c.get_bool("model.channels_last");
 
   t.sgd.momentum = c.get_float("optim.momentum");
   t.sgd.nesterov = c.get_bool("optim.nesterov");

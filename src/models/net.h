@@ -24,6 +24,7 @@ struct ModelOptions {
   std::string name = "lenet";
   int64_t width = 256;  // mlp: hidden units per layer
   int64_t depth = 2;    // mlp: hidden layers
+  bool channels_last = true;  // conv weights and inputs in channels-last memory order
 };
 
 class Net : public torch::nn::Module {

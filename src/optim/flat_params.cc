@@ -4,7 +4,20 @@
 
 namespace limbo::optim {
 
-FlatParams::FlatParams(torch::nn::Module& module) {
+namespace {
+
+// A view of `numel` elements of `flat` at `offset`, shaped `shape`.
+torch::Tensor shaped_view(torch::Tensor& flat, int64_t offset, const std::vector<int64_t>& shape,
+                          bool channels_last) {
+  auto slice = flat.narrow(0, offset, c10::multiply_integers(shape));
+  if (channels_last && shape.size() == 4)
+    return slice.view({shape[0], shape[2], shape[3], shape[1]}).permute({0, 3, 1, 2});
+  return slice.view(shape);
+}
+
+}  // namespace
+
+FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
   auto named = module.named_parameters(/*recurse=*/true);
   int64_t total = 0;
   for (const auto& p : named) {
@@ -20,10 +33,10 @@ FlatParams::FlatParams(torch::nn::Module& module) {
   size_t i = 0;
   for (auto& p : named) {
     const Entry& e = entries_[i++];
-    auto view = data_.narrow(0, e.offset, e.numel).view(e.shape);
+    auto view = shaped_view(data_, e.offset, e.shape, channels_last);
     view.copy_(p.value());
     p.value().set_data(view);
-    p.value().mutable_grad() = grad_.narrow(0, e.offset, e.numel).view(e.shape);
+    p.value().mutable_grad() = shaped_view(grad_, e.offset, e.shape, channels_last);
   }
 }
 

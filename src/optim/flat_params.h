@@ -9,6 +9,11 @@
 //   - zero_grad() is one fill.
 // Call zero_grad() (never Module::zero_grad, which would detach the views)
 // before each backward. Buffers (e.g. BatchNorm statistics) are not included.
+//
+// With channels_last, 4-D parameters (convolution weights) are laid out in
+// the flat buffers as [out, h, w, in] and exposed with channels-last strides;
+// oneDNN's convolutions then avoid reordering weights and run markedly faster
+// on CPU. Shapes, names and values are unchanged; only memory order differs.
 #pragma once
 
 #include <torch/torch.h>
@@ -20,7 +25,7 @@ namespace limbo::optim {
 
 class FlatParams {
  public:
-  explicit FlatParams(torch::nn::Module& module);
+  explicit FlatParams(torch::nn::Module& module, bool channels_last = false);
 
   torch::Tensor& data() { return data_; }
   torch::Tensor& grad() { return grad_; }

@@ -34,7 +34,7 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   norm_ = data::compute_normalization(splits_->train);
   torch::manual_seed(cfg_.train.seed);
   model_ = models::make_model(cfg_.model, input_spec(splits_->train));
-  flat_ = std::make_unique<optim::FlatParams>(*model_);
+  flat_ = std::make_unique<optim::FlatParams>(*model_, cfg_.model.channels_last);
   sgd_ = std::make_shared<optim::Sgd>(cfg_.sgd);
   schedule_ = std::make_unique<optim::LrSchedule>(cfg_.lr);
   rule_ = std::make_unique<LocalUpdate>(sgd_);
@@ -119,6 +119,7 @@ nlohmann::json Trainer::run() {
     const double lr = schedule_->lr(epoch_progress, state_.step);
 
     flat_->zero_grad();
+    if (cfg_.model.channels_last) batch.x = batch.x.contiguous(at::MemoryFormat::ChannelsLast);
     auto logits = model_->forward(batch.x);
     auto loss = torch::nn::functional::cross_entropy(logits, batch.y);
     loss.backward();
