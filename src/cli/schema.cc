@@ -66,14 +66,17 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(S("data.path", "", {}, "folder with the dataset files; empty = the dataset's default "
                                   "(/usr/share/datasets/fashion-mnist for fashion-mnist)"));
     s->add(I("data.batch_size", 64, 1, 1 << 16, "mini-batch size (per worker)"));
-    s->add(S("data.order", "shuffle", {"shuffle", "fixed-cycle", "sequential"},
-             "sample order: reshuffle every epoch, one fixed shuffled cycle, or in file order"));
+    s->add(S("data.order", "auto", {"auto", "shuffle", "fixed-cycle", "sequential"},
+             "sample order: reshuffle every epoch, one fixed shuffled cycle, or file order; "
+             "auto = fixed-cycle for ISGD, shuffle otherwise"));
     s->add(B("data.drop_last", false, "skip the incomplete last batch of each epoch"));
     s->add(I("data.train_limit", 0, 0, std::nullopt,
              "use only the first N training samples (0 = all; for synthetic, the size)"));
     s->add(I("data.test_limit", 0, 0, std::nullopt, "use only the first N test samples (0 = all)"));
     s->add(I("data.prefetch", 4, 1, 64, "batches prepared ahead on the loader thread"));
 
+    s->add(S("optim.algorithm", "sgd", {"sgd", "isgd"},
+             "sgd, or ISGD (SGD plus extra conservative updates on under-trained batches)"));
     s->add(F("optim.lr", 0.01, 0.0, 100.0, "base learning rate", true));
     s->add(F("optim.momentum", 0.9, 0.0, 1.0, "momentum coefficient", false, true));
     s->add(B("optim.nesterov", false, "Nesterov momentum"));
@@ -93,6 +96,18 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(F("optim.warmup_start_factor", 0.1, 0.0, 1.0,
              "warm-up starts at this fraction of the scheduled rate"));
 
+    s->add(F("isgd.k", 3.0, 0.0, std::nullopt,
+             "control limit = mean + k * std of the loss window (inf = never trigger)"));
+    s->add(I("isgd.window", 0, 0, std::nullopt, "losses in the control window; 0 = batches per epoch"));
+    s->add(F("isgd.epsilon", 0.1, 0.0, std::nullopt, "weight of the conservative term"));
+    s->add(I("isgd.stop", 5, 1, 1000, "cap on extra iterations per under-trained batch"));
+    s->add(F("isgd.zeta", 0.0, 0.0, std::nullopt, "subproblem step size; 0 = the current learning rate"));
+    s->add(S("isgd.anchor", "before", {"before", "after"},
+             "conservative anchor: the weights before or after the batch's normal update"));
+    s->add(S("isgd.momentum", "untouched", {"untouched", "shared"},
+             "subproblem steps: plain steps leaving the momentum buffer untouched, or steps "
+             "through the optimizer (shared momentum buffer and weight decay)"));
+
     s->add(I("train.epochs", 2, 1, 100000, "epochs to train"));
     s->add(I("train.max_steps", 0, 0, std::nullopt, "stop after this many steps (0 = no limit)"));
     s->add(I("train.seed", 1, 0, std::nullopt, "seed for initialisation and data order"));
@@ -102,6 +117,8 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(I("train.log_every", 50, 1, std::nullopt, "steps between metrics.jsonl lines"));
     s->add(I("train.eval_every_epochs", 1, 0, std::nullopt,
              "evaluate on the test split every N epochs (0 = only at the end)"));
+    s->add(I("train.eval_every_steps", 0, 0, std::nullopt,
+             "also evaluate every N steps (0 = off)"));
     s->add(I("train.checkpoint_every_steps", 0, 0, std::nullopt, "checkpoint every N steps (0 = off)"));
     s->add(I("train.checkpoint_every_epochs", 1, 0, std::nullopt,
              "checkpoint every N epochs (0 = off; a final checkpoint is always written)"));
@@ -122,7 +139,11 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.source.seed = static_cast<uint64_t>(c.get_int("train.seed"));
 
   t.loader.batch_size = c.get_int("data.batch_size");
-  t.loader.order = data::parse_order(c.get_string("data.order"));
+  t.algorithm = c.get_string("optim.algorithm");
+  const std::string& order = c.get_string("data.order");
+  t.loader.order = data::parse_order(order != "auto" ? order
+                                     : t.algorithm == "isgd" ? "fixed-cycle"
+                                                             : "shuffle");
   t.loader.drop_last = c.get_bool("data.drop_last");
   t.loader.prefetch = static_cast<int>(c.get_int("data.prefetch"));
   t.loader.seed = static_cast<uint64_t>(c.get_int("train.seed"));
@@ -156,11 +177,20 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.lr.warmup_epochs = c.get_float("optim.warmup_epochs");
   t.lr.warmup_start_factor = c.get_float("optim.warmup_start_factor");
 
+  t.isgd.k = c.get_float("isgd.k");
+  t.isgd.window = c.get_int("isgd.window");
+  t.isgd.epsilon = c.get_float("isgd.epsilon");
+  t.isgd.stop = c.get_int("isgd.stop");
+  t.isgd.zeta = c.get_float("isgd.zeta");
+  t.isgd.anchor = optim::parse_anchor(c.get_string("isgd.anchor"));
+  t.isgd.momentum = optim::parse_isgd_momentum(c.get_string("isgd.momentum"));
+
   t.train.epochs = c.get_int("train.epochs");
   t.train.max_steps = c.get_int("train.max_steps");
   t.train.seed = static_cast<uint64_t>(c.get_int("train.seed"));
   t.train.log_every = c.get_int("train.log_every");
   t.train.eval_every_epochs = c.get_int("train.eval_every_epochs");
+  t.train.eval_every_steps = c.get_int("train.eval_every_steps");
   t.train.checkpoint_every_steps = c.get_int("train.checkpoint_every_steps");
   t.train.checkpoint_every_epochs = c.get_int("train.checkpoint_every_epochs");
   t.train.progress = c.get_bool("train.progress");

@@ -89,6 +89,11 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
     s.write("rng", gen.get_state());
   }
   s.write("config", bytes_tensor(st.config_toml));
+  if (!st.extra.empty()) {
+    torch::serialize::OutputArchive e;
+    for (const auto& [name, t] : st.extra) e.write(name, t);
+    root.write("extra", e);
+  }
   root.write("model", m);
   root.write("optim", o);
   root.write("state", s);
@@ -132,6 +137,12 @@ TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, op
     gen.set_state(rng);
   }
   if (s.try_read("config", cfg)) st.config_toml = tensor_bytes(cfg);
+  torch::serialize::InputArchive e;
+  if (root.try_read("extra", e))
+    for (const auto& key : e.keys()) {
+      torch::Tensor t;
+      if (e.try_read(key, t)) st.extra[key] = t;
+    }
   return st;
 }
 

@@ -12,6 +12,7 @@
 
 #include <torch/torch.h>
 
+#include <map>
 #include <string>
 
 #include "data/sampler.h"
@@ -24,6 +25,7 @@ struct TrainState {
   data::Cursor cursor;      // next sample of the epoch order
   int64_t samples = 0;      // samples trained on (all workers)
   std::string config_toml;  // resolved configuration
+  std::map<std::string, torch::Tensor> extra;  // component state, by name
 };
 
 void save_checkpoint(const std::string& path, torch::nn::Module& model, const optim::Sgd& sgd,

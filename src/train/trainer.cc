@@ -11,6 +11,7 @@
 #include "common/log.h"
 #include "common/progress.h"
 #include "train/evaluate.h"
+#include "train/isgd_step.h"
 #include "train/run_dir.h"
 
 namespace limbo::train {
@@ -39,11 +40,19 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   schedule_ = std::make_unique<optim::LrSchedule>(cfg_.lr);
   rule_ = std::make_unique<LocalUpdate>(sgd_);
   state_.config_toml = cfg_.config_toml;
+  if (cfg_.algorithm == "isgd") {
+    const int64_t global = cfg_.loader.batch_size * cfg_.loader.world;
+    isgd_ = std::make_unique<optim::IsgdController>(
+        cfg_.isgd, data::batches_per_epoch(splits_->train.size(), global, cfg_.loader.drop_last));
+  } else if (cfg_.algorithm != "sgd") {
+    throw InvalidInput("unknown optim.algorithm '" + cfg_.algorithm + "'; allowed: sgd, isgd");
+  }
   if (!cfg_.run_dir.empty()) checkpoint_path_ = cfg_.run_dir + "/checkpoint.pt";
 }
 
 void Trainer::checkpoint(const std::string& why) {
   if (checkpoint_path_.empty()) return;
+  if (isgd_) state_.extra["isgd"] = isgd_->state();
   save_checkpoint(checkpoint_path_, *model_, *sgd_, state_);
   log_debug("checkpoint (" + why + ") at step " + std::to_string(state_.step));
 }
@@ -61,6 +70,13 @@ nlohmann::json Trainer::run() {
       throw InvalidInput("--resume: no checkpoint at '" + checkpoint_path_ + "'");
     state_ = load_checkpoint(checkpoint_path_, *model_, sgd_.get());
     state_.config_toml = cfg_.config_toml;
+    if (isgd_) {
+      auto it = state_.extra.find("isgd");
+      if (it == state_.extra.end())
+        throw InvalidInput("--resume: checkpoint '" + checkpoint_path_ +
+                           "' was written without ISGD state (optim.algorithm differs?)");
+      isgd_->load_state(it->second);
+    }
     resumed_from = state_.step;
     log_info("resumed from step " + std::to_string(state_.step) + " (epoch " +
              std::to_string(state_.cursor.epoch) + ", position " +
@@ -91,6 +107,8 @@ nlohmann::json Trainer::run() {
   int64_t last_eval_step = -1;
   double train_seconds = 0, window_loss = 0, last_loss = NAN;
   int64_t window_steps = 0, window_samples = 0, samples_this_run = 0;
+  double isgd_extra_seconds = 0, plain_step_seconds = 0;
+  int64_t plain_steps = 0;
   auto window_start = Clock::now();
 
   auto do_eval = [&] {
@@ -100,7 +118,7 @@ nlohmann::json Trainer::run() {
     double epoch = state_.cursor.epoch + static_cast<double>(state_.cursor.position) / n;
     run_dir.append_metrics({{"kind", "eval"}, {"step", state_.step}, {"epoch", epoch},
                             {"test_loss", last_eval.loss}, {"test_accuracy", last_eval.accuracy},
-                            {"eval_seconds", seconds_since(e0)}});
+                            {"train_seconds", train_seconds}, {"eval_seconds", seconds_since(e0)}});
     char buf[160];
     std::snprintf(buf, sizeof buf, "epoch %.2f step %ld: test loss %.4f, test accuracy %.2f%%",
                   epoch, static_cast<long>(state_.step), last_eval.loss, 100 * last_eval.accuracy);
@@ -124,8 +142,33 @@ nlohmann::json Trainer::run() {
     auto loss = torch::nn::functional::cross_entropy(logits, batch.y);
     loss.backward();
     StepContext ctx{flat_->data(), flat_->grad(), loss.item<double>(),
-                    static_cast<int64_t>(batch.plan.ids.size()), lr, state_.step};
+                    static_cast<int64_t>(batch.plan.ids.size()), lr, state_.step, {}};
+    optim::IsgdController::Decision decision;
+    torch::Tensor anchor;
+    if (isgd_) {
+      ctx.before_update = [&](double global_loss) {
+        decision = isgd_->observe(global_loss);
+        // The anchor is copied only for batches that trigger (known before the update).
+        if (decision.triggered && isgd_->options().anchor == optim::IsgdAnchor::BeforeUpdate)
+          anchor = flat_->data().clone();
+      };
+    }
     StepResult res = rule_->apply(ctx);
+    if (decision.triggered) {
+      auto x0 = Clock::now();
+      if (!anchor.defined()) anchor = flat_->data().clone();  // anchor after the update
+      auto r = isgd_extra_updates(*model_, *flat_, batch.x, batch.y, *rule_, *sgd_,
+                                  isgd_->options(), decision.limit, anchor, lr);
+      isgd_->record_extra(r.iterations);
+      isgd_extra_seconds += seconds_since(x0);
+      run_dir.append_metrics({{"kind", "isgd_batch"}, {"step", state_.step + 1},
+                              {"epoch", epoch_progress}, {"psi", res.loss},
+                              {"limit", decision.limit}, {"loss_before", r.loss_before},
+                              {"loss_after", r.loss_after}, {"iterations", r.iterations}});
+    } else if (isgd_) {
+      plain_step_seconds += seconds_since(step_start);
+      plain_steps += 1;
+    }
 
     state_.step += 1;
     state_.samples += res.global_batch;
@@ -155,12 +198,24 @@ nlohmann::json Trainer::run() {
                     static_cast<long>(state_.cursor.epoch), last_loss, lr);
       progress.update(state_.step - std::max<int64_t>(resumed_from, 0), buf);
     }
+    if (batch.plan.last_in_epoch && isgd_) {
+      auto es = isgd_->end_epoch();
+      auto num = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
+      run_dir.append_metrics({{"kind", "isgd_epoch"}, {"epoch", state_.cursor.epoch},
+                              {"triggered", es.triggered}, {"extra_iterations", es.extra_iterations},
+                              {"limit", num(es.limit)}, {"mean", num(es.mean)}, {"std", num(es.std)}});
+    }
     if (batch.plan.last_in_epoch) {
       const int64_t done = state_.cursor.epoch;
       if (t.eval_every_epochs > 0 && done % t.eval_every_epochs == 0) do_eval();
       if (t.checkpoint_every_epochs > 0 && done % t.checkpoint_every_epochs == 0)
         checkpoint("epoch " + std::to_string(done));
       window_start = Clock::now();  // exclude eval/checkpoint time from throughput
+    }
+    if (t.eval_every_steps > 0 && state_.step % t.eval_every_steps == 0 &&
+        last_eval_step != state_.step) {
+      do_eval();
+      window_start = Clock::now();
     }
     if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0)
       checkpoint("step " + std::to_string(state_.step));
@@ -196,6 +251,14 @@ nlohmann::json Trainer::run() {
       {"blas_threads", threads_.blas},
       {"blas", threads_.blas_library},
       {"resumed_from_step", resumed_from >= 0 ? nlohmann::json(resumed_from) : nlohmann::json()}};
+  if (isgd_) {
+    summary["isgd_triggered_batches"] = isgd_->total_triggered();
+    summary["isgd_extra_iterations"] = isgd_->total_extra();
+    summary["isgd_extra_seconds"] = isgd_extra_seconds;
+    summary["isgd_plain_step_seconds_mean"] =
+        plain_steps > 0 ? nlohmann::json(plain_step_seconds / plain_steps) : nlohmann::json();
+  }
+  summary["algorithm"] = cfg_.algorithm;
   run_dir.write_summary(summary);
   return summary;
 }

@@ -21,6 +21,7 @@
 #include "data/registry.h"
 #include "models/net.h"
 #include "optim/flat_params.h"
+#include "optim/isgd.h"
 #include "optim/lr_schedule.h"
 #include "optim/sgd.h"
 #include "train/checkpoint.h"
@@ -35,6 +36,7 @@ struct TrainOptions {
   uint64_t seed = 1;
   int64_t log_every = 50;  // steps between metrics lines
   int64_t eval_every_epochs = 1;
+  int64_t eval_every_steps = 0;  // 0 = off
   int64_t checkpoint_every_steps = 0;  // 0 = off
   int64_t checkpoint_every_epochs = 1;  // 0 = off (a final checkpoint is always written)
   bool resume = false;
@@ -50,6 +52,8 @@ struct TrainerConfig {
   models::ModelOptions model;
   optim::SgdOptions sgd;
   optim::LrScheduleOptions lr;
+  std::string algorithm = "sgd";  // "sgd" | "isgd"
+  optim::IsgdOptions isgd;
   TrainOptions train;
   ThreadSettings threads;
   std::string run_dir;      // empty = no files written
@@ -67,6 +71,7 @@ class Trainer {
   const data::DatasetSplits& data() const { return *splits_; }
   const data::Normalization& normalization() const { return norm_; }
   const TrainState& state() const { return state_; }
+  const optim::IsgdController* isgd() const { return isgd_.get(); }
   void set_update_rule(std::unique_ptr<UpdateRule> rule) { rule_ = std::move(rule); }
 
  private:
@@ -81,6 +86,7 @@ class Trainer {
   std::shared_ptr<optim::Sgd> sgd_;
   std::unique_ptr<optim::LrSchedule> schedule_;
   std::unique_ptr<UpdateRule> rule_;
+  std::unique_ptr<optim::IsgdController> isgd_;
   TrainState state_;
   std::string checkpoint_path_;
 };

@@ -11,6 +11,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 
 #include "optim/sgd.h"
@@ -24,6 +25,10 @@ struct StepContext {
   int64_t batch_size;      // this worker's batch
   double lr;               // scheduled learning rate for this step
   int64_t iteration;       // steps completed before this one
+  // Called by the rule once the loss to act on is known (the global loss when
+  // workers average), before the weights change. ISGD decides here, so every
+  // worker decides alike and an anchor can be taken before the update.
+  std::function<void(double loss)> before_update;
 };
 
 struct StepResult {
@@ -35,6 +40,10 @@ class UpdateRule {
  public:
   virtual ~UpdateRule() = default;
   virtual StepResult apply(StepContext& ctx) = 0;
+  // Averages an extra gradient (may be null: loss only) and loss across
+  // workers, in place; returns the global loss. Used for additional passes
+  // over the same batch (ISGD's subproblem). Identity for one process.
+  virtual double reduce(torch::Tensor* grad, double loss) = 0;
   virtual const char* name() const = 0;
 };
 
@@ -43,9 +52,11 @@ class LocalUpdate : public UpdateRule {
  public:
   explicit LocalUpdate(std::shared_ptr<optim::Sgd> sgd) : sgd_(std::move(sgd)) {}
   StepResult apply(StepContext& ctx) override {
+    if (ctx.before_update) ctx.before_update(ctx.loss);
     sgd_->step(ctx.weights, ctx.grad, ctx.lr);
     return {ctx.loss, ctx.batch_size};
   }
+  double reduce(torch::Tensor*, double loss) override { return loss; }
   const char* name() const override { return "local"; }
 
  private:

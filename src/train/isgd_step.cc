@@ -1,0 +1,39 @@
+#include "train/isgd_step.h"
+
+namespace limbo::train {
+
+IsgdExtraResult isgd_extra_updates(models::Net& model, optim::FlatParams& flat,
+                                   const torch::Tensor& x, const torch::Tensor& y,
+                                   UpdateRule& rule, optim::Sgd& sgd,
+                                   const optim::IsgdOptions& opt, double limit,
+                                   const torch::Tensor& anchor, double lr) {
+  namespace F = torch::nn::functional;
+  const double zeta = opt.zeta > 0 ? opt.zeta : lr;
+  IsgdExtraResult r;
+  torch::Tensor phi_grad;
+  for (int64_t it = 0;; ++it) {
+    flat.zero_grad();
+    auto loss = F::cross_entropy(model.forward(x), y);
+    double psi;
+    if (it < opt.stop) {
+      loss.backward();
+      psi = rule.reduce(&flat.grad(), loss.item<double>());
+    } else {
+      psi = rule.reduce(nullptr, loss.item<double>());  // measure only: the cap is reached
+    }
+    if (it == 0) r.loss_before = psi;
+    r.loss_after = psi;
+    if (psi <= limit || it >= opt.stop) break;
+    if (opt.momentum == optim::IsgdMomentum::Untouched) {
+      optim::isgd_plain_step(flat.data(), flat.grad(), psi, limit, anchor, opt.epsilon, zeta);
+    } else {
+      if (!phi_grad.defined()) phi_grad = torch::empty_like(flat.grad());
+      optim::isgd_phi_grad(phi_grad, flat.data(), flat.grad(), psi, limit, anchor, opt.epsilon);
+      sgd.step(flat.data(), phi_grad, zeta);
+    }
+    r.iterations = it + 1;
+  }
+  return r;
+}
+
+}  // namespace limbo::train

@@ -1,0 +1,29 @@
+// ISGD's extra, conservative updates on an under-trained batch (see
+// optim/isgd.h for the subproblem). Runs on the training thread; gradients
+// and losses go through UpdateRule::reduce, so in data-parallel training
+// every worker runs the same iterations on all-reduced values.
+#pragma once
+
+#include <torch/torch.h>
+
+#include "models/net.h"
+#include "optim/flat_params.h"
+#include "optim/isgd.h"
+#include "optim/sgd.h"
+#include "train/update_rule.h"
+
+namespace limbo::train {
+
+struct IsgdExtraResult {
+  int64_t iterations = 0;  // subproblem updates applied (<= stop)
+  double loss_before = 0;  // batch loss after the normal update, before extra ones
+  double loss_after = 0;   // batch loss after the extra updates
+};
+
+IsgdExtraResult isgd_extra_updates(models::Net& model, optim::FlatParams& flat,
+                                   const torch::Tensor& x, const torch::Tensor& y,
+                                   UpdateRule& rule, optim::Sgd& sgd,
+                                   const optim::IsgdOptions& opt, double limit,
+                                   const torch::Tensor& anchor, double lr);
+
+}  // namespace limbo::train
