@@ -8,7 +8,7 @@ epsilon = 0.1, zeta = lr), untuned. For each seed it records the training
 time and epochs at which the test accuracy first reaches each target
 (evaluated every quarter epoch), the final accuracy, and the training loss.
 
-    experiments/isgd/run.py [--seeds 5] [--epochs 6] [--out results/isgd]
+    experiments/isgd/run.py [--seeds 5] [--epochs 6] [--out experiments/isgd/results]
 
 Writes <out>/README.md (table), <out>/isgd_loss.png, <out>/isgd_accuracy.png
 and keeps every run directory under <out>/runs/.
@@ -78,7 +78,7 @@ def main():
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="results/isgd")
+    ap.add_argument("--out", default="experiments/isgd/results")
     args = ap.parse_args()
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     seeds = list(range(1, args.seeds + 1))

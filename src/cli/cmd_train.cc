@@ -3,8 +3,14 @@
 
 #include "cli/commands.h"
 #include "cli/schema.h"
+#include "comm/collective.h"
+#include "common/error.h"
 #include "common/log.h"
+#include "elastic/allreduce_update.h"
+#include "elastic/launcher.h"
 #include "train/trainer.h"
+
+#include <unistd.h>
 
 namespace limbo::cli {
 namespace {
@@ -25,6 +31,19 @@ std::string default_run_dir(const Config& cfg) {
   return "runs/" + cfg.get_string("model.name") + "-" + cfg.get_string("data.dataset") + "-" + stamp;
 }
 
+std::pair<std::string, int> split_host_port(const std::string& s, const char* flag) {
+  auto colon = s.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size())
+    throw InvalidInput(std::string(flag) + " expects HOST:PORT, got '" + s + "'");
+  try {
+    int port = std::stoi(s.substr(colon + 1));
+    if (port < 0 || port > 65535) throw std::out_of_range("port");
+    return {s.substr(0, colon), port};
+  } catch (const std::exception&) {
+    throw InvalidInput(std::string(flag) + ": bad port in '" + s + "'");
+  }
+}
+
 }  // namespace
 
 int run_train(const TrainArgs& a) {
@@ -32,8 +51,26 @@ int run_train(const TrainArgs& a) {
   auto tc = trainer_config(cfg);
   tc.run_dir = a.run_dir.empty() ? default_run_dir(cfg) : a.run_dir;
   tc.train.resume = a.resume;
+  const bool distributed = !a.dist_rdzv.empty();
+  if (distributed) {
+    if (a.dist_world < 1 || a.dist_rank < 0 || a.dist_rank >= a.dist_world)
+      throw InvalidInput("--dist-rank " + std::to_string(a.dist_rank) + " is not in [0, " +
+                         std::to_string(a.dist_world) + ")");
+    tc.loader.world = a.dist_world;
+    tc.loader.rank = a.dist_rank;
+    if (a.dist_rank != 0) tc.run_dir.clear();  // member 0 writes the run directory
+  }
   train::Trainer trainer(tc);
+  if (distributed) {
+    comm::GroupOptions go;
+    std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
+    go.prefix = "limbo/static";
+    auto group = comm::make_gloo_group(go, a.dist_rank, a.dist_world);
+    trainer.set_update_rule(std::make_unique<elastic::AllReduceUpdate>(
+        std::shared_ptr<comm::Collective>(std::move(group)), trainer.sgd_ptr()));
+  }
   auto summary = trainer.run();
+  if (distributed && a.dist_rank != 0) return 0;
   std::printf("run directory: %s\n", tc.run_dir.c_str());
   std::printf("steps %lld, epochs %.2f, %.0f samples/s\n",
               static_cast<long long>(summary["steps"].get<int64_t>()),
@@ -41,6 +78,18 @@ int run_train(const TrainArgs& a) {
   std::printf("test accuracy: %.2f%% (test loss %.4f)\n",
               100.0 * summary["test_accuracy"].get<double>(), summary["test_loss"].get<double>());
   return 0;
+}
+
+int run_launch(const LaunchArgs& a) {
+  elastic::LaunchOptions lo;
+  lo.nproc = a.nproc;
+  std::tie(lo.rdzv_host, lo.rdzv_port) = split_host_port(a.rdzv, "--rdzv");
+  lo.train_args = a.train_args;
+  char exe[4096];
+  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n <= 0) throw Error("cannot find the limbo binary (/proc/self/exe)");
+  lo.self_exe.assign(exe, static_cast<size_t>(n));
+  return elastic::launch(lo);
 }
 
 int run_config(const TrainArgs& a, bool schema_markdown) {

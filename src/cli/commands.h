@@ -12,8 +12,19 @@ struct TrainArgs {
   std::vector<std::string> overrides;  // "section.key=value"
   std::string run_dir;                 // empty = runs/<model>-<dataset>-<time>
   bool resume = false;
+  // Set by `limbo launch` for data-parallel workers (or by hand to join).
+  std::string dist_rdzv;  // HOST:PORT of the job's rendezvous store
+  int dist_rank = 0;
+  int dist_world = 1;
 };
 int run_train(const TrainArgs& a);
+
+struct LaunchArgs {
+  int nproc = 1;
+  std::string rdzv = "127.0.0.1:0";  // HOST:PORT to host the store on; port 0 = any
+  std::vector<std::string> train_args;
+};
+int run_launch(const LaunchArgs& a);
 
 struct CheckpointArgs {
   std::string checkpoint;

@@ -34,6 +34,18 @@ int main(int argc, char** argv) {
   train->add_option("--run-dir", train_args.run_dir,
                     "output folder (default runs/<model>-<dataset>-<time>)");
   train->add_flag("--resume", train_args.resume, "continue from the run directory's checkpoint");
+  train->add_option("--dist-rdzv", train_args.dist_rdzv,
+                    "data-parallel worker: HOST:PORT of the job's rendezvous store (set by launch)");
+  train->add_option("--dist-rank", train_args.dist_rank, "data-parallel worker: this worker's rank");
+  train->add_option("--dist-world", train_args.dist_world, "data-parallel worker: number of workers");
+
+  cli::LaunchArgs launch_args;
+  auto* launch = app.add_subcommand(
+      "launch", "start N local data-parallel workers: limbo launch --nproc N -- <train args>");
+  launch->add_option("--nproc", launch_args.nproc, "number of workers")->required();
+  launch->add_option("--rdzv", launch_args.rdzv,
+                     "HOST:PORT where the launcher hosts the rendezvous store (port 0 = any free)");
+  launch->add_option("train_args", launch_args.train_args, "arguments for `limbo train` (after --)");
 
   cli::CheckpointArgs ck_args;
   auto* eval = app.add_subcommand("eval", "evaluate a checkpoint on its test split");
@@ -62,6 +74,7 @@ int main(int argc, char** argv) {
                                    : LogLevel::Info);
   try {
     if (*train) return cli::run_train(train_args);
+    if (*launch) return cli::run_launch(launch_args);
     if (*eval) return cli::run_eval(ck_args);
     if (*exp) return cli::run_export(ck_args);
     if (*config) return cli::run_config(cfg_args, schema_md);

@@ -101,6 +101,7 @@ nlohmann::json Trainer::run() {
            std::to_string(global_batch) + ", " + std::to_string(t.epochs) + " epochs, " +
            std::to_string(threads_.intra_op) + " threads, BLAS " + threads_.blas_library);
 
+  rule_->start(flat_->data());
   Progress progress("train", total_steps, stderr);
   model_->train();
   EvalResult last_eval;
@@ -142,7 +143,8 @@ nlohmann::json Trainer::run() {
     auto loss = torch::nn::functional::cross_entropy(logits, batch.y);
     loss.backward();
     StepContext ctx{flat_->data(), flat_->grad(), loss.item<double>(),
-                    static_cast<int64_t>(batch.plan.ids.size()), lr, state_.step, {}};
+                    static_cast<int64_t>(batch.plan.ids.size()), batch.plan.global_size, lr,
+                    state_.step, {}};
     optim::IsgdController::Decision decision;
     torch::Tensor anchor;
     if (isgd_) {

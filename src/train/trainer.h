@@ -68,6 +68,7 @@ class Trainer {
   models::Net& model() { return *model_; }
   optim::FlatParams& params() { return *flat_; }
   optim::Sgd& sgd() { return *sgd_; }
+  std::shared_ptr<optim::Sgd> sgd_ptr() { return sgd_; }
   const data::DatasetSplits& data() const { return *splits_; }
   const data::Normalization& normalization() const { return norm_; }
   const TrainState& state() const { return state_; }

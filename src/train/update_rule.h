@@ -23,6 +23,7 @@ struct StepContext {
   torch::Tensor& grad;     // flat mean gradient of this worker's batch
   double loss;             // this worker's mean batch loss
   int64_t batch_size;      // this worker's batch
+  int64_t global_batch;    // the batch of all workers together (= batch_size alone)
   double lr;               // scheduled learning rate for this step
   int64_t iteration;       // steps completed before this one
   // Called by the rule once the loss to act on is known (the global loss when
@@ -39,6 +40,9 @@ struct StepResult {
 class UpdateRule {
  public:
   virtual ~UpdateRule() = default;
+  // Called once before the first step: distributed rules make every member
+  // start from the same weights here (a collective; blocks).
+  virtual void start(torch::Tensor& weights) {}
   virtual StepResult apply(StepContext& ctx) = 0;
   // Averages an extra gradient (may be null: loss only) and loss across
   // workers, in place; returns the global loss. Used for additional passes

@@ -1,0 +1,52 @@
+// Collectives among the members of a training job (data-parallel workers).
+//
+// `Collective` is the small interface the training code sees; `GlooGroup`
+// implements it over c10d's ProcessGroupGloo (the only file that includes
+// c10d headers; a CUDA/NCCL build swaps the backend here). All calls block
+// the calling thread until the collective completes everywhere, and throw
+// PeerFailure when a peer is gone or Timeout when it does not answer within
+// the group's timeout. Not thread-safe: one training thread per member.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+namespace limbo::comm {
+
+class Collective {
+ public:
+  virtual ~Collective() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Element-wise sum across members, in place. Large tensors are reduced in
+  // buckets of at most bucket_bytes.
+  virtual void allreduce_sum(torch::Tensor& t) = 0;
+  // Copies `t` from member `root` to everyone, in place.
+  virtual void broadcast(torch::Tensor& t, int root) = 0;
+};
+
+struct GroupOptions {
+  std::string store_host = "127.0.0.1";
+  int store_port = 29400;
+  std::string prefix = "limbo";  // key namespace of this group in the store
+  std::chrono::milliseconds timeout{60000};
+  // Address this member's Gloo device binds to (its interface on the network
+  // the peers share).
+  std::string bind_host = "127.0.0.1";
+  int64_t bucket_bytes = 8 << 20;
+};
+
+// Connects to the job's TCPStore and forms a Gloo group of `size` members.
+// Blocks until all members have joined or the timeout passes (Timeout).
+std::unique_ptr<Collective> make_gloo_group(const GroupOptions& opt, int rank, int size);
+
+// Hosts the job's TCPStore (the launcher does this, not a worker). Returns an
+// opaque handle; the store lives as long as the handle. port 0 picks a free
+// port; the chosen port is returned in *port.
+std::shared_ptr<void> host_store(const std::string& host, int* port,
+                                 std::chrono::milliseconds timeout);
+
+}  // namespace limbo::comm

@@ -1,0 +1,38 @@
+// Synchronous data-parallel update: every member averages its gradient with
+// all others (Gloo all-reduce over the flat gradient, in buckets) and applies
+// the same SGD step, so all members keep identical weights.
+//
+// Members' batches may differ by one sample (the last batch of an epoch), so
+// each gradient is weighted by its share of the global batch before the sum:
+// the result is exactly the mean gradient over the global batch, as one
+// process with batch R*b would compute it. The loss is averaged the same way,
+// so loss-driven decisions (ISGD) agree on every member.
+#pragma once
+
+#include <memory>
+
+#include "comm/collective.h"
+#include "optim/sgd.h"
+#include "train/update_rule.h"
+
+namespace limbo::elastic {
+
+class AllReduceUpdate : public train::UpdateRule {
+ public:
+  AllReduceUpdate(std::shared_ptr<comm::Collective> group, std::shared_ptr<optim::Sgd> sgd);
+  // Broadcasts member 0's weights to everyone.
+  void start(torch::Tensor& weights) override;
+  train::StepResult apply(train::StepContext& ctx) override;
+  double reduce(torch::Tensor* grad, double loss) override;
+  const char* name() const override { return "allreduce"; }
+
+ private:
+  double weighted_sum(torch::Tensor* grad, double loss, double share);
+
+  std::shared_ptr<comm::Collective> group_;
+  std::shared_ptr<optim::Sgd> sgd_;
+  torch::Tensor loss_buf_;
+  double share_ = 1.0;  // this member's fraction of the last global batch
+};
+
+}  // namespace limbo::elastic

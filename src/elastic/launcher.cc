@@ -1,0 +1,118 @@
+#include "elastic/launcher.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <map>
+#include <thread>
+
+#include "comm/collective.h"
+#include "common/error.h"
+#include "common/log.h"
+
+namespace limbo::elastic {
+namespace {
+
+std::atomic<int> g_forward_signal{0};
+void on_signal(int sig) { g_forward_signal = sig; }
+
+bool sets_threads(const std::vector<std::string>& args) {
+  for (const auto& a : args)
+    if (a.rfind("train.threads=", 0) == 0) return true;
+  return false;
+}
+
+pid_t start_worker(const LaunchOptions& opt, int rank, int threads, const std::string& rdzv) {
+  std::vector<std::string> args = {opt.self_exe, "train"};
+  if (threads > 0) args.insert(args.end(), {"--set", "train.threads=" + std::to_string(threads)});
+  if (rank > 0) args.insert(args.end(), {"--set", "train.progress=false"});
+  args.insert(args.end(), opt.train_args.begin(), opt.train_args.end());
+  args.insert(args.end(), {"--dist-rdzv", rdzv, "--dist-rank", std::to_string(rank),
+                           "--dist-world", std::to_string(opt.nproc)});
+  pid_t pid = ::fork();
+  if (pid < 0) throw Error("fork failed: " + std::string(std::strerror(errno)));
+  if (pid == 0) {
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(opt.self_exe.c_str(), argv.data());
+    std::fprintf(stderr, "launch: cannot exec %s: %s\n", opt.self_exe.c_str(), std::strerror(errno));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+}  // namespace
+
+int launch(const LaunchOptions& opt) {
+  if (opt.nproc < 1) throw InvalidInput("--nproc must be >= 1, got " + std::to_string(opt.nproc));
+  if (opt.self_exe.empty()) throw InvalidInput("launch: the limbo binary path is unknown");
+  int port = opt.rdzv_port;
+  auto store = comm::host_store(opt.rdzv_host, &port, opt.store_timeout);
+  const std::string rdzv = opt.rdzv_host + ":" + std::to_string(port);
+  int cores = opt.cores > 0 ? opt.cores : static_cast<int>(std::thread::hardware_concurrency());
+  int threads = sets_threads(opt.train_args) ? 0 : std::max(1, cores / opt.nproc);
+  log_info("launch: rendezvous store at " + rdzv + ", " + std::to_string(opt.nproc) +
+           " workers" + (threads ? ", " + std::to_string(threads) + " threads each" : ""));
+
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+
+  std::map<pid_t, int> running;  // pid -> rank
+  for (int r = 0; r < opt.nproc; ++r) {
+    pid_t pid = start_worker(opt, r, threads, rdzv);
+    running[pid] = r;
+    log_info("launch: worker rank " + std::to_string(r) + " pid " + std::to_string(pid));
+  }
+
+  int result = 0;
+  bool stopping = false;
+  auto stop_deadline = std::chrono::steady_clock::time_point::max();
+  auto stop_all = [&](int sig) {
+    for (const auto& [pid, rank] : running) ::kill(pid, sig);
+  };
+  while (!running.empty()) {
+    if (int sig = g_forward_signal.exchange(0)) {
+      log_info("launch: forwarding signal " + std::to_string(sig) + " to the workers");
+      stop_all(sig);
+      if (result == 0) result = 128 + sig;
+    }
+    int status = 0;
+    pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid > 0 && running.count(pid)) {
+      int rank = running[pid];
+      running.erase(pid);
+      int code = exit_code_of(status);
+      if (code != 0) {
+        log_warn("launch: worker rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
+                 ") failed with status " + std::to_string(code) + "; stopping the others");
+        if (result == 0) result = code;
+        if (!stopping) {
+          stopping = true;
+          stop_all(SIGTERM);
+          stop_deadline = std::chrono::steady_clock::now() + opt.kill_grace;
+        }
+      }
+      continue;
+    }
+    if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+      stop_all(SIGKILL);
+      stop_deadline = std::chrono::steady_clock::time_point::max();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return result;
+}
+
+}  // namespace limbo::elastic

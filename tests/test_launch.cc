@@ -1,0 +1,98 @@
+// Data-parallel training through `limbo launch` with real processes: the
+// result equals single-process training at the global batch, for an even and
+// an odd number of workers, and a killed worker stops the job with an error
+// instead of a hang.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <signal.h>
+
+#include <regex>
+
+#include "common/files.h"
+#include "models/net.h"
+#include "optim/flat_params.h"
+#include "test_util.h"
+#include "train/checkpoint.h"
+
+using namespace limbo;
+using limbo::testing::run_limbo;
+using limbo::testing::slurp;
+using limbo::testing::TempDir;
+
+namespace {
+
+bool have_fmnist() {
+  return file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz");
+}
+
+torch::Tensor mlp_weights(const std::string& ckpt) {
+  models::ModelOptions mo;
+  mo.name = "mlp";
+  mo.width = 64;
+  auto net = models::make_model(mo, {1, 28, 28, 10});
+  optim::FlatParams flat(*net);
+  train::load_checkpoint(ckpt, *net, nullptr);
+  return flat.data().clone();
+}
+
+std::vector<std::string> job(const std::string& dir, int batch) {
+  // 1000 samples: the last global batch is uneven across 3 workers.
+  return {"--run-dir", dir, "--set", "model.name=mlp", "--set", "model.width=64",
+          "--set", "data.train_limit=1000", "--set", "data.test_limit=500",
+          "--set", "data.batch_size=" + std::to_string(batch), "--set", "train.epochs=2",
+          "--set", "train.threads=1", "--set", "optim.lr=0.05", "--set", "optim.weight_decay=1e-4"};
+}
+
+class LaunchEquivalence : public ::testing::TestWithParam<int> {};
+
+TEST_P(LaunchEquivalence, MatchesOneProcessAtTheGlobalBatch) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  const int workers = GetParam(), b = 16;
+  TempDir single, multi;
+  auto args = job(single.path(), b * workers);
+  args.insert(args.begin(), "train");
+  auto r1 = run_limbo(args);
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  std::vector<std::string> la = {"launch", "--nproc", std::to_string(workers), "--"};
+  auto j = job(multi.path(), b);
+  la.insert(la.end(), j.begin(), j.end());
+  auto r2 = run_limbo(la);
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  auto s1 = nlohmann::json::parse(slurp(single.file("summary.json")));
+  auto s2 = nlohmann::json::parse(slurp(multi.file("summary.json")));
+  EXPECT_EQ(s1["steps"], s2["steps"]);
+  EXPECT_EQ(s1["samples"], s2["samples"]);
+  EXPECT_EQ(s2["update_rule"], "allreduce");
+  auto a = mlp_weights(single.file("checkpoint.pt")), c = mlp_weights(multi.file("checkpoint.pt"));
+  EXPECT_TRUE(torch::allclose(a, c, 1e-4, 1e-5)) << (a - c).abs().max().item<float>();
+  EXPECT_NEAR(s1["test_accuracy"].get<double>(), s2["test_accuracy"].get<double>(), 0.01);
+}
+
+INSTANTIATE_TEST_SUITE_P(Workers, LaunchEquivalence, ::testing::Values(2, 3));
+
+TEST(Launch, AKilledWorkerStopsTheJobWithAnError) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  std::vector<std::string> la = {"launch", "--nproc", "3", "--"};
+  auto j = job(d.file("run"), 8);
+  j.insert(j.end(), {"--set", "train.epochs=50"});
+  la.insert(la.end(), j.begin(), j.end());
+  std::string log = d.file("log.txt");
+  pid_t launcher = limbo::testing::spawn_limbo(la, log);
+  ASSERT_TRUE(limbo::testing::wait_for_text(log, "worker rank 2 pid", 30)) << slurp(log);
+  std::smatch m;
+  std::string text = slurp(log);
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("worker rank 1 pid ([0-9]+)")));
+  pid_t victim = std::stoi(m[1]);
+  // Let training start (rank 0 writes metrics), then kill rank 1.
+  ASSERT_TRUE(limbo::testing::wait_for_text(d.file("run/metrics.jsonl"), "\"kind\":\"train\"", 60))
+      << slurp(log);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  auto r = limbo::testing::wait_child(launcher, log);
+  // The launcher reports the worker's death and exits with its status; the
+  // survivors are stopped (by SIGTERM, or by their own PeerFailure first).
+  EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
+  EXPECT_NE(r.output.find("worker rank 1"), std::string::npos) << r.output;
+}
+
+}  // namespace
