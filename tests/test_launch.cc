@@ -70,6 +70,34 @@ TEST_P(LaunchEquivalence, MatchesOneProcessAtTheGlobalBatch) {
 
 INSTANTIATE_TEST_SUITE_P(Workers, LaunchEquivalence, ::testing::Values(2, 3));
 
+TEST(Launch, IsgdDecidesOnTheGlobalLossAndMatchesOneProcess) {
+  // Every worker must see the same (all-reduced) loss, trigger on the same
+  // batches and run the same extra iterations on all-reduced gradients;
+  // then the job equals one process at the global batch.
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir single, multi;
+  std::vector<std::string> isgd = {"--set", "optim.algorithm=isgd", "--set", "isgd.k=0.5",
+                                   "--set", "train.epochs=3"};
+  auto args = job(single.path(), 32);
+  args.insert(args.begin(), "train");
+  args.insert(args.end(), isgd.begin(), isgd.end());
+  auto r1 = run_limbo(args);
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  std::vector<std::string> la = {"launch", "--nproc", "2", "--"};
+  auto j = job(multi.path(), 16);
+  la.insert(la.end(), j.begin(), j.end());
+  la.insert(la.end(), isgd.begin(), isgd.end());
+  auto r2 = run_limbo(la);
+  ASSERT_EQ(r2.exit_code, 0) << r2.output;
+  auto s1 = nlohmann::json::parse(slurp(single.file("summary.json")));
+  auto s2 = nlohmann::json::parse(slurp(multi.file("summary.json")));
+  EXPECT_GT(s1["isgd_triggered_batches"].get<int64_t>(), 0);
+  EXPECT_EQ(s1["isgd_triggered_batches"], s2["isgd_triggered_batches"]);
+  EXPECT_EQ(s1["isgd_extra_iterations"], s2["isgd_extra_iterations"]);
+  auto a = mlp_weights(single.file("checkpoint.pt")), c = mlp_weights(multi.file("checkpoint.pt"));
+  EXPECT_TRUE(torch::allclose(a, c, 1e-4, 1e-5)) << (a - c).abs().max().item<float>();
+}
+
 TEST(Launch, AKilledWorkerStopsTheJobWithAnError) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   TempDir d;

@@ -108,6 +108,17 @@ std::shared_ptr<const Schema> train_schema() {
              "subproblem steps: plain steps leaving the momentum buffer untouched, or steps "
              "through the optimizer (shared momentum buffer and weight decay)"));
 
+    s->add(S("elastic.batch_policy", "dynamic", {"none", "linear", "dynamic"},
+             "learning rate when the global batch changes: keep it, scale it at once, or "
+             "Dynamic SGD's ramp (up over elastic.ramp_iterations, down at once)"));
+    s->add(I("elastic.reference_batch", 0, 0, std::nullopt,
+             "global batch at which optim.lr was tuned; 0 = the global batch at the start"));
+    s->add(I("elastic.ramp_iterations", 200, 0, std::nullopt,
+             "dynamic: ramp length T in iterations"));
+    s->add(B("elastic.ramp_down", false, "dynamic: ramp down as well instead of dropping at once"));
+    s->add(S("elastic.momentum", "keep", {"keep", "reset", "rescale"},
+             "momentum buffer at a batch change: keep, zero, or rescale by the multiplier jump"));
+
     s->add(I("train.epochs", 2, 1, 100000, "epochs to train"));
     s->add(I("train.max_steps", 0, 0, std::nullopt, "stop after this many steps (0 = no limit)"));
     s->add(I("train.seed", 1, 0, std::nullopt, "seed for initialisation and data order"));
@@ -184,6 +195,12 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.isgd.zeta = c.get_float("isgd.zeta");
   t.isgd.anchor = optim::parse_anchor(c.get_string("isgd.anchor"));
   t.isgd.momentum = optim::parse_isgd_momentum(c.get_string("isgd.momentum"));
+
+  t.batch_policy.kind = optim::parse_batch_policy(c.get_string("elastic.batch_policy"));
+  t.batch_policy.reference_batch = c.get_int("elastic.reference_batch");
+  t.batch_policy.ramp_iterations = c.get_int("elastic.ramp_iterations");
+  t.batch_policy.ramp_down = c.get_bool("elastic.ramp_down");
+  t.batch_policy.momentum = optim::parse_momentum_on_change(c.get_string("elastic.momentum"));
 
   t.train.epochs = c.get_int("train.epochs");
   t.train.max_steps = c.get_int("train.max_steps");

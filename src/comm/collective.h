@@ -37,6 +37,7 @@ struct GroupOptions {
   // the peers share).
   std::string bind_host = "127.0.0.1";
   int64_t bucket_bytes = 8 << 20;
+  int worker_threads = 2;  // c10d's Gloo worker threads (its default; measured best at 16-64 MB)
 };
 
 // Connects to the job's TCPStore and forms a Gloo group of `size` members.

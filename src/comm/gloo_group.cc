@@ -32,7 +32,7 @@ class GlooGroup : public Collective {
       auto store = c10::make_intrusive<c10d::PrefixStore>(opt.prefix, tcp);
       auto go = c10d::ProcessGroupGloo::Options::create(opt.timeout);
       go->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(opt.bind_host));
-      go->threads = 1;
+      go->threads = opt.worker_threads;
       pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, go);
     } catch (const limbo::Error&) {
       throw;

@@ -39,6 +39,7 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   sgd_ = std::make_shared<optim::Sgd>(cfg_.sgd);
   schedule_ = std::make_unique<optim::LrSchedule>(cfg_.lr);
   rule_ = std::make_unique<LocalUpdate>(sgd_);
+  batch_policy_ = std::make_unique<optim::BatchSizePolicy>(cfg_.batch_policy);
   state_.config_toml = cfg_.config_toml;
   if (cfg_.algorithm == "isgd") {
     const int64_t global = cfg_.loader.batch_size * cfg_.loader.world;
@@ -53,6 +54,7 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
 void Trainer::checkpoint(const std::string& why) {
   if (checkpoint_path_.empty()) return;
   if (isgd_) state_.extra["isgd"] = isgd_->state();
+  state_.extra["batch_policy"] = batch_policy_->state();
   save_checkpoint(checkpoint_path_, *model_, *sgd_, state_);
   log_debug("checkpoint (" + why + ") at step " + std::to_string(state_.step));
 }
@@ -70,6 +72,8 @@ nlohmann::json Trainer::run() {
       throw InvalidInput("--resume: no checkpoint at '" + checkpoint_path_ + "'");
     state_ = load_checkpoint(checkpoint_path_, *model_, sgd_.get());
     state_.config_toml = cfg_.config_toml;
+    if (auto bp = state_.extra.find("batch_policy"); bp != state_.extra.end())
+      batch_policy_->load_state(bp->second);
     if (isgd_) {
       auto it = state_.extra.find("isgd");
       if (it == state_.extra.end())
@@ -135,7 +139,11 @@ nlohmann::json Trainer::run() {
       throw Error("internal: loader out of step with the training cursor");
     const double epoch_progress =
         batch.plan.begin.epoch + static_cast<double>(batch.plan.begin.position) / n;
-    const double lr = schedule_->lr(epoch_progress, state_.step);
+    // The policy sees the nominal global batch (b * workers), not the smaller
+    // last batch of an epoch, so only membership changes move it.
+    auto policy = batch_policy_->step(state_.step, loader_opt.batch_size * loader_opt.world);
+    if (policy.changed && policy.momentum_factor != 1.0) sgd_->scale_buffer(policy.momentum_factor);
+    const double lr = schedule_->lr(epoch_progress, state_.step) * policy.multiplier;
 
     flat_->zero_grad();
     if (cfg_.model.channels_last) batch.x = batch.x.contiguous(at::MemoryFormat::ChannelsLast);
@@ -187,6 +195,7 @@ nlohmann::json Trainer::run() {
       double epoch_now = state_.cursor.epoch + static_cast<double>(state_.cursor.position) / n;
       run_dir.append_metrics({{"kind", "train"}, {"step", state_.step}, {"epoch", epoch_now},
                               {"loss", window_loss / window_steps}, {"lr", lr},
+                              {"lr_multiplier", policy.multiplier},
                               {"batch_size", res.global_batch},
                               {"samples_per_second", secs > 0 ? window_samples / secs : 0.0}});
       window_loss = 0;

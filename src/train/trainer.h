@@ -20,6 +20,7 @@
 #include "data/loader.h"
 #include "data/registry.h"
 #include "models/net.h"
+#include "optim/batch_policy.h"
 #include "optim/flat_params.h"
 #include "optim/isgd.h"
 #include "optim/lr_schedule.h"
@@ -52,6 +53,7 @@ struct TrainerConfig {
   models::ModelOptions model;
   optim::SgdOptions sgd;
   optim::LrScheduleOptions lr;
+  optim::BatchPolicyOptions batch_policy;  // learning rate vs. global batch
   std::string algorithm = "sgd";  // "sgd" | "isgd"
   optim::IsgdOptions isgd;
   TrainOptions train;
@@ -88,6 +90,7 @@ class Trainer {
   std::unique_ptr<optim::LrSchedule> schedule_;
   std::unique_ptr<UpdateRule> rule_;
   std::unique_ptr<optim::IsgdController> isgd_;
+  std::unique_ptr<optim::BatchSizePolicy> batch_policy_;
   TrainState state_;
   std::string checkpoint_path_;
 };

@@ -1,0 +1,115 @@
+#!/usr/bin/python3
+"""Data-parallel throughput: `limbo launch` against PyTorch DistributedDataParallel.
+
+Two workers on this machine (one intra-op thread each), the same model, the
+same per-worker batch, the same number of steps and SGD settings, gloo on
+loopback for both. Prints samples/s (global) for each side and the ratio.
+
+    bench/ddp_throughput.py [--limbo build/src/cli/limbo] [--steps 400] [--models mlp,lenet]
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def ddp_worker(rank, world, port, name, batch, steps, channels_last):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    sys.path.insert(0, HERE)
+    from train_throughput import LeNet, Mlp, load_fmnist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    x, y = load_fmnist()
+    torch.manual_seed(1)
+    model = LeNet() if name == "lenet" else Mlp()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(1))
+    dist.barrier()
+    t0 = time.perf_counter()
+    for s in range(steps):
+        start = ((s * world + rank) * batch) % (len(y) - batch)
+        idx = perm[start:start + batch]
+        xb, yb = x[idx], y[idx]
+        if channels_last:
+            xb = xb.contiguous(memory_format=torch.channels_last)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(xb), yb)
+        loss.backward()
+        opt.step()
+        loss.item()
+    dist.barrier()
+    rate = steps * batch * world / (time.perf_counter() - t0)
+    if rank == 0:
+        print(json.dumps({"samples_per_second": rate}), flush=True)
+    dist.destroy_process_group()
+
+
+def ddp_rate(name, batch, steps, channels_last, port):
+    procs = [subprocess.Popen([sys.executable, __file__, "--ddp-worker", str(r), str(port), name,
+                               str(batch), str(steps), str(int(channels_last))],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for r in range(2)]
+    out = procs[0].communicate()[0]
+    procs[1].wait()
+    return json.loads(out.strip().splitlines()[-1])["samples_per_second"]
+
+
+def limbo_rate(limbo, name, batch, steps):
+    d = tempfile.mkdtemp(prefix="limbo-ddp-bench-")
+    try:
+        subprocess.run([limbo, "launch", "--nproc", "2", "--", "--run-dir", os.path.join(d, "r"),
+                        "--set", f"model.name={name}", "--set", f"data.batch_size={batch}",
+                        "--set", f"train.max_steps={steps}", "--set", "train.threads=1",
+                        "--set", "train.progress=false", "--set", "train.eval_every_epochs=0",
+                        "--set", "train.checkpoint_every_epochs=0", "--set", "data.test_limit=500",
+                        "--set", "optim.lr=0.01", "--set", "optim.momentum=0.9"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(os.path.join(d, "r", "summary.json")) as f:
+            return json.load(f)["samples_per_second"]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
+        r, port, name, batch, steps, cl = sys.argv[2:8]
+        ddp_worker(int(r), 2, int(port), name, int(batch), int(steps), cl == "1")
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limbo", default="build/src/cli/limbo")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--models", default="mlp,lenet")
+    args = ap.parse_args()
+    port = 29650
+    print(f"2 workers x 1 thread, per-worker batch {args.batch}, {args.steps} steps, global samples/s")
+    for name in args.models.split(","):
+        port += 1
+        d = ddp_rate(name, args.batch, args.steps, False, port)
+        line = f"{name:6} DDP {d:9.0f}"
+        best = d
+        if name != "mlp":
+            port += 1
+            dc = ddp_rate(name, args.batch, args.steps, True, port)
+            line += f"  DDP channels-last {dc:9.0f}"
+            best = max(best, dc)
+        lr = limbo_rate(args.limbo, name, args.batch, args.steps)
+        print(f"{line}  limbo {lr:9.0f}  ratio limbo/DDP {lr / d:.2f}x (vs best DDP {lr / best:.2f}x)",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

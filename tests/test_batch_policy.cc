@@ -1,0 +1,117 @@
+// Batch-size-change policies: the learning-rate multiplier at every step
+// around a change, momentum handling, and state round trips.
+#include <gtest/gtest.h>
+
+#include "common/error.h"
+#include "optim/batch_policy.h"
+
+using namespace limbo;
+using namespace limbo::optim;
+
+namespace {
+
+BatchPolicyOptions opts(BatchPolicyKind kind, int64_t ramp = 8) {
+  BatchPolicyOptions o;
+  o.kind = kind;
+  o.ramp_iterations = ramp;
+  return o;
+}
+
+// Global batch per iteration: 64 until t=10, 256 until t=30, then 128.
+int64_t schedule(int64_t t) { return t < 10 ? 64 : t < 30 ? 256 : 128; }
+
+TEST(BatchPolicy, NoneKeepsTheMultiplier) {
+  BatchSizePolicy p(opts(BatchPolicyKind::None));
+  for (int64_t t = 0; t < 40; ++t) {
+    auto s = p.step(t, schedule(t));
+    EXPECT_DOUBLE_EQ(s.multiplier, 1.0) << t;
+    EXPECT_EQ(s.changed, t == 10 || t == 30) << t;
+  }
+}
+
+TEST(BatchPolicy, LinearScalesImmediately) {
+  BatchSizePolicy p(opts(BatchPolicyKind::Linear));
+  for (int64_t t = 0; t < 40; ++t) {
+    double want = t < 10 ? 1.0 : t < 30 ? 4.0 : 2.0;
+    EXPECT_DOUBLE_EQ(p.step(t, schedule(t)).multiplier, want) << t;
+  }
+}
+
+TEST(BatchPolicy, DynamicRampsUpOverTAndDropsAtOnce) {
+  BatchSizePolicy p(opts(BatchPolicyKind::Dynamic, 8));
+  for (int64_t t = 0; t < 40; ++t) {
+    double want;
+    if (t < 10) want = 1.0;
+    else if (t < 30) want = 1.0 + 3.0 * std::min(1.0, (t - 10) / 8.0);  // every ramp step
+    else want = 2.0;  // shrink: immediate
+    EXPECT_NEAR(p.step(t, schedule(t)).multiplier, want, 1e-12) << t;
+  }
+}
+
+TEST(BatchPolicy, DynamicCanRampDownToo) {
+  auto o = opts(BatchPolicyKind::Dynamic, 8);
+  o.ramp_down = true;
+  BatchSizePolicy p(o);
+  for (int64_t t = 0; t < 40; ++t) {
+    double want = t < 10 ? 1.0 : t < 30 ? 1.0 + 3.0 * std::min(1.0, (t - 10) / 8.0)
+                                        : 4.0 - 2.0 * std::min(1.0, (t - 30) / 8.0);
+    EXPECT_NEAR(p.step(t, schedule(t)).multiplier, want, 1e-12) << t;
+  }
+}
+
+TEST(BatchPolicy, AChangeDuringARampStartsFromTheCurrentMultiplier) {
+  BatchSizePolicy p(opts(BatchPolicyKind::Dynamic, 10));
+  p.step(0, 64);
+  for (int64_t t = 1; t <= 5; ++t) p.step(t, 320);  // ramp 1 -> 5, halfway at t=6
+  double mid = p.step(6, 320).multiplier;
+  EXPECT_NEAR(mid, 3.0, 1e-12);
+  // Grow again to 640 (m = 10): ramp from 3 to 10 over 10 steps.
+  EXPECT_NEAR(p.step(7, 640).multiplier, 3.0, 1e-12);
+  EXPECT_NEAR(p.step(12, 640).multiplier, 6.5, 1e-12);
+  EXPECT_NEAR(p.step(17, 640).multiplier, 10.0, 1e-12);
+  EXPECT_NEAR(p.step(50, 640).multiplier, 10.0, 1e-12);
+}
+
+TEST(BatchPolicy, ReferenceBatchSetsTheScale) {
+  auto o = opts(BatchPolicyKind::Linear);
+  o.reference_batch = 32;
+  BatchSizePolicy p(o);
+  EXPECT_DOUBLE_EQ(p.step(0, 64).multiplier, 2.0);
+  EXPECT_DOUBLE_EQ(p.step(1, 16).multiplier, 0.5);
+}
+
+TEST(BatchPolicy, MomentumFactorsAtChangesOnly) {
+  auto o = opts(BatchPolicyKind::Linear);
+  o.momentum = MomentumOnChange::Reset;
+  BatchSizePolicy reset(o);
+  o.momentum = MomentumOnChange::Rescale;
+  BatchSizePolicy rescale(o);
+  o.momentum = MomentumOnChange::Keep;
+  BatchSizePolicy keep(o);
+  for (int64_t t = 0; t < 40; ++t) {
+    bool change = t == 10 || t == 30;
+    EXPECT_DOUBLE_EQ(reset.step(t, schedule(t)).momentum_factor, change ? 0.0 : 1.0) << t;
+    EXPECT_DOUBLE_EQ(keep.step(t, schedule(t)).momentum_factor, 1.0) << t;
+    double want = t == 10 ? 0.25 : t == 30 ? 2.0 : 1.0;  // m_before / m_after
+    EXPECT_DOUBLE_EQ(rescale.step(t, schedule(t)).momentum_factor, want) << t;
+  }
+}
+
+TEST(BatchPolicy, StateRoundTripContinuesTheRamp) {
+  BatchSizePolicy a(opts(BatchPolicyKind::Dynamic, 8));
+  for (int64_t t = 0; t < 13; ++t) a.step(t, schedule(t));  // mid-ramp
+  BatchSizePolicy b(opts(BatchPolicyKind::Dynamic, 8));
+  b.load_state(a.state());
+  for (int64_t t = 13; t < 40; ++t)
+    EXPECT_DOUBLE_EQ(a.step(t, schedule(t)).multiplier, b.step(t, schedule(t)).multiplier) << t;
+  EXPECT_THROW(b.load_state(torch::zeros({2}, torch::kFloat64)), InvalidInput);
+}
+
+TEST(BatchPolicy, ParsesNames) {
+  EXPECT_EQ(parse_batch_policy("dynamic"), BatchPolicyKind::Dynamic);
+  EXPECT_THROW(parse_batch_policy("adascale"), InvalidInput);
+  EXPECT_EQ(parse_momentum_on_change("rescale"), MomentumOnChange::Rescale);
+  EXPECT_THROW(parse_momentum_on_change("zero"), InvalidInput);
+}
+
+}  // namespace
