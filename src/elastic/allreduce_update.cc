@@ -21,7 +21,17 @@ double AllReduceUpdate::weighted_sum(torch::Tensor* grad, double loss, double sh
 
 train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   share_ = ctx.global_batch > 0 ? static_cast<double>(ctx.batch_size) / ctx.global_batch : 0.0;
-  double global_loss = weighted_sum(&ctx.grad, ctx.loss, share_);
+  // One collective for gradient and loss: the loss rides in the spare slot
+  // after the gradient (a separate tiny all-reduce costs a full round trip).
+  double global_loss;
+  {
+    torch::NoGradGuard no_grad;
+    auto& buf = ctx.grad_with_slot;
+    ctx.grad.mul_(share_);
+    buf[buf.numel() - 1].fill_(ctx.loss * share_);
+    group_->allreduce_sum(buf);
+    global_loss = buf[buf.numel() - 1].item<double>();
+  }
   if (ctx.before_update) ctx.before_update(global_loss);
   sgd_->step(ctx.weights, ctx.grad, ctx.lr);
   return {global_loss, ctx.global_batch};

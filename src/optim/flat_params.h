@@ -29,6 +29,10 @@ class FlatParams {
 
   torch::Tensor& data() { return data_; }
   torch::Tensor& grad() { return grad_; }
+  // The gradient buffer followed by one spare float (the "slot"): a
+  // collective can carry a scalar (e.g. the loss) with the gradient in one
+  // call. grad() is a view of its first numel() elements.
+  torch::Tensor& grad_with_slot() { return grad_slot_; }
   int64_t numel() const { return data_.numel(); }
   void zero_grad() { grad_.zero_(); }
 
@@ -41,7 +45,7 @@ class FlatParams {
   const std::vector<Entry>& entries() const { return entries_; }
 
  private:
-  torch::Tensor data_, grad_;
+  torch::Tensor data_, grad_, grad_slot_;
   std::vector<Entry> entries_;
 };
 

@@ -150,7 +150,7 @@ nlohmann::json Trainer::run() {
     auto logits = model_->forward(batch.x);
     auto loss = torch::nn::functional::cross_entropy(logits, batch.y);
     loss.backward();
-    StepContext ctx{flat_->data(), flat_->grad(), loss.item<double>(),
+    StepContext ctx{flat_->data(), flat_->grad(), flat_->grad_with_slot(), loss.item<double>(),
                     static_cast<int64_t>(batch.plan.ids.size()), batch.plan.global_size, lr,
                     state_.step, {}};
     optim::IsgdController::Decision decision;

@@ -21,6 +21,7 @@ namespace limbo::train {
 struct StepContext {
   torch::Tensor& weights;  // flat, updated in place
   torch::Tensor& grad;     // flat mean gradient of this worker's batch
+  torch::Tensor& grad_with_slot;  // grad plus one spare element (see FlatParams)
   double loss;             // this worker's mean batch loss
   int64_t batch_size;      // this worker's batch
   int64_t global_batch;    // the batch of all workers together (= batch_size alone)
