@@ -6,11 +6,16 @@
 #include "comm/collective.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "comm/kv_store.h"
 #include "elastic/allreduce_update.h"
+#include "elastic/elastic_membership.h"
 #include "elastic/launcher.h"
 #include "train/trainer.h"
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <atomic>
 
 namespace limbo::cli {
 namespace {
@@ -30,6 +35,9 @@ std::string default_run_dir(const Config& cfg) {
   std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &tm);
   return "runs/" + cfg.get_string("model.name") + "-" + cfg.get_string("data.dataset") + "-" + stamp;
 }
+
+std::atomic<bool> g_leave_requested{false};
+void on_sigterm(int) { g_leave_requested = true; }
 
 std::pair<std::string, int> split_host_port(const std::string& s, const char* flag) {
   auto colon = s.rfind(':');
@@ -51,7 +59,9 @@ int run_train(const TrainArgs& a) {
   auto tc = trainer_config(cfg);
   tc.run_dir = a.run_dir.empty() ? default_run_dir(cfg) : a.run_dir;
   tc.train.resume = a.resume;
-  const bool distributed = !a.dist_rdzv.empty();
+  const bool distributed = !a.dist_rdzv.empty() && !a.elastic;
+  if (a.elastic && a.dist_rdzv.empty())
+    throw InvalidInput("--elastic needs --dist-rdzv HOST:PORT (the job's rendezvous store)");
   if (distributed) {
     if (a.dist_world < 1 || a.dist_rank < 0 || a.dist_rank >= a.dist_world)
       throw InvalidInput("--dist-rank " + std::to_string(a.dist_rank) + " is not in [0, " +
@@ -69,7 +79,32 @@ int run_train(const TrainArgs& a) {
     trainer.set_update_rule(std::make_unique<elastic::AllReduceUpdate>(
         std::shared_ptr<comm::Collective>(std::move(group)), trainer.sgd_ptr()));
   }
+  if (a.elastic) {
+    comm::GroupOptions go;
+    std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
+    go.timeout = std::chrono::milliseconds(
+        static_cast<int64_t>(1000 * cfg.get_float("elastic.collective_timeout")));
+    elastic::MemberOptions mo;
+    mo.group = go;
+    mo.round_timeout = std::chrono::milliseconds(
+        static_cast<int64_t>(1000 * cfg.get_float("elastic.round_timeout")));
+    auto kv = comm::connect_kv_store(go.store_host, go.store_port, go.timeout);
+    auto member = std::make_unique<elastic::Member>(std::move(kv), mo);
+    auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.sgd_ptr());
+    trainer.set_update_rule(rule);
+    // SIGTERM: finish the current step, leave at the next agreed boundary.
+    struct sigaction sa {};
+    sa.sa_handler = on_sigterm;
+    ::sigaction(SIGTERM, &sa, nullptr);
+    trainer.set_membership(std::make_unique<elastic::ElasticMembership>(
+        std::move(member), rule, [] { return g_leave_requested.load(); }));
+  }
   auto summary = trainer.run();
+  if (summary.contains("left")) {
+    std::printf("left the job after step %lld\n",
+                static_cast<long long>(summary["steps"].get<int64_t>()));
+    return 0;
+  }
   if (distributed && a.dist_rank != 0) return 0;
   std::printf("run directory: %s\n", tc.run_dir.c_str());
   std::printf("steps %lld, epochs %.2f, %.0f samples/s\n",
@@ -85,6 +120,13 @@ int run_launch(const LaunchArgs& a) {
   lo.nproc = a.nproc;
   std::tie(lo.rdzv_host, lo.rdzv_port) = split_host_port(a.rdzv, "--rdzv");
   lo.train_args = a.train_args;
+  lo.elastic = a.min_workers > 0 || a.max_workers > 0;
+  lo.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.rdzv_timeout * 1000));
+  if (a.min_workers > 0) lo.min_workers = a.min_workers;
+  if (a.max_workers > 0) lo.max_workers = a.max_workers;
+  if (lo.elastic && lo.min_workers > lo.max_workers)
+    throw InvalidInput("--min-workers " + std::to_string(lo.min_workers) + " exceeds --max-workers " +
+                       std::to_string(lo.max_workers));
   char exe[4096];
   ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
   if (n <= 0) throw Error("cannot find the limbo binary (/proc/self/exe)");

@@ -16,6 +16,7 @@ struct TrainArgs {
   std::string dist_rdzv;  // HOST:PORT of the job's rendezvous store
   int dist_rank = 0;
   int dist_world = 1;
+  bool elastic = false;  // join the job's elastic membership instead of a fixed rank
 };
 int run_train(const TrainArgs& a);
 
@@ -23,6 +24,9 @@ struct LaunchArgs {
   int nproc = 1;
   std::string rdzv = "127.0.0.1:0";  // HOST:PORT to host the store on; port 0 = any
   std::vector<std::string> train_args;
+  int min_workers = 0;  // elastic mode when min or max is given
+  int max_workers = 0;
+  double rdzv_timeout = 120;  // seconds below the minimum before the job stops
 };
 int run_launch(const LaunchArgs& a);
 

@@ -38,6 +38,8 @@ int main(int argc, char** argv) {
                     "data-parallel worker: HOST:PORT of the job's rendezvous store (set by launch)");
   train->add_option("--dist-rank", train_args.dist_rank, "data-parallel worker: this worker's rank");
   train->add_option("--dist-world", train_args.dist_world, "data-parallel worker: number of workers");
+  train->add_flag("--elastic", train_args.elastic,
+                  "join the elastic job at --dist-rdzv (rank and world come from its rounds)");
 
   cli::LaunchArgs launch_args;
   auto* launch = app.add_subcommand(
@@ -45,6 +47,12 @@ int main(int argc, char** argv) {
   launch->add_option("--nproc", launch_args.nproc, "number of workers")->required();
   launch->add_option("--rdzv", launch_args.rdzv,
                      "HOST:PORT where the launcher hosts the rendezvous store (port 0 = any free)");
+  launch->add_option("--min-workers", launch_args.min_workers,
+                     "elastic: keep going while at least this many workers remain");
+  launch->add_option("--max-workers", launch_args.max_workers,
+                     "elastic: admit at most this many workers");
+  launch->add_option("--rdzv-timeout", launch_args.rdzv_timeout,
+                     "elastic: seconds below the minimum worker count before the job stops");
   launch->add_option("train_args", launch_args.train_args, "arguments for `limbo train` (after --)");
 
   cli::CheckpointArgs ck_args;

@@ -119,6 +119,13 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(S("elastic.momentum", "keep", {"keep", "reset", "rescale"},
              "momentum buffer at a batch change: keep, zero, or rescale by the multiplier jump"));
 
+    s->add(F("elastic.collective_timeout", 10.0, 0.1, 3600.0,
+             "seconds a collective may wait for a peer before the peer counts as failed "
+             "(how fast a stopped worker is detected)"));
+    s->add(F("elastic.round_timeout", 120.0, 1.0, 86400.0,
+             "seconds a worker waits for a membership round (e.g. below the minimum) before "
+             "giving up"));
+
     s->add(I("train.epochs", 2, 1, 100000, "epochs to train"));
     s->add(I("train.max_steps", 0, 0, std::nullopt, "stop after this many steps (0 = no limit)"));
     s->add(I("train.seed", 1, 0, std::nullopt, "seed for initialisation and data order"));
@@ -136,6 +143,8 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(B("train.progress", true, "show a progress bar (terminal) or progress lines"));
     s->add(I("train.pause_at_step", 0, 0, std::nullopt,
              "testing aid: after step N, print 'paused at step N' and wait to be killed"));
+    s->add(B("train.sample_log", false,
+             "testing aid: append every committed global batch's sample ids to samples.txt"));
     return std::shared_ptr<const Schema>(s);
   }();
   return schema;
@@ -212,6 +221,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.checkpoint_every_epochs = c.get_int("train.checkpoint_every_epochs");
   t.train.progress = c.get_bool("train.progress");
   t.train.pause_at_step = c.get_int("train.pause_at_step");
+  t.train.sample_log = c.get_bool("train.sample_log");
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));
   t.threads.blas = static_cast<int>(c.get_int("train.blas_threads"));

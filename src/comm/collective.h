@@ -24,6 +24,8 @@ class Collective {
   // Element-wise sum across members, in place. Large tensors are reduced in
   // buckets of at most bucket_bytes.
   virtual void allreduce_sum(torch::Tensor& t) = 0;
+  // Element-wise maximum across members, in place (no bucketing).
+  virtual void allreduce_max(torch::Tensor& t) = 0;
   // Copies `t` from member `root` to everyone, in place.
   virtual void broadcast(torch::Tensor& t, int root) = 0;
 };

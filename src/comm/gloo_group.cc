@@ -12,6 +12,12 @@ namespace {
 
 // c10d reports failures as c10::Error / std::runtime_error with messages;
 // classify them so callers can recover (re-form on peer loss, retry on timeout).
+// c10::Error's what() carries a backtrace; keep the message only.
+std::string message_of(const std::exception& e) {
+  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
+
 [[noreturn]] void rethrow_classified(const std::string& what, const std::string& context) {
   auto has = [&](const char* s) { return what.find(s) != std::string::npos; };
   if (has("Timed out") || has("timed out") || has("Timeout") || has("timeout"))
@@ -37,7 +43,7 @@ class GlooGroup : public Collective {
     } catch (const limbo::Error&) {
       throw;
     } catch (const std::exception& e) {
-      rethrow_classified(e.what(), "forming the Gloo group '" + opt.prefix + "' (rank " +
+      rethrow_classified(message_of(e), "forming the Gloo group '" + opt.prefix + "' (rank " +
                                        std::to_string(rank) + " of " + std::to_string(size) +
                                        ", store " + opt.store_host + ":" +
                                        std::to_string(opt.store_port) + ")");
@@ -61,7 +67,19 @@ class GlooGroup : public Collective {
       for (auto& b : buckets) work.push_back(pg_->allreduce(b));
       for (auto& w : work) w->wait(opt_.timeout);
     } catch (const std::exception& e) {
-      rethrow_classified(e.what(), "all-reduce in group '" + opt_.prefix + "'");
+      rethrow_classified(message_of(e), "all-reduce in group '" + opt_.prefix + "'");
+    }
+  }
+
+  void allreduce_max(torch::Tensor& t) override {
+    if (size() == 1) return;
+    std::vector<at::Tensor> v = {t};
+    c10d::AllreduceOptions ao;
+    ao.reduceOp = c10d::ReduceOp::MAX;
+    try {
+      pg_->allreduce(v, ao)->wait(opt_.timeout);
+    } catch (const std::exception& e) {
+      rethrow_classified(message_of(e), "all-reduce (max) in group '" + opt_.prefix + "'");
     }
   }
 
@@ -73,7 +91,7 @@ class GlooGroup : public Collective {
     try {
       pg_->broadcast(v, bo)->wait(opt_.timeout);
     } catch (const std::exception& e) {
-      rethrow_classified(e.what(), "broadcast in group '" + opt_.prefix + "'");
+      rethrow_classified(message_of(e), "broadcast in group '" + opt_.prefix + "'");
     }
   }
 

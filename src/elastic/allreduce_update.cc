@@ -6,7 +6,9 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
                                  std::shared_ptr<optim::Sgd> sgd)
     : group_(std::move(group)), sgd_(std::move(sgd)), loss_buf_(torch::zeros({1}, torch::kFloat64)) {}
 
-void AllReduceUpdate::start(torch::Tensor& weights) { group_->broadcast(weights, 0); }
+void AllReduceUpdate::start(torch::Tensor& weights) {
+  if (group_) group_->broadcast(weights, 0);  // elastic training syncs in establish()
+}
 
 double AllReduceUpdate::weighted_sum(torch::Tensor* grad, double loss, double share) {
   torch::NoGradGuard no_grad;
@@ -27,10 +29,13 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   {
     torch::NoGradGuard no_grad;
     auto& buf = ctx.grad_with_slot;
+    const int64_t n = ctx.grad.numel();
     ctx.grad.mul_(share_);
-    buf[buf.numel() - 1].fill_(ctx.loss * share_);
+    buf[n].fill_(ctx.loss * share_);
+    buf[n + 1].fill_(flag_source_ ? flag_source_() : 0.0);
     group_->allreduce_sum(buf);
-    global_loss = buf[buf.numel() - 1].item<double>();
+    global_loss = buf[n].item<double>();
+    flag_sum_ = buf[n + 1].item<double>();
   }
   if (ctx.before_update) ctx.before_update(global_loss);
   sgd_->step(ctx.weights, ctx.grad, ctx.lr);

@@ -9,6 +9,7 @@
 // so loss-driven decisions (ISGD) agree on every member.
 #pragma once
 
+#include <functional>
 #include <memory>
 
 #include "comm/collective.h"
@@ -25,6 +26,13 @@ class AllReduceUpdate : public train::UpdateRule {
   train::StepResult apply(train::StepContext& ctx) override;
   double reduce(torch::Tensor* grad, double loss) override;
   const char* name() const override { return "allreduce"; }
+  // Elastic training swaps the group when membership changes.
+  void set_group(std::shared_ptr<comm::Collective> group) { group_ = std::move(group); }
+  // A value each member contributes with every gradient (summed): elastic
+  // training raises it to ask for a membership change, so all members see
+  // the request after the same step.
+  void set_flag_source(std::function<double()> f) { flag_source_ = std::move(f); }
+  double last_flag_sum() const { return flag_sum_; }
 
  private:
   double weighted_sum(torch::Tensor* grad, double loss, double share);
@@ -33,6 +41,8 @@ class AllReduceUpdate : public train::UpdateRule {
   std::shared_ptr<optim::Sgd> sgd_;
   torch::Tensor loss_buf_;
   double share_ = 1.0;  // this member's fraction of the last global batch
+  std::function<double()> flag_source_;
+  double flag_sum_ = 0;
 };
 
 }  // namespace limbo::elastic

@@ -10,6 +10,8 @@
 #include <thread>
 
 #include "comm/collective.h"
+#include "comm/kv_store.h"
+#include "elastic/coordinator.h"
 #include "common/error.h"
 #include "common/log.h"
 
@@ -30,8 +32,10 @@ pid_t start_worker(const LaunchOptions& opt, int rank, int threads, const std::s
   if (threads > 0) args.insert(args.end(), {"--set", "train.threads=" + std::to_string(threads)});
   if (rank > 0) args.insert(args.end(), {"--set", "train.progress=false"});
   args.insert(args.end(), opt.train_args.begin(), opt.train_args.end());
-  args.insert(args.end(), {"--dist-rdzv", rdzv, "--dist-rank", std::to_string(rank),
-                           "--dist-world", std::to_string(opt.nproc)});
+  if (opt.elastic) args.insert(args.end(), {"--dist-rdzv", rdzv, "--elastic"});
+  else
+    args.insert(args.end(), {"--dist-rdzv", rdzv, "--dist-rank", std::to_string(rank),
+                             "--dist-world", std::to_string(opt.nproc)});
   pid_t pid = ::fork();
   if (pid < 0) throw Error("fork failed: " + std::string(std::strerror(errno)));
   if (pid == 0) {
@@ -69,6 +73,30 @@ int launch(const LaunchOptions& opt) {
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
 
+  std::unique_ptr<Coordinator> coordinator;
+  std::shared_ptr<comm::KvStore> kv;
+  if (opt.elastic) {
+    kv = comm::connect_kv_store(opt.rdzv_host, port, opt.store_timeout);
+    CoordinatorOptions co;
+    co.min_workers = opt.min_workers;
+    co.max_workers = opt.max_workers;
+    co.initial_workers = opt.nproc;
+    co.heartbeat_timeout = opt.heartbeat_timeout;
+    co.rendezvous_timeout = opt.rendezvous_timeout;
+    coordinator = std::make_unique<Coordinator>(kv, co);
+  }
+  char hostname[256] = {0};
+  ::gethostname(hostname, sizeof hostname - 1);
+  // The worker id of a child of this launcher, from the id's host:pid key.
+  auto worker_id_of = [&](pid_t pid) -> int64_t {
+    const std::string want = std::string(hostname) + ":" + std::to_string(pid);
+    int64_t n = kv->add("elastic/next_id", 0);
+    for (int64_t id = 1; id <= n; ++id)
+      if (kv->try_get("elastic/host_pid/" + std::to_string(id)) == want) return id;
+    return 0;
+  };
+  bool any_succeeded = false;
+
   std::map<pid_t, int> running;  // pid -> rank
   for (int r = 0; r < opt.nproc; ++r) {
     pid_t pid = start_worker(opt, r, threads, rdzv);
@@ -94,6 +122,16 @@ int launch(const LaunchOptions& opt) {
       int rank = running[pid];
       running.erase(pid);
       int code = exit_code_of(status);
+      if (code == 0) any_succeeded = true;
+      if (opt.elastic) {
+        if (int64_t id = worker_id_of(pid)) coordinator->mark_dead(id);
+        if (code != 0)
+          log_warn("launch: worker (first rank " + std::to_string(rank) + ", pid " +
+                   std::to_string(pid) + ") exited with status " + std::to_string(code) +
+                   "; the others go on");
+        if (code != 0 && result == 0) result = code;
+        continue;
+      }
       if (code != 0) {
         log_warn("launch: worker rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
                  ") failed with status " + std::to_string(code) + "; stopping the others");
@@ -106,12 +144,33 @@ int launch(const LaunchOptions& opt) {
       }
       continue;
     }
+    if (coordinator && !stopping) {
+      auto r = coordinator->poll();
+      if (r.new_round)
+        log_info("launch: membership round " + std::to_string(r.round.number) + ": workers [" +
+                 format_members(r.round.members) + "] (" + r.reason + ")");
+      if (r.fell_below && r.round.number > 0)
+        log_warn("launch: " + std::to_string(r.alive) + " workers alive, below the minimum of " +
+                 std::to_string(opt.min_workers) + "; waiting up to " +
+                 std::to_string(opt.rendezvous_timeout.count() / 1000) + " s for more to join");
+      if (r.below_minimum_timed_out) {
+        log_warn("launch: only " + std::to_string(r.alive) + " workers alive, below the minimum of " +
+                 std::to_string(opt.min_workers) + ", for longer than the rendezvous timeout; "
+                 "stopping the job");
+        result = kExitTimeout;
+        stopping = true;
+        stop_all(SIGTERM);
+        stop_deadline = std::chrono::steady_clock::now() + opt.kill_grace;
+      }
+    }
     if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
       stop_all(SIGKILL);
       stop_deadline = std::chrono::steady_clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  // Elastic: the job succeeded if the workers that remained finished.
+  if (opt.elastic && any_succeeded && result != kExitTimeout) return 0;
   return result;
 }
 

@@ -7,8 +7,11 @@
 // and when one worker fails it stops the others and exits with that worker's
 // status.
 //
-// Current scope: a fixed set of workers (static membership). Elastic
-// membership (join, leave, crash recovery) builds on this launcher.
+// Static mode (default): a fixed set of workers. Elastic mode (min/max
+// workers given): workers run with --elastic; the launcher runs the
+// membership coordinator, tells it at once when one of its children exits,
+// keeps going while at least min_workers remain, and succeeds when the
+// remaining workers finish training.
 #pragma once
 
 #include <chrono>
@@ -26,6 +29,11 @@ struct LaunchOptions {
   int cores = 0;         // cores to split among workers; 0 = all
   std::chrono::milliseconds store_timeout{300000};
   std::chrono::milliseconds kill_grace{5000};
+  bool elastic = false;
+  int min_workers = 1;
+  int max_workers = 1 << 20;
+  std::chrono::milliseconds heartbeat_timeout{3000};
+  std::chrono::milliseconds rendezvous_timeout{120000};
 };
 
 // Runs the job; returns the process exit code. Throws InvalidInput on bad

@@ -28,7 +28,7 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
     total += p.value().numel();
   }
   data_ = torch::empty({total}, torch::kFloat32);
-  grad_slot_ = torch::zeros({total + 1}, torch::kFloat32);
+  grad_slot_ = torch::zeros({total + kSlots}, torch::kFloat32);
   grad_ = grad_slot_.narrow(0, 0, total);
   torch::NoGradGuard no_grad;
   size_t i = 0;

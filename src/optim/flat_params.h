@@ -29,9 +29,10 @@ class FlatParams {
 
   torch::Tensor& data() { return data_; }
   torch::Tensor& grad() { return grad_; }
-  // The gradient buffer followed by one spare float (the "slot"): a
-  // collective can carry a scalar (e.g. the loss) with the gradient in one
-  // call. grad() is a view of its first numel() elements.
+  // The gradient buffer followed by kSlots spare floats: a collective can
+  // carry scalars (the loss, a membership-change flag) with the gradient in
+  // one call. grad() is a view of its first numel() elements.
+  static constexpr int64_t kSlots = 2;
   torch::Tensor& grad_with_slot() { return grad_slot_; }
   int64_t numel() const { return data_.numel(); }
   void zero_grad() { grad_.zero_(); }

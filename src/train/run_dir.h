@@ -19,7 +19,9 @@ class RunDir {
  public:
   // Creates the directory. An empty path disables all output.
   RunDir(std::string path, bool append_metrics);
-  bool enabled() const { return !path_.empty(); }
+  bool enabled() const { return !path_.empty() && writer_; }
+  // In elastic jobs only the current rank 0 writes; others keep quiet.
+  void set_writer(bool w) { writer_ = w; }
   const std::string& path() const { return path_; }
   std::string checkpoint_path() const { return path_ + "/checkpoint.pt"; }
 
@@ -30,6 +32,7 @@ class RunDir {
  private:
   std::string path_;
   std::ofstream metrics_;
+  bool writer_ = true;
 };
 
 }  // namespace limbo::train

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 
 #include "common/error.h"
 #include "common/files.h"
@@ -38,7 +39,7 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   flat_ = std::make_unique<optim::FlatParams>(*model_, cfg_.model.channels_last);
   sgd_ = std::make_shared<optim::Sgd>(cfg_.sgd);
   schedule_ = std::make_unique<optim::LrSchedule>(cfg_.lr);
-  rule_ = std::make_unique<LocalUpdate>(sgd_);
+  rule_ = std::make_shared<LocalUpdate>(sgd_);
   batch_policy_ = std::make_unique<optim::BatchSizePolicy>(cfg_.batch_policy);
   state_.config_toml = cfg_.config_toml;
   if (cfg_.algorithm == "isgd") {
@@ -52,7 +53,7 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
 }
 
 void Trainer::checkpoint(const std::string& why) {
-  if (checkpoint_path_.empty()) return;
+  if (checkpoint_path_.empty() || !writer_) return;
   if (isgd_) state_.extra["isgd"] = isgd_->state();
   state_.extra["batch_policy"] = batch_policy_->state();
   save_checkpoint(checkpoint_path_, *model_, *sgd_, state_);
@@ -63,7 +64,8 @@ nlohmann::json Trainer::run() {
   const auto& t = cfg_.train;
   const auto wall_start = Clock::now();
   int64_t resumed_from = -1;
-  if (!checkpoint_path_.empty() && file_exists(checkpoint_path_) && !t.resume)
+  const bool elastic = membership_ != nullptr;
+  if (!elastic && !checkpoint_path_.empty() && file_exists(checkpoint_path_) && !t.resume)
     throw InvalidInput("run directory '" + cfg_.run_dir +
                        "' already holds a checkpoint; pass --resume to continue that run, or "
                        "choose another --run-dir");
@@ -86,8 +88,7 @@ nlohmann::json Trainer::run() {
              std::to_string(state_.cursor.epoch) + ", position " +
              std::to_string(state_.cursor.position) + ")");
   }
-  RunDir run_dir(cfg_.run_dir, t.resume);
-  run_dir.write_config(cfg_.config_toml);
+  RunDir run_dir(cfg_.run_dir, t.resume || elastic);
 
   const auto& train_set = splits_->train;
   const int64_t n = train_set.size();
@@ -105,7 +106,31 @@ nlohmann::json Trainer::run() {
            std::to_string(global_batch) + ", " + std::to_string(t.epochs) + " epochs, " +
            std::to_string(threads_.intra_op) + " threads, BLAS " + threads_.blas_library);
 
-  rule_->start(flat_->data());
+  int world = loader_opt.world;
+  SyncTargets targets{flat_->data(), *sgd_, state_, *batch_policy_, isgd_.get()};
+  int64_t membership_changes = 0;
+  nlohmann::json recoveries = nlohmann::json::array();
+  nlohmann::json pending_event;  // a change whose first completed step is still to come
+  Clock::time_point pending_since;
+  bool left = false;
+  // (Re)joins the group: new world/rank, newest state everywhere, loader moved.
+  auto reform = [&](const std::string& reason, Clock::time_point detected, double detection) {
+    auto est = membership_->establish(targets, reason);
+    world = est.world;
+    writer_ = est.rank == 0;
+    run_dir.set_writer(writer_);
+    loader.restart(state_.cursor, world, est.rank);
+    pending_event = est.event;
+    pending_event["detection_seconds"] = detection;
+    pending_since = detected;
+    log_info("membership round " + std::to_string(est.event["round"].get<int64_t>()) + ": " +
+             std::to_string(world) + " workers, rank " + std::to_string(est.rank) + " (" + reason +
+             ")");
+  };
+  if (elastic) reform("start", Clock::now(), 0.0);
+  else rule_->start(flat_->data());
+  run_dir.write_config(cfg_.config_toml);
+  data::Sampler log_sampler(n, loader_opt.order, loader_opt.seed);
   Progress progress("train", total_steps, stderr);
   model_->train();
   EvalResult last_eval;
@@ -141,7 +166,7 @@ nlohmann::json Trainer::run() {
         batch.plan.begin.epoch + static_cast<double>(batch.plan.begin.position) / n;
     // The policy sees the nominal global batch (b * workers), not the smaller
     // last batch of an epoch, so only membership changes move it.
-    auto policy = batch_policy_->step(state_.step, loader_opt.batch_size * loader_opt.world);
+    auto policy = batch_policy_->step(state_.step, loader_opt.batch_size * world);
     if (policy.changed && policy.momentum_factor != 1.0) sgd_->scale_buffer(policy.momentum_factor);
     const double lr = schedule_->lr(epoch_progress, state_.step) * policy.multiplier;
 
@@ -163,7 +188,41 @@ nlohmann::json Trainer::run() {
           anchor = flat_->data().clone();
       };
     }
-    StepResult res = rule_->apply(ctx);
+    StepResult res;
+    auto apply_start = Clock::now();
+    try {
+      res = rule_->apply(ctx);
+    } catch (const Error& e) {
+      const bool recoverable = dynamic_cast<const PeerFailure*>(&e) || dynamic_cast<const Timeout*>(&e);
+      if (!elastic || !recoverable) throw;
+      // The step did not commit here: re-form, take the newest state, redo.
+      log_warn(std::string("step ") + std::to_string(state_.step + 1) + " failed: " + e.what());
+      reform(std::string("failure: ") + e.what(), apply_start, seconds_since(apply_start));
+      continue;
+    }
+    // Commit: from here this step counts (state sync takes the newest step).
+    state_.step += 1;
+    state_.samples += res.global_batch;
+    state_.cursor = batch.plan.end;
+    if (t.sample_log && !cfg_.run_dir.empty()) {
+      // Every member logs each step it commits (a step may commit on several
+      // members; readers de-duplicate by step number).
+      const auto& order = log_sampler.epoch_order(batch.plan.begin.epoch);
+      std::string line = std::to_string(state_.step) + " " + std::to_string(batch.plan.begin.epoch);
+      for (int64_t i = 0; i < batch.plan.global_size; ++i)
+        line += " " + std::to_string(order[batch.plan.begin.position + i]);
+      std::ofstream(cfg_.run_dir + "/samples-" + std::to_string(::getpid()) + ".txt", std::ios::app)
+          << line << "\n";
+    }
+    if (!pending_event.is_null()) {
+      pending_event["first_step_seconds"] = seconds_since(pending_since);
+      if (pending_event["reason"] != "start") {
+        membership_changes += 1;
+        recoveries.push_back(pending_event["first_step_seconds"]);
+      }
+      run_dir.append_metrics(pending_event);
+      pending_event = nullptr;
+    }
     if (decision.triggered) {
       auto x0 = Clock::now();
       if (!anchor.defined()) anchor = flat_->data().clone();  // anchor after the update
@@ -171,7 +230,7 @@ nlohmann::json Trainer::run() {
                                   isgd_->options(), decision.limit, anchor, lr);
       isgd_->record_extra(r.iterations);
       isgd_extra_seconds += seconds_since(x0);
-      run_dir.append_metrics({{"kind", "isgd_batch"}, {"step", state_.step + 1},
+      run_dir.append_metrics({{"kind", "isgd_batch"}, {"step", state_.step},
                               {"epoch", epoch_progress}, {"psi", res.loss},
                               {"limit", decision.limit}, {"loss_before", r.loss_before},
                               {"loss_after", r.loss_after}, {"iterations", r.iterations}});
@@ -180,9 +239,6 @@ nlohmann::json Trainer::run() {
       plain_steps += 1;
     }
 
-    state_.step += 1;
-    state_.samples += res.global_batch;
-    state_.cursor = batch.plan.end;
     samples_this_run += res.global_batch;
     last_loss = res.loss;
     window_loss += res.loss;
@@ -230,11 +286,31 @@ nlohmann::json Trainer::run() {
     }
     if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0)
       checkpoint("step " + std::to_string(state_.step));
+    if (elastic && membership_->change_agreed()) {
+      if (membership_->leaving()) {
+        membership_->leave();
+        left = true;
+        log_info("leaving the job after step " + std::to_string(state_.step));
+        break;
+      }
+      reform("membership change agreed after step " + std::to_string(state_.step), Clock::now(), 0.0);
+    }
     if (t.pause_at_step > 0 && state_.step == t.pause_at_step) {
       std::fprintf(stderr, "paused at step %ld\n", static_cast<long>(state_.step));
       std::fflush(stderr);
       for (;;) ::pause();
     }
+  }
+  if (left) {
+    nlohmann::json s = {{"left", true}, {"steps", state_.step}};
+    return s;
+  }
+  if (elastic) membership_->leave();  // done: not a failure for the coordinator
+  if (t.sample_log && !cfg_.run_dir.empty()) {
+    // Testing aid: every member records a fingerprint of its final weights.
+    std::ofstream(cfg_.run_dir + "/final-" + std::to_string(::getpid()) + ".txt")
+        << state_.step << " " << flat_->data().sum().item<double>() << " "
+        << flat_->data().pow(2).sum().item<double>() << "\n";
   }
   if (last_eval_step != state_.step) do_eval();
   checkpoint("final");
@@ -270,6 +346,11 @@ nlohmann::json Trainer::run() {
         plain_steps > 0 ? nlohmann::json(plain_step_seconds / plain_steps) : nlohmann::json();
   }
   summary["algorithm"] = cfg_.algorithm;
+  if (elastic) {
+    summary["membership_changes"] = membership_changes;
+    summary["recovery_seconds"] = recoveries;
+    summary["workers"] = world;
+  }
   run_dir.write_summary(summary);
   return summary;
 }

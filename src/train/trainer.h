@@ -26,6 +26,7 @@
 #include "optim/lr_schedule.h"
 #include "optim/sgd.h"
 #include "train/checkpoint.h"
+#include "train/membership.h"
 #include "train/threads.h"
 #include "train/update_rule.h"
 
@@ -45,6 +46,10 @@ struct TrainOptions {
   // Testing aid: after completing this step (and its checkpoint, if any), the
   // process announces "paused at step N" on stderr and sleeps until killed.
   int64_t pause_at_step = 0;
+  // Testing aid: every member appends "step epoch id id ..." (the global
+  // batch) to <run_dir>/samples-<pid>.txt for every step it commits, and
+  // writes a fingerprint of its final weights to final-<pid>.txt.
+  bool sample_log = false;
 };
 
 struct TrainerConfig {
@@ -75,10 +80,13 @@ class Trainer {
   const data::Normalization& normalization() const { return norm_; }
   const TrainState& state() const { return state_; }
   const optim::IsgdController* isgd() const { return isgd_.get(); }
-  void set_update_rule(std::unique_ptr<UpdateRule> rule) { rule_ = std::move(rule); }
+  void set_update_rule(std::shared_ptr<UpdateRule> rule) { rule_ = std::move(rule); }
+  // Elastic training: the rule must be the membership's all-reduce rule.
+  void set_membership(std::unique_ptr<Membership> m) { membership_ = std::move(m); }
 
  private:
   void checkpoint(const std::string& why);
+  bool writer_ = true;  // this member writes the run directory and checkpoints
 
   TrainerConfig cfg_;
   ThreadReport threads_;
@@ -88,9 +96,10 @@ class Trainer {
   std::unique_ptr<optim::FlatParams> flat_;
   std::shared_ptr<optim::Sgd> sgd_;
   std::unique_ptr<optim::LrSchedule> schedule_;
-  std::unique_ptr<UpdateRule> rule_;
+  std::shared_ptr<UpdateRule> rule_;
   std::unique_ptr<optim::IsgdController> isgd_;
   std::unique_ptr<optim::BatchSizePolicy> batch_policy_;
+  std::unique_ptr<Membership> membership_;
   TrainState state_;
   std::string checkpoint_path_;
 };

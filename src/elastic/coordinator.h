@@ -1,0 +1,73 @@
+// The membership coordinator of an elastic job (a thread of the launcher).
+//
+// Workers register in the store (an id from `next_id`, a heartbeat counter
+// `hb/<id>` they bump every 0.5 s, `join/<id>`), may leave (`left/<id>`) and
+// may ask for a new round (`want/<k>`: a member of round k failed or wants a
+// change). poll() looks at the store and writes
+// a new round `round/<k>` (sorted member ids) and `round` = k when the alive
+// set differs from the current round's members or a member asked. Alive = the
+// heartbeat changed within heartbeat_timeout (measured on the coordinator's
+// own clock, so worker clocks need not agree), not left, not marked dead.
+// Below min_workers no round is written; after rendezvous_timeout below the
+// minimum, poll() reports it so the launcher can stop the job.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "comm/kv_store.h"
+
+namespace limbo::elastic {
+
+struct CoordinatorOptions {
+  int min_workers = 1;
+  int max_workers = 1 << 20;
+  int initial_workers = 0;  // the first round waits for this many (the launcher's nproc)
+  std::chrono::milliseconds heartbeat_timeout{3000};
+  std::chrono::milliseconds rendezvous_timeout{120000};
+};
+
+struct Round {
+  int64_t number = 0;
+  std::vector<int64_t> members;  // sorted worker ids; rank = index
+};
+
+// Parses / formats the value of `round/<k>`.
+std::string format_members(const std::vector<int64_t>& ids);
+std::vector<int64_t> parse_members(const std::string& s);
+
+class Coordinator {
+ public:
+  using Clock = std::function<std::chrono::steady_clock::time_point()>;
+  Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOptions opt,
+              Clock clock = [] { return std::chrono::steady_clock::now(); });
+
+  struct Result {
+    bool new_round = false;
+    Round round;          // the current round after this poll
+    std::string reason;   // why the new round was written
+    bool below_minimum_timed_out = false;
+    bool fell_below = false;  // this poll found too few workers, for the first time
+    int alive = 0;
+  };
+  Result poll();
+  // The launcher saw worker `id`'s process exit.
+  void mark_dead(int64_t id) { dead_.insert(id); }
+
+ private:
+  std::shared_ptr<comm::KvStore> store_;
+  CoordinatorOptions opt_;
+  Clock clock_;
+  Round current_;
+  std::map<int64_t, std::pair<int64_t, std::chrono::steady_clock::time_point>> heartbeats_;
+  std::set<int64_t> dead_;
+  std::chrono::steady_clock::time_point below_since_{};
+  bool below_ = false;
+};
+
+}  // namespace limbo::elastic

@@ -1,0 +1,111 @@
+#include "elastic/elastic_membership.h"
+
+#include <chrono>
+
+#include "common/error.h"
+#include "common/log.h"
+
+namespace limbo::elastic {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+}  // namespace
+
+int sync_state(comm::Collective& g, train::SyncTargets& s) {
+  torch::NoGradGuard no_grad;
+  // Newest committed step wins; among equals the lowest rank (encoded so
+  // that a max picks it).
+  const double kRanks = 65536.0;
+  auto key = torch::tensor({static_cast<double>(s.state.step) * kRanks + (kRanks - 1 - g.rank())},
+                           torch::kFloat64);
+  g.allreduce_max(key);
+  const double v = key.item<double>();
+  const int source = static_cast<int>(kRanks - 1 - std::fmod(v, kRanks));
+
+  auto meta = torch::tensor({s.state.step, s.state.cursor.epoch, s.state.cursor.position,
+                             s.state.samples, static_cast<int64_t>(s.sgd.buffer().defined())},
+                            torch::kInt64);
+  g.broadcast(meta, source);
+  g.broadcast(s.weights, source);
+  if (meta[4].item<int64_t>() != 0) {
+    torch::Tensor buf = s.sgd.buffer().defined() ? s.sgd.buffer() : torch::zeros_like(s.weights);
+    g.broadcast(buf, source);
+    s.sgd.set_buffer(buf);
+  } else {
+    s.sgd.set_buffer(torch::Tensor());
+  }
+  auto policy = s.policy.state();
+  g.broadcast(policy, source);
+  s.policy.load_state(policy);
+  if (s.isgd) {
+    auto st = s.isgd->state();
+    auto n = torch::tensor({st.numel()}, torch::kInt64);
+    g.broadcast(n, source);
+    if (st.numel() != n.item<int64_t>()) st = torch::zeros({n.item<int64_t>()}, torch::kFloat64);
+    g.broadcast(st, source);
+    s.isgd->load_state(st);
+  }
+  s.state.step = meta[0].item<int64_t>();
+  s.state.cursor = {meta[1].item<int64_t>(), meta[2].item<int64_t>()};
+  s.state.samples = meta[3].item<int64_t>();
+  return source;
+}
+
+ElasticMembership::ElasticMembership(std::unique_ptr<Member> member,
+                                     std::shared_ptr<AllReduceUpdate> rule,
+                                     std::function<bool()> want_leave)
+    : member_(std::move(member)), rule_(std::move(rule)), want_leave_(std::move(want_leave)) {
+  rule_->set_flag_source([this] {
+    return (want_leave_() || member_->newer_round(round_.number)) ? 1.0 : 0.0;
+  });
+}
+
+train::Membership::Established ElasticMembership::establish(train::SyncTargets& s,
+                                                            const std::string& reason) {
+  auto t0 = Clock::now();
+  // Close the old round's connections first: peers still blocked in one of
+  // its collectives then fail at once (connection reset) instead of waiting
+  // for the collective timeout.
+  rule_->set_group(nullptr);
+  if (round_.number > 0) member_->request_round(round_.number);
+  for (int attempt = 0;; ++attempt) {
+    Round next = member_->wait_round(round_.number);
+    double rendezvous = since(t0);
+    auto t1 = Clock::now();
+    try {
+      std::shared_ptr<comm::Collective> group = member_->form_group(next);
+      double form = since(t1);
+      auto t2 = Clock::now();
+      rule_->set_group(group);
+      int source = sync_state(*group, s);
+      Established e;
+      e.world = group->size();
+      e.rank = group->rank();
+      e.event = {{"kind", "membership"},
+                 {"round", next.number},
+                 {"members", next.members},
+                 {"old_members", round_.members},
+                 {"world", e.world},
+                 {"reason", reason},
+                 {"worker_id", member_->id()},
+                 {"state_source_rank", source},
+                 {"step", s.state.step},
+                 {"rendezvous_seconds", rendezvous},
+                 {"group_seconds", form},
+                 {"sync_seconds", since(t2)},
+                 {"attempts", attempt + 1}};
+      round_ = next;
+      return e;
+    } catch (const Error& err) {
+      // A member of this round is gone too: ask for the next one.
+      log_warn("worker " + std::to_string(member_->id()) + ": round " +
+               std::to_string(next.number) + " failed to form (" + err.what() + "); retrying");
+      member_->request_round(next.number);
+      round_.number = next.number;
+    }
+  }
+}
+
+}  // namespace limbo::elastic

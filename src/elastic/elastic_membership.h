@@ -1,0 +1,38 @@
+// train::Membership for elastic data-parallel training: rounds from the
+// coordinator, a fresh Gloo group per round, state sync from the member with
+// the newest committed step, and agreement on change steps through a flag
+// carried by the gradient all-reduce.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "elastic/allreduce_update.h"
+#include "elastic/member.h"
+#include "train/membership.h"
+
+namespace limbo::elastic {
+
+// Makes every member of `g` hold the state of the member with the newest
+// committed step (ties: the lowest rank). Returns that member's rank.
+int sync_state(comm::Collective& g, train::SyncTargets& s);
+
+class ElasticMembership : public train::Membership {
+ public:
+  // `want_leave` is polled every step (e.g. a SIGTERM flag).
+  ElasticMembership(std::unique_ptr<Member> member, std::shared_ptr<AllReduceUpdate> rule,
+                    std::function<bool()> want_leave);
+  Established establish(train::SyncTargets& s, const std::string& reason) override;
+  bool change_agreed() override { return rule_->last_flag_sum() > 0; }
+  bool leaving() override { return want_leave_(); }
+  void leave() override { member_->leave(); }
+  int64_t id() const { return member_->id(); }
+
+ private:
+  std::unique_ptr<Member> member_;
+  std::shared_ptr<AllReduceUpdate> rule_;
+  std::function<bool()> want_leave_;
+  Round round_;
+};
+
+}  // namespace limbo::elastic

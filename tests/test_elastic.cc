@@ -1,0 +1,297 @@
+// Elastic membership: the coordinator's decisions (in-memory store, fake
+// clock), and real processes that are killed, stopped, joined and asked to
+// leave while training runs.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <signal.h>
+
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <sstream>
+
+#include "comm/kv_store.h"
+#include "common/files.h"
+#include "elastic/coordinator.h"
+#include "test_util.h"
+
+using namespace limbo;
+using namespace limbo::elastic;
+using limbo::testing::slurp;
+using limbo::testing::TempDir;
+
+namespace {
+
+// ---------- coordinator ----------
+
+struct Fixture {
+  std::shared_ptr<comm::MemoryKvStore> kv = std::make_shared<comm::MemoryKvStore>();
+  std::chrono::steady_clock::time_point now{};
+  CoordinatorOptions opt;
+  std::unique_ptr<Coordinator> coord;
+  explicit Fixture(int initial = 0, int min = 1) {
+    opt.initial_workers = initial;
+    opt.min_workers = min;
+    opt.heartbeat_timeout = std::chrono::seconds(3);
+    opt.rendezvous_timeout = std::chrono::seconds(10);
+    coord = std::make_unique<Coordinator>(kv, opt, [this] { return now; });
+  }
+  int64_t join() {
+    int64_t id = kv->add("elastic/next_id", 1);
+    kv->add("elastic/hb/" + std::to_string(id), 1);
+    kv->set("elastic/join/" + std::to_string(id), "1");
+    return id;
+  }
+  void beat(int64_t id) { kv->add("elastic/hb/" + std::to_string(id), 1); }
+  void advance(double s) { now += std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); }
+};
+
+TEST(Coordinator, FirstRoundWaitsForTheInitialWorkers) {
+  Fixture f(3);
+  f.join();
+  f.join();
+  EXPECT_FALSE(f.coord->poll().new_round);
+  f.join();
+  auto r = f.coord->poll();
+  ASSERT_TRUE(r.new_round);
+  EXPECT_EQ(r.round.number, 1);
+  EXPECT_EQ(r.round.members, (std::vector<int64_t>{1, 2, 3}));
+  EXPECT_EQ(f.kv->try_get("elastic/round"), "1");
+  EXPECT_EQ(f.kv->try_get("elastic/round/1"), "1,2,3");
+  EXPECT_FALSE(f.coord->poll().new_round);  // nothing changed
+}
+
+TEST(Coordinator, DropsSilentDeadAndLeftWorkersAndAdmitsJoiners) {
+  Fixture f(3);
+  for (int i = 0; i < 3; ++i) f.join();
+  f.coord->poll();
+  // Worker 2 stops beating; 1 and 3 keep going.
+  for (int i = 0; i < 8; ++i) {
+    f.advance(0.5);
+    f.beat(1);
+    f.beat(3);
+    auto r = f.coord->poll();
+    if (r.new_round) {
+      EXPECT_GT(i, 4);  // only after the 3 s heartbeat timeout
+      EXPECT_EQ(r.round.members, (std::vector<int64_t>{1, 3}));
+      EXPECT_NE(r.reason.find("lost 2"), std::string::npos) << r.reason;
+    }
+  }
+  EXPECT_EQ(f.coord->poll().round.number, 2);
+  f.coord->mark_dead(3);  // the launcher saw its process exit: at once
+  auto r = f.coord->poll();
+  EXPECT_EQ(r.round.members, (std::vector<int64_t>{1}));
+  int64_t j = f.join();
+  r = f.coord->poll();
+  EXPECT_EQ(r.round.members, (std::vector<int64_t>{1, j}));
+  EXPECT_NE(r.reason.find("joined 4"), std::string::npos);
+  f.kv->set("elastic/left/1", "1");
+  r = f.coord->poll();
+  EXPECT_EQ(r.round.members, (std::vector<int64_t>{j}));
+  EXPECT_NE(r.reason.find("left 1"), std::string::npos) << r.reason;
+}
+
+TEST(Coordinator, AnswersARequestForTheCurrentRoundOnce) {
+  Fixture f(2);
+  f.join();
+  f.join();
+  f.coord->poll();
+  f.kv->set("elastic/want/1", "2");
+  auto r = f.coord->poll();
+  EXPECT_TRUE(r.new_round);
+  EXPECT_EQ(r.round.number, 2);
+  EXPECT_EQ(r.reason, "requested by a member");
+  EXPECT_FALSE(f.coord->poll().new_round);  // the request was about round 1
+}
+
+TEST(Coordinator, BelowTheMinimumItWaitsThenTimesOut) {
+  Fixture f(2, 2);
+  f.join();
+  f.join();
+  f.coord->poll();
+  f.coord->mark_dead(2);
+  auto r = f.coord->poll();
+  EXPECT_FALSE(r.new_round);
+  EXPECT_TRUE(r.fell_below);
+  f.advance(5);
+  f.beat(1);
+  EXPECT_FALSE(f.coord->poll().below_minimum_timed_out);
+  f.join();  // a replacement arrives in time
+  r = f.coord->poll();
+  EXPECT_TRUE(r.new_round);
+  EXPECT_EQ(r.round.members, (std::vector<int64_t>{1, 3}));
+  f.coord->mark_dead(3);
+  f.coord->poll();
+  f.advance(11);
+  f.beat(1);
+  EXPECT_TRUE(f.coord->poll().below_minimum_timed_out);
+}
+
+// ---------- processes ----------
+
+bool have_fmnist() {
+  return file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz");
+}
+
+std::vector<std::string> train_args(const std::string& dir, int epochs) {
+  return {"--run-dir", dir, "--set", "model.name=mlp", "--set", "model.width=64",
+          "--set", "data.train_limit=3000", "--set", "data.test_limit=300",
+          "--set", "data.batch_size=8", "--set", "train.epochs=" + std::to_string(epochs),
+          "--set", "train.threads=1", "--set", "train.progress=false",
+          "--set", "train.sample_log=true", "--set", "elastic.collective_timeout=2"};
+}
+
+// Every sample id appears exactly once in every epoch of the committed
+// steps. Members log each step they commit; a step committed by several
+// members must carry the same samples everywhere.
+void expect_exactly_once(const std::string& dir, int epochs, int n) {
+  std::map<int64_t, std::string> steps;  // step -> "epoch ids..."
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    if (f.path().filename().string().rfind("samples-", 0) != 0) continue;
+    std::istringstream in(slurp(f.path()));
+    for (std::string line; std::getline(in, line);) {
+      auto sp = line.find(' ');
+      int64_t step = std::stoll(line.substr(0, sp));
+      auto [it, fresh] = steps.emplace(step, line.substr(sp + 1));
+      if (!fresh) EXPECT_EQ(it->second, line.substr(sp + 1)) << "step " << step << " differs";
+    }
+  }
+  std::map<std::pair<int, int>, int> count;
+  for (const auto& [step, rest] : steps) {
+    std::istringstream ls(rest);
+    int e, id;
+    ls >> e;
+    while (ls >> id) count[{e, id}]++;
+  }
+  EXPECT_EQ(static_cast<int>(count.size()), epochs * n);
+  int dup = 0;
+  for (const auto& [k, c] : count) dup += c != 1;
+  EXPECT_EQ(dup, 0) << "samples used more than once";
+  EXPECT_EQ(steps.rbegin()->first, static_cast<int64_t>(steps.size())) << "a step is missing";
+}
+
+// The final-weight fingerprints of every member that finished agree.
+void expect_identical_finals(const std::string& dir, size_t members) {
+  std::vector<std::string> finals;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().filename().string().rfind("final-", 0) == 0) finals.push_back(slurp(e.path()));
+  ASSERT_EQ(finals.size(), members);
+  for (const auto& f : finals) EXPECT_EQ(f, finals[0]);
+}
+
+pid_t rank_pid(const std::string& log, int rank) {
+  std::smatch m;
+  std::string text = slurp(log);
+  if (!std::regex_search(text, m, std::regex("worker rank " + std::to_string(rank) + " pid ([0-9]+)")))
+    return -1;
+  return std::stoi(m[1]);
+}
+
+struct Job {
+  TempDir d;
+  std::string log = d.file("launch.log");
+  std::string run = d.file("run");
+  pid_t launcher = -1;
+  void start(int nproc, int min, int epochs, std::vector<std::string> extra = {}) {
+    std::vector<std::string> a = {"launch", "--nproc", std::to_string(nproc), "--min-workers",
+                                  std::to_string(min)};
+    a.insert(a.end(), extra.begin(), extra.end());
+    a.push_back("--");
+    auto t = train_args(run, epochs);
+    a.insert(a.end(), t.begin(), t.end());
+    launcher = limbo::testing::spawn_limbo(a, log);
+  }
+  // Waits until training is under way (past the first logged step).
+  bool training() { return limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60); }
+  limbo::testing::ProcessResult finish() { return limbo::testing::wait_child(launcher, log); }
+  nlohmann::json summary() { return nlohmann::json::parse(slurp(run + "/summary.json")); }
+};
+
+TEST(Elastic, SigkilledWorkerMidEpochSurvivorsGoOnWithEverySampleOnce) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  job.start(3, 1, 6);
+  ASSERT_TRUE(job.training()) << slurp(job.log);
+  ASSERT_EQ(::kill(rank_pid(job.log, 1), SIGKILL), 0);
+  auto r = job.finish();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // (Worker ids follow registration order, not the launch index.)
+  EXPECT_NE(r.output.find("(lost "), std::string::npos) << r.output;
+  auto s = job.summary();
+  EXPECT_GE(s["membership_changes"].get<int64_t>(), 1);
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_EQ(s["samples"].get<int64_t>(), 6 * 3000);
+  expect_exactly_once(job.run, 6, 3000);
+  expect_identical_finals(job.run, 2);
+  EXPECT_NE(slurp(job.run + "/metrics.jsonl").find("\"first_step_seconds\""), std::string::npos);
+}
+
+TEST(Elastic, StoppedWorkerIsDetectedByTimeout) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  job.start(3, 1, 12);
+  ASSERT_TRUE(job.training()) << slurp(job.log);
+  pid_t stopped = rank_pid(job.log, 2);
+  ASSERT_EQ(::kill(stopped, SIGSTOP), 0);
+  // The others time out in the all-reduce (2 s), the coordinator drops the
+  // silent worker (3 s heartbeat timeout), and training goes on without it.
+  EXPECT_TRUE(limbo::testing::wait_for_text(job.log, "(lost ", 30)) << slurp(job.log);
+  auto done = limbo::testing::wait_for_text(job.run + "/summary.json", "test_accuracy", 120);
+  ::kill(stopped, SIGKILL);  // the launcher waits for every child
+  auto r = job.finish();
+  ASSERT_TRUE(done) << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("timed out"), std::string::npos) << r.output;
+  expect_exactly_once(job.run, 12, 3000);
+  expect_identical_finals(job.run, 2);
+}
+
+TEST(Elastic, AWorkerStartedByHandJoinsARunningJob) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  job.start(2, 1, 8);
+  ASSERT_TRUE(job.training()) << slurp(job.log);
+  std::smatch m;
+  std::string text = slurp(job.log);
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("store at ([0-9.]+:[0-9]+)")));
+  std::vector<std::string> a = {"train", "--elastic", "--dist-rdzv", m[1]};
+  auto t = train_args(job.run, 8);
+  a.insert(a.end(), t.begin(), t.end());
+  auto joiner = limbo::testing::run_limbo(a);
+  EXPECT_EQ(joiner.exit_code, 0) << joiner.output;
+  auto r = job.finish();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("joined 3"), std::string::npos) << r.output;
+  auto s = job.summary();
+  EXPECT_EQ(s["workers"].get<int64_t>(), 3);
+  expect_exactly_once(job.run, 8, 3000);
+  expect_identical_finals(job.run, 3);
+}
+
+TEST(Elastic, SigtermMakesAWorkerLeaveCleanly) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  job.start(3, 1, 6);
+  ASSERT_TRUE(job.training()) << slurp(job.log);
+  ASSERT_EQ(::kill(rank_pid(job.log, 1), SIGTERM), 0);
+  auto r = job.finish();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("left the job after step"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(left "), std::string::npos) << r.output;
+  EXPECT_EQ(job.summary()["workers"].get<int64_t>(), 2);
+  expect_exactly_once(job.run, 6, 3000);
+}
+
+TEST(Elastic, BelowTheMinimumTheJobWaitsThenStopsWithAClearMessage) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  job.start(2, 2, 50, {"--rdzv-timeout", "3"});
+  ASSERT_TRUE(job.training()) << slurp(job.log);
+  ASSERT_EQ(::kill(rank_pid(job.log, 1), SIGKILL), 0);
+  auto r = job.finish();
+  EXPECT_EQ(r.exit_code, 4) << r.output;  // timeout
+  EXPECT_NE(r.output.find("below the minimum of 2; waiting up to 3 s"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("stopping the job"), std::string::npos) << r.output;
+}
+
+}  // namespace
