@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 #include <regex>
+#include <set>
 #include <sstream>
 
 #include "comm/kv_store.h"
@@ -192,13 +193,15 @@ struct Job {
   std::string log = d.file("launch.log");
   std::string run = d.file("run");
   pid_t launcher = -1;
-  void start(int nproc, int min, int epochs, std::vector<std::string> extra = {}) {
+  void start(int nproc, int min, int epochs, std::vector<std::string> extra = {},
+             std::vector<std::string> train_extra = {}) {
     std::vector<std::string> a = {"launch", "--nproc", std::to_string(nproc), "--min-workers",
                                   std::to_string(min)};
     a.insert(a.end(), extra.begin(), extra.end());
     a.push_back("--");
     auto t = train_args(run, epochs);
     a.insert(a.end(), t.begin(), t.end());
+    a.insert(a.end(), train_extra.begin(), train_extra.end());
     launcher = limbo::testing::spawn_limbo(a, log);
   }
   // Waits until training is under way (past the first logged step).
@@ -292,6 +295,41 @@ TEST(Elastic, BelowTheMinimumTheJobWaitsThenStopsWithAClearMessage) {
   EXPECT_EQ(r.exit_code, 4) << r.output;  // timeout
   EXPECT_NE(r.output.find("below the minimum of 2; waiting up to 3 s"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("stopping the job"), std::string::npos) << r.output;
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Elastic, ScheduleAddsAndRemovesWorkersByEpoch) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  // Epochs long enough (12k samples) for a started worker to join in time.
+  job.start(2, 1, 5, {"--elastic-schedule", "0:2,1:3,3:1"}, {"--set", "data.train_limit=12000"});
+  auto r = job.finish();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = job.summary();
+  EXPECT_EQ(s["workers"].get<int64_t>(), 1);
+  EXPECT_GE(s["membership_changes"].get<int64_t>(), 2);
+  expect_exactly_once(job.run, 5, 12000);
+  // The global batch followed the worker count: 2, 3, then 1 workers x 8.
+  std::set<int64_t> batches;
+  std::istringstream in(slurp(job.run + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "train") batches.insert(j["batch_size"].get<int64_t>());
+  }
+  EXPECT_TRUE(batches.count(16) && batches.count(24) && batches.count(8)) << r.output;
+}
+
+TEST(Elastic, ScheduleIsValidated) {
+  auto r = limbo::testing::run_limbo({"launch", "--nproc", "1", "--elastic-schedule", "0:2,x", "--",
+                                      "--set", "data.dataset=synthetic"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("EPOCH:WORKERS"), std::string::npos) << r.output;
+  r = limbo::testing::run_limbo({"launch", "--nproc", "1", "--elastic-schedule", "3:2,1:1"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("ascend"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -27,6 +27,7 @@ struct LaunchArgs {
   int min_workers = 0;  // elastic mode when min or max is given
   int max_workers = 0;
   double rdzv_timeout = 120;  // seconds below the minimum before the job stops
+  std::string elastic_schedule;  // "epoch:workers,..."
 };
 int run_launch(const LaunchArgs& a);
 

@@ -53,6 +53,9 @@ int main(int argc, char** argv) {
                      "elastic: admit at most this many workers");
   launch->add_option("--rdzv-timeout", launch_args.rdzv_timeout,
                      "elastic: seconds below the minimum worker count before the job stops");
+  launch->add_option("--elastic-schedule", launch_args.elastic_schedule,
+                     "elastic: worker count by epoch, e.g. \"0:1,5:4,10:2\" (starts and stops "
+                     "workers as training passes each epoch)");
   launch->add_option("train_args", launch_args.train_args, "arguments for `limbo train` (after --)");
 
   cli::CheckpointArgs ck_args;

@@ -26,6 +26,7 @@ class ElasticMembership : public train::Membership {
   bool change_agreed() override { return rule_->last_flag_sum() > 0; }
   bool leaving() override { return want_leave_(); }
   void leave() override { member_->leave(); }
+  void publish_progress(double epoch) override { member_->publish_progress(epoch); }
   int64_t id() const { return member_->id(); }
 
  private:

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cerrno>
 #include <map>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "comm/collective.h"
@@ -57,7 +59,42 @@ int exit_code_of(int status) {
 
 }  // namespace
 
-int launch(const LaunchOptions& opt) {
+std::vector<std::pair<double, int>> parse_schedule(const std::string& text) {
+  std::vector<std::pair<double, int>> out;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    auto colon = item.find(':');
+    double e = -1;
+    int c = 0;
+    try {
+      if (colon == std::string::npos) throw std::invalid_argument("no colon");
+      size_t p1 = 0, p2 = 0;
+      e = std::stod(item.substr(0, colon), &p1);
+      c = std::stoi(item.substr(colon + 1), &p2);
+      if (p1 != colon || p2 != item.size() - colon - 1) throw std::invalid_argument("junk");
+    } catch (const std::exception&) {
+      throw InvalidInput("--elastic-schedule: '" + item + "' is not EPOCH:WORKERS (e.g. \"0:1,5:4,10:2\")");
+    }
+    if (e < 0 || c < 1 || (!out.empty() && e <= out.back().first))
+      throw InvalidInput("--elastic-schedule: epochs must ascend from >= 0 and counts be >= 1, got '" +
+                         text + "'");
+    out.emplace_back(e, c);
+  }
+  if (out.empty()) throw InvalidInput("--elastic-schedule is empty");
+  return out;
+}
+
+int launch(const LaunchOptions& opt_in) {
+  LaunchOptions opt = opt_in;
+  if (!opt.schedule.empty()) {
+    opt.elastic = true;
+    if (opt.schedule.front().first == 0) opt.nproc = opt.schedule.front().second;
+    int most = opt.nproc;
+    for (const auto& [e, c] : opt.schedule) most = std::max(most, c);
+    opt.max_workers = std::max(opt.max_workers == (1 << 20) ? 0 : opt.max_workers, most);
+    if (opt.cores == 0)  // split the cores for the largest scheduled count
+      opt.cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) * opt.nproc / most);
+  }
   if (opt.nproc < 1) throw InvalidInput("--nproc must be >= 1, got " + std::to_string(opt.nproc));
   if (opt.self_exe.empty()) throw InvalidInput("launch: the limbo binary path is unknown");
   int port = opt.rdzv_port;
@@ -96,8 +133,11 @@ int launch(const LaunchOptions& opt) {
     return 0;
   };
   bool any_succeeded = false;
+  bool training_done = false;  // a worker finished training: no more scheduling
 
-  std::map<pid_t, int> running;  // pid -> rank
+  std::map<pid_t, int> running;  // pid -> launch index
+  std::set<pid_t> terminating;   // SIGTERMed by the schedule
+  int next_index = opt.nproc;
   for (int r = 0; r < opt.nproc; ++r) {
     pid_t pid = start_worker(opt, r, threads, rdzv);
     running[pid] = r;
@@ -123,6 +163,7 @@ int launch(const LaunchOptions& opt) {
       running.erase(pid);
       int code = exit_code_of(status);
       if (code == 0) any_succeeded = true;
+      if (code == 0 && !terminating.count(pid)) training_done = true;  // not a scheduled leave
       if (opt.elastic) {
         if (int64_t id = worker_id_of(pid)) coordinator->mark_dead(id);
         if (code != 0)
@@ -130,6 +171,7 @@ int launch(const LaunchOptions& opt) {
                    std::to_string(pid) + ") exited with status " + std::to_string(code) +
                    "; the others go on");
         if (code != 0 && result == 0) result = code;
+        terminating.erase(pid);
         continue;
       }
       if (code != 0) {
@@ -143,6 +185,33 @@ int launch(const LaunchOptions& opt) {
         }
       }
       continue;
+    }
+    if (coordinator && !stopping && !training_done && !opt.schedule.empty()) {
+      double progress = 0;
+      if (auto p = kv->try_get("elastic/progress")) progress = std::stod(*p);
+      int target = opt.nproc;
+      for (const auto& [e, c] : opt.schedule)
+        if (progress >= e) target = c;
+      int active = static_cast<int>(running.size() - terminating.size());
+      if (active != target)
+        log_info("launch: schedule at epoch " + std::to_string(progress) + ": " +
+                 std::to_string(active) + " -> " + std::to_string(target) + " workers");
+      for (; active < target; ++active) {
+        pid_t pid = start_worker(opt, next_index, threads, rdzv);
+        running[pid] = next_index++;
+        log_info("launch: worker rank " + std::to_string(running[pid]) + " pid " + std::to_string(pid));
+      }
+      while (active > target) {
+        // The newest workers leave first (SIGTERM: finish the step, leave cleanly).
+        pid_t newest = 0;
+        int best = -1;
+        for (const auto& [pid, idx] : running)
+          if (!terminating.count(pid) && idx > best) best = idx, newest = pid;
+        if (!newest) break;
+        ::kill(newest, SIGTERM);
+        terminating.insert(newest);
+        --active;
+      }
     }
     if (coordinator && !stopping) {
       auto r = coordinator->poll();

@@ -34,7 +34,14 @@ struct LaunchOptions {
   int max_workers = 1 << 20;
   std::chrono::milliseconds heartbeat_timeout{3000};
   std::chrono::milliseconds rendezvous_timeout{120000};
+  // Scheduled elasticity (implies elastic): (epoch, worker count), ascending.
+  // The launcher starts workers or SIGTERMs its newest ones as the job's
+  // progress (published by rank 0) passes each epoch.
+  std::vector<std::pair<double, int>> schedule;
 };
+
+// Parses "0:1,5:4,10:2" (epoch:workers, ascending epochs, counts >= 1).
+std::vector<std::pair<double, int>> parse_schedule(const std::string& text);
 
 // Runs the job; returns the process exit code. Throws InvalidInput on bad
 // options (e.g. nproc < 1, a rendezvous port that cannot be bound).

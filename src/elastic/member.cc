@@ -83,6 +83,10 @@ void Member::request_round(int64_t current) {
   store_->set("elastic/want/" + std::to_string(current), std::to_string(id_));
 }
 
+void Member::publish_progress(double epoch) {
+  store_->set("elastic/progress", std::to_string(epoch));
+}
+
 void Member::leave() { store_->set("elastic/left/" + std::to_string(id_), "1"); }
 
 std::shared_ptr<comm::Collective> Member::form_group(const Round& round) {

@@ -40,6 +40,9 @@ class Member {
   // Asks the coordinator for a round after `current`.
   void request_round(int64_t current);
   void leave();
+  // Sets `elastic/progress` (fractional epochs), read by the launcher's
+  // --elastic-schedule.
+  void publish_progress(double epoch);
   // Forms the Gloo group of `round` (blocks until every member joined).
   std::shared_ptr<comm::Collective> form_group(const Round& round);
   int rank_in(const Round& round) const;

@@ -38,6 +38,8 @@ struct Membership {
   // This member is leaving (SIGTERM) at the agreed change.
   virtual bool leaving() = 0;
   virtual void leave() = 0;
+  // The writer reports training progress (fractional epochs) for schedulers.
+  virtual void publish_progress(double epoch) {}
 };
 
 }  // namespace limbo::train

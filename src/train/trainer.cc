@@ -286,6 +286,9 @@ nlohmann::json Trainer::run() {
     }
     if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0)
       checkpoint("step " + std::to_string(state_.step));
+    if (elastic && writer_ && (state_.step % 10 == 0 || batch.plan.last_in_epoch))
+      membership_->publish_progress(state_.cursor.epoch +
+                                    static_cast<double>(state_.cursor.position) / n);
     if (elastic && membership_->change_agreed()) {
       if (membership_->leaving()) {
         membership_->leave();
