@@ -54,6 +54,12 @@ std::string slurp(const std::string& path) {
 }
 
 pid_t spawn_limbo(const std::vector<std::string>& args, const std::string& log) {
+  std::vector<std::string> argv = {LIMBO_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return spawn_process(argv, log);
+}
+
+pid_t spawn_process(const std::vector<std::string>& args, const std::string& log) {
   pid_t pid = ::fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
@@ -61,12 +67,10 @@ pid_t spawn_limbo(const std::vector<std::string>& args, const std::string& log) 
     ::dup2(fd, 1);
     ::dup2(fd, 2);
     std::vector<char*> argv;
-    std::string bin = LIMBO_BINARY;
-    argv.push_back(bin.data());
     std::vector<std::string> copy = args;
     for (auto& a : copy) argv.push_back(a.data());
     argv.push_back(nullptr);
-    ::execv(bin.c_str(), argv.data());
+    ::execv(copy[0].c_str(), argv.data());
     ::_exit(127);
   }
   return pid;

@@ -36,6 +36,9 @@ struct ProcessResult {
 // Runs the limbo binary with arguments; waits for it.
 ProcessResult run_limbo(const std::vector<std::string>& args);
 
+// Starts any program (argv[0] is a path); combined output goes to `log`.
+pid_t spawn_process(const std::vector<std::string>& argv, const std::string& log);
+
 // Starts the limbo binary; returns its pid; its combined output goes to `log`.
 pid_t spawn_limbo(const std::vector<std::string>& args, const std::string& log);
 // Waits until `needle` appears in the file or the timeout passes.

@@ -36,8 +36,8 @@ struct GroupOptions {
   std::string prefix = "limbo";  // key namespace of this group in the store
   std::chrono::milliseconds timeout{60000};
   // Address this member's Gloo device binds to (its interface on the network
-  // the peers share).
-  std::string bind_host = "127.0.0.1";
+  // the peers share); empty = the local address that routes to store_host.
+  std::string bind_host;
   int64_t bucket_bytes = 8 << 20;
   int worker_threads = 2;  // c10d's Gloo worker threads (its default; measured best at 16-64 MB)
 };
@@ -45,6 +45,14 @@ struct GroupOptions {
 // Connects to the job's TCPStore and forms a Gloo group of `size` members.
 // Blocks until all members have joined or the timeout passes (Timeout).
 std::unique_ptr<Collective> make_gloo_group(const GroupOptions& opt, int rank, int size);
+
+// The local address this machine uses to reach `host` (asks the kernel's
+// routing table via an unconnected UDP socket; sends nothing). "127.0.0.1"
+// for loopback hosts. Throws PeerFailure if there is no route.
+std::string local_address_towards(const std::string& host);
+
+// True when `host` is an address of this machine (it can be bound here).
+bool is_local_address(const std::string& host);
 
 // Hosts the job's TCPStore (the launcher does this, not a worker). Returns an
 // opaque handle; the store lives as long as the handle. port 0 picks a free

@@ -4,6 +4,12 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "comm/collective.h"
 #include "common/error.h"
 
@@ -37,7 +43,9 @@ class GlooGroup : public Collective {
       auto tcp = c10::make_intrusive<c10d::TCPStore>(opt.store_host, so);
       auto store = c10::make_intrusive<c10d::PrefixStore>(opt.prefix, tcp);
       auto go = c10d::ProcessGroupGloo::Options::create(opt.timeout);
-      go->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(opt.bind_host));
+      const std::string bind =
+          opt.bind_host.empty() ? local_address_towards(opt.store_host) : opt.bind_host;
+      go->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(bind));
       go->threads = opt.worker_threads;
       pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, go);
     } catch (const limbo::Error&) {
@@ -101,6 +109,42 @@ class GlooGroup : public Collective {
 };
 
 }  // namespace
+
+std::string local_address_towards(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), "9", &hints, &res) != 0 || !res)
+    throw PeerFailure("cannot resolve '" + host + "'");
+  int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+  std::string out;
+  if (fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t len = sizeof local;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+      char buf[INET_ADDRSTRLEN];
+      if (::inet_ntop(AF_INET, &local.sin_addr, buf, sizeof buf)) out = buf;
+    }
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(res);
+  if (out.empty()) throw PeerFailure("no route from this machine to '" + host + "'");
+  return out;
+}
+
+bool is_local_address(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), "0", &hints, &res) != 0 || !res) return false;
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  bool local = fd >= 0 && ::bind(fd, res->ai_addr, res->ai_addrlen) == 0;
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(res);
+  return local;
+}
 
 std::unique_ptr<Collective> make_gloo_group(const GroupOptions& opt, int rank, int size) {
   if (size < 1 || rank < 0 || rank >= size)

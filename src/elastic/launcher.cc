@@ -98,7 +98,20 @@ int launch(const LaunchOptions& opt_in) {
   if (opt.nproc < 1) throw InvalidInput("--nproc must be >= 1, got " + std::to_string(opt.nproc));
   if (opt.self_exe.empty()) throw InvalidInput("launch: the limbo binary path is unknown");
   int port = opt.rdzv_port;
-  auto store = comm::host_store(opt.rdzv_host, &port, opt.store_timeout);
+  // The launcher on the machine that owns the rendezvous address hosts the
+  // store and the coordinator; launchers on other machines (same --rdzv)
+  // only start workers, which join through that coordinator.
+  std::shared_ptr<void> store;
+  const bool hosting = comm::is_local_address(opt.rdzv_host);
+  if (hosting) {
+    store = comm::host_store(opt.rdzv_host, &port, opt.store_timeout);
+  } else {
+    if (!opt.elastic || port == 0)
+      throw InvalidInput("--rdzv " + opt.rdzv_host + " is not an address of this machine; to join "
+                         "a job hosted elsewhere give its port and run elastic (--min-workers)");
+    log_info("launch: joining the job whose rendezvous store is at " + opt.rdzv_host + ":" +
+             std::to_string(port));
+  }
   const std::string rdzv = opt.rdzv_host + ":" + std::to_string(port);
   int cores = opt.cores > 0 ? opt.cores : static_cast<int>(std::thread::hardware_concurrency());
   int threads = sets_threads(opt.train_args) ? 0 : std::max(1, cores / opt.nproc);
@@ -112,8 +125,8 @@ int launch(const LaunchOptions& opt_in) {
 
   std::unique_ptr<Coordinator> coordinator;
   std::shared_ptr<comm::KvStore> kv;
-  if (opt.elastic) {
-    kv = comm::connect_kv_store(opt.rdzv_host, port, opt.store_timeout);
+  if (opt.elastic) kv = comm::connect_kv_store(opt.rdzv_host, port, opt.store_timeout);
+  if (opt.elastic && hosting) {
     CoordinatorOptions co;
     co.min_workers = opt.min_workers;
     co.max_workers = opt.max_workers;
@@ -165,7 +178,8 @@ int launch(const LaunchOptions& opt_in) {
       if (code == 0) any_succeeded = true;
       if (code == 0 && !terminating.count(pid)) training_done = true;  // not a scheduled leave
       if (opt.elastic) {
-        if (int64_t id = worker_id_of(pid)) coordinator->mark_dead(id);
+        if (coordinator)
+          if (int64_t id = worker_id_of(pid)) coordinator->mark_dead(id);
         if (code != 0)
           log_warn("launch: worker (first rank " + std::to_string(rank) + ", pid " +
                    std::to_string(pid) + ") exited with status " + std::to_string(code) +

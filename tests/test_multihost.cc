@@ -1,0 +1,87 @@
+// One elastic job across two "hosts": two network namespaces joined by a
+// veth pair, one `limbo launch` in each, the rendezvous store on the first.
+// Needs root and iproute2 (CI runs as root); skipped otherwise.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <map>
+#include <sstream>
+
+#include "common/files.h"
+#include "test_util.h"
+
+using limbo::testing::slurp;
+using limbo::testing::TempDir;
+
+namespace {
+
+int sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); }
+
+class TwoHosts : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (::geteuid() != 0 || sh("ip netns list") != 0) GTEST_SKIP() << "needs root and iproute2";
+    if (!limbo::file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))
+      GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+    const int tag = ::getpid() % 200 + 20;
+    a_ = "limbo-a-" + std::to_string(tag);
+    b_ = "limbo-b-" + std::to_string(tag);
+    net_ = "10.231." + std::to_string(tag);
+    const std::string va = "lva" + std::to_string(tag), vb = "lvb" + std::to_string(tag);
+    ok_ = sh("ip netns add " + a_) == 0 && sh("ip netns add " + b_) == 0 &&
+          sh("ip link add " + va + " type veth peer name " + vb) == 0 &&
+          sh("ip link set " + va + " netns " + a_) == 0 && sh("ip link set " + vb + " netns " + b_) == 0 &&
+          sh("ip -n " + a_ + " addr add " + net_ + ".1/24 dev " + va) == 0 &&
+          sh("ip -n " + b_ + " addr add " + net_ + ".2/24 dev " + vb) == 0 &&
+          sh("ip -n " + a_ + " link set " + va + " up") == 0 &&
+          sh("ip -n " + b_ + " link set " + vb + " up") == 0 &&
+          sh("ip -n " + a_ + " link set lo up") == 0 && sh("ip -n " + b_ + " link set lo up") == 0;
+    if (!ok_) GTEST_SKIP() << "cannot create network namespaces here";
+  }
+  void TearDown() override {
+    if (!a_.empty()) sh("ip netns del " + a_);
+    if (!b_.empty()) sh("ip netns del " + b_);
+  }
+  std::string a_, b_, net_;
+  bool ok_ = false;
+};
+
+TEST_F(TwoHosts, LaunchersOnTwoHostsFormOneJob) {
+  TempDir d;
+  const std::string run = d.file("run");
+  const std::string rdzv = net_ + ".1:29611";
+  auto launch = [&](const std::string& ns, const std::string& log) {
+    return limbo::testing::spawn_process(
+        {"/usr/sbin/ip", "netns", "exec", ns, LIMBO_BINARY, "launch", "--nproc", "1",
+         "--min-workers", "2", "--rdzv", rdzv, "--", "--run-dir", run,
+         "--set", "model.name=mlp", "--set", "model.width=64", "--set", "data.train_limit=3000",
+         "--set", "data.test_limit=300", "--set", "data.batch_size=16", "--set", "train.epochs=3",
+         "--set", "train.threads=1", "--set", "train.progress=false",
+         "--set", "train.sample_log=true"},
+        log);
+  };
+  pid_t host_a = launch(a_, d.file("a.log"));
+  ASSERT_TRUE(limbo::testing::wait_for_text(d.file("a.log"), "store at", 30)) << slurp(d.file("a.log"));
+  pid_t host_b = launch(b_, d.file("b.log"));
+  auto ra = limbo::testing::wait_child(host_a, d.file("a.log"));
+  auto rb = limbo::testing::wait_child(host_b, d.file("b.log"));
+  ASSERT_EQ(ra.exit_code, 0) << ra.output << "\n--- host b ---\n" << rb.output;
+  ASSERT_EQ(rb.exit_code, 0) << rb.output;
+  EXPECT_NE(rb.output.find("joining the job whose rendezvous store is at " + rdzv), std::string::npos)
+      << rb.output;
+  EXPECT_NE(ra.output.find("membership round 1: workers [1,2]"), std::string::npos) << ra.output;
+  auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_EQ(s["samples"].get<int64_t>(), 3 * 3000);
+  // Both hosts' workers finished with the same weights.
+  std::vector<std::string> finals;
+  for (const auto& e : std::filesystem::directory_iterator(run))
+    if (e.path().filename().string().rfind("final-", 0) == 0) finals.push_back(slurp(e.path()));
+  ASSERT_EQ(finals.size(), 2u);
+  EXPECT_EQ(finals[0], finals[1]);
+}
+
+}  // namespace
