@@ -9,6 +9,7 @@
 #include <map>
 #include <regex>
 #include <set>
+#include <thread>
 #include <sstream>
 
 #include "comm/kv_store.h"
@@ -330,6 +331,30 @@ TEST(Elastic, ScheduleIsValidated) {
   r = limbo::testing::run_limbo({"launch", "--nproc", "1", "--elastic-schedule", "3:2,1:1"});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("ascend"), std::string::npos) << r.output;
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Elastic, WhenEveryWorkerIsGoneTheJobRestartsFromItsLastCheckpoint) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  job.start(2, 1, 6, {}, {"--set", "train.checkpoint_every_steps=100"});
+  ASSERT_TRUE(job.training()) << slurp(job.log);
+  for (int i = 0; i < 600 && !file_exists(job.run + "/checkpoint.pt"); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(file_exists(job.run + "/checkpoint.pt"));
+  ::kill(rank_pid(job.log, 0), SIGKILL);
+  ::kill(rank_pid(job.log, 1), SIGKILL);
+  auto r = job.finish();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("every worker is gone; restarting the job from"), std::string::npos)
+      << r.output;
+  auto s = job.summary();
+  EXPECT_GT(s["resumed_from_step"].get<int64_t>(), 0);
+  EXPECT_EQ(s["steps"].get<int64_t>(), 6 * 188);  // 3000 samples, global batch 16
+  EXPECT_EQ(s["samples"].get<int64_t>(), 6 * 3000);
 }
 
 }  // namespace

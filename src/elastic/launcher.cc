@@ -163,6 +163,13 @@ int launch(const LaunchOptions& opt_in) {
   auto stop_all = [&](int sig) {
     for (const auto& [pid, rank] : running) ::kill(pid, sig);
   };
+  // Elastic: when every worker is gone without finishing, start the job again
+  // from the run directory's last checkpoint (a few times at most).
+  std::string run_dir;
+  for (size_t i = 0; i + 1 < opt.train_args.size(); ++i)
+    if (opt.train_args[i] == "--run-dir") run_dir = opt.train_args[i + 1];
+  int restarts = 0;
+  for (;;) {
   while (!running.empty()) {
     if (int sig = g_forward_signal.exchange(0)) {
       log_info("launch: forwarding signal " + std::to_string(sig) + " to the workers");
@@ -251,6 +258,24 @@ int launch(const LaunchOptions& opt_in) {
       stop_deadline = std::chrono::steady_clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const std::string ckpt = run_dir + "/checkpoint.pt";
+  if (opt.elastic && !any_succeeded && !stopping && restarts < opt.max_restarts &&
+      !run_dir.empty() && ::access(ckpt.c_str(), R_OK) == 0) {
+    ++restarts;
+    log_warn("launch: every worker is gone; restarting the job from " + ckpt + " (restart " +
+             std::to_string(restarts) + " of at most " + std::to_string(opt.max_restarts) + ")");
+    LaunchOptions again = opt;
+    again.train_args.push_back("--resume");
+    for (int r = 0; r < opt.nproc; ++r) {
+      pid_t pid = start_worker(again, next_index, threads, rdzv);
+      running[pid] = next_index++;
+      log_info("launch: worker rank " + std::to_string(running[pid]) + " pid " + std::to_string(pid));
+    }
+    result = 0;
+    continue;
+  }
+  break;
   }
   // Elastic: the job succeeded if the workers that remained finished.
   if (opt.elastic && any_succeeded && result != kExitTimeout) return 0;

@@ -11,7 +11,9 @@
 // workers given): workers run with --elastic; the launcher runs the
 // membership coordinator, tells it at once when one of its children exits,
 // keeps going while at least min_workers remain, and succeeds when the
-// remaining workers finish training.
+// remaining workers finish training. If every worker dies without finishing,
+// it starts nproc new workers with --resume from the run directory's last
+// checkpoint (at most max_restarts times).
 #pragma once
 
 #include <chrono>
@@ -38,6 +40,8 @@ struct LaunchOptions {
   // The launcher starts workers or SIGTERMs its newest ones as the job's
   // progress (published by rank 0) passes each epoch.
   std::vector<std::pair<double, int>> schedule;
+  // Elastic: restarts from the last checkpoint when every worker is gone.
+  int max_restarts = 3;
 };
 
 // Parses "0:1,5:4,10:2" (epoch:workers, ascending epochs, counts >= 1).
