@@ -84,6 +84,8 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
       e.world = group->size();
       e.rank = group->rank();
       e.event = {{"kind", "membership"},
+                 {"time", std::chrono::duration<double>(
+                              std::chrono::system_clock::now().time_since_epoch()).count()},
                  {"round", next.number},
                  {"members", next.members},
                  {"old_members", round_.members},
