@@ -353,7 +353,10 @@ TEST(Elastic, WhenEveryWorkerIsGoneTheJobRestartsFromItsLastCheckpoint) {
       << r.output;
   auto s = job.summary();
   EXPECT_GT(s["resumed_from_step"].get<int64_t>(), 0);
-  EXPECT_EQ(s["steps"].get<int64_t>(), 6 * 188);  // 3000 samples, global batch 16
+  // The survivor of the first kill may train alone (global batch 8) and
+  // checkpoint before the second kill, so the step count varies; the number
+  // of samples per epoch does not.
+  EXPECT_GE(s["steps"].get<int64_t>(), 6 * 188);  // 3000 samples, global batch <= 16
   EXPECT_EQ(s["samples"].get<int64_t>(), 6 * 3000);
 }
 
