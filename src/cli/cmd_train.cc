@@ -75,6 +75,7 @@ int run_train(const TrainArgs& a) {
     comm::GroupOptions go;
     std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
     go.prefix = "limbo/static";
+    go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
     auto group = comm::make_gloo_group(go, a.dist_rank, a.dist_world);
     trainer.set_update_rule(std::make_unique<elastic::AllReduceUpdate>(
         std::shared_ptr<comm::Collective>(std::move(group)), trainer.sgd_ptr()));
@@ -84,6 +85,7 @@ int run_train(const TrainArgs& a) {
     std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
     go.timeout = std::chrono::milliseconds(
         static_cast<int64_t>(1000 * cfg.get_float("elastic.collective_timeout")));
+    go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
     elastic::MemberOptions mo;
     mo.group = go;
     mo.round_timeout = std::chrono::milliseconds(

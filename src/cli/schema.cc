@@ -119,6 +119,9 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(S("elastic.momentum", "keep", {"keep", "reset", "rescale"},
              "momentum buffer at a batch change: keep, zero, or rescale by the multiplier jump"));
 
+    s->add(B("elastic.direct_allreduce", true,
+             "gradient all-reduce on a raw Gloo context on the training thread (false: through "
+             "c10d's ProcessGroupGloo worker thread, in 8 MiB buckets)"));
     s->add(F("elastic.collective_timeout", 10.0, 0.1, 3600.0,
              "seconds a collective may wait for a peer before the peer counts as failed "
              "(how fast a stopped worker is detected)"));

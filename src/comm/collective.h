@@ -39,6 +39,9 @@ struct GroupOptions {
   // the peers share); empty = the local address that routes to store_host.
   std::string bind_host;
   int64_t bucket_bytes = 8 << 20;
+  // Float all-reduces go through a raw Gloo context on the calling thread
+  // (false: through c10d's ProcessGroupGloo, in buckets of bucket_bytes).
+  bool direct_allreduce = true;
   int worker_threads = 2;  // c10d's Gloo worker threads (its default; measured best at 16-64 MB)
 };
 
