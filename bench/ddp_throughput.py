@@ -24,7 +24,7 @@ def ddp_worker(rank, world, port, name, batch, steps, channels_last):
     import torch.distributed as dist
     import torch.nn.functional as F
     sys.path.insert(0, HERE)
-    from train_throughput import LeNet, Mlp, load_fmnist
+    from train_throughput import LeNet, Mlp, load_fmnist, timed_steps
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -38,20 +38,10 @@ def ddp_worker(rank, world, port, name, batch, steps, channels_last):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(1))
     dist.barrier()
-    t0 = time.perf_counter()
-    for s in range(steps):
-        start = ((s * world + rank) * batch) % (len(y) - batch)
-        idx = perm[start:start + batch]
-        xb, yb = x[idx], y[idx]
-        if channels_last:
-            xb = xb.contiguous(memory_format=torch.channels_last)
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(ddp(xb), yb)
-        loss.backward()
-        opt.step()
-        loss.item()
+    secs = timed_steps(ddp, opt, x, y, perm, batch, steps, channels_last,
+                       lambda s: (s * world + rank) * batch)
     dist.barrier()
-    rate = steps * batch * world / (time.perf_counter() - t0)
+    rate = steps * batch * world / secs
     if rank == 0:
         print(json.dumps({"samples_per_second": rate}), flush=True)
     dist.destroy_process_group()

@@ -90,9 +90,16 @@ def pytorch_rate(name, x, y, batch, steps, threads, channels_last=False):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(1)
     perm = torch.randperm(len(y), generator=g)
+    secs = timed_steps(model, opt, x, y, perm, batch, steps, channels_last, lambda s: s * batch)
+    return steps * batch / secs, model
+
+
+def timed_steps(model, opt, x, y, perm, batch, steps, channels_last, start_of):
+    """Runs `steps` SGD steps on batches perm[start_of(s):][:batch]; returns seconds."""
     t0 = time.perf_counter()
     for s in range(steps):
-        idx = perm[(s * batch) % (len(y) - batch):][:batch]
+        start = start_of(s) % (len(y) - batch)
+        idx = perm[start:start + batch]
         xb, yb = x[idx], y[idx]
         if channels_last:
             xb = xb.contiguous(memory_format=torch.channels_last)
@@ -101,7 +108,7 @@ def pytorch_rate(name, x, y, batch, steps, threads, channels_last=False):
         loss.backward()
         opt.step()
         loss.item()
-    return steps * batch / (time.perf_counter() - t0), model
+    return time.perf_counter() - t0
 
 
 def limbo_rate(limbo, name, batch, steps, threads, blas_threads=0):
@@ -137,6 +144,8 @@ def main():
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--models", default="mlp,lenet")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="repeat the whole comparison; the median ratio is printed at the end")
     args = ap.parse_args()
     cores = os.cpu_count()
     threads = sorted({1, cores})
@@ -144,6 +153,17 @@ def main():
     peak = max(matmul_peak(t) for t in threads)
     print(f"matmul peak (torch.mm 1024^2 fp32, best of threads {threads}): {peak / 1e9:.1f} GFLOP/s")
     print(f"batch {args.batch}, {args.steps} steps, SGD momentum 0.9\n")
+    ratios = {}
+    for rep in range(args.repeats):
+        compare(args, x, y, threads, peak, ratios)
+    if args.repeats > 1:
+        for name, rs in ratios.items():
+            rs = sorted(rs)
+            print(f"{name}: limbo / best pytorch over {len(rs)} repeats: median {rs[len(rs) // 2]:.2f}x "
+                  f"(range {rs[0]:.2f}-{rs[-1]:.2f}x)")
+
+
+def compare(args, x, y, threads, peak, ratios):
     print(f"{'model':6} {'side':8} {'threads':>7} {'blas':>5} {'samples/s':>10}")
     for name in args.models.split(","):
         best_t, best_c, best_l = (0, None), (0, None), (0, None)
@@ -159,6 +179,7 @@ def main():
                 rl = limbo_rate(args.limbo, name, args.batch, args.steps, t, blas)
                 print(f"{name:6} {'limbo':8} {t:7d} {('omp' if blas == 0 else '1'):>5} {rl:10.0f}")
                 best_l = max(best_l, (rl, t))
+        ratios.setdefault(name, []).append(best_l[0] / best_t[0])
         fl = train_flops_per_sample(model)
         print(f"{name}: best limbo {best_l[0]:.0f}/s ({best_l[1]} thr) vs best pytorch "
               f"{best_t[0]:.0f}/s ({best_t[1]} thr): ratio {best_l[0] / best_t[0]:.2f}x; "
