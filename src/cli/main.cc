@@ -9,6 +9,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/memory.h"
 
 namespace {
 
@@ -21,6 +22,7 @@ int report(const char* kind, const std::string& msg, int code) {
 
 int main(int argc, char** argv) {
   using namespace limbo;
+  keep_freed_memory();
   CLI::App app{"Limbo: distributed training on resources that are not fixed"};
   app.require_subcommand(1);
   std::string level = "info";
