@@ -20,12 +20,7 @@
 namespace limbo::cli {
 namespace {
 
-Config resolve(const TrainArgs& a) {
-  Config cfg(train_schema());
-  if (!a.config_file.empty()) cfg.load_toml_file(a.config_file);
-  for (const auto& o : a.overrides) cfg.apply_override(o);
-  return cfg;
-}
+Config resolve(const TrainArgs& a) { return resolve_config(a.config_file, a.overrides); }
 
 std::string default_run_dir(const Config& cfg) {
   std::time_t t = std::time(nullptr);

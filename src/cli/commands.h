@@ -2,6 +2,7 @@
 // limbo::Error subclasses for main() to report.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -28,8 +29,38 @@ struct LaunchArgs {
   int max_workers = 0;
   double rdzv_timeout = 120;  // seconds below the minimum before the job stops
   std::string elastic_schedule;  // "epoch:workers,..."
+  // --mode async: a parameter-server job.
+  std::string mode = "sync";
+  int servers = 1, workers = 1;
+  std::string protocol = "softsync";
+  int softsync_n = 0;  // 0 = the config's ps.softsync_n
+  std::string run_dir;
+  std::string keys_file;
 };
 int run_launch(const LaunchArgs& a);
+int run_launch_async(const LaunchArgs& a);
+
+struct PsServerArgs {
+  std::string config_file;
+  std::vector<std::string> overrides;
+  int shard = 0, shards = 1;
+  std::string bind = "tcp://127.0.0.1:*";
+  std::string dir;
+  bool resume = false;
+  std::string keys_file;
+};
+int run_ps_server(const PsServerArgs& a);
+
+struct WorkerArgs {
+  std::string config_file;
+  std::vector<std::string> overrides;
+  std::string servers;  // comma-separated endpoints in shard order
+  int64_t learner_id = -1;
+  std::string run_dir;
+  std::string keys_file;
+};
+int run_worker_cmd(const WorkerArgs& a);
+int run_keygen(const std::string& out);
 
 struct CheckpointArgs {
   std::string checkpoint;

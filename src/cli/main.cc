@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   cli::LaunchArgs launch_args;
   auto* launch = app.add_subcommand(
       "launch", "start N local data-parallel workers: limbo launch --nproc N -- <train args>");
-  launch->add_option("--nproc", launch_args.nproc, "number of workers")->required();
+  launch->add_option("--nproc", launch_args.nproc, "sync: number of workers");
   launch->add_option("--rdzv", launch_args.rdzv,
                      "HOST:PORT where the launcher hosts the rendezvous store (port 0 = any free)");
   launch->add_option("--min-workers", launch_args.min_workers,
@@ -58,7 +58,42 @@ int main(int argc, char** argv) {
   launch->add_option("--elastic-schedule", launch_args.elastic_schedule,
                      "elastic: worker count by epoch, e.g. \"0:1,5:4,10:2\" (starts and stops "
                      "workers as training passes each epoch)");
+  launch->add_option("--mode", launch_args.mode, "sync (data-parallel all-reduce) or async (parameter server)")
+      ->check(CLI::IsMember({"sync", "async"}));
+  launch->add_option("--servers", launch_args.servers, "async: parameter-server shards");
+  launch->add_option("--workers", launch_args.workers, "async: learners");
+  launch->add_option("--protocol", launch_args.protocol, "async: hardsync or softsync")
+      ->check(CLI::IsMember({"hardsync", "softsync"}));
+  launch->add_option("--softsync-n", launch_args.softsync_n, "async: n of n-softsync (default: ps.softsync_n)");
+  launch->add_option("--run-dir", launch_args.run_dir, "async: job directory (default runs/async-<time>)");
+  launch->add_option("--keys", launch_args.keys_file, "async: CURVE key file from `limbo keygen`");
   launch->add_option("train_args", launch_args.train_args, "arguments for `limbo train` (after --)");
+
+  cli::PsServerArgs ps_args;
+  auto* ps_server = app.add_subcommand("ps-server", "run one parameter-server shard");
+  ps_server->add_option("--config", ps_args.config_file, "TOML config file")->check(CLI::ExistingFile);
+  ps_server->add_option("--set", ps_args.overrides, "override a key: section.key=value (repeatable)");
+  ps_server->add_option("--shard", ps_args.shard, "this shard's index");
+  ps_server->add_option("--shards", ps_args.shards, "number of shards");
+  ps_server->add_option("--bind", ps_args.bind, "endpoint to serve on, e.g. tcp://0.0.0.0:5555 (port * = any)");
+  ps_server->add_option("--dir", ps_args.dir, "directory for the checkpoint, metrics and endpoint")->required();
+  ps_server->add_flag("--resume", ps_args.resume, "start from the directory's checkpoint when there is one");
+  ps_server->add_option("--keys", ps_args.keys_file, "CURVE key file: admit only peers holding it")
+      ->check(CLI::ExistingFile);
+
+  cli::WorkerArgs worker_args;
+  auto* worker = app.add_subcommand("worker", "run one asynchronous learner against parameter-server shards");
+  worker->add_option("--config", worker_args.config_file, "TOML config file")->check(CLI::ExistingFile);
+  worker->add_option("--set", worker_args.overrides, "override a key: section.key=value (repeatable)");
+  worker->add_option("--servers", worker_args.servers, "shard endpoints in shard order: HOST:PORT,HOST:PORT")
+      ->required();
+  worker->add_option("--learner-id", worker_args.learner_id, "unique learner id (default: random)");
+  worker->add_option("--run-dir", worker_args.run_dir, "job directory for learner metrics and final results");
+  worker->add_option("--keys", worker_args.keys_file, "CURVE key file of the job")->check(CLI::ExistingFile);
+
+  std::string keygen_out;
+  auto* keygen = app.add_subcommand("keygen", "write a CURVE key pair for an encrypted parameter-server job");
+  keygen->add_option("--out", keygen_out, "key file to write")->required();
 
   cli::CheckpointArgs ck_args;
   auto* eval = app.add_subcommand("eval", "evaluate a checkpoint on its test split");
@@ -87,7 +122,10 @@ int main(int argc, char** argv) {
                                    : LogLevel::Info);
   try {
     if (*train) return cli::run_train(train_args);
-    if (*launch) return cli::run_launch(launch_args);
+    if (*launch) return launch_args.mode == "async" ? cli::run_launch_async(launch_args) : cli::run_launch(launch_args);
+    if (*ps_server) return cli::run_ps_server(ps_args);
+    if (*worker) return cli::run_worker_cmd(worker_args);
+    if (*keygen) return cli::run_keygen(keygen_out);
     if (*eval) return cli::run_eval(ck_args);
     if (*exp) return cli::run_export(ck_args);
     if (*config) return cli::run_config(cfg_args, schema_md);

@@ -129,6 +129,28 @@ std::shared_ptr<const Schema> train_schema() {
              "seconds a worker waits for a membership round (e.g. below the minimum) before "
              "giving up"));
 
+    s->add(S("ps.protocol", "softsync", {"hardsync", "softsync"},
+             "parameter server: hardsync (one gradient from every learner per update) or "
+             "n-softsync (update every floor(learners / n) gradients)"));
+    s->add(I("ps.softsync_n", 1, 1, 1 << 20, "parameter server: n of n-softsync"));
+    s->add(S("ps.staleness", "inverse", {"constant", "inverse"},
+             "parameter server: learning rate of a gradient of staleness tau: optim.lr, or "
+             "optim.lr / tau (optim.lr at tau = 0)"));
+    s->add(I("ps.max_staleness", 0, 0, std::nullopt,
+             "parameter server: staleness bound (0 = none); see ps.bound_action"));
+    s->add(S("ps.bound_action", "drop", {"drop", "wait"},
+             "parameter server: above ps.max_staleness, drop the gradient (counted) or hold "
+             "updates until the slow learner catches up"));
+    s->add(F("ps.heartbeat_timeout", 10.0, 0.1, 86400.0,
+             "parameter server: seconds without a message before a learner is dropped"));
+    s->add(F("ps.request_timeout", 60.0, 0.5, 86400.0,
+             "learner: seconds without any answer from a shard before giving up"));
+    s->add(I("ps.checkpoint_every", 500, 0, std::nullopt,
+             "parameter server: shard checkpoint every N updates (0 = only at exit)"));
+    s->add(I("ps.log_every", 100, 1, std::nullopt, "parameter server: updates per metrics line"));
+    s->add(I("ps.max_message_mb", 1024, 1, 1 << 20,
+             "parameter server: largest payload a shard accepts, in MiB"));
+
     s->add(I("train.epochs", 2, 1, 100000, "epochs to train"));
     s->add(I("train.max_steps", 0, 0, std::nullopt, "stop after this many steps (0 = no limit)"));
     s->add(I("train.seed", 1, 0, std::nullopt, "seed for initialisation and data order"));
@@ -151,6 +173,13 @@ std::shared_ptr<const Schema> train_schema() {
     return std::shared_ptr<const Schema>(s);
   }();
   return schema;
+}
+
+Config resolve_config(const std::string& config_file, const std::vector<std::string>& overrides) {
+  Config cfg(train_schema());
+  if (!config_file.empty()) cfg.load_toml_file(config_file);
+  for (const auto& o : overrides) cfg.apply_override(o);
+  return cfg;
 }
 
 train::TrainerConfig trainer_config(const Config& c) {

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "common/config.h"
 #include "train/trainer.h"
@@ -10,6 +12,9 @@
 namespace limbo::cli {
 
 std::shared_ptr<const Schema> train_schema();
+
+// The schema's defaults, then the TOML file (if any), then --set overrides.
+Config resolve_config(const std::string& config_file, const std::vector<std::string>& overrides);
 
 // Builds the trainer's options; throws InvalidInput for cross-key problems
 // (e.g. Nesterov without momentum, multistep without milestones).

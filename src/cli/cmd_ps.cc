@@ -1,0 +1,174 @@
+// `limbo ps-server`, `limbo worker`, `limbo keygen` and `limbo launch --mode async`.
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <ctime>
+
+#include "cli/commands.h"
+#include "cli/schema.h"
+#include "common/error.h"
+#include "common/log.h"
+#include "ps/launch_async.h"
+#include "ps/server.h"
+#include "ps/transport.h"
+#include "ps/worker.h"
+#include "train/trainer.h"
+
+namespace limbo::cli {
+namespace {
+
+std::atomic<bool> g_stop{false};
+void on_stop(int) { g_stop = true; }
+
+void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop;
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGINT, &sa, nullptr);
+}
+
+ps::CurveKeys keys_of(const std::string& file) { return file.empty() ? ps::CurveKeys{} : ps::load_curve_keys(file); }
+
+ps::AggregatorOptions aggregator_options(const Config& c) {
+  ps::AggregatorOptions a;
+  a.protocol = ps::parse_protocol(c.get_string("ps.protocol"));
+  a.softsync_n = static_cast<int>(c.get_int("ps.softsync_n"));
+  a.policy = ps::parse_staleness_policy(c.get_string("ps.staleness"));
+  a.alpha0 = c.get_float("optim.lr");
+  a.max_staleness = c.get_int("ps.max_staleness");
+  a.bound_action = ps::parse_bound_action(c.get_string("ps.bound_action"));
+  return a;
+}
+
+std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    size_t end = s.find(',', start);
+    if (end == std::string::npos) end = s.size();
+    std::string item = s.substr(start, end - start);
+    if (!item.empty()) out.push_back(item.find("://") == std::string::npos ? "tcp://" + item : item);
+    start = end + 1;
+  }
+  return out;
+}
+
+void check_async_config(const Config& cfg) {
+  if (cfg.get_string("optim.algorithm") != "sgd")
+    throw InvalidInput("asynchronous training supports optim.algorithm = \"sgd\" only");
+  if (cfg.get_string("optim.schedule") != "constant")
+    throw InvalidInput("asynchronous training uses the staleness-dependent rate alpha(tau) from optim.lr; "
+                       "set optim.schedule = \"constant\"");
+  if (cfg.get_bool("optim.nesterov")) throw InvalidInput("the parameter server applies plain momentum; set optim.nesterov = false");
+}
+
+}  // namespace
+
+int run_ps_server(const PsServerArgs& a) {
+  Config cfg = resolve_config(a.config_file, a.overrides);
+  check_async_config(cfg);
+  auto tc = trainer_config(cfg);
+  tc.run_dir.clear();
+  tc.train.progress = false;
+  train::Trainer trainer(tc);  // same seeded initialisation and dataset as the learners
+  ps::ServerOptions so;
+  so.shard = a.shard;
+  so.shards = a.shards;
+  so.bind = a.bind.find("://") == std::string::npos ? "tcp://" + a.bind : a.bind;
+  so.dir = a.dir;
+  so.resume = a.resume;
+  so.agg = aggregator_options(cfg);
+  so.momentum = cfg.get_float("optim.momentum");
+  so.weight_decay = cfg.get_float("optim.weight_decay");
+  so.heartbeat_timeout = cfg.get_float("ps.heartbeat_timeout");
+  so.checkpoint_every = cfg.get_int("ps.checkpoint_every");
+  so.log_every = cfg.get_int("ps.log_every");
+  so.max_payload_bytes = static_cast<uint64_t>(cfg.get_int("ps.max_message_mb")) << 20;
+  so.dataset_size = trainer.data().train.size();
+  so.batch = tc.loader.batch_size;
+  so.epochs = tc.train.epochs;
+  auto& flat = trainer.params();
+  ps::Server server(so, ps::model_fingerprint(tc.model.name, flat), flat.data().data_ptr<float>(), flat.numel(),
+                    keys_of(a.keys_file));
+  install_stop_handlers();
+  server.run(g_stop);
+  return kExitOk;
+}
+
+int run_worker_cmd(const WorkerArgs& a) {
+  Config cfg = resolve_config(a.config_file, a.overrides);
+  check_async_config(cfg);
+  auto tc = trainer_config(cfg);
+  tc.run_dir.clear();
+  train::Trainer trainer(tc);
+  ps::WorkerOptions wo;
+  wo.servers = split_commas(a.servers);
+  if (wo.servers.empty()) throw InvalidInput("--servers needs at least one HOST:PORT");
+  wo.learner_id = a.learner_id >= 0 ? static_cast<uint32_t>(a.learner_id)
+                                    : static_cast<uint32_t>((::getpid() * 2654435761u) ^ std::time(nullptr)) | 0x80000000u;
+  wo.request_timeout = cfg.get_float("ps.request_timeout");
+  wo.heartbeat_interval = std::min(0.5, cfg.get_float("ps.heartbeat_timeout") / 4);
+  wo.log_every = cfg.get_int("train.log_every");
+  wo.run_dir = a.run_dir;
+  wo.max_steps = tc.train.max_steps;
+  install_stop_handlers();
+  auto summary = ps::run_worker(trainer, tc, wo, keys_of(a.keys_file), g_stop);
+  std::printf("learner %u: %lld steps, %.0f samples/s\n", wo.learner_id,
+              static_cast<long long>(summary["steps"].get<int64_t>()), summary["samples_per_second"].get<double>());
+  if (summary.contains("test_accuracy"))
+    std::printf("test accuracy: %.2f%%\n", 100.0 * summary["test_accuracy"].get<double>());
+  return kExitOk;
+}
+
+int run_keygen(const std::string& out) {
+  if (out.empty()) throw InvalidInput("keygen needs --out FILE");
+  auto k = ps::generate_curve_keys();
+  ps::save_curve_keys(out, k);
+  std::printf("wrote a CURVE key pair to %s (give the same file to every shard and learner of the job)\n", out.c_str());
+  return kExitOk;
+}
+
+int run_launch_async(const LaunchArgs& a) {
+  ps::AsyncLaunchOptions o;
+  o.servers = a.servers;
+  o.workers = a.workers;
+  o.protocol = a.protocol;
+  o.softsync_n = a.softsync_n;
+  o.train_args = a.train_args;
+  o.keys_file = a.keys_file;
+  o.run_dir = a.run_dir;
+  if (o.run_dir.empty()) {
+    std::time_t t = std::time(nullptr);
+    std::tm tm{};
+    ::localtime_r(&t, &tm);
+    char stamp[32];
+    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &tm);
+    o.run_dir = std::string("runs/async-") + stamp;
+  }
+  if (a.protocol != "hardsync" && a.protocol != "softsync")
+    throw InvalidInput("--protocol must be hardsync or softsync, got '" + a.protocol + "'");
+  // Validate the arguments once here, before any process starts.
+  std::string config_file;
+  std::vector<std::string> overrides;
+  for (size_t i = 0; i < a.train_args.size(); ++i) {
+    if (a.train_args[i] == "--config" && i + 1 < a.train_args.size()) config_file = a.train_args[++i];
+    else if (a.train_args[i] == "--set" && i + 1 < a.train_args.size()) overrides.push_back(a.train_args[++i]);
+    else throw InvalidInput("launch --mode async passes only --config FILE and --set KEY=VALUE to its processes; got '" +
+                            a.train_args[i] + "'");
+  }
+  overrides.push_back("ps.protocol=" + a.protocol);
+  if (a.softsync_n > 0) overrides.push_back("ps.softsync_n=" + std::to_string(a.softsync_n));
+  Config cfg = resolve_config(config_file, overrides);
+  check_async_config(cfg);
+  trainer_config(cfg);
+  if (!a.keys_file.empty()) ps::load_curve_keys(a.keys_file);
+  char exe[4096];
+  ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n <= 0) throw Error("cannot find the limbo binary (/proc/self/exe)");
+  o.self_exe.assign(exe, static_cast<size_t>(n));
+  return ps::launch_async(o);
+}
+
+}  // namespace limbo::cli

@@ -1,0 +1,305 @@
+#include "ps/launch_async.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "common/error.h"
+#include "common/files.h"
+#include "common/log.h"
+
+namespace limbo::ps {
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+std::atomic<int> g_signal{0};
+void on_signal(int sig) { g_signal = sig; }
+
+pid_t spawn(const std::string& exe, std::vector<std::string> args) {
+  args.insert(args.begin(), exe);
+  pid_t pid = ::fork();
+  if (pid < 0) throw Error("fork failed: " + std::string(std::strerror(errno)));
+  if (pid == 0) {
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execv(exe.c_str(), argv.data());
+    std::fprintf(stderr, "launch: cannot exec %s: %s\n", exe.c_str(), std::strerror(errno));
+    ::_exit(127);
+  }
+  return pid;
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+std::string describe(int status) {
+  if (WIFSIGNALED(status)) return std::string("killed by signal ") + std::to_string(WTERMSIG(status));
+  return "exit code " + std::to_string(exit_code_of(status));
+}
+
+bool sets_threads(const std::vector<std::string>& args) {
+  for (const auto& a : args)
+    if (a.rfind("train.threads=", 0) == 0) return true;
+  return false;
+}
+
+json read_json(const std::string& path) {
+  if (!file_exists(path)) return json();
+  try {
+    return json::parse(read_file(path));
+  } catch (const std::exception&) {
+    return json();
+  }
+}
+
+struct Shard {
+  int index;
+  std::string dir, endpoint;
+  pid_t pid = -1;
+  int restarts = 0;
+};
+
+class AsyncJob {
+ public:
+  explicit AsyncJob(const AsyncLaunchOptions& o) : opt_(o) {}
+
+  int run() {
+    if (opt_.servers < 1 || opt_.workers < 1) throw InvalidInput("--servers and --workers must be >= 1");
+    if (opt_.run_dir.empty()) throw InvalidInput("launch --mode async needs --run-dir");
+    make_dirs(opt_.run_dir);
+    common_ = opt_.train_args;
+    common_.insert(common_.end(), {"--set", "ps.protocol=" + opt_.protocol});
+    if (opt_.softsync_n > 0) common_.insert(common_.end(), {"--set", "ps.softsync_n=" + std::to_string(opt_.softsync_n)});
+    if (!opt_.keys_file.empty()) common_.insert(common_.end(), {"--keys", opt_.keys_file});
+    const int cores = opt_.cores > 0 ? opt_.cores : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    worker_threads_ = sets_threads(opt_.train_args) ? 0 : std::max(1, cores / opt_.workers);
+
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    ::sigaction(SIGINT, &sa, nullptr);
+    ::sigaction(SIGTERM, &sa, nullptr);
+
+    for (int k = 0; k < opt_.servers; ++k) {
+      Shard s;
+      s.index = k;
+      s.dir = opt_.run_dir + "/shard-" + std::to_string(k);
+      make_dirs(s.dir);
+      shards_.push_back(s);
+    }
+    for (auto& s : shards_) start_shard(s, false);
+    std::vector<std::string> endpoints;
+    for (auto& s : shards_) endpoints.push_back(wait_endpoint(s));
+    std::string servers;
+    for (const auto& e : endpoints) servers += (servers.empty() ? "" : ",") + e;
+    log_info("launch: " + std::to_string(opt_.servers) + " shard(s) at " + servers + "; starting " +
+             std::to_string(opt_.workers) + " learner(s)");
+    auto t0 = Clock::now();
+    for (int i = 0; i < opt_.workers; ++i) {
+      std::vector<std::string> a = {"worker", "--servers", servers, "--learner-id", std::to_string(i),
+                                    "--run-dir", opt_.run_dir};
+      if (worker_threads_ > 0) a.insert(a.end(), {"--set", "train.threads=" + std::to_string(worker_threads_)});
+      if (i > 0) a.insert(a.end(), {"--set", "train.progress=false"});
+      a.insert(a.end(), common_.begin(), common_.end());
+      workers_[spawn(opt_.self_exe, a)] = i;
+    }
+    int finished_ok = 0, failed = 0, first_failure = 0;
+    bool forwarded = false;
+    while (!workers_.empty()) {
+      if (g_signal && !forwarded) {
+        log_warn("launch: signal received, asking the learners to leave");
+        for (const auto& [pid, i] : workers_) ::kill(pid, SIGTERM);
+        forwarded = true;
+      }
+      int status = 0;
+      pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        continue;
+      }
+      if (auto w = workers_.find(pid); w != workers_.end()) {
+        if (exit_code_of(status) == 0) {
+          finished_ok += 1;
+        } else {
+          failed += 1;
+          if (!first_failure) first_failure = exit_code_of(status);
+          log_warn("launch: learner " + std::to_string(w->second) + " failed (" + describe(status) +
+                   "); the others go on");
+        }
+        workers_.erase(w);
+        continue;
+      }
+      for (auto& s : shards_) {
+        if (s.pid != pid) continue;
+        s.pid = -1;
+        if (s.restarts >= opt_.max_server_restarts) {
+          log_warn("launch: shard " + std::to_string(s.index) + " failed (" + describe(status) + ") and was restarted " +
+                   std::to_string(s.restarts) + " times already; stopping the job");
+          stop_all();
+          return exit_code_of(status) ? exit_code_of(status) : kExitFailure;
+        }
+        s.restarts += 1;
+        log_warn("launch: shard " + std::to_string(s.index) + " failed (" + describe(status) +
+                 "); restarting it from its checkpoint on " + s.endpoint);
+        start_shard(s, true);
+        wait_endpoint(s);
+      }
+    }
+    const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+    stop_shards();
+    write_summary(wall, finished_ok, failed);
+    if (finished_ok == 0) {
+      log_warn("launch: every learner failed");
+      return first_failure ? first_failure : kExitFailure;
+    }
+    return g_signal ? 128 + g_signal.load() : kExitOk;
+  }
+
+ private:
+  void start_shard(Shard& s, bool resume) {
+    ::unlink((s.dir + "/endpoint").c_str());
+    std::vector<std::string> a = {"ps-server", "--shard", std::to_string(s.index), "--shards",
+                                  std::to_string(opt_.servers), "--dir", s.dir,
+                                  "--bind", s.endpoint.empty() ? "tcp://127.0.0.1:*" : s.endpoint,
+                                  "--set", "train.threads=1"};
+    if (resume) a.push_back("--resume");
+    a.insert(a.end(), common_.begin(), common_.end());
+    s.pid = spawn(opt_.self_exe, a);
+  }
+
+  std::string wait_endpoint(Shard& s) {
+    auto t0 = Clock::now();
+    const std::string path = s.dir + "/endpoint";
+    while (!file_exists(path)) {
+      int status;
+      if (::waitpid(s.pid, &status, WNOHANG) == s.pid) {
+        s.pid = -1;
+        stop_all();
+        throw InvalidInput("shard " + std::to_string(s.index) + " exited before serving (" + describe(status) +
+                           "); see its messages above");
+      }
+      if (std::chrono::duration<double>(Clock::now() - t0).count() > opt_.start_timeout) {
+        stop_all();
+        throw Timeout("shard " + std::to_string(s.index) + " did not publish its endpoint within " +
+                      std::to_string(opt_.start_timeout) + " s");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::string e = read_file(path);
+    while (!e.empty() && (e.back() == '\n' || e.back() == ' ')) e.pop_back();
+    s.endpoint = e;
+    return e;
+  }
+
+  void stop_shards() {
+    for (auto& s : shards_)
+      if (s.pid > 0) ::kill(s.pid, SIGTERM);
+    for (auto& s : shards_) {
+      if (s.pid <= 0) continue;
+      int status;
+      ::waitpid(s.pid, &status, 0);
+      s.pid = -1;
+    }
+  }
+
+  void stop_all() {
+    for (const auto& [pid, i] : workers_) ::kill(pid, SIGKILL);
+    for (const auto& [pid, i] : workers_) ::waitpid(pid, nullptr, 0);
+    workers_.clear();
+    stop_shards();
+  }
+
+  void write_summary(double wall, int ok, int failed) {
+    json s = {{"mode", "async"}, {"servers", opt_.servers}, {"workers", opt_.workers}, {"protocol", opt_.protocol},
+              {"learners_finished", ok}, {"learners_failed", failed}, {"wall_seconds", wall}};
+    std::map<int64_t, int64_t> hist;
+    int64_t rejected = 0;
+    json shards = json::array();
+    for (const auto& sh : shards_) {
+      json j = read_json(sh.dir + "/summary.json");
+      if (j.is_null()) continue;
+      if (sh.index == 0) {
+        s["updates"] = j["updates"];
+        s["gradients_dropped"] = j["gradients_dropped"];
+        s["gradients_accepted"] = j["gradients_accepted"];
+        s["softsync_n"] = j["softsync_n"];
+        s["staleness_policy"] = j["staleness_policy"];
+      }
+      rejected += j.value("gradients_rejected", int64_t{0});
+      for (auto& [t, n] : j["staleness_hist"].items()) hist[std::stoll(t)] += n.get<int64_t>();
+      shards.push_back({{"shard", sh.index}, {"updates", j["updates"]}, {"staleness_mean", j["staleness_mean"]},
+                        {"staleness_max", j["staleness_max"]}, {"busy_fraction", j["busy_fraction"]},
+                        {"gradients_dropped", j["gradients_dropped"]}, {"gradients_rejected", j["gradients_rejected"]},
+                        {"restarts", sh.restarts}});
+    }
+    int64_t n = 0, sum = 0, mx = 0, p99 = 0, acc = 0;
+    for (const auto& [t, c] : hist) {
+      n += c;
+      sum += t * c;
+      mx = std::max(mx, t);
+    }
+    for (const auto& [t, c] : hist) {
+      acc += c;
+      if (acc * 100 >= n * 99) {
+        p99 = t;
+        break;
+      }
+    }
+    json h = json::object();
+    for (const auto& [t, c] : hist) h[std::to_string(t)] = c;
+    s["staleness_mean"] = n ? static_cast<double>(sum) / n : 0.0;
+    s["staleness_p99"] = p99;
+    s["staleness_max"] = mx;
+    s["staleness_hist"] = h;
+    s["gradients_rejected"] = rejected;
+    s["shards"] = shards;
+    json learners = json::array();
+    double total_rate = 0;
+    for (int i = 0; i < opt_.workers; ++i) {
+      json j = read_json(opt_.run_dir + "/learners/" + std::to_string(i) + ".summary.json");
+      if (j.is_null()) continue;
+      total_rate += j.value("samples_per_second", 0.0);
+      learners.push_back({{"learner", i}, {"steps", j["steps"]}, {"samples_per_second", j["samples_per_second"]}});
+    }
+    s["learners"] = learners;
+    s["samples_per_second"] = total_rate;
+    json fin = read_json(opt_.run_dir + "/final.json");
+    if (!fin.is_null()) {
+      s["test_accuracy"] = fin["test_accuracy"];
+      s["test_loss"] = fin["test_loss"];
+    }
+    write_file_atomic(opt_.run_dir + "/summary.json", s.dump(2) + "\n");
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "launch: done in %.1f s; test accuracy %s; staleness mean %.2f, p99 %ld, max %ld",
+                  wall, fin.is_null() ? "n/a" : std::to_string(100 * fin["test_accuracy"].get<double>()).c_str(),
+                  n ? static_cast<double>(sum) / n : 0.0, static_cast<long>(p99), static_cast<long>(mx));
+    log_info(buf);
+  }
+
+  AsyncLaunchOptions opt_;
+  std::vector<std::string> common_;
+  int worker_threads_ = 0;
+  std::vector<Shard> shards_;
+  std::map<pid_t, int> workers_;
+};
+
+}  // namespace
+
+int launch_async(const AsyncLaunchOptions& opt) { return AsyncJob(opt).run(); }
+
+}  // namespace limbo::ps

@@ -1,0 +1,113 @@
+// The parameter-server wire protocol (no ZeroMQ, no libtorch here).
+//
+// Every message is a ZeroMQ multipart message of three frames:
+//   1. header  - exactly kHeaderBytes, little-endian, layout below;
+//   2. meta    - UTF-8 JSON object, at most kMaxMetaBytes (may be empty);
+//   3. payload - raw little-endian float32 values (may be empty); its size
+//                must equal header.payload_bytes.
+// The server's ROUTER socket adds the peer identity in front; the codec never
+// sees it. See docs/ps-protocol.md for the message types and their fields.
+//
+// decode() is total: any byte sequence yields either a Message or a
+// Rejection naming the reason; it never throws and never reads out of bounds.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace limbo::ps {
+
+constexpr uint32_t kMagic = 0x5350424cu;  // "LBPS" in little-endian byte order
+constexpr uint16_t kProtocolVersion = 1;
+constexpr size_t kHeaderBytes = 48;
+constexpr size_t kMaxMetaBytes = 64 * 1024;
+
+enum class MsgType : uint8_t {
+  Hello = 1,      // learner -> shard: register (meta: fingerprint, model description)
+  Welcome = 2,    // shard -> learner: registered (meta: shard range, clock, learners)
+  Refuse = 3,     // shard -> learner: registration refused (meta: reason)
+  Pull = 4,       // learner -> shard: ask for weights (meta: want_lease, final)
+  Weights = 5,    // shard -> learner: weights slice at header.clock (meta: lease)
+  Push = 6,       // learner -> shard: gradient slice computed at header.clock
+  PushAck = 7,    // shard -> learner: outcome of a push (meta: status, staleness)
+  Heartbeat = 8,  // learner -> shard: still alive
+  Bye = 9,        // learner -> shard: deregister
+  Error = 10,     // shard -> learner: request refused (meta: code, reason)
+};
+const char* type_name(MsgType t);
+
+// Header flags of a Pull.
+constexpr uint8_t kWantLease = 1;  // shard 0: hand out the next data batch with the weights
+constexpr uint8_t kObserver = 2;   // not a registered learner: just read the weights
+constexpr uint8_t kFinal = 4;      // answer once no learner is registered (final weights)
+bool valid_type(uint8_t t);
+
+struct Header {
+  uint32_t magic = kMagic;
+  uint16_t version = kProtocolVersion;
+  MsgType type = MsgType::Hello;
+  uint8_t flags = 0;
+  uint32_t sender = 0;    // learner id (learner -> shard) or shard index (shard -> learner)
+  uint32_t shard = 0;     // the shard addressed / answering
+  uint64_t clock = 0;     // server clock of the weights (Weights) or pulled clock (Push)
+  uint64_t seq = 0;       // request sequence number; replies echo it
+  int64_t aux = 0;        // type-specific small value (e.g. a push's lease id)
+  uint64_t payload_bytes = 0;
+};
+
+void encode_header(const Header& h, unsigned char out[kHeaderBytes]);
+
+// A received frame: bytes owned by `keep` (e.g. a ZeroMQ message), no copy.
+struct Frame {
+  const unsigned char* data = nullptr;
+  size_t size = 0;
+  std::shared_ptr<void> keep;
+};
+
+struct Message {
+  Header header;
+  std::string meta;  // JSON text
+  Frame payload;     // float32 values, size == header.payload_bytes
+  size_t floats() const { return payload.size / 4; }
+};
+
+enum class Reject {
+  None = 0,
+  FrameCount,    // not 3 frames
+  HeaderSize,    // header frame is not kHeaderBytes
+  Magic,
+  Version,
+  Type,
+  MetaSize,      // meta frame larger than kMaxMetaBytes
+  MetaJson,      // meta is not a JSON object
+  PayloadSize,   // payload frame size != header.payload_bytes, or not a multiple of 4
+  Oversized,     // payload larger than the receiver's limit
+  Shape,         // payload size does not match the shard's slice
+  NonFinite,     // NaN or Inf in a gradient
+  UnknownLearner,
+  Protocol,      // a valid message that is not allowed now (e.g. clock from the future)
+};
+constexpr int kRejectKinds = 14;
+const char* reject_name(Reject r);
+
+struct Decoded {
+  Reject reject = Reject::None;
+  std::string detail;  // human-readable reason when rejected
+  Message msg;
+};
+
+// Decodes frames into a message; payloads above max_payload_bytes are
+// rejected as Oversized. The header is checked before anything else is read.
+Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes);
+
+// True when every float of the payload is finite.
+bool all_finite(const float* data, size_t n);
+
+// 64-bit FNV-1a over a byte string (model fingerprints).
+uint64_t fnv1a(const std::string& s);
+std::string hex64(uint64_t v);  // 16 lowercase hex digits
+
+}  // namespace limbo::ps

@@ -1,0 +1,505 @@
+#include "ps/server.h"
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <map>
+
+#include "common/error.h"
+#include "common/files.h"
+#include "common/log.h"
+
+namespace limbo::ps {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+constexpr char kCkptMagic[8] = {'L', 'B', 'P', 'S', 'C', 'K', 'P', 'T'};
+
+}  // namespace
+
+std::vector<Range> partition(int64_t total, int shards) {
+  if (shards < 1) throw InvalidInput("the number of shards must be >= 1");
+  if (total < shards)
+    throw InvalidInput(std::to_string(shards) + " shards for " + std::to_string(total) + " parameters: too many shards");
+  std::vector<Range> r;
+  for (int k = 0; k < shards; ++k) {
+    int64_t a = total * k / shards, b = total * (k + 1) / shards;
+    r.push_back({a, b - a});
+  }
+  return r;
+}
+
+struct Server::Impl {
+  ServerOptions opt;
+  ModelFingerprint fp;
+  CurveKeys keys;
+  Range range;
+  int64_t total = 0;
+  std::shared_ptr<torch::Tensor> weights;  // the published version; never written after publishing
+  torch::Tensor accum, momentum_buf;
+  Aggregator agg;
+  std::unique_ptr<LeaseBook> leases;
+  std::unique_ptr<Transport> transport;
+  std::unique_ptr<Socket> sock;
+  std::string endpoint;
+  bool finisher_given = false;
+
+  struct Held {
+    std::string identity;
+    uint32_t learner;
+    uint64_t seq;
+    uint8_t flags;
+  };
+  std::vector<Held> held;
+  std::map<uint32_t, Clock::time_point> last_seen;
+  std::map<uint32_t, uint64_t> last_push_seq;
+  std::map<uint32_t, int64_t> grads_per_learner;
+
+  int64_t accepted = 0, dropped = 0, updates = 0, checkpoints = 0, learners_dropped = 0;
+  std::array<int64_t, kRejectKinds> rejected{};
+  std::map<int64_t, int64_t> hist_total, hist_window;
+  int64_t window_updates = 0;
+  Clock::time_point start = Clock::now(), window_start = Clock::now();
+  double busy = 0, window_busy = 0;
+  uint64_t last_ckpt_clock = 0;
+  std::string metrics_path;
+
+  Impl(ServerOptions o, ModelFingerprint f, CurveKeys k) : opt(std::move(o)), fp(std::move(f)), keys(std::move(k)), agg(opt.agg) {}
+
+  // ---- replies -------------------------------------------------------------
+  Header reply_header(MsgType t, uint64_t seq) {
+    Header h;
+    h.type = t;
+    h.sender = static_cast<uint32_t>(opt.shard);
+    h.shard = static_cast<uint32_t>(opt.shard);
+    h.clock = agg.clock();
+    h.seq = seq;
+    return h;
+  }
+  void send_json(const std::string& id, MsgType t, uint64_t seq, const json& meta) {
+    sock->send(&id, reply_header(t, seq), meta.dump(), nullptr, 0);
+  }
+  void send_error(const std::string& id, uint64_t seq, const std::string& code, const std::string& reason) {
+    send_json(id, MsgType::Error, seq, {{"code", code}, {"reason", reason}});
+  }
+
+  void reject(Reject r, const std::string& detail, const std::string* id, uint64_t seq) {
+    rejected[static_cast<int>(r)] += 1;
+    int64_t n = rejected[static_cast<int>(r)];
+    if (n <= 3 || (n & (n - 1)) == 0)  // log the first few, then at powers of two
+      log_warn("shard " + std::to_string(opt.shard) + ": rejected a message (" + reject_name(r) + ", " +
+               std::to_string(n) + " so far): " + detail);
+    if (id) send_error(*id, seq, reject_name(r), detail);
+  }
+
+  // ---- weights ---------------------------------------------------------------
+  void answer_pull(const std::string& id, uint32_t learner, uint64_t seq, uint8_t flags) {
+    json meta = json::object();
+    if ((flags & kWantLease) && leases) {
+      Lease l;
+      auto r = leases->next(learner, l);
+      if (r == LeaseBook::Next::Granted) {
+        meta["lease"] = {{"id", l.id}, {"epoch", l.epoch}, {"position", l.position}, {"count", l.count}};
+      } else if (r == LeaseBook::Next::Wait) {
+        meta["lease_state"] = "wait";
+      } else {
+        meta["lease_state"] = "done";
+        meta["finisher"] = !finisher_given;
+        finisher_given = true;
+      }
+    }
+    if (!(flags & kObserver)) agg.on_pull(learner);
+    auto w = weights;  // keeps this version alive until ZeroMQ has sent it
+    sock->send(&id, reply_header(MsgType::Weights, seq), meta.empty() ? std::string() : meta.dump(),
+               w->data_ptr<float>(), static_cast<size_t>(w->numel()) * 4, w);
+  }
+
+  bool pull_may_go(const Held& h) const {
+    if (h.flags & kFinal) return agg.learners() == 0;
+    if (h.flags & kObserver) return true;
+    return agg.may_pull(h.learner);
+  }
+
+  void service_held() {
+    for (size_t i = 0; i < held.size();) {
+      if (pull_may_go(held[i])) {
+        Held h = held[i];
+        held.erase(held.begin() + static_cast<long>(i));
+        answer_pull(h.identity, h.learner, h.seq, h.flags);
+      } else {
+        ++i;
+      }
+    }
+  }
+
+  void apply_update() {
+    torch::NoGradGuard ng;
+    auto taus = agg.commit();
+    const double k = static_cast<double>(taus.size());
+    accum.div_(k);
+    if (opt.weight_decay != 0) accum.add_(*weights, opt.agg.alpha0 * opt.weight_decay);
+    torch::Tensor step = accum;
+    if (opt.momentum != 0) {
+      if (!momentum_buf.defined()) momentum_buf = accum.clone();
+      else momentum_buf.mul_(opt.momentum).add_(accum);
+      step = momentum_buf;
+    }
+    auto next = std::make_shared<torch::Tensor>(torch::empty_like(*weights));
+    torch::sub_out(*next, *weights, step);
+    weights = std::move(next);
+    accum.zero_();
+    updates += 1;
+    window_updates += 1;
+    for (int64_t t : taus) {
+      hist_total[t] += 1;
+      hist_window[t] += 1;
+    }
+    if (opt.checkpoint_every > 0 && agg.clock() - last_ckpt_clock >= static_cast<uint64_t>(opt.checkpoint_every))
+      checkpoint();
+    if (window_updates >= opt.log_every) log_window();
+  }
+
+  void maybe_update() {
+    while (agg.ready()) apply_update();
+  }
+
+  // ---- learners ----------------------------------------------------------------
+  void remove_learner(uint32_t id, const std::string& why) {
+    if (!agg.remove_learner(id)) return;
+    last_seen.erase(id);
+    int released = leases ? leases->release(id) : 0;
+    log_info("shard " + std::to_string(opt.shard) + ": learner " + std::to_string(id) + " " + why +
+             " (lambda = " + std::to_string(agg.learners()) + ", c = " + std::to_string(agg.c()) +
+             (released ? ", " + std::to_string(released) + " lease(s) re-queued" : std::string()) + ")");
+    maybe_update();
+    service_held();
+  }
+
+  void sweep() {
+    std::vector<uint32_t> gone;
+    for (const auto& [id, t] : last_seen)
+      if (since(t) > opt.heartbeat_timeout) gone.push_back(id);
+    for (uint32_t id : gone) {
+      learners_dropped += 1;
+      remove_learner(id, "dropped after " + std::to_string(opt.heartbeat_timeout) + " s without a message");
+    }
+  }
+
+  // ---- messages ----------------------------------------------------------------
+  void handle(const std::string& id, const std::vector<Frame>& frames) {
+    Decoded d = decode(frames, opt.max_payload_bytes);
+    if (d.reject != Reject::None) {
+      // Only answer peers whose header we could read; garbage gets no reply.
+      const bool header_ok = d.reject != Reject::FrameCount && d.reject != Reject::HeaderSize &&
+                             d.reject != Reject::Magic && d.reject != Reject::Type;
+      reject(d.reject, d.detail, header_ok ? &id : nullptr, d.msg.header.seq);
+      return;
+    }
+    const Header& h = d.msg.header;
+    const uint32_t learner = h.sender;
+    const bool known = agg.registered(learner);
+    if (known) last_seen[learner] = Clock::now();
+    switch (h.type) {
+      case MsgType::Hello: return on_hello(id, d.msg);
+      case MsgType::Pull:
+        if (!known && !(h.flags & kObserver))
+          return reject(Reject::UnknownLearner, "pull from unregistered learner " + std::to_string(learner), &id, h.seq);
+        {
+          Held hp{id, learner, h.seq, h.flags};
+          if (pull_may_go(hp)) answer_pull(id, learner, h.seq, h.flags);
+          else held.push_back(hp);
+        }
+        return;
+      case MsgType::Push: return on_push(id, d.msg, known);
+      case MsgType::Heartbeat:
+        if (!known) return reject(Reject::UnknownLearner, "heartbeat from unregistered learner " + std::to_string(learner), &id, h.seq);
+        return send_json(id, MsgType::Heartbeat, h.seq, json::object());
+      case MsgType::Bye:
+        remove_learner(learner, "left");
+        return;
+      default:
+        return reject(Reject::Protocol, std::string("a shard does not accept '") + type_name(h.type) + "' messages", &id, h.seq);
+    }
+  }
+
+  void on_hello(const std::string& id, const Message& m) {
+    json meta = json::parse(m.meta.empty() ? "{}" : m.meta);
+    std::string theirs = meta.value("fingerprint", std::string());
+    std::string ours = hex64(fp.hash);
+    int64_t their_total = meta.value("total", int64_t{-1});
+    if (theirs != ours || their_total != total) {
+      std::string reason = "model mismatch: shard " + std::to_string(opt.shard) + " serves " + fp.description +
+                           " (" + std::to_string(total) + " floats, fingerprint " + ours + "); the learner has " +
+                           meta.value("model", std::string("?")) + " (" + std::to_string(their_total) +
+                           " floats, fingerprint " + theirs + ")";
+      rejected[static_cast<int>(Reject::Protocol)] += 1;
+      log_warn("shard " + std::to_string(opt.shard) + ": refused learner " + std::to_string(m.header.sender) + ": " + reason);
+      return send_json(id, MsgType::Refuse, m.header.seq, {{"reason", reason}});
+    }
+    const uint32_t learner = m.header.sender;
+    if (agg.add_learner(learner))
+      log_info("shard " + std::to_string(opt.shard) + ": learner " + std::to_string(learner) + " joined (lambda = " +
+               std::to_string(agg.learners()) + ", c = " + std::to_string(agg.c()) + ")");
+    last_seen[learner] = Clock::now();
+    send_json(id, MsgType::Welcome, m.header.seq,
+              {{"shard", opt.shard}, {"shards", opt.shards}, {"offset", range.offset}, {"numel", range.numel},
+               {"clock", agg.clock()}, {"learners", agg.learners()},
+               {"protocol", protocol_name(opt.agg.protocol)}, {"softsync_n", opt.agg.softsync_n}});
+  }
+
+  void on_push(const std::string& id, const Message& m, bool known) {
+    const Header& h = m.header;
+    if (!known) return reject(Reject::UnknownLearner, "push from unregistered learner " + std::to_string(h.sender), &id, h.seq);
+    auto seen = last_push_seq.find(h.sender);
+    if (seen != last_push_seq.end() && h.seq <= seen->second)
+      return send_json(id, MsgType::PushAck, h.seq, {{"status", "duplicate"}});
+    if (static_cast<int64_t>(m.floats()) != range.numel)
+      return reject(Reject::Shape, "gradient of " + std::to_string(m.floats()) + " floats for a shard of " +
+                                       std::to_string(range.numel), &id, h.seq);
+    // ZeroMQ may hand out payloads at any byte offset; copy the rare unaligned one.
+    torch::Tensor g;
+    if (reinterpret_cast<uintptr_t>(m.payload.data) % alignof(float) == 0) {
+      g = torch::from_blob(const_cast<unsigned char*>(m.payload.data), {range.numel}, torch::kFloat32);
+    } else {
+      g = torch::empty({range.numel}, torch::kFloat32);
+      std::memcpy(g.data_ptr<float>(), m.payload.data, m.payload.size);
+    }
+    if (!all_finite(g.data_ptr<float>(), static_cast<size_t>(range.numel)))
+      return reject(Reject::NonFinite, "gradient from learner " + std::to_string(h.sender) + " has NaN or Inf", &id, h.seq);
+    auto offer = agg.offer(h.sender, h.clock);
+    if (offer.outcome == Aggregator::Offer::Rejected) return reject(Reject::Protocol, offer.why, &id, h.seq);
+    last_push_seq[h.sender] = h.seq;
+    if (leases && h.aux >= 0) leases->complete(h.aux);
+    json ack = {{"tau", offer.tau}};
+    if (offer.outcome == Aggregator::Offer::Dropped) {
+      dropped += 1;
+      ack["status"] = "dropped";
+    } else {
+      torch::NoGradGuard ng;
+      accum.add_(g, offer.alpha);
+      accepted += 1;
+      grads_per_learner[h.sender] += 1;
+      ack["status"] = "accepted";
+    }
+    send_json(id, MsgType::PushAck, h.seq, ack);
+    maybe_update();
+    service_held();
+  }
+
+  // ---- statistics, checkpoints -----------------------------------------------------
+  static json hist_json(const std::map<int64_t, int64_t>& h) {
+    json j = json::object();
+    for (const auto& [t, n] : h) j[std::to_string(t)] = n;
+    return j;
+  }
+  int64_t rejected_total() const {
+    int64_t n = 0;
+    for (auto r : rejected) n += r;
+    return n;
+  }
+
+  void log_window() {
+    double secs = since(window_start);
+    json line = {{"kind", "ps_updates"}, {"shard", opt.shard}, {"clock", agg.clock()}, {"updates", window_updates},
+                 {"updates_per_second", secs > 0 ? window_updates / secs : 0.0},
+                 {"busy_fraction", secs > 0 ? (busy - window_busy) / secs : 0.0},
+                 {"learners", agg.learners()}, {"c", agg.c()}, {"staleness_hist", hist_json(hist_window)},
+                 {"accepted", accepted}, {"dropped", dropped}, {"rejected", rejected_total()},
+                 {"elapsed", since(start)}};
+    if (leases) line["epoch"] = leases->epoch_progress();
+    std::ofstream(metrics_path, std::ios::app) << line.dump() << "\n";
+    hist_window.clear();
+    window_updates = 0;
+    window_start = Clock::now();
+    window_busy = busy;
+  }
+
+  json summary() const {
+    int64_t n = 0, sum = 0, mx = 0;
+    for (const auto& [t, c] : hist_total) {
+      n += c;
+      sum += t * c;
+      mx = std::max(mx, t);
+    }
+    int64_t p99 = 0, acc = 0;
+    for (const auto& [t, c] : hist_total) {
+      acc += c;
+      if (acc * 100 >= n * 99) {
+        p99 = t;
+        break;
+      }
+    }
+    json rej = json::object();
+    for (int i = 1; i < kRejectKinds; ++i)
+      if (rejected[i]) rej[reject_name(static_cast<Reject>(i))] = rejected[i];
+    json per = json::object();
+    for (const auto& [l, c] : grads_per_learner) per[std::to_string(l)] = c;
+    double wall = since(start);
+    json s = {{"shard", opt.shard}, {"shards", opt.shards}, {"offset", range.offset}, {"numel", range.numel},
+              {"protocol", protocol_name(opt.agg.protocol)}, {"softsync_n", opt.agg.softsync_n},
+              {"staleness_policy", policy_name(opt.agg.policy)}, {"clock", agg.clock()}, {"updates", updates},
+              {"gradients_accepted", accepted}, {"gradients_dropped", dropped},
+              {"gradients_rejected", rejected_total()}, {"rejected_by_reason", rej},
+              {"staleness_mean", n ? static_cast<double>(sum) / n : 0.0}, {"staleness_p99", p99},
+              {"staleness_max", mx}, {"staleness_hist", hist_json(hist_total)},
+              {"updates_per_second", wall > 0 ? updates / wall : 0.0}, {"busy_fraction", wall > 0 ? busy / wall : 0.0},
+              {"wall_seconds", wall}, {"gradients_per_learner", per}, {"learners_dropped", learners_dropped},
+              {"checkpoints", checkpoints}};
+    if (transport && keys.enabled()) {
+      s["curve_peers_accepted"] = transport->zap_accepted();
+      s["curve_peers_refused"] = transport->zap_refused();
+    }
+    if (leases) s["epoch"] = leases->epoch_progress();
+    return s;
+  }
+
+  void checkpoint() {
+    json meta = {{"shard", opt.shard}, {"shards", opt.shards}, {"offset", range.offset}, {"numel", range.numel},
+                 {"total", total}, {"fingerprint", hex64(fp.hash)}, {"clock", agg.clock()}, {"updates", updates},
+                 {"accepted", accepted}, {"dropped", dropped}, {"hist", hist_json(hist_total)},
+                 {"momentum", momentum_buf.defined()}};
+    if (leases) {
+      auto s = leases->snapshot();
+      json q = json::array();
+      for (const auto& l : s.queued) q.push_back({l.epoch, l.position, l.count});
+      meta["leases"] = {{"epoch", s.cursor.epoch}, {"position", s.cursor.position},
+                        {"completed", s.completed_samples}, {"next_id", s.next_id}, {"queued", q}};
+    }
+    std::string m = meta.dump();
+    std::string bytes(kCkptMagic, 8);
+    uint64_t len = m.size();
+    bytes.append(reinterpret_cast<const char*>(&len), 8);
+    bytes += m;
+    bytes.append(reinterpret_cast<const char*>(weights->data_ptr<float>()), range.numel * 4);
+    if (momentum_buf.defined()) bytes.append(reinterpret_cast<const char*>(momentum_buf.data_ptr<float>()), range.numel * 4);
+    write_file_atomic(opt.dir + "/checkpoint.bin", bytes);
+    write_file_atomic(opt.dir + "/summary.json", summary().dump(2) + "\n");
+    last_ckpt_clock = agg.clock();
+    checkpoints += 1;
+  }
+
+  bool restore() {
+    const std::string path = opt.dir + "/checkpoint.bin";
+    if (!file_exists(path)) return false;
+    std::string bytes = read_file(path);
+    auto bad = [&](const std::string& why) { return InvalidInput("shard checkpoint '" + path + "': " + why); };
+    if (bytes.size() < 16 || std::memcmp(bytes.data(), kCkptMagic, 8) != 0) throw bad("not a Limbo shard checkpoint");
+    uint64_t len;
+    std::memcpy(&len, bytes.data() + 8, 8);
+    if (len > bytes.size() - 16) throw bad("truncated");
+    json meta = json::parse(bytes.substr(16, len));
+    if (meta["shard"] != opt.shard || meta["shards"] != opt.shards || meta["numel"] != range.numel ||
+        meta["fingerprint"] != hex64(fp.hash))
+      throw bad("written for shard " + meta["shard"].dump() + " of " + meta["shards"].dump() + " of model " +
+                meta["fingerprint"].get<std::string>() + ", this is shard " + std::to_string(opt.shard) + " of " +
+                std::to_string(opt.shards) + " of model " + hex64(fp.hash));
+    const bool has_m = meta["momentum"].get<bool>();
+    size_t need = 16 + len + static_cast<size_t>(range.numel) * 4 * (has_m ? 2 : 1);
+    if (bytes.size() != need) throw bad("size " + std::to_string(bytes.size()) + ", expected " + std::to_string(need));
+    const char* p = bytes.data() + 16 + len;
+    std::memcpy(weights->data_ptr<float>(), p, range.numel * 4);
+    if (has_m) {
+      momentum_buf = torch::empty({range.numel}, torch::kFloat32);
+      std::memcpy(momentum_buf.data_ptr<float>(), p + range.numel * 4, range.numel * 4);
+    }
+    agg.set_clock(meta["clock"].get<uint64_t>());
+    last_ckpt_clock = agg.clock();
+    updates = meta["updates"];
+    accepted = meta["accepted"];
+    dropped = meta["dropped"];
+    for (auto& [t, n] : meta["hist"].items()) hist_total[std::stoll(t)] = n.get<int64_t>();
+    if (leases && meta.contains("leases")) {
+      const json& l = meta["leases"];
+      LeaseBook::Snapshot s;
+      s.cursor = {l["epoch"].get<int64_t>(), l["position"].get<int64_t>()};
+      s.completed_samples = l["completed"];
+      s.next_id = l["next_id"];
+      for (const auto& q : l["queued"]) {
+        Lease x;
+        x.epoch = q[0];
+        x.position = q[1];
+        x.count = q[2];
+        s.queued.push_back(x);
+      }
+      leases->restore(s);
+    }
+    return true;
+  }
+};
+
+Server::Server(ServerOptions opt, ModelFingerprint fp, const float* initial, int64_t total, CurveKeys keys)
+    : impl_(new Impl(std::move(opt), std::move(fp), std::move(keys))) {
+  Impl& s = *impl_;
+  if (s.opt.dir.empty()) throw InvalidInput("ps-server needs a directory for its checkpoint and metrics");
+  if (s.opt.shard < 0 || s.opt.shard >= s.opt.shards)
+    throw InvalidInput("--shard " + std::to_string(s.opt.shard) + " is not in [0, " + std::to_string(s.opt.shards) + ")");
+  s.total = total;
+  s.range = partition(total, s.opt.shards)[s.opt.shard];
+  s.weights = std::make_shared<torch::Tensor>(torch::empty({s.range.numel}, torch::kFloat32));
+  std::memcpy(s.weights->data_ptr<float>(), initial + s.range.offset, s.range.numel * 4);
+  s.accum = torch::zeros({s.range.numel}, torch::kFloat32);
+  if (s.opt.shard == 0 && s.opt.dataset_size > 0)
+    s.leases = std::make_unique<LeaseBook>(s.opt.dataset_size, s.opt.batch, s.opt.epochs);
+  make_dirs(s.opt.dir);
+  s.metrics_path = s.opt.dir + "/metrics.jsonl";
+  if (s.opt.resume && s.restore())
+    log_info("shard " + std::to_string(s.opt.shard) + ": resumed from its checkpoint at clock " +
+             std::to_string(s.agg.clock()));
+  s.transport = std::make_unique<Transport>(s.keys);
+  s.sock = std::make_unique<Socket>(*s.transport, Socket::Kind::Router, s.opt.max_payload_bytes + kMaxMetaBytes + 4096);
+  s.endpoint = s.sock->bind(s.opt.bind);
+  write_file_atomic(s.opt.dir + "/endpoint", s.endpoint + "\n");
+}
+
+Server::~Server() { delete impl_; }
+
+std::string Server::endpoint() const { return impl_->endpoint; }
+
+void Server::run(const std::atomic<bool>& stop) {
+  Impl& s = *impl_;
+  log_info("shard " + std::to_string(s.opt.shard) + "/" + std::to_string(s.opt.shards) + " serving floats [" +
+           std::to_string(s.range.offset) + ", " + std::to_string(s.range.offset + s.range.numel) + ") on " +
+           s.endpoint + " (" + protocol_name(s.opt.agg.protocol) +
+           (s.opt.agg.protocol == Protocol::Softsync ? " n=" + std::to_string(s.opt.agg.softsync_n) : std::string()) +
+           ", " + policy_name(s.opt.agg.policy) + " learning rate" + (s.keys.enabled() ? ", CURVE" : "") + ")");
+  std::vector<Frame> frames;
+  std::string id;
+  auto last_sweep = Clock::now();
+  while (!stop) {
+    bool got = false;
+    try {
+      got = s.sock->recv(frames, &id, 50);
+    } catch (const Error& e) {
+      log_warn(std::string("shard receive failed: ") + e.what());
+    }
+    if (got) {
+      auto t0 = Clock::now();
+      try {
+        s.handle(id, frames);
+      } catch (const std::exception& e) {
+        // A well-formed frame with bad meta content ends up here: count it, keep serving.
+        s.reject(Reject::Protocol, e.what(), nullptr, 0);
+      }
+      frames.clear();
+      s.busy += since(t0);
+    }
+    if (since(last_sweep) > 0.1) {
+      s.sweep();
+      last_sweep = Clock::now();
+    }
+  }
+  s.checkpoint();
+  log_info("shard " + std::to_string(s.opt.shard) + ": stopped at clock " + std::to_string(s.agg.clock()) + " after " +
+           std::to_string(s.updates) + " updates");
+}
+
+}  // namespace limbo::ps

@@ -1,0 +1,71 @@
+// One parameter-server shard (`limbo ps-server`).
+//
+// The shard owns a contiguous slice [offset, offset + numel) of the flat
+// parameter vector (see partition()), its own clock, the aggregation state
+// (Aggregator), optional server-side momentum / weight decay, and, on shard
+// 0, the data leases (LeaseBook). It serves learners over one ROUTER socket
+// on one thread: decode, validate, aggregate, update, reply. Anything
+// malformed is rejected and counted, never applied.
+//
+// Files in `dir`: endpoint (the bound address, written once listening),
+// checkpoint.bin (atomic, every checkpoint_every updates and at exit),
+// metrics.jsonl (a line per log_every updates with the staleness histogram
+// of that window), summary.json (at each checkpoint and at exit).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ps/aggregator.h"
+#include "ps/leases.h"
+#include "ps/transport.h"
+
+namespace limbo::ps {
+
+struct Range {
+  int64_t offset = 0, numel = 0;
+};
+// Contiguous ranges of a flat vector of `total` floats over `shards` shards,
+// balanced by bytes (sizes differ by at most one element).
+std::vector<Range> partition(int64_t total, int shards);
+
+// What learners and shards must agree on: protocol version, parameter names
+// and shapes. A text description (for error messages) and its hash.
+struct ModelFingerprint {
+  std::string description;  // e.g. "mlp: fc1.weight[256,784] fc1.bias[256] ..."
+  uint64_t hash = 0;
+};
+
+struct ServerOptions {
+  int shard = 0, shards = 1;
+  std::string bind = "tcp://127.0.0.1:*";
+  std::string dir;  // shard directory (required)
+  AggregatorOptions agg;
+  double momentum = 0, weight_decay = 0;  // applied to the aggregated update
+  double heartbeat_timeout = 10;          // seconds without a message before a learner is dropped
+  int64_t checkpoint_every = 500;         // updates; 0 = only at exit
+  int64_t log_every = 100;                // updates per metrics line
+  bool resume = false;                    // start from dir/checkpoint.bin when present
+  uint64_t max_payload_bytes = 1ull << 30;
+  // Shard 0 only: data leases.
+  int64_t dataset_size = 0, batch = 64, epochs = 1;
+};
+
+class Server {
+ public:
+  // `initial` is the whole flat parameter vector (every shard starts from the
+  // same seeded initialisation and keeps its slice).
+  Server(ServerOptions opt, ModelFingerprint fp, const float* initial, int64_t total, CurveKeys keys);
+  ~Server();
+  // Serves until `stop` becomes true; writes the final checkpoint and summary.
+  void run(const std::atomic<bool>& stop);
+  std::string endpoint() const;
+
+ private:
+  struct Impl;
+  Impl* impl_;
+};
+
+}  // namespace limbo::ps

@@ -1,0 +1,365 @@
+#include "ps/worker.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "common/error.h"
+#include "common/files.h"
+#include "common/log.h"
+#include "data/loader.h"
+#include "train/checkpoint.h"
+#include "train/evaluate.h"
+
+namespace limbo::ps {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using json = nlohmann::json;
+
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct Link {
+  int index = 0;
+  std::string endpoint;
+  std::unique_ptr<Socket> sock;
+  int64_t offset = 0, numel = 0;
+  uint64_t clock = 0;  // clock of the weights last pulled from this shard
+  uint64_t seq = 0;
+};
+
+class Learner {
+ public:
+  Learner(train::Trainer& t, const train::TrainerConfig& cfg, const WorkerOptions& opt, const CurveKeys& keys)
+      : t_(t), cfg_(cfg), opt_(opt), transport_(keys) {
+    fp_ = model_fingerprint(cfg.model.name, t.params());
+    for (size_t k = 0; k < opt.servers.size(); ++k) {
+      auto l = std::make_unique<Link>();
+      l->index = static_cast<int>(k);
+      l->endpoint = opt.servers[k];
+      l->sock = std::make_unique<Socket>(transport_, Socket::Kind::Dealer);
+      l->sock->connect(l->endpoint);
+      links_.push_back(std::move(l));
+    }
+    int64_t covered = 0;
+    for (auto& l : links_) {
+      hello(*l);
+      if (l->offset != covered)
+        throw InvalidInput("shard " + std::to_string(l->index) + " at " + l->endpoint + " serves floats from " +
+                           std::to_string(l->offset) + ", expected " + std::to_string(covered) +
+                           " (are the --servers given in shard order?)");
+      covered += l->numel;
+    }
+    if (covered != t.params().numel())
+      throw InvalidInput("the " + std::to_string(links_.size()) + " shard(s) given cover " + std::to_string(covered) +
+                         " of the model's " + std::to_string(t.params().numel()) +
+                         " floats (is a shard missing from --servers?)");
+  }
+
+  json run(const std::atomic<bool>& stop);
+
+ private:
+  Header header(MsgType type, Link& l) {
+    Header h;
+    h.type = type;
+    h.sender = opt_.learner_id;
+    h.shard = static_cast<uint32_t>(l.index);
+    h.seq = ++l.seq;
+    return h;
+  }
+
+  void send_hello(Link& l, uint64_t* seq) {
+    Header h = header(MsgType::Hello, l);
+    *seq = h.seq;
+    json meta = {{"fingerprint", hex64(fp_.hash)}, {"model", fp_.description}, {"total", t_.params().numel()}};
+    l.sock->send(nullptr, h, meta.dump(), nullptr, 0);
+  }
+
+  // Registers with a shard (blocking); throws InvalidInput when refused.
+  void hello(Link& l) {
+    uint64_t seq;
+    send_hello(l, &seq);
+    Message m = await(l, seq, MsgType::Welcome, [&] { send_hello(l, &seq); return seq; }, /*registering=*/true);
+    if (m.meta.empty()) throw PeerFailure("shard " + std::to_string(l.index) + " sent an empty welcome");
+    json w = json::parse(m.meta);
+    l.offset = w["offset"];
+    l.numel = w["numel"];
+  }
+
+  // Waits for the reply `seq` of type `want` from a shard, sending heartbeats
+  // while waiting. When the shard no longer knows this learner (it restarted
+  // or dropped us), registers again and calls `resend` for a new seq.
+  template <typename Resend>
+  Message await(Link& l, uint64_t seq, MsgType want, Resend resend, bool registering = false) {
+    auto last_heard = Clock::now(), last_beat = Clock::now();
+    std::vector<Frame> frames;
+    for (;;) {
+      if (l.sock->recv(frames, nullptr, 50)) {
+        Decoded d = decode(frames, 1ull << 40);
+        if (d.reject != Reject::None)
+          throw PeerFailure("shard " + std::to_string(l.index) + " at " + l.endpoint + " sent a message this learner "
+                            "cannot read (" + d.detail + ")");
+        last_heard = Clock::now();
+        const Header& h = d.msg.header;
+        if (h.type == MsgType::Refuse) {
+          json r = json::parse(d.msg.meta);
+          throw InvalidInput("shard " + std::to_string(l.index) + " at " + l.endpoint + " refused this learner: " +
+                             r.value("reason", std::string("?")));
+        }
+        if (h.type == MsgType::Error) {
+          json e = json::parse(d.msg.meta);
+          std::string code = e.value("code", std::string());
+          if (code == "unknown_learner" && !registering) {
+            log_warn("shard " + std::to_string(l.index) + " does not know this learner (restarted?): registering again");
+            hello(l);
+            seq = resend();
+            if (seq == 0) {  // nothing to resend: the request is lost (e.g. a push to a restarted shard)
+              Message lost;
+              lost.header.type = want;
+              lost.meta = R"({"status":"lost"})";
+              return lost;
+            }
+            continue;
+          }
+          if (h.seq == seq || code == "version")
+            throw PeerFailure("shard " + std::to_string(l.index) + " at " + l.endpoint + " refused a " +
+                              type_name(want) + " request: " + e.value("reason", code));
+          continue;
+        }
+        if (h.seq == seq && h.type == want) {
+          d.msg.payload.keep = frames[2].keep;
+          return d.msg;
+        }
+        continue;  // a heartbeat answer or a reply to an abandoned request
+      }
+      if (since(last_beat) > opt_.heartbeat_interval) {
+        if (registering) {
+          uint64_t s2;
+          send_hello(l, &s2);
+          seq = s2;
+        } else {
+          l.sock->send(nullptr, header(MsgType::Heartbeat, l), "", nullptr, 0);
+        }
+        last_beat = Clock::now();
+      }
+      if (since(last_heard) > opt_.request_timeout)
+        throw PeerFailure("shard " + std::to_string(l.index) + " at " + l.endpoint + " did not answer for " +
+                          std::to_string(opt_.request_timeout) + " s (ps.request_timeout)");
+    }
+  }
+
+  uint64_t send_pull(Link& l, uint8_t flags) {
+    Header h = header(MsgType::Pull, l);
+    h.flags = flags;
+    l.sock->send(nullptr, h, "", nullptr, 0);
+    return h.seq;
+  }
+
+  // Copies a shard's weights into the flat parameters.
+  void take_weights(Link& l, const Message& m) {
+    if (static_cast<int64_t>(m.floats()) != l.numel)
+      throw PeerFailure("shard " + std::to_string(l.index) + " sent " + std::to_string(m.floats()) +
+                        " floats, expected " + std::to_string(l.numel));
+    std::memcpy(t_.params().data().data_ptr<float>() + l.offset, m.payload.data, m.payload.size);
+    l.clock = m.header.clock;
+  }
+
+  void bye() {
+    for (auto& l : links_) l->sock->send(nullptr, header(MsgType::Bye, *l), "", nullptr, 0);
+  }
+
+  train::Trainer& t_;
+  const train::TrainerConfig& cfg_;
+  WorkerOptions opt_;
+  Transport transport_;
+  ModelFingerprint fp_;
+  std::vector<std::unique_ptr<Link>> links_;
+};
+
+json Learner::run(const std::atomic<bool>& stop) {
+  auto& flat = t_.params();
+  auto& model = t_.model();
+  const auto& train_set = t_.data().train;
+  data::Sampler sampler(train_set.size(), cfg_.loader.order, cfg_.loader.seed);
+  const std::string tag = "learner " + std::to_string(opt_.learner_id);
+  std::string metrics;
+  if (!opt_.run_dir.empty()) {
+    make_dirs(opt_.run_dir + "/learners");
+    metrics = opt_.run_dir + "/learners/" + std::to_string(opt_.learner_id) + ".jsonl";
+  }
+  // Payloads go out from the gradient buffer without a copy: count sends in
+  // flight and never write the buffer while one is.
+  auto in_flight = std::make_shared<std::atomic<int>>(0);
+  auto keep_grad = [&] {
+    in_flight->fetch_add(1);
+    return std::shared_ptr<void>(static_cast<void*>(in_flight.get()), [c = in_flight](void*) { c->fetch_sub(1); });
+  };
+
+  int64_t steps = 0, samples = 0, accepted = 0, dropped = 0, lost = 0, tau_sum = 0, tau_n = 0;
+  double loss_sum = 0, window_loss = 0;
+  int64_t window_steps = 0, window_samples = 0;
+  auto start = Clock::now(), window_start = Clock::now();
+  bool finisher = false, done = false;
+
+  // The first pull; later pulls go out together with the pushes.
+  std::vector<uint64_t> pull_seq(links_.size());
+  for (auto& l : links_) pull_seq[l->index] = send_pull(*l, l->index == 0 ? kWantLease : 0);
+  std::vector<uint64_t> push_seq(links_.size(), 0);
+  int64_t lease_id = -1;
+  json lease;
+
+  for (;;) {
+    // Acknowledgements of the previous push, then the weights of this step.
+    for (auto& l : links_) {
+      Link& L = *l;
+      const uint8_t flags = L.index == 0 ? kWantLease : 0;
+      if (push_seq[L.index]) {
+        Message ack = await(L, push_seq[L.index], MsgType::PushAck, [&] {
+          pull_seq[L.index] = send_pull(L, flags);  // the pull sent with the push was lost too
+          return uint64_t{0};
+        });
+        json a = json::parse(ack.meta);
+        std::string st = a.value("status", std::string());
+        if (L.index == 0) {
+          if (st == "accepted") accepted += 1;
+          else if (st == "dropped") dropped += 1;
+          else if (st == "lost") lost += 1;
+          if (a.contains("tau")) {
+            tau_sum += a["tau"].get<int64_t>();
+            tau_n += 1;
+          }
+        }
+        push_seq[L.index] = 0;
+      }
+      Message w = await(L, pull_seq[L.index], MsgType::Weights, [&] { return pull_seq[L.index] = send_pull(L, flags); });
+      take_weights(L, w);
+      if (L.index == 0) {
+        json meta = w.meta.empty() ? json::object() : json::parse(w.meta);
+        lease = meta.value("lease", json());
+        std::string state = meta.value("lease_state", std::string());
+        if (state == "done") {
+          done = true;
+          finisher = meta.value("finisher", false);
+        }
+      }
+    }
+    if (done || stop || (opt_.max_steps > 0 && steps >= opt_.max_steps)) break;
+    if (lease.is_null()) {  // all batches are out; some may come back
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      for (auto& l : links_) pull_seq[l->index] = send_pull(*l, l->index == 0 ? kWantLease : 0);
+      continue;
+    }
+    lease_id = lease["id"];
+    const int64_t epoch = lease["epoch"], position = lease["position"], count = lease["count"];
+    const auto& order = sampler.epoch_order(epoch);
+    if (position < 0 || count < 1 || position + count > static_cast<int64_t>(order.size()))
+      throw PeerFailure("shard 0 handed out an invalid batch (epoch " + std::to_string(epoch) + ", position " +
+                        std::to_string(position) + ", count " + std::to_string(count) + ")");
+    std::vector<int64_t> ids(order.begin() + position, order.begin() + position + count);
+    auto batch = data::make_batch(train_set, t_.normalization(), ids);
+
+    while (in_flight->load() > 0) std::this_thread::yield();
+    flat.zero_grad();
+    if (cfg_.model.channels_last) batch.x = batch.x.contiguous(at::MemoryFormat::ChannelsLast);
+    auto loss = torch::nn::functional::cross_entropy(model.forward(batch.x), batch.y);
+    loss.backward();
+    const double lv = loss.item<double>();
+
+    const float* g = flat.grad().data_ptr<float>();
+    for (auto& l : links_) {
+      Header h = header(MsgType::Push, *l);
+      h.clock = l->clock;
+      h.aux = l->index == 0 ? lease_id : -1;
+      h.payload_bytes = static_cast<uint64_t>(l->numel) * 4;
+      push_seq[l->index] = h.seq;
+      l->sock->send(nullptr, h, "", g + l->offset, static_cast<size_t>(l->numel) * 4, keep_grad());
+      pull_seq[l->index] = send_pull(*l, l->index == 0 ? kWantLease : 0);
+    }
+    steps += 1;
+    samples += count;
+    loss_sum += lv;
+    window_loss += lv;
+    window_steps += 1;
+    window_samples += count;
+    if (window_steps >= opt_.log_every && !metrics.empty()) {
+      double secs = since(window_start);
+      json line = {{"kind", "learner"}, {"learner", opt_.learner_id}, {"step", steps}, {"epoch", epoch},
+                   {"loss", window_loss / window_steps}, {"samples_per_second", secs > 0 ? window_samples / secs : 0.0},
+                   {"staleness_mean", tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0},
+                   {"gradients_dropped", dropped}, {"elapsed", since(start)}};
+      std::ofstream(metrics, std::ios::app) << line.dump() << "\n";
+      window_loss = 0;
+      window_steps = 0;
+      window_samples = 0;
+      window_start = Clock::now();
+    }
+  }
+  // Outstanding pushes were acknowledged above; leave every shard.
+  while (in_flight->load() > 0) std::this_thread::yield();
+  bye();
+  const double secs = since(start);
+  json summary = {{"learner", opt_.learner_id}, {"steps", steps}, {"samples", samples},
+                  {"samples_per_second", secs > 0 ? samples / secs : 0.0}, {"seconds", secs},
+                  {"mean_loss", steps ? loss_sum / steps : 0.0}, {"gradients_accepted", accepted},
+                  {"gradients_dropped", dropped}, {"gradients_lost", lost},
+                  {"staleness_mean_seen", tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0},
+                  {"finisher", finisher}};
+  log_info(tag + ": left after " + std::to_string(steps) + " steps (" + std::to_string(samples) + " samples, " +
+           std::to_string(static_cast<int64_t>(secs > 0 ? samples / secs : 0)) + " samples/s)");
+  if (!opt_.run_dir.empty())
+    write_file_atomic(opt_.run_dir + "/learners/" + std::to_string(opt_.learner_id) + ".summary.json",
+                      summary.dump(2) + "\n");
+  if (finisher && !opt_.run_dir.empty()) {
+    // Final weights: answered by each shard once no learner is registered.
+    std::vector<uint64_t> seqs;
+    for (auto& l : links_) seqs.push_back(send_pull(*l, kObserver | kFinal));
+    uint64_t clock0 = 0;
+    for (auto& l : links_) {
+      Link& L = *l;
+      Message w = await(L, seqs[L.index], MsgType::Weights,
+                        [&] { return seqs[L.index] = send_pull(L, kObserver | kFinal); });
+      take_weights(L, w);
+      if (L.index == 0) clock0 = w.header.clock;
+    }
+    auto ev = train::evaluate(model, t_.data().test, t_.normalization());
+    train::TrainState st;
+    st.step = static_cast<int64_t>(clock0);
+    st.cursor = {cfg_.train.epochs, 0};
+    st.config_toml = cfg_.config_toml;
+    train::save_checkpoint(opt_.run_dir + "/checkpoint.pt", model, t_.sgd(), st);
+    json fin = {{"test_accuracy", ev.accuracy}, {"test_loss", ev.loss}, {"test_samples", ev.samples},
+                {"clock_shard0", clock0}, {"learner", opt_.learner_id}};
+    write_file_atomic(opt_.run_dir + "/final.json", fin.dump(2) + "\n");
+    log_info(tag + ": final test accuracy " + std::to_string(100 * ev.accuracy) + "%");
+    summary["test_accuracy"] = ev.accuracy;
+  }
+  return summary;
+}
+
+}  // namespace
+
+ModelFingerprint model_fingerprint(const std::string& model_name, const optim::FlatParams& params) {
+  ModelFingerprint fp;
+  fp.description = model_name + ":";
+  std::string canon = "limbo-ps-v" + std::to_string(kProtocolVersion);
+  for (const auto& e : params.entries()) {
+    std::string shape;
+    for (size_t i = 0; i < e.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(e.shape[i]);
+    fp.description += " " + e.name + "[" + shape + "]";
+    canon += ";" + e.name + "[" + shape + "]";
+  }
+  fp.hash = fnv1a(canon);
+  return fp;
+}
+
+json run_worker(train::Trainer& trainer, const train::TrainerConfig& cfg, const WorkerOptions& opt,
+                const CurveKeys& keys, const std::atomic<bool>& stop) {
+  if (opt.servers.empty()) throw InvalidInput("a worker needs --servers (the shards' endpoints, in shard order)");
+  Learner l(trainer, cfg, opt, keys);
+  return l.run(stop);
+}
+
+}  // namespace limbo::ps
