@@ -46,7 +46,7 @@ CurveKeys generate_curve_keys() {
   if (!curve_available()) throw Error("this libzmq was built without CURVE support");
   char pub[41], sec[41];
   if (zmq_curve_keypair(pub, sec) != 0) throw Error(zerr("zmq_curve_keypair"));
-  return {pub, sec};
+  return {pub, sec, ""};
 }
 
 CurveKeys load_curve_keys(const std::string& path) {
@@ -150,7 +150,8 @@ Socket::Socket(Transport& t, Kind kind, uint64_t max_message_bytes) : kind_(kind
       zmq_setsockopt(sock_, ZMQ_CURVE_SECRETKEY, k.secret_key.c_str(), 40);
       zmq_setsockopt(sock_, ZMQ_ZAP_DOMAIN, "limbo", 5);
     } else {
-      zmq_setsockopt(sock_, ZMQ_CURVE_SERVERKEY, k.public_key.c_str(), 40);
+      const std::string& server = k.server_key.empty() ? k.public_key : k.server_key;
+      zmq_setsockopt(sock_, ZMQ_CURVE_SERVERKEY, server.c_str(), 40);
       zmq_setsockopt(sock_, ZMQ_CURVE_PUBLICKEY, k.public_key.c_str(), 40);
       zmq_setsockopt(sock_, ZMQ_CURVE_SECRETKEY, k.secret_key.c_str(), 40);
     }

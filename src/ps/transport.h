@@ -26,6 +26,7 @@ namespace limbo::ps {
 // A CURVE key pair in Z85 text (40 characters each); empty = no encryption.
 struct CurveKeys {
   std::string public_key, secret_key;
+  std::string server_key;  // the shard's public key; empty = public_key (one pair per job)
   bool enabled() const { return !public_key.empty(); }
 };
 bool curve_available();
