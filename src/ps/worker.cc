@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <thread>
@@ -280,6 +281,11 @@ json Learner::run(const std::atomic<bool>& stop) {
     }
     steps += 1;
     samples += count;
+    if (cfg_.train.pause_at_step > 0 && steps == cfg_.train.pause_at_step) {  // testing aid
+      std::fprintf(stderr, "paused at step %lld\n", static_cast<long long>(steps));
+      std::fflush(stderr);
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    }
     loss_sum += lv;
     window_loss += lv;
     window_steps += 1;

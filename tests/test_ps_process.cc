@@ -1,0 +1,147 @@
+// Parameter-server jobs as real processes: end-to-end accuracy, a learner
+// killed under hardsync, a shard killed and restarted, a refused handshake.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <string>
+#include <thread>
+
+#include "common/files.h"
+#include "test_util.h"
+
+namespace {
+
+using json = nlohmann::json;
+using limbo::testing::slurp;
+using limbo::testing::spawn_limbo;
+using limbo::testing::TempDir;
+using limbo::testing::wait_child;
+using limbo::testing::wait_for_text;
+
+json read_json(const std::string& path) { return json::parse(limbo::read_file(path)); }
+
+std::vector<std::string> mlp_args(int epochs) {
+  return {"--set", "model.name=mlp", "--set", "train.epochs=" + std::to_string(epochs), "--set", "optim.lr=0.05",
+          "--set", "data.test_limit=2000", "--set", "train.threads=1", "--set", "ps.heartbeat_timeout=1",
+          "--set", "ps.request_timeout=30", "--set", "train.progress=false"};
+}
+
+std::vector<std::string> cat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST(PsJob, FourLearnersSoftsyncReachRealAccuracy) {
+  TempDir d;
+  const std::string run = d.file("run");
+  auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "2", "--workers", "4",
+                                          "--protocol", "softsync", "--softsync-n", "2", "--run-dir", run, "--"},
+                                         mlp_args(1)));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = read_json(run + "/summary.json");
+  for (const char* k : {"staleness_mean", "staleness_p99", "staleness_max", "updates", "gradients_dropped",
+                        "gradients_rejected", "test_accuracy"})
+    EXPECT_TRUE(s.contains(k)) << k << " missing from " << s.dump();
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.75) << s.dump();
+  EXPECT_EQ(s["learners"].size(), 4u);
+  EXPECT_EQ(s["softsync_n"], 2);
+  // lambda 4, n 2: c = 2, so about half as many updates as gradients.
+  const double ratio = s["gradients_accepted"].get<double>() / s["updates"].get<double>();
+  EXPECT_GT(ratio, 1.7);
+  EXPECT_LE(ratio, 2.05);
+  EXPECT_GT(s["staleness_mean"].get<double>(), 0.0);
+  // Every sample of the epoch ended up in exactly one completed lease.
+  auto shard0 = read_json(run + "/shard-0/summary.json");
+  EXPECT_DOUBLE_EQ(shard0["epoch"].get<double>(), 1.0);
+  // Each shard wrote a staleness histogram per window of updates.
+  EXPECT_NE(slurp(run + "/shard-1/metrics.jsonl").find("\"staleness_hist\""), std::string::npos);
+  // The final checkpoint is readable by `limbo eval`.
+  auto ev = limbo::testing::run_limbo({"eval", "--checkpoint", run + "/checkpoint.pt", "--set", "data.test_limit=2000"});
+  EXPECT_EQ(ev.exit_code, 0) << ev.output;
+}
+
+TEST(PsJob, KillingALearnerDoesNotHangHardsync) {
+  TempDir d;
+  const std::string run = d.file("run");
+  auto args = cat({"--set", "ps.protocol=hardsync"}, mlp_args(1));
+  pid_t server = spawn_limbo(cat({"ps-server", "--dir", run + "/shard-0"}, args), d.file("server.log"));
+  ASSERT_TRUE(wait_for_text(run + "/shard-0/endpoint", "tcp://", 60)) << slurp(d.file("server.log"));
+  std::string endpoint = slurp(run + "/shard-0/endpoint");
+  endpoint.erase(endpoint.find_last_not_of("\n ") + 1);
+  std::vector<pid_t> learners;
+  for (int i = 0; i < 3; ++i) {
+    auto a = cat({"worker", "--servers", endpoint, "--learner-id", std::to_string(i), "--run-dir", run}, args);
+    if (i == 1) a = cat(a, {"--set", "train.pause_at_step=30"});
+    learners.push_back(spawn_limbo(a, d.file("learner" + std::to_string(i) + ".log")));
+  }
+  ASSERT_TRUE(wait_for_text(d.file("learner1.log"), "paused at step 30", 60)) << slurp(d.file("learner1.log"));
+  ASSERT_EQ(::kill(learners[1], SIGKILL), 0);
+  wait_child(learners[1], d.file("learner1.log"));
+  for (int i : {0, 2}) {
+    auto r = wait_child(learners[i], d.file("learner" + std::to_string(i) + ".log"));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  }
+  ::kill(server, SIGTERM);
+  auto sr = wait_child(server, d.file("server.log"));
+  EXPECT_EQ(sr.exit_code, 0) << sr.output;
+  EXPECT_NE(sr.output.find("learner 1 dropped"), std::string::npos) << sr.output;
+  auto s = read_json(run + "/shard-0/summary.json");
+  EXPECT_EQ(s["staleness_max"], 0);  // hardsync
+  EXPECT_DOUBLE_EQ(s["epoch"].get<double>(), 1.0);  // the dead learner's batch was handed out again
+  auto fin = read_json(run + "/final.json");
+  EXPECT_GT(fin["test_accuracy"].get<double>(), 0.7);
+}
+
+pid_t shard_pid(const std::string& dir) {
+  std::string cmd = "pgrep -f -- '--dir " + dir + "( |$)'";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  char buf[64] = {0};
+  pid_t pid = -1;
+  if (p && std::fgets(buf, sizeof buf, p)) pid = static_cast<pid_t>(std::atol(buf));
+  if (p) ::pclose(p);
+  return pid;
+}
+
+TEST(PsJob, AShardKilledAndRestartedFromItsCheckpointLetsTrainingComplete) {
+  TempDir d;
+  const std::string run = d.file("run");
+  pid_t launcher = spawn_limbo(cat({"launch", "--mode", "async", "--servers", "2", "--workers", "2", "--protocol",
+                                    "softsync", "--run-dir", run, "--"},
+                                   cat(mlp_args(2), {"--set", "ps.checkpoint_every=50"})),
+                               d.file("launch.log"));
+  ASSERT_TRUE(wait_for_text(run + "/shard-1/summary.json", "\"clock\"", 60)) << slurp(d.file("launch.log"));
+  pid_t victim = shard_pid(run + "/shard-1");
+  ASSERT_GT(victim, 0);
+  ASSERT_EQ(::kill(victim, SIGKILL), 0);
+  auto r = wait_child(launcher, d.file("launch.log"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("shard 1 failed (killed by signal 9)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("resumed from its checkpoint"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("registering again"), std::string::npos) << r.output;
+  auto s = read_json(run + "/summary.json");
+  EXPECT_EQ(s["shards"][1]["restarts"], 1);
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.7) << s.dump();
+}
+
+TEST(PsJob, AMismatchedModelIsRefusedOnBothSides) {
+  TempDir d;
+  const std::string run = d.file("run");
+  pid_t server = spawn_limbo(cat({"ps-server", "--dir", run + "/shard-0"}, mlp_args(1)), d.file("server.log"));
+  ASSERT_TRUE(wait_for_text(run + "/shard-0/endpoint", "tcp://", 60)) << slurp(d.file("server.log"));
+  std::string endpoint = slurp(run + "/shard-0/endpoint");
+  endpoint.erase(endpoint.find_last_not_of("\n ") + 1);
+  auto r = limbo::testing::run_limbo(
+      cat(cat({"worker", "--servers", endpoint}, mlp_args(1)), {"--set", "model.width=128"}));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("refused this learner: model mismatch"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("fc1.weight[128,784]"), std::string::npos) << r.output;
+  ::kill(server, SIGTERM);
+  auto sr = wait_child(server, d.file("server.log"));
+  EXPECT_NE(sr.output.find("refused learner"), std::string::npos) << sr.output;
+}
+
+}  // namespace
