@@ -556,6 +556,16 @@ TEST(Shard, KeepsServingAfterGarbage) {
   unsigned char hdr[kHeaderBytes];
   encode_header(huge, hdr);
   bad.s.send_raw({std::string(reinterpret_cast<char*>(hdr), kHeaderBytes), "", "abcd"});
+  // Messages on one connection are handled in order: once this peer is
+  // welcomed, all of its garbage has been seen.
+  {
+    Header h;
+    h.type = MsgType::Hello;
+    h.sender = 4;
+    bad.s.send(nullptr, h, json{{"fingerprint", hex64(shard.fp.hash)}, {"total", kTotal}}.dump(), nullptr, 0);
+    MsgType t = MsgType::Error;
+    while (t != MsgType::Welcome) t = bad.reply().header.type;
+  }
   // 3. The shard still serves a well-behaved learner.
   Client good(shard.endpoint);
   ASSERT_EQ(good.hello(5, shard.fp).header.type, MsgType::Welcome);
