@@ -127,6 +127,22 @@ TEST(PsJob, AShardKilledAndRestartedFromItsCheckpointLetsTrainingComplete) {
   EXPECT_GT(s["test_accuracy"].get<double>(), 0.7) << s.dump();
 }
 
+TEST(PsJob, ADivergingRunRejectsNonFiniteGradientsAndStillEnds) {
+  TempDir d;
+  const std::string run = d.file("run");
+  auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2",
+                                          "--protocol", "softsync", "--softsync-n", "2", "--run-dir", run, "--"},
+                                         cat(mlp_args(1), {"--set", "optim.lr=50", "--set", "ps.staleness=constant",
+                                                           "--set", "data.train_limit=6000"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = read_json(run + "/summary.json");
+  EXPECT_GT(s["gradients_rejected"].get<int64_t>(), 0) << s.dump();
+  EXPECT_TRUE(s.contains("test_accuracy"));
+  auto shard0 = read_json(run + "/shard-0/summary.json");
+  EXPECT_GT(shard0["rejected_by_reason"]["non_finite"].get<int64_t>(), 0);
+  EXPECT_DOUBLE_EQ(shard0["epoch"].get<double>(), 1.0);
+}
+
 TEST(PsJob, AMismatchedModelIsRefusedOnBothSides) {
   TempDir d;
   const std::string run = d.file("run");

@@ -320,8 +320,13 @@ struct Server::Impl {
       g = torch::empty({range.numel}, torch::kFloat32);
       std::memcpy(g.data_ptr<float>(), m.payload.data, m.payload.size);
     }
-    if (!all_finite(g.data_ptr<float>(), static_cast<size_t>(range.numel)))
+    if (!all_finite(g.data_ptr<float>(), static_cast<size_t>(range.numel))) {
+      // Never applied; the batch counts as used (a diverged model would
+      // otherwise get the same batch back forever).
+      if (leases && h.aux >= 0) leases->complete(h.aux);
+      last_push_seq[h.sender] = h.seq;
       return reject(Reject::NonFinite, "gradient from learner " + std::to_string(h.sender) + " has NaN or Inf", &id, h.seq);
+    }
     auto offer = agg.offer(h.sender, h.clock);
     if (offer.outcome == Aggregator::Offer::Rejected) return reject(Reject::Protocol, offer.why, &id, h.seq);
     last_push_seq[h.sender] = h.seq;

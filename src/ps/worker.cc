@@ -125,6 +125,12 @@ class Learner {
             }
             continue;
           }
+          if (h.seq == seq && want == MsgType::PushAck) {  // a refused gradient: counted, training goes on
+            Message rejected;
+            rejected.header.type = want;
+            rejected.meta = json{{"status", "rejected"}, {"reason", e.value("reason", code)}}.dump();
+            return rejected;
+          }
           if (h.seq == seq || code == "version")
             throw PeerFailure("shard " + std::to_string(l.index) + " at " + l.endpoint + " refused a " +
                               type_name(want) + " request: " + e.value("reason", code));
@@ -199,7 +205,7 @@ json Learner::run(const std::atomic<bool>& stop) {
     return std::shared_ptr<void>(static_cast<void*>(in_flight.get()), [c = in_flight](void*) { c->fetch_sub(1); });
   };
 
-  int64_t steps = 0, samples = 0, accepted = 0, dropped = 0, lost = 0, tau_sum = 0, tau_n = 0;
+  int64_t steps = 0, samples = 0, accepted = 0, dropped = 0, lost = 0, rejected = 0, tau_sum = 0, tau_n = 0;
   double loss_sum = 0, window_loss = 0;
   int64_t window_steps = 0, window_samples = 0;
   auto start = Clock::now(), window_start = Clock::now();
@@ -228,6 +234,12 @@ json Learner::run(const std::atomic<bool>& stop) {
           if (st == "accepted") accepted += 1;
           else if (st == "dropped") dropped += 1;
           else if (st == "lost") lost += 1;
+          else if (st == "rejected") {
+            rejected += 1;
+            if (rejected <= 3 || (rejected & (rejected - 1)) == 0)
+              log_warn(tag + ": shard 0 rejected a gradient (" + std::to_string(rejected) + " so far): " +
+                       a.value("reason", std::string("?")));
+          }
           if (a.contains("tau")) {
             tau_sum += a["tau"].get<int64_t>();
             tau_n += 1;
@@ -310,7 +322,7 @@ json Learner::run(const std::atomic<bool>& stop) {
   json summary = {{"learner", opt_.learner_id}, {"steps", steps}, {"samples", samples},
                   {"samples_per_second", secs > 0 ? samples / secs : 0.0}, {"seconds", secs},
                   {"mean_loss", steps ? loss_sum / steps : 0.0}, {"gradients_accepted", accepted},
-                  {"gradients_dropped", dropped}, {"gradients_lost", lost},
+                  {"gradients_dropped", dropped}, {"gradients_lost", lost}, {"gradients_rejected", rejected},
                   {"staleness_mean_seen", tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0},
                   {"finisher", finisher}};
   log_info(tag + ": left after " + std::to_string(steps) + " steps (" + std::to_string(samples) + " samples, " +
