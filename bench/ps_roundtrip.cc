@@ -147,7 +147,7 @@ struct LimboPair {
       if (d.reject != limbo::ps::Reject::None) throw std::runtime_error(d.detail);
       if (d.msg.header.type != t) continue;
       if (t == limbo::ps::MsgType::Weights) {  // as a learner does: into its flat weights
-        std::memcpy(weights.data(), d.msg.payload.data, d.msg.payload.size);
+        limbo::ps::copy_floats(weights.data(), d.msg.payload.data, d.msg.payload.size);
         clock = d.msg.header.clock;
       }
       return;

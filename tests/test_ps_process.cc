@@ -143,6 +143,35 @@ TEST(PsJob, ADivergingRunRejectsNonFiniteGradientsAndStillEnds) {
   EXPECT_DOUBLE_EQ(shard0["epoch"].get<double>(), 1.0);
 }
 
+TEST(PsJob, AJobWithCurveKeysTrainsAndRefusesALearnerWithoutThem) {
+  TempDir d;
+  auto kg = limbo::testing::run_limbo({"keygen", "--out", d.file("job.keys")});
+  ASSERT_EQ(kg.exit_code, 0) << kg.output;
+  EXPECT_NE(slurp(d.file("job.keys")).find("public "), std::string::npos);
+  const std::string run = d.file("run");
+  auto keyed = cat(mlp_args(1), {"--set", "data.train_limit=6000"});
+  pid_t server = spawn_limbo(cat({"ps-server", "--dir", run + "/shard-0", "--keys", d.file("job.keys")}, keyed),
+                             d.file("server.log"));
+  ASSERT_TRUE(wait_for_text(run + "/shard-0/endpoint", "tcp://", 60)) << slurp(d.file("server.log"));
+  std::string endpoint = slurp(run + "/shard-0/endpoint");
+  endpoint.erase(endpoint.find_last_not_of("\n ") + 1);
+  // Without keys: ZeroMQ's CURVE handshake fails; the learner hears nothing and gives up.
+  auto plain = limbo::testing::run_limbo(
+      cat(cat({"worker", "--servers", endpoint}, keyed), {"--set", "ps.request_timeout=2"}));
+  EXPECT_EQ(plain.exit_code, 3) << plain.output;
+  EXPECT_NE(plain.output.find("did not answer"), std::string::npos) << plain.output;
+  // With the job's keys: trains to the end.
+  auto ok = limbo::testing::run_limbo(
+      cat({"worker", "--servers", endpoint, "--keys", d.file("job.keys"), "--run-dir", run}, keyed));
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("test accuracy"), std::string::npos) << ok.output;
+  ::kill(server, SIGTERM);
+  auto sr = wait_child(server, d.file("server.log"));
+  EXPECT_EQ(sr.exit_code, 0) << sr.output;
+  auto s = read_json(run + "/shard-0/summary.json");
+  EXPECT_GE(s["curve_peers_accepted"].get<int64_t>(), 1);
+}
+
 TEST(PsJob, AMismatchedModelIsRefusedOnBothSides) {
   TempDir d;
   const std::string run = d.file("run");

@@ -103,6 +103,15 @@ Aggregator::Offer Aggregator::offer(uint32_t id, uint64_t pulled) {
   return o;
 }
 
+void Aggregator::retract(uint32_t id, uint64_t pulled) {
+  auto it = learners_.find(id);
+  if (it == learners_.end() || pending_.empty()) return;
+  pending_.pop_back();
+  it->second.contributed = false;
+  it->second.outstanding = true;
+  it->second.pulled = pulled;
+}
+
 bool Aggregator::ready() const {
   if (pending_.empty()) return false;
   if (opt_.protocol == Protocol::Hardsync) {

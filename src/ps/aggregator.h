@@ -88,6 +88,10 @@ class Aggregator {
   // gradients are pending until the next update.
   Offer offer(uint32_t id, uint64_t pulled);
 
+  // Takes back the offer just accepted from `id` (pulled at `pulled`): the
+  // caller found the gradient unusable (e.g. NaN) after offering it.
+  void retract(uint32_t id, uint64_t pulled);
+
   // True when the pending gradients make an update now.
   bool ready() const;
   int pending() const { return static_cast<int>(pending_.size()); }

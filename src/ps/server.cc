@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <fstream>
@@ -22,15 +23,44 @@ using json = nlohmann::json;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+constexpr int64_t kParallelGrain = 1 << 20;  // floats per task of a parallel pass
 constexpr char kCkptMagic[8] = {'L', 'B', 'P', 'S', 'C', 'K', 'P', 'T'};
 
-// out = w - alpha * g in one pass (vectorised: built with -O3 below).
-__attribute__((optimize("O3"))) void fused_sgd_step(float* __restrict out, const float* __restrict w,
-                                                    const float* __restrict g, float alpha, size_t n) {
-  for (size_t i = 0; i < n; ++i) out[i] = w[i] - alpha * g[i];
+// out = w - alpha * g in one vectorised pass that also checks g: returns
+// false when g holds NaN or Inf (exponent bits all ones), see all_finite().
+__attribute__((optimize("O3"))) bool fused_sgd_chunk(float* __restrict out, const float* __restrict w,
+                                                     const float* __restrict g, float alpha, size_t n) {
+  // (exponent bits + 1 ulp of exponent) sets bit 31 only for all-ones
+  // exponents; an OR of that vectorises with plain SSE2.
+  uint32_t m = 0;
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, g + i, 4);
+    m |= (u & 0x7f800000u) + 0x00800000u;
+    out[i] = w[i] - alpha * g[i];
+  }
+  return (m & 0x80000000u) == 0;
+}
+
+// Large slices are split over the intra-op threads (the shard is idle on the
+// network while it updates).
+bool fused_sgd_step(float* out, const float* w, const float* g, float alpha, size_t n) {
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, static_cast<int64_t>(n), kParallelGrain, [&](int64_t a, int64_t b) {
+    if (!fused_sgd_chunk(out + a, w + a, g + a, alpha, static_cast<size_t>(b - a))) ok = false;
+  });
+  return ok;
 }
 
 }  // namespace
+
+void copy_floats(float* dst, const void* src, size_t bytes) {
+  const auto* from = static_cast<const unsigned char*>(src);
+  auto* to = reinterpret_cast<unsigned char*>(dst);
+  at::parallel_for(0, static_cast<int64_t>(bytes), 4 * kParallelGrain, [&](int64_t a, int64_t b) {
+    std::memcpy(to + a, from + a, static_cast<size_t>(b - a));
+  });
+}
 
 std::vector<Range> partition(int64_t total, int shards) {
   if (shards < 1) throw InvalidInput("the number of shards must be >= 1");
@@ -185,22 +215,31 @@ struct Server::Impl {
 
   // One gradient makes the whole update (c = 1, nothing pending): apply it
   // straight from the message buffer, without the accumulator.
-  void apply_single(const torch::Tensor& g, double alpha) {
+  // Returns false (and changes nothing) when g holds NaN or Inf.
+  bool apply_single(const torch::Tensor& g, double alpha) {
     torch::NoGradGuard ng;
-    auto taus = agg.commit();
     auto next = fresh_version();
     if (opt.momentum == 0 && opt.weight_decay == 0) {
-      fused_sgd_step(next->data_ptr<float>(), weights->data_ptr<float>(), g.data_ptr<float>(),
-                     static_cast<float>(alpha), static_cast<size_t>(range.numel));
+      if (!fused_sgd_step(next->data_ptr<float>(), weights->data_ptr<float>(), g.data_ptr<float>(),
+                          static_cast<float>(alpha), static_cast<size_t>(range.numel))) {
+        spare.push_back(std::move(next));
+        return false;
+      }
     } else {
+      if (!all_finite(g.data_ptr<float>(), static_cast<size_t>(range.numel))) {
+        spare.push_back(std::move(next));
+        return false;
+      }
       torch::Tensor d = g.mul(alpha);
       if (opt.weight_decay != 0) d.add_(*weights, opt.agg.alpha0 * opt.weight_decay);
       if (!momentum_buf.defined()) momentum_buf = d;
       else momentum_buf.mul_(opt.momentum).add_(d);
       torch::sub_out(*next, *weights, momentum_buf);
     }
+    auto taus = agg.commit();
     publish(std::move(next));
     finish_update(taus);
+    return true;
   }
 
   void finish_update(const std::vector<int64_t>& taus) {
@@ -320,13 +359,13 @@ struct Server::Impl {
       g = torch::empty({range.numel}, torch::kFloat32);
       std::memcpy(g.data_ptr<float>(), m.payload.data, m.payload.size);
     }
-    if (!all_finite(g.data_ptr<float>(), static_cast<size_t>(range.numel))) {
-      // Never applied; the batch counts as used (a diverged model would
-      // otherwise get the same batch back forever).
+    // A NaN/Inf gradient is never applied; its batch counts as used (a
+    // diverged model would otherwise get the same batch back forever).
+    auto non_finite = [&] {
       if (leases && h.aux >= 0) leases->complete(h.aux);
       last_push_seq[h.sender] = h.seq;
-      return reject(Reject::NonFinite, "gradient from learner " + std::to_string(h.sender) + " has NaN or Inf", &id, h.seq);
-    }
+      reject(Reject::NonFinite, "gradient from learner " + std::to_string(h.sender) + " has NaN or Inf", &id, h.seq);
+    };
     auto offer = agg.offer(h.sender, h.clock);
     if (offer.outcome == Aggregator::Offer::Rejected) return reject(Reject::Protocol, offer.why, &id, h.seq);
     last_push_seq[h.sender] = h.seq;
@@ -336,15 +375,20 @@ struct Server::Impl {
       dropped += 1;
       ack["status"] = "dropped";
     } else {
-      accepted += 1;
-      grads_per_learner[h.sender] += 1;
-      ack["status"] = "accepted";
-      if (agg.pending() == 1 && agg.ready()) {
-        apply_single(g, offer.alpha);
-      } else {
+      const bool single = agg.pending() == 1 && agg.ready();
+      // The finite check rides along the update pass when one gradient makes
+      // the update; otherwise it is a pass of its own before accumulating.
+      if (single ? !apply_single(g, offer.alpha) : !all_finite(g.data_ptr<float>(), static_cast<size_t>(range.numel))) {
+        agg.retract(h.sender, h.clock);
+        return non_finite();
+      }
+      if (!single) {
         torch::NoGradGuard ng;
         accum.add_(g, offer.alpha);
       }
+      accepted += 1;
+      grads_per_learner[h.sender] += 1;
+      ack["status"] = "accepted";
     }
     send_json(id, MsgType::PushAck, h.seq, ack);
     maybe_update();

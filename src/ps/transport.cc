@@ -137,6 +137,7 @@ Socket::Socket(Transport& t, Kind kind, uint64_t max_message_bytes) : kind_(kind
   setopt_int(sock_, ZMQ_LINGER, 0);
   setopt_int(sock_, ZMQ_RECONNECT_IVL, 50);
   setopt_int(sock_, ZMQ_RECONNECT_IVL_MAX, 500);
+  if (kind == Kind::Dealer) setopt_int(sock_, ZMQ_SNDTIMEO, 200);
   setopt_int(sock_, ZMQ_SNDHWM, 0);
   setopt_int(sock_, ZMQ_RCVHWM, 0);
   if (max_message_bytes > 0) {
@@ -172,14 +173,24 @@ void Socket::connect(const std::string& endpoint) {
   if (zmq_connect(sock_, endpoint.c_str()) != 0) throw InvalidInput(zerr("cannot connect to " + endpoint));
 }
 
-void Socket::send(const std::string* identity, const Header& h, const std::string& meta, const void* payload,
+bool Socket::send(const std::string* identity, const Header& h, const std::string& meta, const void* payload,
                   size_t bytes, std::shared_ptr<void> keep) {
   if (identity) send_frame(sock_, identity->data(), identity->size(), true);
   Header hh = h;
   hh.payload_bytes = bytes;
   unsigned char hdr[kHeaderBytes];
   encode_header(hh, hdr);
-  send_frame(sock_, hdr, kHeaderBytes, true);
+  if (!identity) {
+    // A DEALER with no connected peer (shard down, CURVE handshake refused)
+    // blocks; after the send timeout the message counts as not sent. Once the
+    // first frame is queued, the rest of a multipart message always is.
+    if (zmq_send(sock_, hdr, kHeaderBytes, ZMQ_SNDMORE) < 0) {
+      if (zmq_errno() == EAGAIN) return false;
+      throw PeerFailure(zerr("zmq send"));
+    }
+  } else {
+    send_frame(sock_, hdr, kHeaderBytes, true);
+  }
   send_frame(sock_, meta.data(), meta.size(), true);
   if (keep && bytes > 0) {
     zmq_msg_t m;
@@ -192,6 +203,7 @@ void Socket::send(const std::string* identity, const Header& h, const std::strin
   } else {
     send_frame(sock_, payload, bytes, false);
   }
+  return true;
 }
 
 void Socket::send_raw(const std::vector<std::string>& frames) {

@@ -154,7 +154,9 @@ class Learner {
       }
       if (since(last_heard) > opt_.request_timeout)
         throw PeerFailure("shard " + std::to_string(l.index) + " at " + l.endpoint + " did not answer for " +
-                          std::to_string(opt_.request_timeout) + " s (ps.request_timeout)");
+                          std::to_string(opt_.request_timeout) + " s (ps.request_timeout)" +
+                          (registering ? std::string(": is it running, and do both sides use the same --keys?")
+                                       : std::string()));
     }
   }
 
@@ -170,7 +172,7 @@ class Learner {
     if (static_cast<int64_t>(m.floats()) != l.numel)
       throw PeerFailure("shard " + std::to_string(l.index) + " sent " + std::to_string(m.floats()) +
                         " floats, expected " + std::to_string(l.numel));
-    std::memcpy(t_.params().data().data_ptr<float>() + l.offset, m.payload.data, m.payload.size);
+    copy_floats(t_.params().data().data_ptr<float>() + l.offset, m.payload.data, m.payload.size);
     l.clock = m.header.clock;
   }
 
