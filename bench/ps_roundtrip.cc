@@ -25,6 +25,7 @@
 #include "common/log.h"
 #include "common/memory.h"
 #include "ps/server.h"
+#include "ps/shard_state.h"
 #include "ps/transport.h"
 
 namespace {

@@ -8,8 +8,8 @@ a small model (default: the MLP), per-learner batch --batch, server-side
 momentum 0.9. Writes table.md (test error for each n and policy, mean and
 spread over seeds, plus the measured staleness) and PNG plots into --out.
 
-    experiments/staleness/run.py [--learners 4] [--ns 1,2,4] [--seeds 1,2]
-                                 [--epochs 2] [--lr 0.1] [--out experiments/staleness/results]
+    experiments/staleness/run.py [--learners 4] [--ns 1,2,4] [--seeds 1,2,3]
+                                 [--epochs 2] [--lr 0.03] [--out experiments/staleness/results]
 """
 import argparse
 import json
@@ -48,9 +48,9 @@ def main():
     ap.add_argument("--limbo", default="build/src/cli/limbo")
     ap.add_argument("--learners", type=int, default=4)
     ap.add_argument("--ns", default="1,2,4")
-    ap.add_argument("--seeds", default="1,2")
+    ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--lr", type=float, default=0.03)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--model", default="mlp")
     ap.add_argument("--out", default="experiments/staleness/results")

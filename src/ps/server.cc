@@ -1,5 +1,7 @@
 #include "ps/server.h"
 
+#include "ps/shard_state.h"
+
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
@@ -23,44 +25,9 @@ using json = nlohmann::json;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-constexpr int64_t kParallelGrain = 1 << 20;  // floats per task of a parallel pass
 constexpr char kCkptMagic[8] = {'L', 'B', 'P', 'S', 'C', 'K', 'P', 'T'};
 
-// out = w - alpha * g in one vectorised pass that also checks g: returns
-// false when g holds NaN or Inf (exponent bits all ones), see all_finite().
-__attribute__((optimize("O3"))) bool fused_sgd_chunk(float* __restrict out, const float* __restrict w,
-                                                     const float* __restrict g, float alpha, size_t n) {
-  // (exponent bits + 1 ulp of exponent) sets bit 31 only for all-ones
-  // exponents; an OR of that vectorises with plain SSE2.
-  uint32_t m = 0;
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, g + i, 4);
-    m |= (u & 0x7f800000u) + 0x00800000u;
-    out[i] = w[i] - alpha * g[i];
-  }
-  return (m & 0x80000000u) == 0;
-}
-
-// Large slices are split over the intra-op threads (the shard is idle on the
-// network while it updates).
-bool fused_sgd_step(float* out, const float* w, const float* g, float alpha, size_t n) {
-  std::atomic<bool> ok{true};
-  at::parallel_for(0, static_cast<int64_t>(n), kParallelGrain, [&](int64_t a, int64_t b) {
-    if (!fused_sgd_chunk(out + a, w + a, g + a, alpha, static_cast<size_t>(b - a))) ok = false;
-  });
-  return ok;
-}
-
 }  // namespace
-
-void copy_floats(float* dst, const void* src, size_t bytes) {
-  const auto* from = static_cast<const unsigned char*>(src);
-  auto* to = reinterpret_cast<unsigned char*>(dst);
-  at::parallel_for(0, static_cast<int64_t>(bytes), 4 * kParallelGrain, [&](int64_t a, int64_t b) {
-    std::memcpy(to + a, from + a, static_cast<size_t>(b - a));
-  });
-}
 
 std::vector<Range> partition(int64_t total, int shards) {
   if (shards < 1) throw InvalidInput("the number of shards must be >= 1");
@@ -80,9 +47,7 @@ struct Server::Impl {
   CurveKeys keys;
   Range range;
   int64_t total = 0;
-  std::shared_ptr<torch::Tensor> weights;  // the published version; never written after publishing
-  std::vector<std::shared_ptr<torch::Tensor>> spare;  // old versions, reused once no send holds them
-  torch::Tensor accum, momentum_buf;
+  std::unique_ptr<ShardState> state;
   Aggregator agg;
   std::unique_ptr<LeaseBook> leases;
   std::unique_ptr<Transport> transport;
@@ -155,7 +120,7 @@ struct Server::Impl {
       }
     }
     if (!(flags & kObserver)) agg.on_pull(learner);
-    auto w = weights;  // keeps this version alive until ZeroMQ has sent it
+    auto w = state->weights();  // keeps this version alive until ZeroMQ has sent it
     sock->send(&id, reply_header(MsgType::Weights, seq), meta.empty() ? std::string() : meta.dump(),
                w->data_ptr<float>(), static_cast<size_t>(w->numel()) * 4, w);
   }
@@ -179,67 +144,9 @@ struct Server::Impl {
   }
 
   void apply_update() {
-    torch::NoGradGuard ng;
     auto taus = agg.commit();
-    const double k = static_cast<double>(taus.size());
-    accum.div_(k);
-    if (opt.weight_decay != 0) accum.add_(*weights, opt.agg.alpha0 * opt.weight_decay);
-    torch::Tensor step = accum;
-    if (opt.momentum != 0) {
-      if (!momentum_buf.defined()) momentum_buf = accum.clone();
-      else momentum_buf.mul_(opt.momentum).add_(accum);
-      step = momentum_buf;
-    }
-    auto next = fresh_version();
-    torch::sub_out(*next, *weights, step);
-    publish(std::move(next));
-    accum.zero_();
+    state->apply(static_cast<int64_t>(taus.size()));
     finish_update(taus);
-  }
-
-  // A buffer for the next version: an old one that no send holds any more.
-  std::shared_ptr<torch::Tensor> fresh_version() {
-    for (auto it = spare.begin(); it != spare.end(); ++it) {
-      if (it->use_count() == 1) {
-        auto t = std::move(*it);
-        spare.erase(it);
-        return t;
-      }
-    }
-    return std::make_shared<torch::Tensor>(torch::empty({range.numel}, torch::kFloat32));
-  }
-  void publish(std::shared_ptr<torch::Tensor> next) {
-    if (spare.size() < 4) spare.push_back(weights);
-    weights = std::move(next);
-  }
-
-  // One gradient makes the whole update (c = 1, nothing pending): apply it
-  // straight from the message buffer, without the accumulator.
-  // Returns false (and changes nothing) when g holds NaN or Inf.
-  bool apply_single(const torch::Tensor& g, double alpha) {
-    torch::NoGradGuard ng;
-    auto next = fresh_version();
-    if (opt.momentum == 0 && opt.weight_decay == 0) {
-      if (!fused_sgd_step(next->data_ptr<float>(), weights->data_ptr<float>(), g.data_ptr<float>(),
-                          static_cast<float>(alpha), static_cast<size_t>(range.numel))) {
-        spare.push_back(std::move(next));
-        return false;
-      }
-    } else {
-      if (!all_finite(g.data_ptr<float>(), static_cast<size_t>(range.numel))) {
-        spare.push_back(std::move(next));
-        return false;
-      }
-      torch::Tensor d = g.mul(alpha);
-      if (opt.weight_decay != 0) d.add_(*weights, opt.agg.alpha0 * opt.weight_decay);
-      if (!momentum_buf.defined()) momentum_buf = d;
-      else momentum_buf.mul_(opt.momentum).add_(d);
-      torch::sub_out(*next, *weights, momentum_buf);
-    }
-    auto taus = agg.commit();
-    publish(std::move(next));
-    finish_update(taus);
-    return true;
   }
 
   void finish_update(const std::vector<int64_t>& taus) {
@@ -375,17 +282,15 @@ struct Server::Impl {
       dropped += 1;
       ack["status"] = "dropped";
     } else {
+      // One gradient that makes the update alone is applied straight from the
+      // message buffer (the finite check rides along that pass).
       const bool single = agg.pending() == 1 && agg.ready();
-      // The finite check rides along the update pass when one gradient makes
-      // the update; otherwise it is a pass of its own before accumulating.
-      if (single ? !apply_single(g, offer.alpha) : !all_finite(g.data_ptr<float>(), static_cast<size_t>(range.numel))) {
+      const float* gp = g.data_ptr<float>();
+      if (single ? !state->step_single(gp, offer.alpha) : !state->accumulate(gp, offer.alpha)) {
         agg.retract(h.sender, h.clock);
         return non_finite();
       }
-      if (!single) {
-        torch::NoGradGuard ng;
-        accum.add_(g, offer.alpha);
-      }
+      if (single) finish_update(agg.commit());
       accepted += 1;
       grads_per_learner[h.sender] += 1;
       ack["status"] = "accepted";
@@ -466,7 +371,7 @@ struct Server::Impl {
     json meta = {{"shard", opt.shard}, {"shards", opt.shards}, {"offset", range.offset}, {"numel", range.numel},
                  {"total", total}, {"fingerprint", hex64(fp.hash)}, {"clock", agg.clock()}, {"updates", updates},
                  {"accepted", accepted}, {"dropped", dropped}, {"hist", hist_json(hist_total)},
-                 {"momentum", momentum_buf.defined()}};
+                 {"momentum", state->momentum_buffer().defined()}};
     if (leases) {
       auto s = leases->snapshot();
       json q = json::array();
@@ -479,8 +384,9 @@ struct Server::Impl {
     uint64_t len = m.size();
     bytes.append(reinterpret_cast<const char*>(&len), 8);
     bytes += m;
-    bytes.append(reinterpret_cast<const char*>(weights->data_ptr<float>()), range.numel * 4);
-    if (momentum_buf.defined()) bytes.append(reinterpret_cast<const char*>(momentum_buf.data_ptr<float>()), range.numel * 4);
+    bytes.append(reinterpret_cast<const char*>(state->weights()->data_ptr<float>()), range.numel * 4);
+    const torch::Tensor& mom = state->momentum_buffer();
+    if (mom.defined()) bytes.append(reinterpret_cast<const char*>(mom.data_ptr<float>()), range.numel * 4);
     write_file_atomic(opt.dir + "/checkpoint.bin", bytes);
     write_file_atomic(opt.dir + "/summary.json", summary().dump(2) + "\n");
     last_ckpt_clock = agg.clock();
@@ -506,11 +412,8 @@ struct Server::Impl {
     size_t need = 16 + len + static_cast<size_t>(range.numel) * 4 * (has_m ? 2 : 1);
     if (bytes.size() != need) throw bad("size " + std::to_string(bytes.size()) + ", expected " + std::to_string(need));
     const char* p = bytes.data() + 16 + len;
-    std::memcpy(weights->data_ptr<float>(), p, range.numel * 4);
-    if (has_m) {
-      momentum_buf = torch::empty({range.numel}, torch::kFloat32);
-      std::memcpy(momentum_buf.data_ptr<float>(), p + range.numel * 4, range.numel * 4);
-    }
+    state->restore(reinterpret_cast<const float*>(p),
+                   has_m ? reinterpret_cast<const float*>(p + range.numel * 4) : nullptr);
     agg.set_clock(meta["clock"].get<uint64_t>());
     last_ckpt_clock = agg.clock();
     updates = meta["updates"];
@@ -544,9 +447,8 @@ Server::Server(ServerOptions opt, ModelFingerprint fp, const float* initial, int
     throw InvalidInput("--shard " + std::to_string(s.opt.shard) + " is not in [0, " + std::to_string(s.opt.shards) + ")");
   s.total = total;
   s.range = partition(total, s.opt.shards)[s.opt.shard];
-  s.weights = std::make_shared<torch::Tensor>(torch::empty({s.range.numel}, torch::kFloat32));
-  std::memcpy(s.weights->data_ptr<float>(), initial + s.range.offset, s.range.numel * 4);
-  s.accum = torch::zeros({s.range.numel}, torch::kFloat32);
+  s.state = std::make_unique<ShardState>(s.range.numel, initial + s.range.offset,
+                                         UpdateOptions{s.opt.agg.alpha0, s.opt.momentum, s.opt.weight_decay});
   if (s.opt.shard == 0 && s.opt.dataset_size > 0)
     s.leases = std::make_unique<LeaseBook>(s.opt.dataset_size, s.opt.batch, s.opt.epochs);
   make_dirs(s.opt.dir);

@@ -31,10 +31,6 @@ struct Range {
 // balanced by bytes (sizes differ by at most one element).
 std::vector<Range> partition(int64_t total, int shards);
 
-// Copies a received payload into place, split over the intra-op threads for
-// large payloads (learners use it for the weights they pull).
-void copy_floats(float* dst, const void* src, size_t bytes);
-
 // What learners and shards must agree on: protocol version, parameter names
 // and shapes. A text description (for error messages) and its hash.
 struct ModelFingerprint {

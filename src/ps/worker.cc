@@ -12,6 +12,7 @@
 #include "common/files.h"
 #include "common/log.h"
 #include "data/loader.h"
+#include "ps/shard_state.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
 
