@@ -62,6 +62,13 @@ struct WorkerArgs {
 int run_worker_cmd(const WorkerArgs& a);
 int run_keygen(const std::string& out);
 
+struct SimArgs {
+  std::string config_file;
+  std::vector<std::string> overrides;
+  std::string run_dir;
+};
+int run_sim(const SimArgs& a);
+
 struct CheckpointArgs {
   std::string checkpoint;
   std::vector<std::string> overrides;  // e.g. data.path for another machine

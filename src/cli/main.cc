@@ -91,6 +91,12 @@ int main(int argc, char** argv) {
   worker->add_option("--run-dir", worker_args.run_dir, "job directory for learner metrics and final results");
   worker->add_option("--keys", worker_args.keys_file, "CURVE key file of the job")->check(CLI::ExistingFile);
 
+  cli::SimArgs sim_args;
+  auto* sim = app.add_subcommand("sim", "simulate asynchronous training with many virtual learners in one process");
+  sim->add_option("--config", sim_args.config_file, "TOML config file")->check(CLI::ExistingFile);
+  sim->add_option("--set", sim_args.overrides, "override a key, e.g. sim.learners=30, ps.softsync_n=4");
+  sim->add_option("--run-dir", sim_args.run_dir, "output folder (default runs/sim-<time>)");
+
   std::string keygen_out;
   auto* keygen = app.add_subcommand("keygen", "write a CURVE key pair for an encrypted parameter-server job");
   keygen->add_option("--out", keygen_out, "key file to write")->required();
@@ -126,6 +132,7 @@ int main(int argc, char** argv) {
     if (*ps_server) return cli::run_ps_server(ps_args);
     if (*worker) return cli::run_worker_cmd(worker_args);
     if (*keygen) return cli::run_keygen(keygen_out);
+    if (*sim) return cli::run_sim(sim_args);
     if (*eval) return cli::run_eval(ck_args);
     if (*exp) return cli::run_export(ck_args);
     if (*config) return cli::run_config(cfg_args, schema_md);

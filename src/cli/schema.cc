@@ -151,6 +151,16 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(I("ps.max_message_mb", 1024, 1, 1 << 20,
              "parameter server: largest payload a shard accepts, in MiB"));
 
+    s->add(I("sim.learners", 4, 1, 100000, "simulator: virtual learners (lambda)"));
+    s->add(S("sim.compute", "constant", {"constant", "normal", "longtail", "mixed"},
+             "simulator: compute time per mini-batch: constant, normal (sim.compute_cv), "
+             "long-tail lognormal (sigma = sim.compute_cv), or mixed speeds (stragglers)"));
+    s->add(F("sim.compute_mean", 0.1, 0.0, std::nullopt, "simulator: mean compute time per mini-batch, seconds", true));
+    s->add(F("sim.compute_cv", 0.2, 0.0, 10.0, "simulator: spread of the compute time (see sim.compute)"));
+    s->add(F("sim.straggler_fraction", 0.25, 0.0, 1.0, "simulator, mixed: share of slow learners"));
+    s->add(F("sim.straggler_factor", 4.0, 1.0, 1000.0, "simulator, mixed: how many times slower they are"));
+    s->add(F("sim.net_delay", 0.001, 0.0, 60.0, "simulator: one-way network delay, seconds"));
+
     s->add(I("train.epochs", 2, 1, 100000, "epochs to train"));
     s->add(I("train.max_steps", 0, 0, std::nullopt, "stop after this many steps (0 = no limit)"));
     s->add(I("train.seed", 1, 0, std::nullopt, "seed for initialisation and data order"));

@@ -1,0 +1,117 @@
+// The asynchronous simulator: determinism, agreement with single-process
+// training at lambda = 1, the staleness that n-softsync produces, hardsync,
+// the staleness bound, and the snapshot memory bound.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "cli/schema.h"
+#include "sim/async_sim.h"
+#include "train/trainer.h"
+
+namespace limbo::sim {
+namespace {
+
+using json = nlohmann::json;
+
+train::TrainerConfig mlp_config(std::vector<std::string> extra = {}) {
+  std::vector<std::string> o = {"model.name=mlp", "model.width=64", "data.train_limit=4000", "data.test_limit=1000",
+                                "train.epochs=1", "optim.lr=0.05", "optim.momentum=0", "train.threads=1",
+                                "train.progress=false", "train.eval_every_epochs=0",
+                                "train.checkpoint_every_epochs=0"};
+  o.insert(o.end(), extra.begin(), extra.end());
+  auto tc = cli::trainer_config(cli::resolve_config("", o));
+  return tc;
+}
+
+AsyncSimOptions options(int learners, int n, ComputeKind kind = ComputeKind::Constant) {
+  AsyncSimOptions o;
+  o.learners = learners;
+  o.agg.protocol = ps::Protocol::Softsync;
+  o.agg.softsync_n = n;
+  o.agg.alpha0 = 0.05;
+  o.update.alpha0 = 0.05;
+  o.compute.kind = kind;
+  o.compute.mean = 0.1;
+  o.compute.cv = 0.3;
+  return o;
+}
+
+json simulate(const AsyncSimOptions& o, std::vector<std::string> extra = {}) {
+  auto tc = mlp_config(std::move(extra));
+  train::Trainer t(tc);
+  return run_async_sim(t, tc, o);
+}
+
+TEST(AsyncSim, SameSeedSameRun) {
+  auto o = options(6, 3, ComputeKind::LongTail);
+  auto a = simulate(o), b = simulate(o);
+  EXPECT_EQ(a["staleness_hist"], b["staleness_hist"]);
+  EXPECT_EQ(a["updates"], b["updates"]);
+  EXPECT_EQ(a["test_loss"], b["test_loss"]);
+  EXPECT_EQ(a["virtual_seconds"], b["virtual_seconds"]);
+  o.seed = 2;  // another seed draws other compute times
+  auto c = simulate(o);
+  EXPECT_NE(a["virtual_seconds"], c["virtual_seconds"]);
+}
+
+TEST(AsyncSim, OneLearnerIsPlainSgd) {
+  auto s = simulate(options(1, 1));
+  EXPECT_EQ(s["staleness_max"], 0);
+  auto tc = mlp_config();
+  train::Trainer t(tc);
+  auto ref = t.run();
+  // Same data order, same initial weights, same rule (up to rounding).
+  EXPECT_NEAR(s["test_accuracy"].get<double>(), ref["test_accuracy"].get<double>(), 0.01);
+  EXPECT_EQ(s["updates"], ref["steps"]);
+}
+
+TEST(AsyncSim, SoftsyncStalenessFollowsN) {
+  // lambda learners in lock-step: between a learner's pull and its push the
+  // other lambda - 1 gradients arrive, i.e. (lambda - 1) / c updates.
+  const int lambda = 8;
+  for (int n : {2, 4, 8}) {
+    auto s = simulate(options(lambda, n));
+    const int c = lambda / n;
+    const double expect = static_cast<double>(lambda - 1) / c;
+    EXPECT_NEAR(s["staleness_mean"].get<double>(), expect, 0.6) << "n = " << n << ": " << s["staleness_hist"];
+    EXPECT_LE(s["staleness_max"].get<int64_t>(), 2 * n) << "n = " << n;
+  }
+  // With noisy compute times tau spreads out but stays near n.
+  auto s = simulate(options(lambda, 4, ComputeKind::Normal));
+  EXPECT_GT(s["staleness_mean"].get<double>(), 2.5);
+  EXPECT_LT(s["staleness_mean"].get<double>(), 4.5);
+}
+
+TEST(AsyncSim, HardsyncHasNoStaleness) {
+  auto o = options(4, 1, ComputeKind::Normal);
+  o.agg.protocol = ps::Protocol::Hardsync;
+  auto s = simulate(o);
+  EXPECT_EQ(s["staleness_max"], 0);
+  // 4000 samples / 64 per batch = 63 batches, 4 per update.
+  EXPECT_EQ(s["updates"], 16);
+  EXPECT_EQ(s["gradients_accepted"], 63);
+}
+
+TEST(AsyncSim, StalenessBoundDropsStaleGradients) {
+  auto o = options(8, 8, ComputeKind::Mixed);  // two stragglers, 4x slower
+  o.agg.max_staleness = 5;
+  o.agg.bound_action = ps::BoundAction::Drop;
+  auto s = simulate(o);
+  EXPECT_GT(s["gradients_dropped"].get<int64_t>(), 0);
+  EXPECT_LE(s["staleness_max"].get<int64_t>(), 5);
+  o.agg.bound_action = ps::BoundAction::Wait;
+  auto w = simulate(o);
+  EXPECT_EQ(w["gradients_dropped"], 0);
+  EXPECT_LE(w["staleness_max"].get<int64_t>(), 5);
+}
+
+TEST(AsyncSim, SnapshotMemoryIsBoundedByTheLearners) {
+  auto o = options(12, 12, ComputeKind::LongTail);
+  auto s = simulate(o);
+  EXPECT_LE(s["snapshot_versions_peak"].get<int64_t>(), 13);
+  EXPECT_GE(s["snapshot_versions_peak"].get<int64_t>(), 2);
+}
+
+}  // namespace
+}  // namespace limbo::sim
