@@ -7,6 +7,8 @@
 
 #include "cli/schema.h"
 #include "sim/async_sim.h"
+#include "common/files.h"
+#include "test_util.h"
 #include "train/trainer.h"
 
 namespace limbo::sim {
@@ -111,6 +113,25 @@ TEST(AsyncSim, SnapshotMemoryIsBoundedByTheLearners) {
   auto s = simulate(o);
   EXPECT_LE(s["snapshot_versions_peak"].get<int64_t>(), 13);
   EXPECT_GE(s["snapshot_versions_peak"].get<int64_t>(), 2);
+}
+
+TEST(SimCli, RunsAndPlotsItsCurves) {
+  testing::TempDir d;
+  auto r = testing::run_limbo({"sim", "--run-dir", d.file("run"), "--set", "model.name=mlp", "--set",
+                               "model.width=32", "--set", "data.train_limit=3000", "--set", "data.test_limit=500",
+                               "--set", "train.epochs=2", "--set", "sim.learners=6", "--set", "ps.softsync_n=3",
+                               "--set", "ps.log_every=5", "--set", "sim.compute=longtail"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("6 virtual learners"), std::string::npos) << r.output;
+  auto s = json::parse(read_file(d.file("run/summary.json")));
+  EXPECT_EQ(s["learners"], 6);
+  EXPECT_DOUBLE_EQ(s["epochs"].get<double>(), 2.0);
+  auto p = testing::run_limbo({"plot", d.file("run"), "--out", d.file("curves.png")});
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_EQ(read_file(d.file("curves.png")).substr(1, 3), "PNG");
+  auto bad = testing::run_limbo({"plot", d.file("nothing-here")});
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("not a run directory"), std::string::npos) << bad.output;
 }
 
 }  // namespace

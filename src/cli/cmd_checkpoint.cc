@@ -1,6 +1,13 @@
-// `limbo eval` and `limbo export`: rebuild the model from the configuration
+// `limbo eval`, `limbo export` and `limbo plot`. eval/export rebuild the model from the configuration
 // stored in a checkpoint, load its weights, then evaluate or export them.
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/files.h"
 
 #include "cli/commands.h"
 #include "cli/schema.h"
@@ -45,6 +52,28 @@ int run_export(const CheckpointArgs& a) {
                            {{"format", "pt"}, {"producer", "limbo"}, {"limbo_config", cfg_text}});
   std::printf("wrote %s\n", a.out.c_str());
   return 0;
+}
+
+}  // namespace limbo::cli
+
+namespace limbo::cli {
+
+int run_plot(const std::vector<std::string>& runs, const std::string& out) {
+  const char* script = std::getenv("LIMBO_PLOT_SCRIPT");
+  std::string path = script ? script : LIMBO_PLOT_SCRIPT;
+  if (!file_exists(path))
+    throw InvalidInput("plot script '" + path + "' not found (set LIMBO_PLOT_SCRIPT to scripts/limbo_plot.py)");
+  const char* py = std::getenv("LIMBO_PYTHON");
+  std::string python = py ? py : "/usr/bin/python3";
+  std::vector<std::string> args = {python, path};
+  args.insert(args.end(), runs.begin(), runs.end());
+  if (!out.empty()) args.insert(args.end(), {"--out", out});
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  ::execv(python.c_str(), argv.data());
+  throw InvalidInput("cannot run " + python + " (python3-matplotlib is needed for plots): " + std::strerror(errno));
 }
 
 }  // namespace limbo::cli

@@ -69,6 +69,9 @@ struct SimArgs {
 };
 int run_sim(const SimArgs& a);
 
+// Runs scripts/limbo_plot.py (matplotlib) with /usr/bin/python3.
+int run_plot(const std::vector<std::string>& runs, const std::string& out);
+
 struct CheckpointArgs {
   std::string checkpoint;
   std::vector<std::string> overrides;  // e.g. data.path for another machine

@@ -97,6 +97,12 @@ int main(int argc, char** argv) {
   sim->add_option("--set", sim_args.overrides, "override a key, e.g. sim.learners=30, ps.softsync_n=4");
   sim->add_option("--run-dir", sim_args.run_dir, "output folder (default runs/sim-<time>)");
 
+  std::vector<std::string> plot_runs;
+  std::string plot_out;
+  auto* plot = app.add_subcommand("plot", "draw loss / accuracy / lr / batch / staleness curves of run directories (PNG)");
+  plot->add_option("runs", plot_runs, "run directories")->required();
+  plot->add_option("--out", plot_out, "PNG to write (default RUN_DIR/curves.png)");
+
   std::string keygen_out;
   auto* keygen = app.add_subcommand("keygen", "write a CURVE key pair for an encrypted parameter-server job");
   keygen->add_option("--out", keygen_out, "key file to write")->required();
@@ -133,6 +139,7 @@ int main(int argc, char** argv) {
     if (*worker) return cli::run_worker_cmd(worker_args);
     if (*keygen) return cli::run_keygen(keygen_out);
     if (*sim) return cli::run_sim(sim_args);
+    if (*plot) return cli::run_plot(plot_runs, plot_out);
     if (*eval) return cli::run_eval(ck_args);
     if (*exp) return cli::run_export(ck_args);
     if (*config) return cli::run_config(cfg_args, schema_md);
