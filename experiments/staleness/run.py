@@ -3,13 +3,15 @@
 against a parameter server under n-softsync for several n, with a constant
 learning rate against alpha0 / tau, plus a hardsync baseline.
 
-Real processes via `limbo launch --mode async` (one shard). Fashion-MNIST,
-a small model (default: the MLP), per-learner batch --batch, server-side
+Real processes via `limbo launch --mode async` (one shard), or with --sim
+the virtual cluster of `limbo sim` (same aggregator and update code) at the
+paper's scale. Fashion-MNIST, per-learner batch --batch, server-side
 momentum 0.9. Writes table.md (test error for each n and policy, mean and
 spread over seeds, plus the measured staleness) and PNG plots into --out.
 
     experiments/staleness/run.py [--learners 4] [--ns 1,2,4] [--seeds 1,2,3]
                                  [--epochs 2] [--lr 0.03] [--out experiments/staleness/results]
+    experiments/staleness/run.py --sim      # lambda = 30, n = 1,2,4,10,30, LeNet, batch 8
 """
 import argparse
 import json
@@ -25,11 +27,17 @@ def run(args, name, protocol, n, policy, seed):
         return json.load(open(os.path.join(d, "summary.json")))
     shutil.rmtree(d, ignore_errors=True)
     print(f"[staleness experiment] {name} seed {seed} ...", flush=True)
-    cmd = [args.limbo, "launch", "--mode", "async", "--servers", "1", "--workers", str(args.learners),
-           "--protocol", protocol, "--run-dir", d]
-    if protocol == "softsync":
-        cmd += ["--softsync-n", str(n)]
-    cmd += ["--", "--set", f"model.name={args.model}", "--set", f"data.batch_size={args.batch}",
+    if args.sim:
+        cmd = [args.limbo, "sim", "--run-dir", d, "--set", f"sim.learners={args.learners}",
+               "--set", f"ps.protocol={protocol}", "--set", f"ps.softsync_n={max(n, 1)}",
+               "--set", f"sim.compute={args.compute}"]
+    else:
+        cmd = [args.limbo, "launch", "--mode", "async", "--servers", "1", "--workers", str(args.learners),
+               "--protocol", protocol, "--run-dir", d]
+        if protocol == "softsync":
+            cmd += ["--softsync-n", str(n)]
+        cmd += ["--"]
+    cmd += ["--set", f"model.name={args.model}", "--set", f"data.batch_size={args.batch}",
             "--set", f"optim.lr={args.lr}", "--set", "optim.momentum=0.9", "--set", f"train.seed={seed}",
             "--set", f"train.epochs={args.epochs}", "--set", f"ps.staleness={policy}",
             "--set", "train.progress=false", "--set", "ps.log_every=50"]
@@ -54,7 +62,16 @@ def main():
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--model", default="mlp")
     ap.add_argument("--out", default="experiments/staleness/results")
+    ap.add_argument("--sim", action="store_true",
+                    help="use `limbo sim` (virtual learners); defaults become the paper's lambda = 30")
+    ap.add_argument("--compute", default="normal", help="--sim: compute-time distribution")
     args = ap.parse_args()
+    if args.sim:  # the paper's scale, unless given
+        given = {a.split("=")[0] for a in os.sys.argv[1:]}
+        for flag, value in (("--learners", 30), ("--ns", "1,2,4,10,30"), ("--seeds", "1"), ("--model", "lenet"),
+                            ("--batch", 8), ("--lr", 0.01), ("--out", "experiments/staleness/results-sim")):
+            if flag not in given:
+                setattr(args, flag[2:], value)
     os.makedirs(args.out, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
     ns = [int(n) for n in args.ns.split(",")]
@@ -69,18 +86,21 @@ def main():
             results[(policy, n)] = rs
             rows.append((f"{n}-softsync", n, policy, rs))
 
-    lines = [f"# Staleness-aware async SGD: lambda = {args.learners} learners, {args.model}, "
+    kind = "virtual learners (limbo sim, compute times: " + args.compute + ")" if args.sim else "learner processes"
+    lines = [f"# Staleness-aware async SGD: lambda = {args.learners} {kind}, {args.model}, "
              f"Fashion-MNIST, {args.epochs} epochs, batch {args.batch} per learner, alpha0 = {args.lr}, "
              f"server momentum 0.9, seeds {args.seeds}", "",
              "| protocol | n | learning rate | test error % | staleness mean | staleness p99 | staleness max | updates | samples/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rate = (lambda r: r["gradients_accepted"] * args.batch / r["virtual_seconds"]) if args.sim else \
+        (lambda r: r["samples_per_second"])
     for name, n, policy, rs in rows:
         err = [100 * (1 - r["test_accuracy"]) for r in rs]
         lines.append(f"| {name} | {n} | {policy} | {fmt(err)} | "
                      f"{statistics.mean(r['staleness_mean'] for r in rs):.2f} | "
                      f"{max(r['staleness_p99'] for r in rs)} | {max(r['staleness_max'] for r in rs)} | "
                      f"{statistics.mean(r['updates'] for r in rs):.0f} | "
-                     f"{statistics.mean(r['samples_per_second'] for r in rs):.0f} |")
+                     f"{statistics.mean(rate(r) for r in rs):.0f} |")
     table = "\n".join(lines) + "\n"
     open(os.path.join(args.out, "table.md"), "w").write(table)
     print(table)
