@@ -3,10 +3,14 @@
 // the staleness bound, and the snapshot memory bound.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <sstream>
 
 #include "cli/schema.h"
+#include "elastic/launcher.h"
 #include "sim/async_sim.h"
+#include "sim/elastic_sim.h"
 #include "common/files.h"
 #include "test_util.h"
 #include "train/trainer.h"
@@ -113,6 +117,60 @@ TEST(AsyncSim, SnapshotMemoryIsBoundedByTheLearners) {
   auto s = simulate(o);
   EXPECT_LE(s["snapshot_versions_peak"].get<int64_t>(), 13);
   EXPECT_GE(s["snapshot_versions_peak"].get<int64_t>(), 2);
+}
+
+json elastic(const std::string& schedule, std::vector<std::string> extra, const std::string& run_dir = "") {
+  auto tc = mlp_config(std::move(extra));
+  train::Trainer t(tc);
+  ElasticSimOptions o;
+  o.schedule = elastic::parse_schedule(schedule);
+  o.run_dir = run_dir;
+  o.log_every = 1;
+  return run_elastic_sim(t, tc, o);
+}
+
+TEST(ElasticSim, OneWorkerIsExactlyTheSingleProcessTrainer) {
+  auto s = elastic("0:1", {});
+  auto tc = mlp_config();
+  train::Trainer t(tc);
+  auto ref = t.run();
+  EXPECT_EQ(s["steps"], ref["steps"]);
+  EXPECT_DOUBLE_EQ(s["test_loss"].get<double>(), ref["test_loss"].get<double>());
+}
+
+TEST(ElasticSim, RWorkersAverageLikeOneWorkerWithRTimesTheBatch) {
+  auto s = elastic("0:4", {"data.batch_size=16", "elastic.batch_policy=none"});
+  auto tc = mlp_config({"data.batch_size=64"});
+  train::Trainer t(tc);
+  auto ref = t.run();
+  EXPECT_EQ(s["steps"], ref["steps"]);
+  EXPECT_NEAR(s["test_loss"].get<double>(), ref["test_loss"].get<double>(), 1e-3);
+}
+
+TEST(ElasticSim, LearningRateFollowsTheBatchPolicy) {
+  testing::TempDir d;
+  for (const char* policy : {"linear", "dynamic"}) {
+    const std::string dir = d.file(policy);
+    elastic("0:1,0.5:4", {"data.batch_size=16", std::string("elastic.batch_policy=") + policy,
+                          "elastic.ramp_iterations=20", "train.epochs=1"},
+            dir);
+    std::vector<double> mult;
+    std::istringstream in(read_file(dir + "/metrics.jsonl"));
+    std::string line;
+    bool changed = false;
+    while (std::getline(in, line)) {
+      auto j = json::parse(line);
+      if (j["kind"] == "membership") changed = true;
+      if (j["kind"] == "train") mult.push_back(j["lr_multiplier"].get<double>());
+    }
+    EXPECT_TRUE(changed) << policy;
+    ASSERT_FALSE(mult.empty());
+    EXPECT_DOUBLE_EQ(mult.front(), 1.0);
+    EXPECT_DOUBLE_EQ(mult.back(), 4.0) << policy;
+    // linear jumps to 4 at once; dynamic passes through values in between.
+    const bool between = std::any_of(mult.begin(), mult.end(), [](double m) { return m > 1.01 && m < 3.99; });
+    EXPECT_EQ(between, std::string(policy) == "dynamic") << policy;
+  }
 }
 
 TEST(SimCli, RunsAndPlotsItsCurves) {

@@ -14,7 +14,9 @@
 #include "ps/server.h"
 #include "ps/transport.h"
 #include "ps/worker.h"
+#include "elastic/launcher.h"
 #include "sim/async_sim.h"
+#include "sim/elastic_sim.h"
 #include "train/trainer.h"
 
 namespace limbo::cli {
@@ -133,11 +135,37 @@ int run_keygen(const std::string& out) {
 
 int run_sim(const SimArgs& a) {
   Config cfg = resolve_config(a.config_file, a.overrides);
-  check_async_config(cfg);
+  const bool elastic = cfg.get_string("sim.mode") == "elastic";
+  if (elastic && cfg.get_string("optim.algorithm") != "sgd")
+    throw InvalidInput("the elastic simulation supports optim.algorithm = \"sgd\" only");
+  if (!elastic) check_async_config(cfg);
   auto tc = trainer_config(cfg);
   tc.run_dir.clear();
   tc.train.progress = false;
   train::Trainer trainer(tc);
+  std::string run_dir = a.run_dir;
+  if (run_dir.empty()) {
+    std::time_t t = std::time(nullptr);
+    std::tm tm{};
+    ::localtime_r(&t, &tm);
+    char stamp[32];
+    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &tm);
+    run_dir = std::string("runs/sim-") + stamp;
+  }
+  if (elastic) {
+    sim::ElasticSimOptions eo;
+    eo.schedule = elastic::parse_schedule(cfg.get_string("sim.elastic_schedule"));
+    eo.run_dir = run_dir;
+    eo.log_every = cfg.get_int("train.log_every");
+    auto s = sim::run_elastic_sim(trainer, tc, eo);
+    std::printf("run directory: %s\n", run_dir.c_str());
+    std::printf("elastic simulation (%s policy): %lld steps, %lld membership changes, test accuracy %.2f%%; "
+                "simulation overhead %.1f%% beyond gradient computation\n",
+                s["batch_policy"].get<std::string>().c_str(), static_cast<long long>(s["steps"].get<int64_t>()),
+                static_cast<long long>(s["membership_changes"].get<int64_t>()), 100 * s["test_accuracy"].get<double>(),
+                100 * s["overhead_fraction"].get<double>());
+    return kExitOk;
+  }
   sim::AsyncSimOptions so;
   so.learners = static_cast<int>(cfg.get_int("sim.learners"));
   so.agg = aggregator_options(cfg);
@@ -150,15 +178,7 @@ int run_sim(const SimArgs& a) {
   so.net_delay = cfg.get_float("sim.net_delay");
   so.seed = static_cast<uint64_t>(cfg.get_int("train.seed"));
   so.log_every = cfg.get_int("ps.log_every");
-  so.run_dir = a.run_dir;
-  if (so.run_dir.empty()) {
-    std::time_t t = std::time(nullptr);
-    std::tm tm{};
-    ::localtime_r(&t, &tm);
-    char stamp[32];
-    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &tm);
-    so.run_dir = std::string("runs/sim-") + stamp;
-  }
+  so.run_dir = run_dir;
   auto s = sim::run_async_sim(trainer, tc, so);
   std::printf("run directory: %s\n", so.run_dir.c_str());
   std::printf("%d virtual learners, %s: %lld updates, staleness mean %.2f (p99 %lld, max %lld), "

@@ -151,6 +151,10 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(I("ps.max_message_mb", 1024, 1, 1 << 20,
              "parameter server: largest payload a shard accepts, in MiB"));
 
+    s->add(S("sim.mode", "async", {"async", "elastic"},
+             "simulator: asynchronous parameter-server training, or elastic synchronous training"));
+    s->add(S("sim.elastic_schedule", "0:1", {},
+             "simulator, elastic: worker count by epoch, e.g. \"0:1,2:16,4:4\""));
     s->add(I("sim.learners", 4, 1, 100000, "simulator: virtual learners (lambda)"));
     s->add(S("sim.compute", "constant", {"constant", "normal", "longtail", "mixed"},
              "simulator: compute time per mini-batch: constant, normal (sim.compute_cv), "

@@ -1,0 +1,122 @@
+#include "sim/elastic_sim.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+
+#include "common/error.h"
+#include "common/log.h"
+#include "data/loader.h"
+#include "optim/batch_policy.h"
+#include "optim/lr_schedule.h"
+#include "train/evaluate.h"
+#include "train/run_dir.h"
+
+namespace limbo::sim {
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+int workers_at(const std::vector<std::pair<double, int>>& schedule, double epoch) {
+  int r = schedule.front().second;
+  for (const auto& [e, w] : schedule)
+    if (e <= epoch + 1e-12) r = w;
+  return r;
+}
+
+}  // namespace
+
+json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const ElasticSimOptions& opt) {
+  if (opt.schedule.empty()) throw InvalidInput("elastic simulation needs sim.elastic_schedule, e.g. \"0:1,2:16\"");
+  for (const auto& [e, w] : opt.schedule)
+    if (w < 1) throw InvalidInput("sim.elastic_schedule: worker counts must be >= 1");
+  auto& flat = t.params();
+  auto& model = t.model();
+  auto& sgd = t.sgd();
+  const auto& train_set = t.data().train;
+  const int64_t n = train_set.size();
+  const int64_t b = cfg.loader.batch_size;
+  optim::LrSchedule schedule(cfg.lr);
+  optim::BatchSizePolicy policy(cfg.batch_policy);
+  data::Sampler sampler(n, cfg.loader.order, cfg.loader.seed);
+  train::RunDir run(opt.run_dir, false);
+  if (run.enabled()) run.write_config(cfg.config_toml);
+
+  data::Cursor cur;
+  int64_t step = 0, changes = 0, samples = 0;
+  int last_r = 0;
+  double window_loss = 0, grad_seconds = 0, eval_seconds = 0;
+  int64_t window_steps = 0;
+  torch::Tensor gsum = torch::zeros_like(flat.grad());
+  train::EvalResult ev;
+  auto wall0 = Clock::now();
+  model.train();
+  while (cur.epoch < cfg.train.epochs) {
+    const double epoch_now = cur.epoch + static_cast<double>(cur.position) / n;
+    const int r = workers_at(opt.schedule, epoch_now);
+    if (last_r != 0 && r != last_r) {
+      changes += 1;
+      run.append_metrics({{"kind", "membership"}, {"step", step}, {"epoch", epoch_now}, {"world", r},
+                          {"reason", "schedule"}});
+    }
+    last_r = r;
+    auto head = data::plan_batch(sampler, cur, b, r, 0, cfg.loader.drop_last);
+    gsum.zero_();
+    double loss = 0;
+    auto g0 = Clock::now();
+    for (int k = 0; k < r; ++k) {
+      auto plan = k == 0 ? head : data::plan_batch(sampler, cur, b, r, k, cfg.loader.drop_last);
+      if (plan.ids.empty()) continue;
+      auto batch = data::make_batch(train_set, t.normalization(), plan.ids);
+      flat.zero_grad();
+      if (cfg.model.channels_last) batch.x = batch.x.contiguous(at::MemoryFormat::ChannelsLast);
+      auto l = torch::nn::functional::cross_entropy(model.forward(batch.x), batch.y);
+      l.backward();
+      const double share = static_cast<double>(plan.ids.size()) / head.global_size;
+      torch::NoGradGuard ng;
+      gsum.add_(flat.grad(), share);  // what the weighted all-reduce sums
+      loss += share * l.item<double>();
+    }
+    grad_seconds += since(g0);
+    auto p = policy.step(step, b * r);
+    if (p.changed && p.momentum_factor != 1.0) sgd.scale_buffer(p.momentum_factor);
+    const double lr = schedule.lr(epoch_now, step) * p.multiplier;
+    sgd.step(flat.data(), gsum, lr);
+    cur = head.end;
+    step += 1;
+    samples += head.global_size;
+    window_loss += loss;
+    window_steps += 1;
+    if (window_steps >= opt.log_every || head.last_in_epoch) {
+      run.append_metrics({{"kind", "train"}, {"step", step}, {"epoch", cur.epoch + static_cast<double>(cur.position) / n},
+                          {"loss", window_loss / window_steps}, {"lr", lr}, {"lr_multiplier", p.multiplier},
+                          {"batch_size", head.global_size}, {"workers", r}});
+      window_loss = 0;
+      window_steps = 0;
+    }
+    if (head.last_in_epoch) {
+      auto e0 = Clock::now();
+      ev = train::evaluate(model, t.data().test, t.normalization());
+      model.train();
+      eval_seconds += since(e0);
+      run.append_metrics({{"kind", "eval"}, {"step", step}, {"epoch", static_cast<double>(cur.epoch)},
+                          {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss}});
+      log_info("epoch " + std::to_string(cur.epoch) + ": " + std::to_string(r) + " workers, test accuracy " +
+               std::to_string(100 * ev.accuracy) + "%");
+    }
+  }
+  const double wall = since(wall0) - eval_seconds;  // simulation time, evaluation excluded
+  json s = {{"mode", "sim-elastic"}, {"steps", step}, {"samples", samples}, {"epochs", cur.epoch},
+            {"membership_changes", changes}, {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss},
+            {"batch_policy", cfg.batch_policy.kind == optim::BatchPolicyKind::None     ? "none"
+                             : cfg.batch_policy.kind == optim::BatchPolicyKind::Linear ? "linear"
+                                                                                       : "dynamic"},
+            {"wall_seconds", wall}, {"gradient_seconds", grad_seconds},
+            {"overhead_fraction", grad_seconds > 0 ? (wall - grad_seconds) / grad_seconds : 0.0}};
+  if (run.enabled()) run.write_summary(s);
+  return s;
+}
+
+}  // namespace limbo::sim
