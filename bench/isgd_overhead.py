@@ -9,28 +9,22 @@ of an ISGD step that did not trigger with the mean SGD step. Target: <= 1.02.
     bench/isgd_overhead.py [--limbo build/src/cli/limbo] [--reps 3]
 """
 import argparse
-import json
 import os
-import shutil
+import sys
 import statistics
-import subprocess
-import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from limbo_run import summary_of  # noqa: E402
 
 
 def run(limbo, algorithm, epochs, threads):
-    d = tempfile.mkdtemp(prefix="limbo-isgd-bench-")
-    try:
-        subprocess.run([limbo, "train", "--run-dir", d, "--set", f"optim.algorithm={algorithm}",
-                        "--set", "data.order=fixed-cycle", "--set", "data.train_limit=12800",
-                        "--set", "data.test_limit=1000", "--set", f"train.epochs={epochs}",
-                        "--set", f"train.threads={threads}", "--set", "train.progress=false",
-                        "--set", "train.eval_every_epochs=0",
-                        "--set", "train.checkpoint_every_epochs=0"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with open(os.path.join(d, "summary.json")) as f:
-            return json.load(f)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    return summary_of([limbo, "train"],
+                      ["--set", f"optim.algorithm={algorithm}",
+                       "--set", "data.order=fixed-cycle", "--set", "data.train_limit=12800",
+                       "--set", "data.test_limit=1000", "--set", f"train.epochs={epochs}",
+                       "--set", f"train.threads={threads}", "--set", "train.progress=false",
+                       "--set", "train.eval_every_epochs=0",
+                       "--set", "train.checkpoint_every_epochs=0"])
 
 
 def main():

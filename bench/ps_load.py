@@ -13,41 +13,26 @@ do two shards buy on a large model? Prints figures side by side.
     bench/ps_load.py [--limbo build/src/cli/limbo] [--learners 8] [--samples 8000]
 """
 import argparse
-import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from limbo_run import summary_of  # noqa: E402
 
 
 def job(limbo, servers, workers, n, args, extra):
-    d = tempfile.mkdtemp(prefix="limbo-psload-")
-    try:
-        cmd = [limbo, "launch", "--mode", "async", "--servers", str(servers), "--workers", str(workers),
-               "--protocol", "softsync", "--softsync-n", str(n), "--run-dir", d, "--",
-               "--set", "train.epochs=1", "--set", f"data.train_limit={args.samples}",
-               "--set", "data.test_limit=1000", "--set", "train.progress=false",
-               "--set", "ps.log_every=1000000"] + extra
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with open(os.path.join(d, "summary.json")) as f:
-            return json.load(f)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    return summary_of([limbo, "launch", "--mode", "async", "--servers", str(servers), "--workers", str(workers),
+                       "--protocol", "softsync", "--softsync-n", str(n)],
+                      ["--", "--set", "train.epochs=1", "--set", f"data.train_limit={args.samples}",
+                       "--set", "data.test_limit=1000", "--set", "train.progress=false",
+                       "--set", "ps.log_every=1000000"] + extra)
 
 
 def single(limbo, args, extra):
-    d = tempfile.mkdtemp(prefix="limbo-psload-")
-    try:
-        cmd = [limbo, "train", "--run-dir", d, "--set", "train.epochs=1",
-               "--set", f"data.train_limit={args.samples}", "--set", "data.test_limit=1000",
-               "--set", "train.progress=false", "--set", "train.eval_every_epochs=0",
-               "--set", "train.checkpoint_every_epochs=0"] + extra
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        with open(os.path.join(d, "summary.json")) as f:
-            return json.load(f)
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    return summary_of([limbo, "train"],
+                      ["--set", "train.epochs=1", "--set", f"data.train_limit={args.samples}",
+                       "--set", "data.test_limit=1000", "--set", "train.progress=false",
+                       "--set", "train.eval_every_epochs=0", "--set", "train.checkpoint_every_epochs=0"] + extra)
 
 
 def main():

@@ -10,6 +10,7 @@ once); the static run uses one worker with the schedule's mean global batch
 and the matching linear rate. Real processes via `limbo launch`.
 
     experiments/dynamic_sgd/run.py [--seeds 3] [--lr 0.04] [--out experiments/dynamic_sgd/results]
+    experiments/dynamic_sgd/run.py --sim   # virtual workers, 1x-16x (limbo sim)
 """
 import argparse
 import json
@@ -38,6 +39,10 @@ def run(limbo, out, name, seed, args, schedule):
     if name == "static":
         mean_batch = round(32 * statistics.mean(counts))
         cmd = [limbo, "train"] + common(d, seed, args.lr, epochs, "linear", mean_batch)
+    elif args.sim:  # virtual workers: limbo sim's elastic mode, same policies
+        cmd = [limbo, "sim", "--set", "sim.mode=elastic", "--set", f"sim.elastic_schedule={schedule}"]
+        cmd += common(d, seed, args.lr, epochs, name, 32)
+        cmd += ["--set", f"elastic.ramp_iterations={args.ramp}"]
     else:
         cmd = [limbo, "launch", "--nproc", str(counts[0]), "--elastic-schedule", schedule, "--"]
         cmd += common(d, seed, args.lr, epochs, name, 32)
@@ -62,7 +67,17 @@ def main():
     ap.add_argument("--ramp", type=int, default=200)
     ap.add_argument("--schedule", default="0:1,1:4,2:2,3:4,4:1,5:2")
     ap.add_argument("--out", default="experiments/dynamic_sgd/results")
+    ap.add_argument("--sim", action="store_true",
+                    help="virtual workers (limbo sim); default schedule 1x-16x over 10 epochs, lr 0.01")
     args = ap.parse_args()
+    if args.sim:
+        given = {a.split("=")[0] for a in os.sys.argv[1:]}
+        if "--schedule" not in given:
+            args.schedule = "0:1,1:1,2:16,3:16,4:4,5:4,6:16,7:16,8:2,9:2"
+        if "--lr" not in given:
+            args.lr = 0.01
+        if "--out" not in given:
+            args.out = "experiments/dynamic_sgd/results-sim"
     os.makedirs(os.path.join(args.out, "runs"), exist_ok=True)
     names = ["static", "linear", "dynamic"]
     data = {}
@@ -73,7 +88,8 @@ def main():
     rows = []
     for name in names:
         acc = [100 * data[(name, s)][2]["test_accuracy"] for s in seeds]
-        loss = [data[(name, s)][2]["train_loss"] for s in seeds]
+        loss = [data[(name, s)][2].get("train_loss") for s in seeds]
+        loss = [x if x is not None else float("nan") for x in loss]  # null = diverged (NaN)
         changes = [data[(name, s)][2].get("membership_changes", 0) for s in seeds]
         sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
         rows.append(f"| {name} | {statistics.mean(acc):.2f} ± {sd:.2f} | "
@@ -81,7 +97,8 @@ def main():
     table = ("| policy | final test accuracy (%) | final train loss | membership changes |\n"
              "| --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
     with open(os.path.join(args.out, "README.md"), "w") as f:
-        f.write("# Dynamic SGD on an elastic job (MLP, Fashion-MNIST)\n\n")
+        f.write("# Dynamic SGD on an elastic job (MLP, Fashion-MNIST)" +
+                (", simulated workers (limbo sim)" if args.sim else "") + "\n\n")
         f.write(f"Worker schedule {args.schedule} (epoch:workers), per-worker batch 32, "
                 f"base lr {args.lr} for one worker, momentum 0.9, dynamic ramp "
                 f"T = {args.ramp} iterations, {args.seeds} seeds; static = one worker at the "

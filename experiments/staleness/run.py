@@ -90,7 +90,8 @@ def main():
     lines = [f"# Staleness-aware async SGD: lambda = {args.learners} {kind}, {args.model}, "
              f"Fashion-MNIST, {args.epochs} epochs, batch {args.batch} per learner, alpha0 = {args.lr}, "
              f"server momentum 0.9, seeds {args.seeds}", "",
-             "| protocol | n | learning rate | test error % | staleness mean | staleness p99 | staleness max | updates | samples/s |",
+             "| protocol | n | learning rate | test error % | staleness mean | staleness p99 | staleness max | updates | "
+             + ("accepted samples per virtual s |" if args.sim else "samples/s |"),
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     rate = (lambda r: r["gradients_accepted"] * args.batch / r["virtual_seconds"]) if args.sim else \
         (lambda r: r["samples_per_second"])

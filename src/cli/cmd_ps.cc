@@ -176,6 +176,7 @@ int run_sim(const SimArgs& a) {
   so.compute.straggler_fraction = cfg.get_float("sim.straggler_fraction");
   so.compute.straggler_factor = cfg.get_float("sim.straggler_factor");
   so.net_delay = cfg.get_float("sim.net_delay");
+  so.cores = static_cast<int>(cfg.get_int("sim.cores"));
   so.seed = static_cast<uint64_t>(cfg.get_int("train.seed"));
   so.log_every = cfg.get_int("ps.log_every");
   so.run_dir = run_dir;

@@ -164,6 +164,8 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(F("sim.straggler_fraction", 0.25, 0.0, 1.0, "simulator, mixed: share of slow learners"));
     s->add(F("sim.straggler_factor", 4.0, 1.0, 1000.0, "simulator, mixed: how many times slower they are"));
     s->add(F("sim.net_delay", 0.001, 0.0, 60.0, "simulator: one-way network delay, seconds"));
+    s->add(I("sim.cores", 0, 0, 1 << 20,
+             "simulator: cores the learners share, first come first served (0 = one per learner)"));
 
     s->add(I("train.epochs", 2, 1, 100000, "epochs to train"));
     s->add(I("train.max_steps", 0, 0, std::nullopt, "stop after this many steps (0 = no limit)"));

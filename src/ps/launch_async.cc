@@ -274,7 +274,9 @@ class AsyncJob {
       json j = read_json(opt_.run_dir + "/learners/" + std::to_string(i) + ".summary.json");
       if (j.is_null()) continue;
       total_rate += j.value("samples_per_second", 0.0);
-      learners.push_back({{"learner", i}, {"steps", j["steps"]}, {"samples_per_second", j["samples_per_second"]}});
+      learners.push_back({{"learner", i}, {"steps", j["steps"]}, {"samples_per_second", j["samples_per_second"]},
+                          {"compute_seconds_per_step", j.value("compute_seconds_per_step", 0.0)},
+                          {"wait_seconds_per_step", j.value("wait_seconds_per_step", 0.0)}});
     }
     s["learners"] = learners;
     s["samples_per_second"] = total_rate;

@@ -221,8 +221,12 @@ json Learner::run(const std::atomic<bool>& stop) {
   int64_t lease_id = -1;
   json lease;
 
+  // Where a learner's time goes (the simulator is calibrated from these):
+  // computing (batch, forward, backward) and waiting for the shards.
+  double compute_seconds = 0, wait_seconds = 0;
   for (;;) {
     // Acknowledgements of the previous push, then the weights of this step.
+    auto wait0 = Clock::now();
     for (auto& l : links_) {
       Link& L = *l;
       const uint8_t flags = L.index == 0 ? kWantLease : 0;
@@ -262,6 +266,7 @@ json Learner::run(const std::atomic<bool>& stop) {
         }
       }
     }
+    wait_seconds += since(wait0);
     if (done || stop || (opt_.max_steps > 0 && steps >= opt_.max_steps)) break;
     if (lease.is_null()) {  // all batches are out; some may come back
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -274,6 +279,7 @@ json Learner::run(const std::atomic<bool>& stop) {
     if (position < 0 || count < 1 || position + count > static_cast<int64_t>(order.size()))
       throw PeerFailure("shard 0 handed out an invalid batch (epoch " + std::to_string(epoch) + ", position " +
                         std::to_string(position) + ", count " + std::to_string(count) + ")");
+    auto compute0 = Clock::now();
     std::vector<int64_t> ids(order.begin() + position, order.begin() + position + count);
     auto batch = data::make_batch(train_set, t_.normalization(), ids);
 
@@ -283,6 +289,7 @@ json Learner::run(const std::atomic<bool>& stop) {
     auto loss = torch::nn::functional::cross_entropy(model.forward(batch.x), batch.y);
     loss.backward();
     const double lv = loss.item<double>();
+    compute_seconds += since(compute0);
 
     const float* g = flat.grad().data_ptr<float>();
     for (auto& l : links_) {
@@ -327,7 +334,9 @@ json Learner::run(const std::atomic<bool>& stop) {
                   {"mean_loss", steps ? loss_sum / steps : 0.0}, {"gradients_accepted", accepted},
                   {"gradients_dropped", dropped}, {"gradients_lost", lost}, {"gradients_rejected", rejected},
                   {"staleness_mean_seen", tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0},
-                  {"finisher", finisher}};
+                  {"finisher", finisher},
+                  {"compute_seconds_per_step", steps ? compute_seconds / steps : 0.0},
+                  {"wait_seconds_per_step", steps ? wait_seconds / steps : 0.0}};
   log_info(tag + ": left after " + std::to_string(steps) + " steps (" + std::to_string(samples) + " samples, " +
            std::to_string(static_cast<int64_t>(secs > 0 ? samples / secs : 0)) + " samples/s)");
   if (!opt_.run_dir.empty())

@@ -23,7 +23,7 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-enum class EventKind { PullArrives, WeightsArrive, PushArrives };
+enum class EventKind { PullArrives, WeightsArrive, ComputeDone, PushArrives };
 
 struct Event {
   double time;
@@ -106,6 +106,13 @@ class AsyncSim {
     agg_.on_pull(static_cast<uint32_t>(l));
     track_snapshots();
     schedule(now + opt_.net_delay, EventKind::WeightsArrive, l);
+  }
+
+  void start_compute(int l, double now) {
+    double c = compute_time(l);
+    learners_[l].busy += c;
+    if (opt_.cores > 0) busy_cores_ += 1;
+    schedule(now + c, EventKind::ComputeDone, l);
   }
 
   void on_pull(int l, double now) {
@@ -224,6 +231,8 @@ class AsyncSim {
   std::priority_queue<Event, std::vector<Event>, std::greater<Event>> events_;
   uint64_t next_order_ = 0;
   std::vector<int> held_;
+  std::vector<int> waiting_;  // learners waiting for a core
+  int busy_cores_ = 0;
   int64_t updates_ = 0, accepted_ = 0, dropped_ = 0, rejected_ = 0, peak_versions_ = 0, window_updates_ = 0;
   int64_t loss_n_ = 0;
   double loss_window_ = 0, grad_seconds_ = 0;
@@ -242,13 +251,21 @@ json AsyncSim::run() {
     now = e.time;
     switch (e.kind) {
       case EventKind::PullArrives: on_pull(e.learner, now); break;
-      case EventKind::WeightsArrive: {
-        VirtualLearner& L = learners_[e.learner];
-        double c = compute_time(e.learner);
-        L.busy += c;
-        schedule(now + c + opt_.net_delay, EventKind::PushArrives, e.learner);
+      case EventKind::WeightsArrive:
+        if (opt_.cores > 0 && busy_cores_ >= opt_.cores) waiting_.push_back(e.learner);
+        else start_compute(e.learner, now);
         break;
-      }
+      case EventKind::ComputeDone:
+        schedule(now + opt_.net_delay, EventKind::PushArrives, e.learner);
+        if (opt_.cores > 0) {
+          busy_cores_ -= 1;
+          if (!waiting_.empty()) {
+            int next = waiting_.front();
+            waiting_.erase(waiting_.begin());
+            start_compute(next, now);
+          }
+        }
+        break;
       case EventKind::PushArrives: on_push(e.learner, now); break;
     }
   }

@@ -44,6 +44,11 @@ struct AsyncSimOptions {
   ps::UpdateOptions update;
   ComputeModel compute;
   double net_delay = 0.001;  // one-way, seconds
+  // Cores the learners share (0 = one each). With fewer cores than learners,
+  // a learner whose weights arrived waits for a free core (first come, first
+  // served) and then computes without interruption, as processes with steps
+  // shorter than the OS time slice do on a small machine.
+  int cores = 0;
   uint64_t seed = 1;
   int64_t log_every = 100;   // updates per metrics line
   std::string run_dir;       // empty = no files

@@ -47,7 +47,7 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
   data::Cursor cur;
   int64_t step = 0, changes = 0, samples = 0;
   int last_r = 0;
-  double window_loss = 0, grad_seconds = 0, eval_seconds = 0;
+  double window_loss = 0, grad_seconds = 0, eval_seconds = 0, last_loss = 0;
   int64_t window_steps = 0;
   torch::Tensor gsum = torch::zeros_like(flat.grad());
   train::EvalResult ev;
@@ -90,6 +90,7 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
     window_loss += loss;
     window_steps += 1;
     if (window_steps >= opt.log_every || head.last_in_epoch) {
+      last_loss = window_loss / window_steps;
       run.append_metrics({{"kind", "train"}, {"step", step}, {"epoch", cur.epoch + static_cast<double>(cur.position) / n},
                           {"loss", window_loss / window_steps}, {"lr", lr}, {"lr_multiplier", p.multiplier},
                           {"batch_size", head.global_size}, {"workers", r}});
@@ -109,7 +110,7 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
   }
   const double wall = since(wall0) - eval_seconds;  // simulation time, evaluation excluded
   json s = {{"mode", "sim-elastic"}, {"steps", step}, {"samples", samples}, {"epochs", cur.epoch},
-            {"membership_changes", changes}, {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss},
+            {"membership_changes", changes}, {"train_loss", last_loss}, {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss},
             {"batch_policy", cfg.batch_policy.kind == optim::BatchPolicyKind::None     ? "none"
                              : cfg.batch_policy.kind == optim::BatchPolicyKind::Linear ? "linear"
                                                                                        : "dynamic"},
