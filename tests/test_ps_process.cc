@@ -176,8 +176,10 @@ TEST(PsJob, AJobWithCurveKeysTrainsAndRefusesALearnerWithoutThem) {
 }
 
 // The simulator, calibrated with the real learners' measured compute and
-// wait times and this machine's core count, reproduces the real job's
-// staleness distribution and accuracy.
+// wait times, reproduces a real 2-learner job's staleness distribution and
+// accuracy. (With more learners than this machine's 2 cores can run at once,
+// OS scheduling bunches steps and the real distribution spreads out beyond
+// what the simulator's compute-time models produce; see experiments/README.md.)
 TEST(PsJob, SimulatorAgreesWithARealJob) {
   TempDir d;
   const std::string run = d.file("real");
@@ -185,8 +187,8 @@ TEST(PsJob, SimulatorAgreesWithARealJob) {
                                            "--set", "data.train_limit=12000", "--set", "data.test_limit=2000",
                                            "--set", "train.epochs=1", "--set", "optim.lr=0.03",
                                            "--set", "train.progress=false"};
-  auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "1", "--workers", "4",
-                                          "--protocol", "softsync", "--softsync-n", "4", "--run-dir", run, "--"},
+  auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2",
+                                          "--protocol", "softsync", "--softsync-n", "2", "--run-dir", run, "--"},
                                          common));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto real = read_json(run + "/summary.json");
@@ -197,15 +199,14 @@ TEST(PsJob, SimulatorAgreesWithARealJob) {
   }
   ASSERT_GT(compute, 0);
   auto s = limbo::testing::run_limbo(cat(
-      {"sim", "--run-dir", d.file("sim"), "--set", "sim.learners=4", "--set", "ps.softsync_n=4", "--set",
+      {"sim", "--run-dir", d.file("sim"), "--set", "sim.learners=2", "--set", "ps.softsync_n=2", "--set",
        "sim.compute=normal", "--set", "sim.compute_cv=0.5", "--set", "sim.compute_mean=" + std::to_string(compute),
-       "--set", "sim.cores=" + std::to_string(std::max(1u, std::thread::hardware_concurrency())),
        "--set", "sim.net_delay=" + std::to_string(wait / 2)},
       common));
   ASSERT_EQ(s.exit_code, 0) << s.output;
   auto sim = read_json(d.file("sim/summary.json"));
   const double tr = real["staleness_mean"], ts = sim["staleness_mean"];
-  EXPECT_NEAR(ts, tr, std::max(0.5, 0.25 * tr)) << "real " << real["staleness_hist"] << " sim " << sim["staleness_hist"];
+  EXPECT_NEAR(ts, tr, 0.3) << "real " << real["staleness_hist"] << " sim " << sim["staleness_hist"];
   // Total variation distance between the two staleness distributions.
   auto dist = [](const json& h) {
     std::map<int, double> p;
@@ -217,8 +218,8 @@ TEST(PsJob, SimulatorAgreesWithARealJob) {
   auto pr = dist(real["staleness_hist"]), ps = dist(sim["staleness_hist"]);
   double tv = 0;
   for (int t = 0; t <= 64; ++t) tv += std::abs((pr.count(t) ? pr[t] : 0) - (ps.count(t) ? ps[t] : 0)) / 2;
-  EXPECT_LT(tv, 0.35) << "real " << real["staleness_hist"] << " sim " << sim["staleness_hist"];
-  EXPECT_NEAR(sim["test_accuracy"].get<double>(), real["test_accuracy"].get<double>(), 0.04);
+  EXPECT_LT(tv, 0.2) << "real " << real["staleness_hist"] << " sim " << sim["staleness_hist"];
+  EXPECT_NEAR(sim["test_accuracy"].get<double>(), real["test_accuracy"].get<double>(), 0.05);
 }
 
 TEST(PsJob, AMismatchedModelIsRefusedOnBothSides) {

@@ -112,6 +112,18 @@ TEST(AsyncSim, StalenessBoundDropsStaleGradients) {
   EXPECT_LE(w["staleness_max"].get<int64_t>(), 5);
 }
 
+TEST(AsyncSim, LearnersSharingOneCoreComputeOneAtATime) {
+  auto o = options(4, 4);
+  o.cores = 1;
+  o.net_delay = 0;
+  auto s = simulate(o);
+  // 63 gradients of 0.1 s each, never two at once.
+  EXPECT_GE(s["virtual_seconds"].get<double>(), 63 * 0.1 - 1e-9);
+  o.cores = 0;  // one core each: four at a time
+  auto p = simulate(o);
+  EXPECT_LT(p["virtual_seconds"].get<double>(), 63 * 0.1 / 3);
+}
+
 TEST(AsyncSim, SnapshotMemoryIsBoundedByTheLearners) {
   auto o = options(12, 12, ComputeKind::LongTail);
   auto s = simulate(o);
