@@ -7,10 +7,11 @@ function(limbo_torch_target target)
   endif()
 endfunction()
 
-# limbo_add_test(<name> SOURCES ... LIBS ...): one GoogleTest executable per
-# test file, registered with CTest test by test.
+# limbo_add_test(<name> SOURCES ... LIBS ... [SERIAL]): one GoogleTest
+# executable per test file, registered with CTest test by test. SERIAL tests
+# run alone (they compare timings of real processes with a model).
 function(limbo_add_test name)
-  cmake_parse_arguments(T "" "TIMEOUT" "SOURCES;LIBS" ${ARGN})
+  cmake_parse_arguments(T "SERIAL" "TIMEOUT" "SOURCES;LIBS" ${ARGN})
   add_executable(${name} ${T_SOURCES})
   target_link_libraries(${name} PRIVATE ${T_LIBS} GTest::gtest GTest::gtest_main)
   limbo_torch_target(${name})
@@ -20,6 +21,10 @@ function(limbo_add_test name)
   if(NOT T_TIMEOUT)
     set(T_TIMEOUT 300)
   endif()
+  set(serial FALSE)
+  if(T_SERIAL)
+    set(serial TRUE)
+  endif()
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60
-                       PROPERTIES TIMEOUT ${T_TIMEOUT})
+                       PROPERTIES TIMEOUT ${T_TIMEOUT} RUN_SERIAL ${serial})
 endfunction()

@@ -175,53 +175,6 @@ TEST(PsJob, AJobWithCurveKeysTrainsAndRefusesALearnerWithoutThem) {
   EXPECT_GE(s["curve_peers_accepted"].get<int64_t>(), 1);
 }
 
-// The simulator, calibrated with the real learners' measured compute and
-// wait times, reproduces a real 2-learner job's staleness distribution and
-// accuracy. (With more learners than this machine's 2 cores can run at once,
-// OS scheduling bunches steps and the real distribution spreads out beyond
-// what the simulator's compute-time models produce; see experiments/README.md.)
-TEST(PsJob, SimulatorAgreesWithARealJob) {
-  TempDir d;
-  const std::string run = d.file("real");
-  const std::vector<std::string> common = {"--set", "model.name=mlp", "--set", "data.batch_size=32",
-                                           "--set", "data.train_limit=12000", "--set", "data.test_limit=2000",
-                                           "--set", "train.epochs=1", "--set", "optim.lr=0.03",
-                                           "--set", "train.progress=false"};
-  auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2",
-                                          "--protocol", "softsync", "--softsync-n", "2", "--run-dir", run, "--"},
-                                         common));
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  auto real = read_json(run + "/summary.json");
-  double compute = 0, wait = 0;
-  for (const auto& l : real["learners"]) {
-    compute += l["compute_seconds_per_step"].get<double>() / real["learners"].size();
-    wait += l["wait_seconds_per_step"].get<double>() / real["learners"].size();
-  }
-  ASSERT_GT(compute, 0);
-  auto s = limbo::testing::run_limbo(cat(
-      {"sim", "--run-dir", d.file("sim"), "--set", "sim.learners=2", "--set", "ps.softsync_n=2", "--set",
-       "sim.compute=normal", "--set", "sim.compute_cv=0.5", "--set", "sim.compute_mean=" + std::to_string(compute),
-       "--set", "sim.net_delay=" + std::to_string(wait / 2)},
-      common));
-  ASSERT_EQ(s.exit_code, 0) << s.output;
-  auto sim = read_json(d.file("sim/summary.json"));
-  const double tr = real["staleness_mean"], ts = sim["staleness_mean"];
-  EXPECT_NEAR(ts, tr, 0.3) << "real " << real["staleness_hist"] << " sim " << sim["staleness_hist"];
-  // Total variation distance between the two staleness distributions.
-  auto dist = [](const json& h) {
-    std::map<int, double> p;
-    double n = 0;
-    for (auto& [t, c] : h.items()) n += c.get<double>();
-    for (auto& [t, c] : h.items()) p[std::stoi(t)] = c.get<double>() / n;
-    return p;
-  };
-  auto pr = dist(real["staleness_hist"]), ps = dist(sim["staleness_hist"]);
-  double tv = 0;
-  for (int t = 0; t <= 64; ++t) tv += std::abs((pr.count(t) ? pr[t] : 0) - (ps.count(t) ? ps[t] : 0)) / 2;
-  EXPECT_LT(tv, 0.2) << "real " << real["staleness_hist"] << " sim " << sim["staleness_hist"];
-  EXPECT_NEAR(sim["test_accuracy"].get<double>(), real["test_accuracy"].get<double>(), 0.05);
-}
-
 TEST(PsJob, AMismatchedModelIsRefusedOnBothSides) {
   TempDir d;
   const std::string run = d.file("run");
