@@ -1,8 +1,11 @@
-// One elastic job across two "hosts": two network namespaces joined by a
-// veth pair, one `limbo launch` in each, the rendezvous store on the first.
-// Needs root and iproute2 (CI runs as root); skipped otherwise.
+// Jobs across two "hosts": two network namespaces joined by a veth pair.
+// An elastic job (one `limbo launch` in each, the rendezvous store on the
+// first) and a parameter-server job (the shard and a learner on the first,
+// a learner on the second, encrypted with CURVE keys). Needs root and
+// iproute2 (CI runs as root); skipped otherwise.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -82,6 +85,42 @@ TEST_F(TwoHosts, LaunchersOnTwoHostsFormOneJob) {
     if (e.path().filename().string().rfind("final-", 0) == 0) finals.push_back(slurp(e.path()));
   ASSERT_EQ(finals.size(), 2u);
   EXPECT_EQ(finals[0], finals[1]);
+}
+
+TEST_F(TwoHosts, ParameterServerJobAcrossHostsWithCurveKeys) {
+  TempDir d;
+  const std::string run = d.file("run");
+  auto kg = limbo::testing::run_limbo({"keygen", "--out", d.file("job.keys")});
+  ASSERT_EQ(kg.exit_code, 0) << kg.output;
+  const std::string endpoint = net_ + ".1:29711";
+  const std::vector<std::string> cfg = {
+      "--keys", d.file("job.keys"), "--set", "model.name=mlp", "--set", "model.width=64",
+      "--set", "data.train_limit=6000", "--set", "data.test_limit=500", "--set", "train.epochs=2",
+      "--set", "train.threads=1", "--set", "train.progress=false", "--set", "optim.lr=0.05",
+      "--set", "ps.protocol=softsync", "--set", "ps.softsync_n=2"};
+  auto in_ns = [&](const std::string& ns, std::vector<std::string> args, const std::string& log) {
+    std::vector<std::string> argv = {"/usr/sbin/ip", "netns", "exec", ns, LIMBO_BINARY};
+    argv.insert(argv.end(), args.begin(), args.end());
+    argv.insert(argv.end(), cfg.begin(), cfg.end());
+    return limbo::testing::spawn_process(argv, log);
+  };
+  pid_t shard = in_ns(a_, {"ps-server", "--bind", "tcp://" + endpoint, "--dir", run + "/shard-0"}, d.file("shard.log"));
+  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/shard-0/endpoint", "tcp://", 30)) << slurp(d.file("shard.log"));
+  pid_t la = in_ns(a_, {"worker", "--servers", endpoint, "--learner-id", "0", "--run-dir", run}, d.file("la.log"));
+  pid_t lb = in_ns(b_, {"worker", "--servers", endpoint, "--learner-id", "1", "--run-dir", run}, d.file("lb.log"));
+  auto ra = limbo::testing::wait_child(la, d.file("la.log"));
+  auto rb = limbo::testing::wait_child(lb, d.file("lb.log"));
+  EXPECT_EQ(ra.exit_code, 0) << ra.output;
+  EXPECT_EQ(rb.exit_code, 0) << rb.output;
+  ::kill(shard, SIGTERM);
+  auto rs = limbo::testing::wait_child(shard, d.file("shard.log"));
+  EXPECT_EQ(rs.exit_code, 0) << rs.output;
+  auto s = nlohmann::json::parse(slurp(run + "/shard-0/summary.json"));
+  EXPECT_EQ(s["gradients_per_learner"].size(), 2u) << s.dump();  // both hosts' learners contributed
+  EXPECT_GE(s["curve_peers_accepted"].get<int64_t>(), 2);
+  EXPECT_DOUBLE_EQ(s["epoch"].get<double>(), 2.0);
+  auto fin = nlohmann::json::parse(slurp(run + "/final.json"));
+  EXPECT_GT(fin["test_accuracy"].get<double>(), 0.6);
 }
 
 }  // namespace
