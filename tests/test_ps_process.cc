@@ -175,6 +175,33 @@ TEST(PsJob, AJobWithCurveKeysTrainsAndRefusesALearnerWithoutThem) {
   EXPECT_GE(s["curve_peers_accepted"].get<int64_t>(), 1);
 }
 
+TEST(PsJob, AnInterruptedJobResumesFromItsShardCheckpoints) {
+  TempDir d;
+  const std::string run = d.file("run");
+  auto args = cat({"launch", "--mode", "async", "--servers", "2", "--workers", "2", "--protocol", "softsync",
+                   "--run-dir", run, "--"},
+                  cat(mlp_args(2), {"--set", "ps.log_every=20"}));
+  pid_t launcher = spawn_limbo(args, d.file("first.log"));
+  ASSERT_TRUE(wait_for_text(run + "/shard-0/metrics.jsonl", "\"ps_updates\"", 60)) << slurp(d.file("first.log"));
+  ASSERT_EQ(::kill(launcher, SIGINT), 0);
+  auto first = wait_child(launcher, d.file("first.log"));
+  EXPECT_EQ(first.exit_code, 130) << first.output;
+  auto stopped = read_json(run + "/shard-0/summary.json");
+  const double epoch_at_stop = stopped["epoch"].get<double>();
+  ASSERT_LT(epoch_at_stop, 2.0);
+  const int64_t clock_at_stop = stopped["clock"].get<int64_t>();
+  auto resumed = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--resume", "--servers", "2",
+                                                "--workers", "2", "--protocol", "softsync", "--run-dir", run, "--"},
+                                               mlp_args(2)));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from its checkpoint at clock " + std::to_string(clock_at_stop)),
+            std::string::npos) << resumed.output;
+  auto s = read_json(run + "/shard-0/summary.json");
+  EXPECT_DOUBLE_EQ(s["epoch"].get<double>(), 2.0);  // the data continued where it stopped
+  EXPECT_GT(s["clock"].get<int64_t>(), clock_at_stop);
+  EXPECT_GT(read_json(run + "/summary.json")["test_accuracy"].get<double>(), 0.75);
+}
+
 TEST(PsJob, AMismatchedModelIsRefusedOnBothSides) {
   TempDir d;
   const std::string run = d.file("run");

@@ -202,6 +202,8 @@ int run_launch_async(const LaunchArgs& a) {
   o.train_args = a.train_args;
   o.keys_file = a.keys_file;
   o.run_dir = a.run_dir;
+  o.resume = a.resume;
+  if (a.resume && a.run_dir.empty()) throw InvalidInput("launch --mode async --resume needs the job's --run-dir");
   if (o.run_dir.empty()) {
     std::time_t t = std::time(nullptr);
     std::tm tm{};

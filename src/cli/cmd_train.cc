@@ -113,6 +113,9 @@ int run_train(const TrainArgs& a) {
 }
 
 int run_launch(const LaunchArgs& a) {
+  if (a.resume)
+    throw InvalidInput("launch --resume continues --mode async jobs; a data-parallel job resumes with "
+                       "`-- --resume` (passed to limbo train)");
   elastic::LaunchOptions lo;
   lo.nproc = a.nproc;
   std::tie(lo.rdzv_host, lo.rdzv_port) = split_host_port(a.rdzv, "--rdzv");

@@ -36,6 +36,7 @@ struct LaunchArgs {
   int softsync_n = 0;  // 0 = the config's ps.softsync_n
   std::string run_dir;
   std::string keys_file;
+  bool resume = false;  // async: continue from the shards' checkpoints
 };
 int run_launch(const LaunchArgs& a);
 int run_launch_async(const LaunchArgs& a);

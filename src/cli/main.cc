@@ -67,6 +67,8 @@ int main(int argc, char** argv) {
   launch->add_option("--softsync-n", launch_args.softsync_n, "async: n of n-softsync (default: ps.softsync_n)");
   launch->add_option("--run-dir", launch_args.run_dir, "async: job directory (default runs/async-<time>)");
   launch->add_option("--keys", launch_args.keys_file, "async: CURVE key file from `limbo keygen`");
+  launch->add_flag("--resume", launch_args.resume,
+                   "async: continue an interrupted job from its shards' checkpoints in --run-dir");
   launch->add_option("train_args", launch_args.train_args, "arguments for `limbo train` (after --)");
 
   cli::PsServerArgs ps_args;

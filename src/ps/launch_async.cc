@@ -102,7 +102,9 @@ class AsyncJob {
       make_dirs(s.dir);
       shards_.push_back(s);
     }
-    for (auto& s : shards_) start_shard(s, false);
+    if (opt_.resume && !file_exists(shards_[0].dir + "/checkpoint.bin"))
+      throw InvalidInput("--resume: no shard checkpoint in '" + shards_[0].dir + "'");
+    for (auto& s : shards_) start_shard(s, opt_.resume);
     std::vector<std::string> endpoints;
     for (auto& s : shards_) endpoints.push_back(wait_endpoint(s));
     std::string servers;

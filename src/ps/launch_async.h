@@ -9,7 +9,9 @@
 // reconnect by themselves. When every learner has exited the shards are
 // stopped (SIGTERM: final checkpoint and summary) and the run directory's
 // summary.json merges the shards' staleness statistics, the learners'
-// throughput and the final test accuracy.
+// throughput and the final test accuracy. An interrupted job (SIGINT/SIGTERM:
+// learners leave, shards checkpoint) continues with `resume`: the shards
+// restore weights, clocks and shard 0's data cursor and leases.
 #pragma once
 
 #include <string>
@@ -28,6 +30,7 @@ struct AsyncLaunchOptions {
   int cores = 0;          // 0 = all
   int max_server_restarts = 3;
   double start_timeout = 60;  // seconds for a shard to publish its endpoint
+  bool resume = false;        // shards start from their checkpoints (an interrupted job)
 };
 
 int launch_async(const AsyncLaunchOptions& opt);
