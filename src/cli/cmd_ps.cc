@@ -143,15 +143,7 @@ int run_sim(const SimArgs& a) {
   tc.run_dir.clear();
   tc.train.progress = false;
   train::Trainer trainer(tc);
-  std::string run_dir = a.run_dir;
-  if (run_dir.empty()) {
-    std::time_t t = std::time(nullptr);
-    std::tm tm{};
-    ::localtime_r(&t, &tm);
-    char stamp[32];
-    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &tm);
-    run_dir = std::string("runs/sim-") + stamp;
-  }
+  const std::string run_dir = a.run_dir.empty() ? timestamped_run_dir("sim") : a.run_dir;
   if (elastic) {
     sim::ElasticSimOptions eo;
     eo.schedule = elastic::parse_schedule(cfg.get_string("sim.elastic_schedule"));
@@ -204,14 +196,7 @@ int run_launch_async(const LaunchArgs& a) {
   o.run_dir = a.run_dir;
   o.resume = a.resume;
   if (a.resume && a.run_dir.empty()) throw InvalidInput("launch --mode async --resume needs the job's --run-dir");
-  if (o.run_dir.empty()) {
-    std::time_t t = std::time(nullptr);
-    std::tm tm{};
-    ::localtime_r(&t, &tm);
-    char stamp[32];
-    std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &tm);
-    o.run_dir = std::string("runs/async-") + stamp;
-  }
+  if (o.run_dir.empty()) o.run_dir = timestamped_run_dir("async");
   if (a.protocol != "hardsync" && a.protocol != "softsync")
     throw InvalidInput("--protocol must be hardsync or softsync, got '" + a.protocol + "'");
   // Validate the arguments once here, before any process starts.

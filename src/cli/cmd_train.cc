@@ -23,12 +23,7 @@ namespace {
 Config resolve(const TrainArgs& a) { return resolve_config(a.config_file, a.overrides); }
 
 std::string default_run_dir(const Config& cfg) {
-  std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  ::localtime_r(&t, &tm);
-  char stamp[32];
-  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &tm);
-  return "runs/" + cfg.get_string("model.name") + "-" + cfg.get_string("data.dataset") + "-" + stamp;
+  return timestamped_run_dir(cfg.get_string("model.name") + "-" + cfg.get_string("data.dataset"));
 }
 
 std::atomic<bool> g_leave_requested{false};

@@ -1,5 +1,7 @@
 #include "cli/schema.h"
 
+#include <ctime>
+
 #include "common/error.h"
 #include "data/sampler.h"
 #include "models/net.h"
@@ -189,6 +191,15 @@ std::shared_ptr<const Schema> train_schema() {
     return std::shared_ptr<const Schema>(s);
   }();
   return schema;
+}
+
+std::string timestamped_run_dir(const std::string& name) {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  ::localtime_r(&t, &tm);
+  char stamp[32];
+  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &tm);
+  return "runs/" + name + "-" + stamp;
 }
 
 Config resolve_config(const std::string& config_file, const std::vector<std::string>& overrides) {

@@ -13,6 +13,9 @@ namespace limbo::cli {
 
 std::shared_ptr<const Schema> train_schema();
 
+// "runs/<name>-<YYYYmmdd-HHMMSS>" (local time): the default run directory.
+std::string timestamped_run_dir(const std::string& name);
+
 // The schema's defaults, then the TOML file (if any), then --set overrides.
 Config resolve_config(const std::string& config_file, const std::vector<std::string>& overrides);
 

@@ -16,6 +16,7 @@
 #include "elastic/coordinator.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/process.h"
 
 namespace limbo::elastic {
 namespace {
@@ -30,7 +31,7 @@ bool sets_threads(const std::vector<std::string>& args) {
 }
 
 pid_t start_worker(const LaunchOptions& opt, int rank, int threads, const std::string& rdzv) {
-  std::vector<std::string> args = {opt.self_exe, "train"};
+  std::vector<std::string> args = {"train"};
   if (threads > 0) args.insert(args.end(), {"--set", "train.threads=" + std::to_string(threads)});
   if (rank > 0) args.insert(args.end(), {"--set", "train.progress=false"});
   args.insert(args.end(), opt.train_args.begin(), opt.train_args.end());
@@ -38,23 +39,7 @@ pid_t start_worker(const LaunchOptions& opt, int rank, int threads, const std::s
   else
     args.insert(args.end(), {"--dist-rdzv", rdzv, "--dist-rank", std::to_string(rank),
                              "--dist-world", std::to_string(opt.nproc)});
-  pid_t pid = ::fork();
-  if (pid < 0) throw Error("fork failed: " + std::string(std::strerror(errno)));
-  if (pid == 0) {
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execv(opt.self_exe.c_str(), argv.data());
-    std::fprintf(stderr, "launch: cannot exec %s: %s\n", opt.self_exe.c_str(), std::strerror(errno));
-    ::_exit(127);
-  }
-  return pid;
-}
-
-int exit_code_of(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
+  return spawn_program(opt.self_exe, args);
 }
 
 }  // namespace

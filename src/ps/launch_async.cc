@@ -17,6 +17,8 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "common/log.h"
+#include "common/process.h"
+#include "ps/staleness.h"
 
 namespace limbo::ps {
 namespace {
@@ -26,32 +28,6 @@ using Clock = std::chrono::steady_clock;
 
 std::atomic<int> g_signal{0};
 void on_signal(int sig) { g_signal = sig; }
-
-pid_t spawn(const std::string& exe, std::vector<std::string> args) {
-  args.insert(args.begin(), exe);
-  pid_t pid = ::fork();
-  if (pid < 0) throw Error("fork failed: " + std::string(std::strerror(errno)));
-  if (pid == 0) {
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execv(exe.c_str(), argv.data());
-    std::fprintf(stderr, "launch: cannot exec %s: %s\n", exe.c_str(), std::strerror(errno));
-    ::_exit(127);
-  }
-  return pid;
-}
-
-int exit_code_of(int status) {
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
-  return 1;
-}
-
-std::string describe(int status) {
-  if (WIFSIGNALED(status)) return std::string("killed by signal ") + std::to_string(WTERMSIG(status));
-  return "exit code " + std::to_string(exit_code_of(status));
-}
 
 bool sets_threads(const std::vector<std::string>& args) {
   for (const auto& a : args)
@@ -118,7 +94,7 @@ class AsyncJob {
       if (worker_threads_ > 0) a.insert(a.end(), {"--set", "train.threads=" + std::to_string(worker_threads_)});
       if (i > 0) a.insert(a.end(), {"--set", "train.progress=false"});
       a.insert(a.end(), common_.begin(), common_.end());
-      workers_[spawn(opt_.self_exe, a)] = i;
+      workers_[spawn_program(opt_.self_exe, a)] = i;
     }
     int finished_ok = 0, failed = 0, first_failure = 0;
     bool forwarded = false;
@@ -140,7 +116,7 @@ class AsyncJob {
         } else {
           failed += 1;
           if (!first_failure) first_failure = exit_code_of(status);
-          log_warn("launch: learner " + std::to_string(w->second) + " failed (" + describe(status) +
+          log_warn("launch: learner " + std::to_string(w->second) + " failed (" + describe_status(status) +
                    "); the others go on");
         }
         workers_.erase(w);
@@ -150,13 +126,13 @@ class AsyncJob {
         if (s.pid != pid) continue;
         s.pid = -1;
         if (s.restarts >= opt_.max_server_restarts) {
-          log_warn("launch: shard " + std::to_string(s.index) + " failed (" + describe(status) + ") and was restarted " +
+          log_warn("launch: shard " + std::to_string(s.index) + " failed (" + describe_status(status) + ") and was restarted " +
                    std::to_string(s.restarts) + " times already; stopping the job");
           stop_all();
           return exit_code_of(status) ? exit_code_of(status) : kExitFailure;
         }
         s.restarts += 1;
-        log_warn("launch: shard " + std::to_string(s.index) + " failed (" + describe(status) +
+        log_warn("launch: shard " + std::to_string(s.index) + " failed (" + describe_status(status) +
                  "); restarting it from its checkpoint on " + s.endpoint);
         start_shard(s, true);
         wait_endpoint(s);
@@ -181,7 +157,7 @@ class AsyncJob {
                                   "--set", "train.threads=1"};
     if (resume) a.push_back("--resume");
     a.insert(a.end(), common_.begin(), common_.end());
-    s.pid = spawn(opt_.self_exe, a);
+    s.pid = spawn_program(opt_.self_exe, a);
   }
 
   std::string wait_endpoint(Shard& s) {
@@ -192,7 +168,7 @@ class AsyncJob {
       if (::waitpid(s.pid, &status, WNOHANG) == s.pid) {
         s.pid = -1;
         stop_all();
-        throw InvalidInput("shard " + std::to_string(s.index) + " exited before serving (" + describe(status) +
+        throw InvalidInput("shard " + std::to_string(s.index) + " exited before serving (" + describe_status(status) +
                            "); see its messages above");
       }
       if (std::chrono::duration<double>(Clock::now() - t0).count() > opt_.start_timeout) {
@@ -229,7 +205,7 @@ class AsyncJob {
   void write_summary(double wall, int ok, int failed) {
     json s = {{"mode", "async"}, {"servers", opt_.servers}, {"workers", opt_.workers}, {"protocol", opt_.protocol},
               {"learners_finished", ok}, {"learners_failed", failed}, {"wall_seconds", wall}};
-    std::map<int64_t, int64_t> hist;
+    StalenessHist hist;
     int64_t rejected = 0;
     json shards = json::array();
     for (const auto& sh : shards_) {
@@ -243,31 +219,17 @@ class AsyncJob {
         s["staleness_policy"] = j["staleness_policy"];
       }
       rejected += j.value("gradients_rejected", int64_t{0});
-      for (auto& [t, n] : j["staleness_hist"].items()) hist[std::stoll(t)] += n.get<int64_t>();
+      add_hist_json(hist, j["staleness_hist"]);
       shards.push_back({{"shard", sh.index}, {"updates", j["updates"]}, {"staleness_mean", j["staleness_mean"]},
                         {"staleness_max", j["staleness_max"]}, {"busy_fraction", j["busy_fraction"]},
                         {"gradients_dropped", j["gradients_dropped"]}, {"gradients_rejected", j["gradients_rejected"]},
                         {"restarts", sh.restarts}});
     }
-    int64_t n = 0, sum = 0, mx = 0, p99 = 0, acc = 0;
-    for (const auto& [t, c] : hist) {
-      n += c;
-      sum += t * c;
-      mx = std::max(mx, t);
-    }
-    for (const auto& [t, c] : hist) {
-      acc += c;
-      if (acc * 100 >= n * 99) {
-        p99 = t;
-        break;
-      }
-    }
-    json h = json::object();
-    for (const auto& [t, c] : hist) h[std::to_string(t)] = c;
-    s["staleness_mean"] = n ? static_cast<double>(sum) / n : 0.0;
-    s["staleness_p99"] = p99;
-    s["staleness_max"] = mx;
-    s["staleness_hist"] = h;
+    const StalenessStats st = staleness_stats(hist);
+    s["staleness_mean"] = st.mean;
+    s["staleness_p99"] = st.p99;
+    s["staleness_max"] = st.max;
+    s["staleness_hist"] = hist_to_json(hist);
     s["gradients_rejected"] = rejected;
     s["shards"] = shards;
     json learners = json::array();
@@ -291,7 +253,7 @@ class AsyncJob {
     char buf[256];
     std::snprintf(buf, sizeof buf, "launch: done in %.1f s; test accuracy %s; staleness mean %.2f, p99 %ld, max %ld",
                   wall, fin.is_null() ? "n/a" : std::to_string(100 * fin["test_accuracy"].get<double>()).c_str(),
-                  n ? static_cast<double>(sum) / n : 0.0, static_cast<long>(p99), static_cast<long>(mx));
+                  st.mean, static_cast<long>(st.p99), static_cast<long>(st.max));
     log_info(buf);
   }
 

@@ -1,6 +1,8 @@
 #include "ps/server.h"
 
+#include "ps/shard_checkpoint.h"
 #include "ps/shard_state.h"
+#include "ps/staleness.h"
 
 #include <torch/torch.h>
 
@@ -25,7 +27,6 @@ using json = nlohmann::json;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-constexpr char kCkptMagic[8] = {'L', 'B', 'P', 'S', 'C', 'K', 'P', 'T'};
 
 }  // namespace
 
@@ -68,7 +69,7 @@ struct Server::Impl {
 
   int64_t accepted = 0, dropped = 0, updates = 0, checkpoints = 0, learners_dropped = 0;
   std::array<int64_t, kRejectKinds> rejected{};
-  std::map<int64_t, int64_t> hist_total, hist_window;
+  StalenessHist hist_total, hist_window;
   int64_t window_updates = 0;
   Clock::time_point start = Clock::now(), window_start = Clock::now();
   double busy = 0, window_busy = 0;
@@ -301,11 +302,6 @@ struct Server::Impl {
   }
 
   // ---- statistics, checkpoints -----------------------------------------------------
-  static json hist_json(const std::map<int64_t, int64_t>& h) {
-    json j = json::object();
-    for (const auto& [t, n] : h) j[std::to_string(t)] = n;
-    return j;
-  }
   int64_t rejected_total() const {
     int64_t n = 0;
     for (auto r : rejected) n += r;
@@ -317,7 +313,7 @@ struct Server::Impl {
     json line = {{"kind", "ps_updates"}, {"shard", opt.shard}, {"clock", agg.clock()}, {"updates", window_updates},
                  {"updates_per_second", secs > 0 ? window_updates / secs : 0.0},
                  {"busy_fraction", secs > 0 ? (busy - window_busy) / secs : 0.0},
-                 {"learners", agg.learners()}, {"c", agg.c()}, {"staleness_hist", hist_json(hist_window)},
+                 {"learners", agg.learners()}, {"c", agg.c()}, {"staleness_hist", hist_to_json(hist_window)},
                  {"accepted", accepted}, {"dropped", dropped}, {"rejected", rejected_total()},
                  {"elapsed", since(start)}};
     if (leases) line["epoch"] = leases->epoch_progress();
@@ -329,20 +325,7 @@ struct Server::Impl {
   }
 
   json summary() const {
-    int64_t n = 0, sum = 0, mx = 0;
-    for (const auto& [t, c] : hist_total) {
-      n += c;
-      sum += t * c;
-      mx = std::max(mx, t);
-    }
-    int64_t p99 = 0, acc = 0;
-    for (const auto& [t, c] : hist_total) {
-      acc += c;
-      if (acc * 100 >= n * 99) {
-        p99 = t;
-        break;
-      }
-    }
+    const StalenessStats st = staleness_stats(hist_total);
     json rej = json::object();
     for (int i = 1; i < kRejectKinds; ++i)
       if (rejected[i]) rej[reject_name(static_cast<Reject>(i))] = rejected[i];
@@ -354,8 +337,8 @@ struct Server::Impl {
               {"staleness_policy", policy_name(opt.agg.policy)}, {"clock", agg.clock()}, {"updates", updates},
               {"gradients_accepted", accepted}, {"gradients_dropped", dropped},
               {"gradients_rejected", rejected_total()}, {"rejected_by_reason", rej},
-              {"staleness_mean", n ? static_cast<double>(sum) / n : 0.0}, {"staleness_p99", p99},
-              {"staleness_max", mx}, {"staleness_hist", hist_json(hist_total)},
+              {"staleness_mean", st.mean}, {"staleness_p99", st.p99},
+              {"staleness_max", st.max}, {"staleness_hist", hist_to_json(hist_total)},
               {"updates_per_second", wall > 0 ? updates / wall : 0.0}, {"busy_fraction", wall > 0 ? busy / wall : 0.0},
               {"wall_seconds", wall}, {"gradients_per_learner", per}, {"learners_dropped", learners_dropped},
               {"checkpoints", checkpoints}};
@@ -370,24 +353,11 @@ struct Server::Impl {
   void checkpoint() {
     json meta = {{"shard", opt.shard}, {"shards", opt.shards}, {"offset", range.offset}, {"numel", range.numel},
                  {"total", total}, {"fingerprint", hex64(fp.hash)}, {"clock", agg.clock()}, {"updates", updates},
-                 {"accepted", accepted}, {"dropped", dropped}, {"hist", hist_json(hist_total)},
-                 {"momentum", state->momentum_buffer().defined()}};
-    if (leases) {
-      auto s = leases->snapshot();
-      json q = json::array();
-      for (const auto& l : s.queued) q.push_back({l.epoch, l.position, l.count});
-      meta["leases"] = {{"epoch", s.cursor.epoch}, {"position", s.cursor.position},
-                        {"completed", s.completed_samples}, {"next_id", s.next_id}, {"queued", q}};
-    }
-    std::string m = meta.dump();
-    std::string bytes(kCkptMagic, 8);
-    uint64_t len = m.size();
-    bytes.append(reinterpret_cast<const char*>(&len), 8);
-    bytes += m;
-    bytes.append(reinterpret_cast<const char*>(state->weights()->data_ptr<float>()), range.numel * 4);
+                 {"accepted", accepted}, {"dropped", dropped}, {"hist", hist_to_json(hist_total)}};
+    if (leases) meta["leases"] = leases_to_json(leases->snapshot());
     const torch::Tensor& mom = state->momentum_buffer();
-    if (mom.defined()) bytes.append(reinterpret_cast<const char*>(mom.data_ptr<float>()), range.numel * 4);
-    write_file_atomic(opt.dir + "/checkpoint.bin", bytes);
+    write_shard_checkpoint(opt.dir + "/checkpoint.bin", meta, state->weights()->data_ptr<float>(),
+                           mom.defined() ? mom.data_ptr<float>() : nullptr, range.numel);
     write_file_atomic(opt.dir + "/summary.json", summary().dump(2) + "\n");
     last_ckpt_clock = agg.clock();
     checkpoints += 1;
@@ -396,45 +366,23 @@ struct Server::Impl {
   bool restore() {
     const std::string path = opt.dir + "/checkpoint.bin";
     if (!file_exists(path)) return false;
-    std::string bytes = read_file(path);
-    auto bad = [&](const std::string& why) { return InvalidInput("shard checkpoint '" + path + "': " + why); };
-    if (bytes.size() < 16 || std::memcmp(bytes.data(), kCkptMagic, 8) != 0) throw bad("not a Limbo shard checkpoint");
-    uint64_t len;
-    std::memcpy(&len, bytes.data() + 8, 8);
-    if (len > bytes.size() - 16) throw bad("truncated");
-    json meta = json::parse(bytes.substr(16, len));
+    ShardCheckpoint c = read_shard_checkpoint(path, range.numel);
+    const json& meta = c.meta;
     if (meta["shard"] != opt.shard || meta["shards"] != opt.shards || meta["numel"] != range.numel ||
         meta["fingerprint"] != hex64(fp.hash))
-      throw bad("written for shard " + meta["shard"].dump() + " of " + meta["shards"].dump() + " of model " +
-                meta["fingerprint"].get<std::string>() + ", this is shard " + std::to_string(opt.shard) + " of " +
-                std::to_string(opt.shards) + " of model " + hex64(fp.hash));
-    const bool has_m = meta["momentum"].get<bool>();
-    size_t need = 16 + len + static_cast<size_t>(range.numel) * 4 * (has_m ? 2 : 1);
-    if (bytes.size() != need) throw bad("size " + std::to_string(bytes.size()) + ", expected " + std::to_string(need));
-    const char* p = bytes.data() + 16 + len;
-    state->restore(reinterpret_cast<const float*>(p),
-                   has_m ? reinterpret_cast<const float*>(p + range.numel * 4) : nullptr);
+      throw InvalidInput("shard checkpoint '" + path + "': written for shard " + meta["shard"].dump() + " of " +
+                         meta["shards"].dump() + " of model " + meta["fingerprint"].dump() + ", this is shard " +
+                         std::to_string(opt.shard) + " of " + std::to_string(opt.shards) + " of model " +
+                         hex64(fp.hash));
+    state->restore(c.weights.data(), c.momentum.empty() ? nullptr : c.momentum.data());
     agg.set_clock(meta["clock"].get<uint64_t>());
     last_ckpt_clock = agg.clock();
     updates = meta["updates"];
     accepted = meta["accepted"];
     dropped = meta["dropped"];
-    for (auto& [t, n] : meta["hist"].items()) hist_total[std::stoll(t)] = n.get<int64_t>();
-    if (leases && meta.contains("leases")) {
-      const json& l = meta["leases"];
-      LeaseBook::Snapshot s;
-      s.cursor = {l["epoch"].get<int64_t>(), l["position"].get<int64_t>()};
-      s.completed_samples = l["completed"];
-      s.next_id = l["next_id"];
-      for (const auto& q : l["queued"]) {
-        Lease x;
-        x.epoch = q[0];
-        x.position = q[1];
-        x.count = q[2];
-        s.queued.push_back(x);
-      }
-      leases->restore(s);
-    }
+    hist_total.clear();
+    add_hist_json(hist_total, meta["hist"]);
+    if (leases && meta.contains("leases")) leases->restore(leases_from_json(meta["leases"]));
     return true;
   }
 };

@@ -13,6 +13,7 @@
 #include "common/log.h"
 #include "data/loader.h"
 #include "ps/leases.h"
+#include "ps/staleness.h"
 #include "train/evaluate.h"
 #include "train/run_dir.h"
 
@@ -206,12 +207,11 @@ class AsyncSim {
   }
 
   void log_window(double now) {
-    json h = json::object();
-    for (const auto& [t, c] : window_hist_) h[std::to_string(t)] = c;
     run_.append_metrics({{"kind", "sim_updates"}, {"virtual_time", now}, {"clock", agg_.clock()},
                          {"updates", window_updates_}, {"epoch", book_->epoch_progress()},
                          {"loss", loss_n_ ? loss_window_ / loss_n_ : 0.0}, {"learners", agg_.learners()},
-                         {"c", agg_.c()}, {"staleness_hist", h}, {"lr", opt_.agg.alpha0}});
+                         {"c", agg_.c()}, {"staleness_hist", ps::hist_to_json(window_hist_)},
+                         {"lr", opt_.agg.alpha0}});
     window_hist_.clear();
     window_updates_ = 0;
     loss_window_ = 0;
@@ -236,7 +236,7 @@ class AsyncSim {
   int64_t updates_ = 0, accepted_ = 0, dropped_ = 0, rejected_ = 0, peak_versions_ = 0, window_updates_ = 0;
   int64_t loss_n_ = 0;
   double loss_window_ = 0, grad_seconds_ = 0;
-  std::map<int64_t, int64_t> hist_, window_hist_;
+  ps::StalenessHist hist_, window_hist_;
 };
 
 json AsyncSim::run() {
@@ -276,29 +276,15 @@ json AsyncSim::run() {
   ps::copy_floats(flat.data().data_ptr<float>(), state_->weights()->data_ptr<float>(),
                   static_cast<size_t>(flat.numel()) * 4);
   auto ev = train::evaluate(t_.model(), t_.data().test, t_.normalization());
-  int64_t n = 0, sum = 0, mx = 0, p99 = 0, acc = 0;
-  for (const auto& [t, c] : hist_) {
-    n += c;
-    sum += t * c;
-    mx = std::max(mx, t);
-  }
-  for (const auto& [t, c] : hist_) {
-    acc += c;
-    if (acc * 100 >= n * 99) {
-      p99 = t;
-      break;
-    }
-  }
-  json h = json::object();
-  for (const auto& [t, c] : hist_) h[std::to_string(t)] = c;
+  const ps::StalenessStats st = ps::staleness_stats(hist_);
   json per = json::array();
   for (const auto& L : learners_) per.push_back({{"steps", L.steps}, {"speed", L.speed}, {"busy_virtual_seconds", L.busy}});
   const double bytes = static_cast<double>(flat.numel()) * 4;
   json s = {{"mode", "sim-async"}, {"learners", opt_.learners}, {"protocol", ps::protocol_name(opt_.agg.protocol)},
             {"softsync_n", opt_.agg.softsync_n}, {"staleness_policy", ps::policy_name(opt_.agg.policy)},
             {"updates", updates_}, {"gradients_accepted", accepted_}, {"gradients_dropped", dropped_},
-            {"gradients_rejected", rejected_}, {"staleness_mean", n ? static_cast<double>(sum) / n : 0.0},
-            {"staleness_p99", p99}, {"staleness_max", mx}, {"staleness_hist", h},
+            {"gradients_rejected", rejected_}, {"staleness_mean", st.mean},
+            {"staleness_p99", st.p99}, {"staleness_max", st.max}, {"staleness_hist", ps::hist_to_json(hist_)},
             {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss}, {"virtual_seconds", now},
             {"wall_seconds", wall}, {"gradient_seconds", grad_seconds_},
             {"overhead_fraction", grad_seconds_ > 0 ? (wall - grad_seconds_) / grad_seconds_ : 0.0},

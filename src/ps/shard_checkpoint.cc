@@ -1,0 +1,73 @@
+#include "ps/shard_checkpoint.h"
+
+#include <cstring>
+
+#include "common/error.h"
+#include "common/files.h"
+
+namespace limbo::ps {
+namespace {
+constexpr char kMagic[8] = {'L', 'B', 'P', 'S', 'C', 'K', 'P', 'T'};
+}
+
+void write_shard_checkpoint(const std::string& path, nlohmann::json meta, const float* weights,
+                            const float* momentum, int64_t numel) {
+  meta["momentum"] = momentum != nullptr;
+  const std::string m = meta.dump();
+  const size_t n = static_cast<size_t>(numel) * 4;
+  std::string bytes(kMagic, 8);
+  const uint64_t len = m.size();
+  bytes.append(reinterpret_cast<const char*>(&len), 8);
+  bytes += m;
+  bytes.append(reinterpret_cast<const char*>(weights), n);
+  if (momentum) bytes.append(reinterpret_cast<const char*>(momentum), n);
+  write_file_atomic(path, bytes);
+}
+
+ShardCheckpoint read_shard_checkpoint(const std::string& path, int64_t numel) {
+  const std::string bytes = read_file(path);
+  auto bad = [&](const std::string& why) { return InvalidInput("shard checkpoint '" + path + "': " + why); };
+  if (bytes.size() < 16 || std::memcmp(bytes.data(), kMagic, 8) != 0) throw bad("not a Limbo shard checkpoint");
+  uint64_t len;
+  std::memcpy(&len, bytes.data() + 8, 8);
+  if (len > bytes.size() - 16) throw bad("truncated");
+  ShardCheckpoint c;
+  c.meta = nlohmann::json::parse(bytes.substr(16, len), nullptr, /*allow_exceptions=*/false);
+  if (!c.meta.is_object() || !c.meta.contains("momentum")) throw bad("unreadable metadata");
+  const bool has_m = c.meta["momentum"].get<bool>();
+  const size_t n = static_cast<size_t>(numel) * 4;
+  const size_t need = 16 + len + n * (has_m ? 2 : 1);
+  if (bytes.size() != need) throw bad("size " + std::to_string(bytes.size()) + ", expected " + std::to_string(need));
+  const char* p = bytes.data() + 16 + len;
+  c.weights.resize(static_cast<size_t>(numel));
+  std::memcpy(c.weights.data(), p, n);
+  if (has_m) {
+    c.momentum.resize(static_cast<size_t>(numel));
+    std::memcpy(c.momentum.data(), p + n, n);
+  }
+  return c;
+}
+
+nlohmann::json leases_to_json(const LeaseBook::Snapshot& s) {
+  nlohmann::json q = nlohmann::json::array();
+  for (const auto& l : s.queued) q.push_back({l.epoch, l.position, l.count});
+  return {{"epoch", s.cursor.epoch}, {"position", s.cursor.position}, {"completed", s.completed_samples},
+          {"next_id", s.next_id}, {"queued", q}};
+}
+
+LeaseBook::Snapshot leases_from_json(const nlohmann::json& l) {
+  LeaseBook::Snapshot s;
+  s.cursor = {l["epoch"].get<int64_t>(), l["position"].get<int64_t>()};
+  s.completed_samples = l["completed"];
+  s.next_id = l["next_id"];
+  for (const auto& q : l["queued"]) {
+    Lease x;
+    x.epoch = q[0];
+    x.position = q[1];
+    x.count = q[2];
+    s.queued.push_back(x);
+  }
+  return s;
+}
+
+}  // namespace limbo::ps

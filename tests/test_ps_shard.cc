@@ -1,0 +1,271 @@
+// A parameter-server shard served in-process: handshake, the update rule,
+// rejections of bad gradients, garbage on the port, CURVE admission.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <thread>
+
+#include "common/error.h"
+#include "common/files.h"
+#include "ps/aggregator.h"
+#include "ps/protocol.h"
+#include "ps/server.h"
+#include "ps/transport.h"
+#include "test_util.h"
+
+namespace limbo::ps {
+namespace {
+
+using json = nlohmann::json;
+
+AggregatorOptions softsync(int n) {
+  AggregatorOptions o;
+  o.protocol = Protocol::Softsync;
+  o.softsync_n = n;
+  o.alpha0 = 0.1;
+  return o;
+}
+
+// ---- a shard served in-process ---------------------------------------------------
+
+constexpr int64_t kTotal = 1000;
+
+struct LocalShard {
+  explicit LocalShard(AggregatorOptions agg, CurveKeys keys = {}) : initial(kTotal, 1.f) {
+    ServerOptions o;
+    o.dir = dir.path() + "/shard";
+    o.agg = agg;
+    o.heartbeat_timeout = 30;
+    o.max_payload_bytes = 1 << 20;
+    server = std::make_unique<Server>(o, fp, initial.data(), kTotal, keys);
+    endpoint = server->endpoint();
+    thread = std::thread([this] { server->run(stop); });
+  }
+  ~LocalShard() {
+    stop = true;
+    if (thread.joinable()) thread.join();
+  }
+  // Stops the shard (it writes its final summary) and returns that summary.
+  json finish() {
+    stop = true;
+    if (thread.joinable()) thread.join();
+    return json::parse(read_file(dir.path() + "/shard/summary.json"));
+  }
+
+  testing::TempDir dir;
+  ModelFingerprint fp{"toy: w[1000]", fnv1a("toy")};
+  std::vector<float> initial;
+  std::unique_ptr<Server> server;
+  std::string endpoint;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+};
+
+struct Client {
+  Client(const std::string& endpoint, CurveKeys keys = {}) : t(keys), s(t, Socket::Kind::Dealer) { s.connect(endpoint); }
+  Message call(Header h, const std::string& meta, const std::vector<float>& payload = {}, int timeout_ms = 5000) {
+    s.send(nullptr, h, meta, payload.data(), payload.size() * 4);
+    return reply(timeout_ms);
+  }
+  Message reply(int timeout_ms = 5000) {
+    std::vector<Frame> frames;
+    if (!s.recv(frames, nullptr, timeout_ms)) throw Timeout("no reply");
+    auto d = decode(frames, 1ull << 30);
+    if (d.reject != Reject::None) throw Error("bad reply: " + d.detail);
+    d.msg.payload.keep = frames[2].keep;
+    return d.msg;
+  }
+  Message hello(uint32_t id, const ModelFingerprint& fp, int64_t total = kTotal, int timeout_ms = 5000) {
+    Header h;
+    h.type = MsgType::Hello;
+    h.sender = id;
+    return call(h, json{{"fingerprint", hex64(fp.hash)}, {"model", fp.description}, {"total", total}}.dump(), {},
+                timeout_ms);
+  }
+  Transport t;
+  Socket s;
+};
+
+Header pull_header(uint32_t id, uint64_t seq) {
+  Header h;
+  h.type = MsgType::Pull;
+  h.sender = id;
+  h.seq = seq;
+  return h;
+}
+
+Header push_header(uint32_t id, uint64_t seq, uint64_t clock = 0) {
+  Header h;
+  h.type = MsgType::Push;
+  h.sender = id;
+  h.seq = seq;
+  h.clock = clock;
+  h.aux = -1;
+  return h;
+}
+
+TEST(Shard, HandshakeChecksTheModelFingerprint) {
+  LocalShard shard(softsync(1));
+  Client c(shard.endpoint);
+  auto ok = c.hello(1, shard.fp);
+  ASSERT_EQ(ok.header.type, MsgType::Welcome);
+  EXPECT_EQ(json::parse(ok.meta)["numel"], kTotal);
+  auto refused = c.hello(2, ModelFingerprint{"other: v[999]", fnv1a("other")}, 999);
+  ASSERT_EQ(refused.header.type, MsgType::Refuse);
+  std::string reason = json::parse(refused.meta)["reason"];
+  EXPECT_NE(reason.find("model mismatch"), std::string::npos) << reason;
+  EXPECT_NE(reason.find("toy: w[1000]"), std::string::npos) << reason;
+  EXPECT_NE(reason.find("other: v[999]"), std::string::npos) << reason;
+  // A message of another protocol version is refused with a reason.
+  Header v;
+  v.type = MsgType::Hello;
+  v.version = kProtocolVersion + 1;
+  unsigned char hdr[kHeaderBytes];
+  encode_header(v, hdr);
+  c.s.send_raw({std::string(reinterpret_cast<char*>(hdr), kHeaderBytes), "", ""});
+  auto err = c.reply();
+  ASSERT_EQ(err.header.type, MsgType::Error);
+  EXPECT_EQ(json::parse(err.meta)["code"], "version");
+  EXPECT_NE(json::parse(err.meta)["reason"].get<std::string>().find("protocol version"), std::string::npos);
+}
+
+TEST(Shard, AppliesTheStalenessWeightedUpdateAndRejectsBadGradients) {
+  auto o = softsync(1);
+  o.alpha0 = 0.5;
+  LocalShard shard(o);
+  Client c(shard.endpoint);
+  ASSERT_EQ(c.hello(1, shard.fp).header.type, MsgType::Welcome);
+  Header pull = pull_header(1, 1);
+  auto w0 = c.call(pull, "");
+  ASSERT_EQ(w0.header.type, MsgType::Weights);
+  ASSERT_EQ(w0.floats(), static_cast<size_t>(kTotal));
+  EXPECT_EQ(reinterpret_cast<const float*>(w0.payload.data)[5], 1.f);
+
+  std::vector<float> g(kTotal, 1.f);
+  auto ack = c.call(push_header(1, 2), "", g);
+  ASSERT_EQ(ack.header.type, MsgType::PushAck);
+  EXPECT_EQ(json::parse(ack.meta)["status"], "accepted");
+  // Duplicate (same seq) is not applied twice.
+  EXPECT_EQ(json::parse(c.call(push_header(1, 2), "", g).meta)["status"], "duplicate");
+  // Wrong shape, NaN, Inf, clock from the future, unknown learner: rejected.
+  EXPECT_EQ(json::parse(c.call(push_header(1, 3), "", std::vector<float>(kTotal - 1, 1.f)).meta)["code"], "shape");
+  auto nan = g;
+  nan[10] = std::nanf("");
+  EXPECT_EQ(json::parse(c.call(push_header(1, 4), "", nan).meta)["code"], "non_finite");
+  auto inf = g;
+  inf[999] = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(json::parse(c.call(push_header(1, 5), "", inf).meta)["code"], "non_finite");
+  EXPECT_EQ(json::parse(c.call(push_header(1, 6, 50), "", g).meta)["code"], "protocol");
+  EXPECT_EQ(json::parse(c.call(push_header(7, 7), "", g).meta)["code"], "unknown_learner");
+
+  // A stale gradient (computed at clock 0, applied at clock 1): rate 0.5 / 1.
+  auto ack2 = c.call(push_header(1, 8, 0), "", g);
+  EXPECT_EQ(json::parse(ack2.meta)["tau"], 1);
+  pull.seq = 9;
+  auto w2 = c.call(pull, "");
+  EXPECT_EQ(w2.header.clock, 2u);
+  // No momentum configured: w = 1 - 0.5 * 1 - (0.5 / 1) * 1 = 0.
+  EXPECT_FLOAT_EQ(reinterpret_cast<const float*>(w2.payload.data)[0], 0.f);
+  auto s = shard.finish();
+  EXPECT_EQ(s["updates"], 2);
+  EXPECT_EQ(s["gradients_rejected"], 5);
+  EXPECT_EQ(s["rejected_by_reason"]["non_finite"], 2);
+  EXPECT_EQ(s["staleness_max"], 1);
+}
+
+TEST(Shard, KeepsServingAfterGarbage) {
+  LocalShard shard(softsync(1));
+  // 1. Raw bytes on the TCP port (not even ZeroMQ's greeting).
+  auto colon = shard.endpoint.rfind(':');
+  int port = std::stoi(shard.endpoint.substr(colon + 1));
+  std::mt19937 rng(3);
+  for (int i = 0; i < 20; ++i) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    std::string junk(1 + rng() % 4096, '\0');
+    for (auto& ch : junk) ch = static_cast<char>(rng());
+    (void)!::write(fd, junk.data(), junk.size());
+    ::close(fd);
+  }
+  // 2. Well-framed ZeroMQ messages with garbage inside.
+  Client bad(shard.endpoint);
+  for (int i = 0; i < 200; ++i) {
+    std::vector<std::string> frames(1 + rng() % 5);
+    for (auto& f : frames) {
+      f.resize(rng() % 100);
+      for (auto& ch : f) ch = static_cast<char>(rng());
+    }
+    bad.s.send_raw(frames);
+  }
+  // A header claiming a huge payload.
+  Header huge = push_header(1, 1);
+  huge.payload_bytes = 1ull << 40;
+  unsigned char hdr[kHeaderBytes];
+  encode_header(huge, hdr);
+  bad.s.send_raw({std::string(reinterpret_cast<char*>(hdr), kHeaderBytes), "", "abcd"});
+  // Messages on one connection are handled in order: once this peer is
+  // welcomed, all of its garbage has been seen.
+  {
+    Header h;
+    h.type = MsgType::Hello;
+    h.sender = 4;
+    bad.s.send(nullptr, h, json{{"fingerprint", hex64(shard.fp.hash)}, {"total", kTotal}}.dump(), nullptr, 0);
+    MsgType t = MsgType::Error;
+    while (t != MsgType::Welcome) t = bad.reply().header.type;
+  }
+  // 3. The shard still serves a well-behaved learner.
+  Client good(shard.endpoint);
+  ASSERT_EQ(good.hello(5, shard.fp).header.type, MsgType::Welcome);
+  Header pull = pull_header(5, 2);
+  EXPECT_EQ(good.call(pull, "").header.type, MsgType::Weights);
+  auto s = shard.finish();
+  EXPECT_GE(s["gradients_rejected"].get<int64_t>(), 200);
+  EXPECT_EQ(s["rejected_by_reason"]["oversized"], 1);
+}
+
+TEST(Shard, CurveAdmitsOnlyPeersWithTheJobKeys) {
+  if (!curve_available()) GTEST_SKIP() << "libzmq without CURVE";
+  auto keys = generate_curve_keys();
+  LocalShard shard(softsync(1), keys);
+  Client ok(shard.endpoint, keys);
+  EXPECT_EQ(ok.hello(1, shard.fp, kTotal).header.type, MsgType::Welcome);
+  Client plain(shard.endpoint);  // no keys: the handshake fails, nothing arrives
+  EXPECT_THROW(plain.hello(2, shard.fp, kTotal, 1500), Timeout);
+  // Knows the shard's public key but holds another key pair: refused by ZAP.
+  CurveKeys intruder = generate_curve_keys();
+  intruder.server_key = keys.public_key;
+  Client wrong(shard.endpoint, intruder);
+  EXPECT_THROW(wrong.hello(3, shard.fp, kTotal, 1500), Timeout);
+  auto s = shard.finish();
+  EXPECT_GE(s["curve_peers_refused"].get<int64_t>(), 1);
+  EXPECT_GE(s["curve_peers_accepted"].get<int64_t>(), 1);
+}
+
+TEST(Curve, KeyFilesRoundTripAndBadFilesAreRefused) {
+  if (!curve_available()) GTEST_SKIP() << "libzmq without CURVE";
+  testing::TempDir d;
+  auto k = generate_curve_keys();
+  save_curve_keys(d.file("job.keys"), k);
+  auto back = load_curve_keys(d.file("job.keys"));
+  EXPECT_EQ(back.public_key, k.public_key);
+  EXPECT_EQ(back.secret_key, k.secret_key);
+  write_file_atomic(d.file("bad.keys"), "public abc\n");
+  EXPECT_THROW(load_curve_keys(d.file("bad.keys")), InvalidInput);
+}
+
+}  // namespace
+}  // namespace limbo::ps
