@@ -1,11 +1,15 @@
 // Parameter-server round trip: a learner's push (gradient) + pull (weights)
 // against a real shard on loopback (ps::Server on its own thread, softsync
-// n = 1, so every push is also an update), against raw ZeroMQ moving the same
-// bytes (a DEALER sends N floats, a ROUTER echoes N floats back, both without
-// copies). The two are interleaved rep by rep so machine noise hits both.
-// GB/s counts the bytes moved both ways: 2 * 4 * N per round trip.
+// n = 1, so every push is also an update), done as a learner does it: the
+// push goes out in parts of ps.part_mb, the weights come back in parts and
+// are copied into the learner's flat parameters. Baselines, raw ZeroMQ
+// moving the same bytes without copies (a DEALER sends N floats, a ROUTER
+// echoes N floats back): as one message each way ("raw 1 msg"), and in
+// the same parts as Limbo ("raw parts"). All three are interleaved rep by rep
+// so machine noise hits them alike. GB/s counts the bytes moved both ways:
+// 2 * 4 * N per round trip.
 //
-//   build/bench/limbo_bench_ps_roundtrip [--reps 20] [--sizes-m 1,10]
+//   build/bench/limbo_bench_ps_roundtrip [--reps 20] [--sizes-m 1,10] [--part-mb 1]
 #include <zmq.h>
 
 #include <nlohmann/json.hpp>
@@ -36,14 +40,16 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 
 // ---- raw ZeroMQ echo ---------------------------------------------------------------
 struct RawEcho {
+  size_t part;  // floats per message
   void* ctx = zmq_ctx_new();
   void* router = nullptr;
   void* dealer = nullptr;
   std::vector<float> server_buf, client_buf;
+  size_t received = 0;
   std::atomic<bool> stop{false};
   std::thread thread;
 
-  explicit RawEcho(size_t n) : server_buf(n, 1.f), client_buf(n, 2.f) {
+  RawEcho(size_t n, size_t part_floats) : part(part_floats), server_buf(n, 1.f), client_buf(n, 2.f) {
     router = zmq_socket(ctx, ZMQ_ROUTER);
     int zero = 0;
     zmq_setsockopt(router, ZMQ_LINGER, &zero, sizeof zero);
@@ -66,11 +72,24 @@ struct RawEcho {
         }
         zmq_msg_init(&body);
         zmq_msg_recv(&body, router, 0);
+        received += zmq_msg_size(&body) / 4;
         zmq_msg_close(&body);
-        zmq_msg_send(&id, router, ZMQ_SNDMORE);
-        zmq_msg_t out;
-        zmq_msg_init_data(&out, server_buf.data(), server_buf.size() * 4, nullptr, nullptr);
-        zmq_msg_send(&out, router, 0);
+        if (received < server_buf.size()) {
+          zmq_msg_close(&id);
+          continue;
+        }
+        received = 0;
+        for (size_t o = 0; o < server_buf.size(); o += part) {
+          const size_t k = std::min(part, server_buf.size() - o);
+          zmq_msg_t to;
+          zmq_msg_init(&to);
+          zmq_msg_copy(&to, &id);
+          zmq_msg_send(&to, router, ZMQ_SNDMORE);
+          zmq_msg_t out;
+          zmq_msg_init_data(&out, server_buf.data() + o, k * 4, nullptr, nullptr);
+          zmq_msg_send(&out, router, 0);
+        }
+        zmq_msg_close(&id);
       }
     });
   }
@@ -83,13 +102,19 @@ struct RawEcho {
   }
   double round_trip() {
     auto t0 = Clock::now();
-    zmq_msg_t out;
-    zmq_msg_init_data(&out, client_buf.data(), client_buf.size() * 4, nullptr, nullptr);
-    zmq_msg_send(&out, dealer, 0);
-    zmq_msg_t in;
-    zmq_msg_init(&in);
-    zmq_msg_recv(&in, dealer, 0);
-    zmq_msg_close(&in);
+    const size_t n = client_buf.size();
+    for (size_t o = 0; o < n; o += part) {
+      zmq_msg_t out;
+      zmq_msg_init_data(&out, client_buf.data() + o, std::min(part, n - o) * 4, nullptr, nullptr);
+      zmq_msg_send(&out, dealer, 0);
+    }
+    for (size_t got = 0; got < n;) {
+      zmq_msg_t in;
+      zmq_msg_init(&in);
+      zmq_msg_recv(&in, dealer, 0);
+      got += zmq_msg_size(&in) / 4;
+      zmq_msg_close(&in);
+    }
     return since(t0);
   }
 };
@@ -105,7 +130,8 @@ struct LimboPair {
   std::vector<float> grad, weights;
   uint64_t seq = 0, clock = 0;
 
-  explicit LimboPair(size_t n) : grad(n, 1e-6f), weights(n, 0.f) {
+  size_t part;
+  LimboPair(size_t n, size_t part_floats) : grad(n, 1e-6f), weights(n, 0.f), part(part_floats) {
     char tmpl[] = "/tmp/limbo-bench-ps-XXXXXX";
     dir = ::mkdtemp(tmpl);
     limbo::ps::ServerOptions o;
@@ -113,6 +139,7 @@ struct LimboPair {
     o.agg.alpha0 = 1e-3;
     o.checkpoint_every = 0;
     o.log_every = 1 << 30;
+    o.part_floats = static_cast<int64_t>(part_floats);
     std::vector<float> init(n, 0.5f);
     limbo::ps::ModelFingerprint fp{"bench", 42};
     server = std::make_unique<limbo::ps::Server>(o, fp, init.data(), static_cast<int64_t>(n), limbo::ps::CurveKeys{});
@@ -126,7 +153,7 @@ struct LimboPair {
     sock->send(nullptr, h, json{{"fingerprint", limbo::ps::hex64(42)}, {"total", n}}.dump(), nullptr, 0);
     expect(limbo::ps::MsgType::Welcome);
     pull();
-    expect(limbo::ps::MsgType::Weights);
+    receive_weights();
   }
   ~LimboPair() {
     stop = true;
@@ -140,7 +167,8 @@ struct LimboPair {
     h.seq = ++seq;
     sock->send(nullptr, h, "", nullptr, 0);
   }
-  void expect(limbo::ps::MsgType t) {
+  // Receives the next message of type t; false when a weights part was not the last.
+  bool expect(limbo::ps::MsgType t) {
     std::vector<limbo::ps::Frame> frames;
     for (;;) {
       if (!sock->recv(frames, nullptr, 10000)) throw std::runtime_error("no reply from the shard");
@@ -148,10 +176,15 @@ struct LimboPair {
       if (d.reject != limbo::ps::Reject::None) throw std::runtime_error(d.detail);
       if (d.msg.header.type != t) continue;
       if (t == limbo::ps::MsgType::Weights) {  // as a learner does: into its flat weights
-        limbo::ps::copy_floats(weights.data(), d.msg.payload.data, d.msg.payload.size);
+        limbo::ps::copy_floats(weights.data() + d.msg.header.offset, d.msg.payload.data, d.msg.payload.size);
         clock = d.msg.header.clock;
+        return !(d.msg.header.flags & limbo::ps::kMoreParts);
       }
-      return;
+      return true;
+    }
+  }
+  void receive_weights() {
+    while (!expect(limbo::ps::MsgType::Weights)) {
     }
   }
   double round_trip() {
@@ -163,10 +196,16 @@ struct LimboPair {
     h.clock = clock;
     h.aux = -1;
     auto keep = std::shared_ptr<void>(grad.data(), [](void*) {});
-    sock->send(nullptr, h, "", grad.data(), grad.size() * 4, keep);
+    const size_t n = grad.size();
+    for (size_t o = 0; o < n; o += part) {
+      const size_t k = std::min(part, n - o);
+      h.offset = o;
+      h.flags = o + k < n ? limbo::ps::kMoreParts : 0;
+      sock->send(nullptr, h, "", grad.data() + o, k * 4, keep);
+    }
     pull();
     expect(limbo::ps::MsgType::PushAck);
-    expect(limbo::ps::MsgType::Weights);
+    receive_weights();
     return since(t0);
   }
 };
@@ -181,40 +220,47 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int reps = 20;
   std::vector<size_t> sizes_m = {1, 10};
+  double part_mb = 1.0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
     if (a == "--reps") reps = std::atoi(argv[i + 1]);
+    else if (a == "--part-mb") part_mb = std::atof(argv[i + 1]);
     else if (a == "--sizes-m") {
       sizes_m.clear();
       std::stringstream ss(argv[i + 1]);
       std::string item;
       while (std::getline(ss, item, ',')) sizes_m.push_back(std::stoul(item));
     } else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--sizes-m 1,10]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--reps N] [--sizes-m 1,10] [--part-mb 1]\n", argv[0]);
       return 2;
     }
   }
   limbo::set_log_level(limbo::LogLevel::Warn);
   limbo::keep_freed_memory();  // as the limbo binary does at start-up (applies to both sides)
-  std::printf("push + pull round trip on loopback, median of %d interleaved reps (GB/s = 2 x payload / time)\n", reps);
-  std::printf("%10s %10s %12s %12s %12s %8s\n", "floats", "MB", "raw zmq ms", "limbo ms", "limbo GB/s", "ratio");
+  std::printf("push + pull round trip on loopback, median of %d interleaved reps, parts of %g MiB "
+              "(GB/s = 2 x payload / time)\n", reps, part_mb);
+  std::printf("%10s %8s %11s %11s %9s %11s %12s %12s\n", "floats", "MB", "raw 1 msg", "raw parts", "limbo",
+              "limbo GB/s", "vs 1 msg", "vs parts");
   for (size_t m : sizes_m) {
     const size_t n = m * 1000 * 1000;
-    RawEcho raw(n);
-    LimboPair limbo_pair(n);
-    std::vector<double> tr, tl;
+    const size_t part = part_mb > 0 ? std::max<size_t>(1, static_cast<size_t>(part_mb * (1 << 20) / 4)) : n;
+    RawEcho raw(n, n), raw_parts(n, part);
+    LimboPair limbo_pair(n, part);
+    std::vector<double> t1, tp, tl;
     for (int r = 0; r < reps + 3; ++r) {
       double a = raw.round_trip();
-      double b = limbo_pair.round_trip();
+      double b = raw_parts.round_trip();
+      double c = limbo_pair.round_trip();
       if (r >= 3) {
-        tr.push_back(a);
-        tl.push_back(b);
+        t1.push_back(a);
+        tp.push_back(b);
+        tl.push_back(c);
       }
     }
     const double bytes = 2.0 * 4 * n;
-    double mr = median(tr), ml = median(tl);
-    std::printf("%10zu %10.1f %12.2f %12.2f %12.2f %7.2fx   (raw zmq %.2f GB/s)\n", n, 4.0 * n / 1e6, 1e3 * mr,
-                1e3 * ml, bytes / ml / 1e9, mr / ml, bytes / mr / 1e9);
+    double m1 = median(t1), mp = median(tp), ml = median(tl);
+    std::printf("%10zu %8.1f %8.2f ms %8.2f ms %6.2f ms %11.2f %11.2fx %11.2fx\n", n, 4.0 * n / 1e6, 1e3 * m1,
+                1e3 * mp, 1e3 * ml, bytes / ml / 1e9, m1 / ml, mp / ml);
   }
   return 0;
 }

@@ -43,7 +43,7 @@ TEST(PsJob, FourLearnersSoftsyncReachRealAccuracy) {
   const std::string run = d.file("run");
   auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "2", "--workers", "4",
                                           "--protocol", "softsync", "--softsync-n", "2", "--run-dir", run, "--"},
-                                         mlp_args(1)));
+                                         cat(mlp_args(1), {"--set", "ps.part_mb=0.01"})));  // ~40 parts per push
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto s = read_json(run + "/summary.json");
   for (const char* k : {"staleness_mean", "staleness_p99", "staleness_max", "updates", "gradients_dropped",
@@ -114,7 +114,7 @@ TEST(PsJob, AShardKilledAndRestartedFromItsCheckpointLetsTrainingComplete) {
   const std::string run = d.file("run");
   pid_t launcher = spawn_limbo(cat({"launch", "--mode", "async", "--servers", "2", "--workers", "2", "--protocol",
                                     "softsync", "--run-dir", run, "--"},
-                                   cat(mlp_args(2), {"--set", "ps.checkpoint_every=50"})),
+                                   cat(mlp_args(2), {"--set", "ps.checkpoint_every=50", "--set", "ps.part_mb=0.01"})),
                                d.file("launch.log"));
   ASSERT_TRUE(wait_for_text(run + "/shard-1/summary.json", "\"clock\"", 60)) << slurp(d.file("launch.log"));
   pid_t victim = shard_pid(run + "/shard-1");

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -41,8 +42,9 @@ AggregatorOptions softsync(int n) {
 constexpr int64_t kTotal = 1000;
 
 struct LocalShard {
-  explicit LocalShard(AggregatorOptions agg, CurveKeys keys = {}) : initial(kTotal, 1.f) {
+  explicit LocalShard(AggregatorOptions agg, CurveKeys keys = {}, int64_t part_floats = -1) : initial(kTotal, 1.f) {
     ServerOptions o;
+    if (part_floats >= 0) o.part_floats = part_floats;
     o.dir = dir.path() + "/shard";
     o.agg = agg;
     o.heartbeat_timeout = 30;
@@ -71,6 +73,24 @@ struct LocalShard {
   std::thread thread;
 };
 
+Header pull_header(uint32_t id, uint64_t seq) {
+  Header h;
+  h.type = MsgType::Pull;
+  h.sender = id;
+  h.seq = seq;
+  return h;
+}
+
+Header push_header(uint32_t id, uint64_t seq, uint64_t clock = 0) {
+  Header h;
+  h.type = MsgType::Push;
+  h.sender = id;
+  h.seq = seq;
+  h.clock = clock;
+  h.aux = -1;
+  return h;
+}
+
 struct Client {
   Client(const std::string& endpoint, CurveKeys keys = {}) : t(keys), s(t, Socket::Kind::Dealer) { s.connect(endpoint); }
   Message call(Header h, const std::string& meta, const std::vector<float>& payload = {}, int timeout_ms = 5000) {
@@ -92,27 +112,34 @@ struct Client {
     return call(h, json{{"fingerprint", hex64(fp.hash)}, {"model", fp.description}, {"total", total}}.dump(), {},
                 timeout_ms);
   }
+  // Sends a push in parts of `part` floats (as a learner does) and returns the reply.
+  Message push_parts(Header h, const std::vector<float>& g, size_t part, size_t stop_after = SIZE_MAX) {
+    for (size_t o = 0, k = 0; o < g.size() && k < stop_after; o += part, ++k) {
+      const size_t n = std::min(part, g.size() - o);
+      h.offset = o;
+      h.flags = o + n < g.size() ? kMoreParts : 0;
+      s.send(nullptr, h, "", g.data() + o, n * 4);
+    }
+    return stop_after == SIZE_MAX ? reply() : Message();
+  }
+  // Pulls and assembles the weights from their parts; *parts gets their offsets.
+  std::vector<float> pull_parts(uint32_t id, uint64_t seq, uint64_t* clock, std::vector<uint64_t>* parts = nullptr) {
+    s.send(nullptr, pull_header(id, seq), "", nullptr, 0);
+    std::vector<float> w;
+    for (;;) {
+      Message m = reply();
+      if (m.header.type != MsgType::Weights) throw Error(std::string("expected weights, got ") + type_name(m.header.type));
+      if (m.header.offset != w.size()) throw Error("weights part out of order");
+      if (parts) parts->push_back(m.header.offset);
+      *clock = m.header.clock;
+      const float* f = reinterpret_cast<const float*>(m.payload.data);
+      w.insert(w.end(), f, f + m.floats());
+      if (!(m.header.flags & kMoreParts)) return w;
+    }
+  }
   Transport t;
   Socket s;
 };
-
-Header pull_header(uint32_t id, uint64_t seq) {
-  Header h;
-  h.type = MsgType::Pull;
-  h.sender = id;
-  h.seq = seq;
-  return h;
-}
-
-Header push_header(uint32_t id, uint64_t seq, uint64_t clock = 0) {
-  Header h;
-  h.type = MsgType::Push;
-  h.sender = id;
-  h.seq = seq;
-  h.clock = clock;
-  h.aux = -1;
-  return h;
-}
 
 TEST(Shard, HandshakeChecksTheModelFingerprint) {
   LocalShard shard(softsync(1));
@@ -253,6 +280,115 @@ TEST(Shard, CurveAdmitsOnlyPeersWithTheJobKeys) {
   auto s = shard.finish();
   EXPECT_GE(s["curve_peers_refused"].get<int64_t>(), 1);
   EXPECT_GE(s["curve_peers_accepted"].get<int64_t>(), 1);
+}
+
+std::vector<float> ramp(float scale) {
+  std::vector<float> g(kTotal);
+  for (int64_t i = 0; i < kTotal; ++i) g[i] = scale * static_cast<float>(i % 17 - 8);
+  return g;
+}
+
+TEST(Shard, PushesAndWeightsTravelInParts) {
+  auto o = softsync(1);
+  o.alpha0 = 0.5;
+  LocalShard shard(o, {}, /*part_floats=*/300);
+  Client c(shard.endpoint);
+  ASSERT_EQ(c.hello(1, shard.fp).header.type, MsgType::Welcome);
+  uint64_t clock = 99;
+  std::vector<uint64_t> offsets;
+  auto w0 = c.pull_parts(1, 1, &clock, &offsets);
+  EXPECT_EQ(offsets, (std::vector<uint64_t>{0, 300, 600, 900}));
+  ASSERT_EQ(w0, shard.initial);
+  EXPECT_EQ(clock, 0u);
+
+  // A push in 4 parts (streamed: it makes the update alone) is the same
+  // update as one message: w = w - alpha g.
+  auto g = ramp(0.25f);
+  auto ack = c.push_parts(push_header(1, 2), g, 256);
+  ASSERT_EQ(ack.header.type, MsgType::PushAck);
+  EXPECT_EQ(json::parse(ack.meta)["status"], "accepted");
+  auto w1 = c.pull_parts(1, 3, &clock);
+  ASSERT_EQ(clock, 1u);
+  for (int64_t i = 0; i < kTotal; ++i) ASSERT_EQ(w1[i], 1.f - 0.5f * g[i]) << i;
+
+  // NaN in the last part: rejected, nothing applied.
+  auto nan = g;
+  nan[kTotal - 1] = std::nanf("");
+  EXPECT_EQ(json::parse(c.push_parts(push_header(1, 4, 1), nan, 256).meta)["code"], "non_finite");
+  EXPECT_EQ(c.pull_parts(1, 5, &clock), w1);
+  EXPECT_EQ(clock, 1u);
+  // Parts that skip floats, parts of a push whose first part never came,
+  // and parts adding up to the wrong size: rejected.
+  Header skip = push_header(1, 6, 1);
+  skip.flags = kMoreParts;
+  c.s.send(nullptr, skip, "", g.data(), 400);
+  skip.offset = 200;
+  skip.flags = 0;
+  EXPECT_EQ(json::parse(c.call(skip, "", std::vector<float>(g.begin() + 200, g.end())).meta)["code"], "protocol");
+  Header orphan = push_header(1, 7, 1);
+  orphan.offset = 500;
+  EXPECT_EQ(json::parse(c.call(orphan, "", std::vector<float>(500, 1.f)).meta)["code"], "protocol");
+  EXPECT_EQ(json::parse(c.push_parts(push_header(1, 8, 1), std::vector<float>(kTotal - 3, 1.f), 256).meta)["code"],
+            "shape");
+  // A push abandoned after its first parts is replaced by the next one.
+  c.push_parts(push_header(1, 9, 1), g, 256, /*stop_after=*/2);
+  EXPECT_EQ(json::parse(c.push_parts(push_header(1, 10, 1), g, 256).meta)["status"], "accepted");
+  auto w2 = c.pull_parts(1, 11, &clock);
+  ASSERT_EQ(clock, 2u);
+  for (int64_t i = 0; i < kTotal; ++i) ASSERT_EQ(w2[i], w1[i] - 0.5f * g[i]) << i;
+  auto s = shard.finish();
+  EXPECT_EQ(s["updates"], 2);
+  EXPECT_EQ(s["gradients_rejected"], 4);
+}
+
+TEST(Shard, AStreamedPushOvertakenByAnotherUpdateIsAppliedAgainAsStale) {
+  // lambda = 2, n = 2: c = 1, every push is an update of its own.
+  auto o = softsync(2);
+  o.alpha0 = 0.5;
+  LocalShard shard(o, {}, 300);
+  Client a(shard.endpoint), b(shard.endpoint);
+  ASSERT_EQ(a.hello(1, shard.fp).header.type, MsgType::Welcome);
+  ASSERT_EQ(b.hello(2, shard.fp).header.type, MsgType::Welcome);
+  uint64_t clock;
+  a.pull_parts(1, 1, &clock);
+  b.pull_parts(2, 1, &clock);
+  auto ga = ramp(0.25f), gb = ramp(-0.125f);
+  // A's first two parts arrive (the shard starts its update from clock 0)...
+  a.push_parts(push_header(1, 2, 0), ga, 256, /*stop_after=*/2);
+  Header beat;
+  beat.type = MsgType::Heartbeat;
+  beat.sender = 1;
+  ASSERT_EQ(a.call(beat, "").header.type, MsgType::Heartbeat);  // ordered: the parts were handled
+  // ...then B's whole push makes an update first...
+  EXPECT_EQ(json::parse(b.push_parts(push_header(2, 2, 0), gb, 256).meta)["tau"], 0);
+  // ...so A's gradient is one update stale when its last parts arrive.
+  std::vector<float> rest(ga.begin() + 512, ga.end());
+  Header tail = push_header(1, 2, 0);
+  tail.offset = 512;
+  auto ack = a.call(tail, "", rest);
+  EXPECT_EQ(json::parse(ack.meta)["tau"], 1);
+  auto w = a.pull_parts(1, 3, &clock);
+  ASSERT_EQ(clock, 2u);
+  for (int64_t i = 0; i < kTotal; ++i) ASSERT_EQ(w[i], (1.f - 0.5f * gb[i]) - (0.5f / 1) * ga[i]) << i;
+}
+
+TEST(Shard, PushesInPartsAreAccumulatedWhenSeveralMakeAnUpdate) {
+  // lambda = 2, n = 1: c = 2 gradients per update.
+  auto o = softsync(1);
+  o.alpha0 = 0.5;
+  LocalShard shard(o, {}, 300);
+  Client a(shard.endpoint), b(shard.endpoint);
+  ASSERT_EQ(a.hello(1, shard.fp).header.type, MsgType::Welcome);
+  ASSERT_EQ(b.hello(2, shard.fp).header.type, MsgType::Welcome);
+  uint64_t clock;
+  a.pull_parts(1, 1, &clock);
+  b.pull_parts(2, 1, &clock);
+  auto ga = ramp(0.25f), gb = ramp(-0.125f);
+  EXPECT_EQ(json::parse(a.push_parts(push_header(1, 2, 0), ga, 256).meta)["status"], "accepted");
+  EXPECT_EQ(json::parse(b.push_parts(push_header(2, 2, 0), gb, 333).meta)["status"], "accepted");
+  auto w = a.pull_parts(1, 3, &clock);
+  ASSERT_EQ(clock, 1u);
+  for (int64_t i = 0; i < kTotal; ++i) ASSERT_NEAR(w[i], 1.f - 0.5f * (ga[i] + gb[i]) / 2, 1e-6) << i;
 }
 
 TEST(Curve, KeyFilesRoundTripAndBadFilesAreRefused) {

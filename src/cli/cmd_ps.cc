@@ -1,4 +1,5 @@
 // `limbo ps-server`, `limbo worker`, `limbo keygen`, `limbo launch --mode async` and `limbo sim`.
+#include <cmath>
 #include <signal.h>
 #include <unistd.h>
 
@@ -69,6 +70,11 @@ void check_async_config(const Config& cfg) {
 
 }  // namespace
 
+// ps.part_mb in floats (0 = whole slices).
+static int64_t part_floats(const Config& cfg) {
+  return static_cast<int64_t>(std::llround(cfg.get_float("ps.part_mb") * (1 << 20) / 4));
+}
+
 int run_ps_server(const PsServerArgs& a) {
   Config cfg = resolve_config(a.config_file, a.overrides);
   check_async_config(cfg);
@@ -89,6 +95,7 @@ int run_ps_server(const PsServerArgs& a) {
   so.checkpoint_every = cfg.get_int("ps.checkpoint_every");
   so.log_every = cfg.get_int("ps.log_every");
   so.max_payload_bytes = static_cast<uint64_t>(cfg.get_int("ps.max_message_mb")) << 20;
+  so.part_floats = part_floats(cfg);
   so.dataset_size = trainer.data().train.size();
   so.batch = tc.loader.batch_size;
   so.epochs = tc.train.epochs;
@@ -116,6 +123,7 @@ int run_worker_cmd(const WorkerArgs& a) {
   wo.log_every = cfg.get_int("train.log_every");
   wo.run_dir = a.run_dir;
   wo.max_steps = tc.train.max_steps;
+  wo.part_floats = part_floats(cfg);
   install_stop_handlers();
   auto summary = ps::run_worker(trainer, tc, wo, keys_of(a.keys_file), g_stop);
   std::printf("learner %u: %lld steps, %.0f samples/s\n", wo.learner_id,

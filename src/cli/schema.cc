@@ -152,6 +152,10 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(I("ps.log_every", 100, 1, std::nullopt, "parameter server: updates per metrics line"));
     s->add(I("ps.max_message_mb", 1024, 1, 1 << 20,
              "parameter server: largest payload a shard accepts, in MiB"));
+    s->add(F("ps.part_mb", 1.0, 0.0, 1024.0,
+             "parameter server: pushes and weights go out in parts of this many MiB, so that "
+             "the shard updates and the learner copies one part while the next is in transit "
+             "(0 = one message per shard slice)"));
 
     s->add(S("sim.mode", "async", {"async", "elastic"},
              "simulator: asynchronous parameter-server training, or elastic synchronous training"));

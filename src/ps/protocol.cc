@@ -73,6 +73,7 @@ void encode_header(const Header& h, unsigned char out[kHeaderBytes]) {
   put<uint64_t>(p, h.seq);
   put<uint64_t>(p, static_cast<uint64_t>(h.aux));
   put<uint64_t>(p, h.payload_bytes);
+  put<uint64_t>(p, h.offset);
 }
 
 Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes) {
@@ -107,6 +108,7 @@ Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes) {
   h.seq = get<uint64_t>(p);
   h.aux = static_cast<int64_t>(get<uint64_t>(p));
   h.payload_bytes = get<uint64_t>(p);
+  h.offset = get<uint64_t>(p);
 
   const Frame& mf = frames[1];
   if (mf.size > kMaxMetaBytes)

@@ -6,7 +6,12 @@
 //   3. payload - raw little-endian float32 values (may be empty); its size
 //                must equal header.payload_bytes.
 // The server's ROUTER socket adds the peer identity in front; the codec never
-// sees it. See docs/ps-protocol.md for the message types and their fields.
+// sees it. See docs/parameter-server.md for the message types and fields.
+//
+// Large payloads travel in parts: a push or a weights reply for a shard's
+// slice may be several messages with the same seq and clock, each carrying
+// the floats [offset, offset + payload_bytes / 4) of the slice, in order.
+// Part sizes are the sender's choice (ps.part_mb); the receiver assembles.
 //
 // decode() is total: any byte sequence yields either a Message or a
 // Rejection naming the reason; it never throws and never reads out of bounds.
@@ -21,8 +26,8 @@
 namespace limbo::ps {
 
 constexpr uint32_t kMagic = 0x5350424cu;  // "LBPS" in little-endian byte order
-constexpr uint16_t kProtocolVersion = 1;
-constexpr size_t kHeaderBytes = 48;
+constexpr uint16_t kProtocolVersion = 2;
+constexpr size_t kHeaderBytes = 56;
 constexpr size_t kMaxMetaBytes = 64 * 1024;
 
 enum class MsgType : uint8_t {
@@ -43,6 +48,8 @@ const char* type_name(MsgType t);
 constexpr uint8_t kWantLease = 1;  // shard 0: hand out the next data batch with the weights
 constexpr uint8_t kObserver = 2;   // not a registered learner: just read the weights
 constexpr uint8_t kFinal = 4;      // answer once no learner is registered (final weights)
+// Header flag of a Push or Weights part: more parts of this payload follow.
+constexpr uint8_t kMoreParts = 8;
 bool valid_type(uint8_t t);
 
 struct Header {
@@ -56,6 +63,7 @@ struct Header {
   uint64_t seq = 0;       // request sequence number; replies echo it
   int64_t aux = 0;        // type-specific small value (e.g. a push's lease id)
   uint64_t payload_bytes = 0;
+  uint64_t offset = 0;    // Push / Weights: index of the payload's first float within the shard's slice
 };
 
 void encode_header(const Header& h, unsigned char out[kHeaderBytes]);

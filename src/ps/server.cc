@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -67,6 +68,22 @@ struct Server::Impl {
   std::map<uint32_t, uint64_t> last_push_seq;
   std::map<uint32_t, int64_t> grads_per_learner;
 
+  // A push arriving in parts (protocol.h), per learner. The parts are kept
+  // (no copy) until the last one; a push that would make an update on its
+  // own is meanwhile computed part by part as the parts arrive (`step`), and
+  // used if no other update happened before its last part.
+  struct Incoming {
+    Header head;  // of the first part
+    std::vector<Frame> frames;
+    std::vector<GradPart> parts;
+    int64_t received = 0;
+    bool swallow = false;  // answered already (refused): ignore its remaining parts
+    bool streaming = false;
+    StreamedStep step;
+  };
+  std::map<uint32_t, Incoming> incoming;
+  bool streaming_active = false;  // at most one streamed step at a time
+
   int64_t accepted = 0, dropped = 0, updates = 0, checkpoints = 0, learners_dropped = 0;
   std::array<int64_t, kRejectKinds> rejected{};
   StalenessHist hist_total, hist_window;
@@ -122,8 +139,16 @@ struct Server::Impl {
     }
     if (!(flags & kObserver)) agg.on_pull(learner);
     auto w = state->weights();  // keeps this version alive until ZeroMQ has sent it
-    sock->send(&id, reply_header(MsgType::Weights, seq), meta.empty() ? std::string() : meta.dump(),
-               w->data_ptr<float>(), static_cast<size_t>(w->numel()) * 4, w);
+    const int64_t n = w->numel();
+    const int64_t part = opt.part_floats > 0 ? opt.part_floats : n;
+    const float* data = w->data_ptr<float>();
+    for (int64_t o = 0; o < n; o += part) {
+      const int64_t k = std::min(part, n - o);
+      Header h = reply_header(MsgType::Weights, seq);
+      h.offset = static_cast<uint64_t>(o);
+      if (o + k < n) h.flags = kMoreParts;
+      sock->send(&id, h, o == 0 && !meta.empty() ? meta.dump() : std::string(), data + o, static_cast<size_t>(k) * 4, w);
+    }
   }
 
   bool pull_may_go(const Held& h) const {
@@ -170,6 +195,7 @@ struct Server::Impl {
   void remove_learner(uint32_t id, const std::string& why) {
     if (!agg.remove_learner(id)) return;
     last_seen.erase(id);
+    drop_incoming(id);
     int released = leases ? leases->release(id) : 0;
     log_info("shard " + std::to_string(opt.shard) + ": learner " + std::to_string(id) + " " + why +
              " (lambda = " + std::to_string(agg.learners()) + ", c = " + std::to_string(agg.c()) +
@@ -213,7 +239,7 @@ struct Server::Impl {
           else held.push_back(hp);
         }
         return;
-      case MsgType::Push: return on_push(id, d.msg, known);
+      case MsgType::Push: return on_push_part(id, d.msg, known);
       case MsgType::Heartbeat:
         if (!known) return reject(Reject::UnknownLearner, "heartbeat from unregistered learner " + std::to_string(learner), &id, h.seq);
         return send_json(id, MsgType::Heartbeat, h.seq, json::object());
@@ -250,23 +276,106 @@ struct Server::Impl {
                {"protocol", protocol_name(opt.agg.protocol)}, {"softsync_n", opt.agg.softsync_n}});
   }
 
-  void on_push(const std::string& id, const Message& m, bool known) {
-    const Header& h = m.header;
-    if (!known) return reject(Reject::UnknownLearner, "push from unregistered learner " + std::to_string(h.sender), &id, h.seq);
-    auto seen = last_push_seq.find(h.sender);
-    if (seen != last_push_seq.end() && h.seq <= seen->second)
-      return send_json(id, MsgType::PushAck, h.seq, {{"status", "duplicate"}});
-    if (static_cast<int64_t>(m.floats()) != range.numel)
-      return reject(Reject::Shape, "gradient of " + std::to_string(m.floats()) + " floats for a shard of " +
-                                       std::to_string(range.numel), &id, h.seq);
-    // ZeroMQ may hand out payloads at any byte offset; copy the rare unaligned one.
-    torch::Tensor g;
-    if (reinterpret_cast<uintptr_t>(m.payload.data) % alignof(float) == 0) {
-      g = torch::from_blob(const_cast<unsigned char*>(m.payload.data), {range.numel}, torch::kFloat32);
-    } else {
-      g = torch::empty({range.numel}, torch::kFloat32);
-      std::memcpy(g.data_ptr<float>(), m.payload.data, m.payload.size);
+  void drop_incoming(uint32_t learner) {
+    auto it = incoming.find(learner);
+    if (it == incoming.end()) return;
+    if (it->second.streaming) {
+      state->abandon(it->second.step);
+      streaming_active = false;
     }
+    incoming.erase(it);
+  }
+
+  // One part of a push: checked, kept, and (when this push is the one being
+  // streamed) applied to the next version; the last part completes the push.
+  void on_push_part(const std::string& id, const Message& m, bool known) {
+    const Header& h = m.header;
+    const bool first = h.offset == 0, last = !(h.flags & kMoreParts);
+    if (!known) {
+      // Only the first part is answered: the learner registers again and re-sends.
+      return reject(Reject::UnknownLearner, "push from unregistered learner " + std::to_string(h.sender),
+                    first ? &id : nullptr, h.seq);
+    }
+    auto it = incoming.find(h.sender);
+    if (first) {
+      drop_incoming(h.sender);  // an unfinished earlier push was abandoned by its learner
+      it = incoming.emplace(h.sender, Incoming{}).first;
+      it->second.head = h;
+    } else if (it == incoming.end() || it->second.head.seq != h.seq) {
+      return reject(Reject::Protocol, "push part at float " + std::to_string(h.offset) + " of a push (seq " +
+                                          std::to_string(h.seq) + ") whose first part never came", &id, h.seq);
+    }
+    Incoming& in = it->second;
+    if (in.swallow) {
+      if (last) incoming.erase(it);
+      return;
+    }
+    const int64_t n = static_cast<int64_t>(m.floats());
+    Reject bad = Reject::None;
+    std::string why;
+    if (static_cast<int64_t>(h.offset) != in.received) {
+      bad = Reject::Protocol;
+      why = "push part at float " + std::to_string(h.offset) + ", expected " + std::to_string(in.received);
+    } else if (last ? in.received + n != range.numel : (n == 0 || in.received + n >= range.numel)) {
+      bad = Reject::Shape;
+      why = "gradient of " + std::string(last ? "" : "more than ") + std::to_string(in.received + n) +
+            " floats for a shard of " + std::to_string(range.numel);
+    }
+    if (bad != Reject::None) {
+      in.swallow = true;
+      drop_streaming(in);
+      if (last) incoming.erase(it);
+      return reject(bad, why, &id, h.seq);
+    }
+    if (first) {
+      auto seen = last_push_seq.find(h.sender);
+      if (seen != last_push_seq.end() && h.seq <= seen->second) {
+        in.swallow = true;
+        if (last) incoming.erase(it);
+        return send_json(id, MsgType::PushAck, h.seq, {{"status", "duplicate"}});
+      }
+      if (!last) maybe_stream(in);
+    }
+    // ZeroMQ may hand out payloads at any byte offset; copy the rare unaligned one.
+    Frame f = m.payload;
+    if (reinterpret_cast<uintptr_t>(f.data) % alignof(float) != 0) {
+      auto copy = std::shared_ptr<float>(new float[static_cast<size_t>(n)], std::default_delete<float[]>());
+      std::memcpy(copy.get(), f.data, f.size);
+      f.data = reinterpret_cast<const unsigned char*>(copy.get());
+      f.keep = copy;
+    }
+    GradPart part{in.received, reinterpret_cast<const float*>(f.data), n};
+    in.frames.push_back(std::move(f));
+    in.parts.push_back(part);
+    in.received += n;
+    if (in.streaming) state->step_part(in.step, part);
+    if (!last) return;
+    Incoming done = std::move(in);
+    incoming.erase(it);
+    streaming_active = streaming_active && !done.streaming;
+    on_push(id, done);
+  }
+
+  void drop_streaming(Incoming& in) {
+    if (!in.streaming) return;
+    state->abandon(in.step);
+    in.streaming = false;
+    streaming_active = false;
+  }
+
+  // Streams a push that would, as things stand, make an update alone.
+  void maybe_stream(Incoming& in) {
+    if (streaming_active || !state->streams()) return;
+    Aggregator trial = agg;
+    auto o = trial.offer(in.head.sender, in.head.clock);
+    if (o.outcome != Aggregator::Offer::Accepted || trial.pending() != 1 || !trial.ready()) return;
+    in.step = state->begin_step(o.alpha);
+    in.streaming = true;
+    streaming_active = true;
+  }
+
+  void on_push(const std::string& id, Incoming& in) {
+    const Header& h = in.head;
     // A NaN/Inf gradient is never applied; its batch counts as used (a
     // diverged model would otherwise get the same batch back forever).
     auto non_finite = [&] {
@@ -275,19 +384,30 @@ struct Server::Impl {
       reject(Reject::NonFinite, "gradient from learner " + std::to_string(h.sender) + " has NaN or Inf", &id, h.seq);
     };
     auto offer = agg.offer(h.sender, h.clock);
-    if (offer.outcome == Aggregator::Offer::Rejected) return reject(Reject::Protocol, offer.why, &id, h.seq);
+    if (offer.outcome == Aggregator::Offer::Rejected) {
+      if (in.streaming) state->abandon(in.step);
+      return reject(Reject::Protocol, offer.why, &id, h.seq);
+    }
     last_push_seq[h.sender] = h.seq;
     if (leases && h.aux >= 0) leases->complete(h.aux);
     json ack = {{"tau", offer.tau}};
     if (offer.outcome == Aggregator::Offer::Dropped) {
+      if (in.streaming) state->abandon(in.step);
       dropped += 1;
       ack["status"] = "dropped";
     } else {
       // One gradient that makes the update alone is applied straight from the
-      // message buffer (the finite check rides along that pass).
+      // message buffers (the finite check rides along that pass); a streamed
+      // step already holds that update unless another update came first.
       const bool single = agg.pending() == 1 && agg.ready();
-      const float* gp = g.data_ptr<float>();
-      if (single ? !state->step_single(gp, offer.alpha) : !state->accumulate(gp, offer.alpha)) {
+      bool ok;
+      if (in.streaming && single && state->current(in.step) && in.step.alpha == static_cast<float>(offer.alpha)) {
+        ok = state->finish_step(in.step);
+      } else {
+        if (in.streaming) state->abandon(in.step);
+        ok = single ? state->step_single(in.parts, offer.alpha) : state->accumulate(in.parts, offer.alpha);
+      }
+      if (!ok) {
         agg.retract(h.sender, h.clock);
         return non_finite();
       }

@@ -49,6 +49,7 @@ struct ServerOptions {
   int64_t log_every = 100;                // updates per metrics line
   bool resume = false;                    // start from dir/checkpoint.bin when present
   uint64_t max_payload_bytes = 1ull << 30;
+  int64_t part_floats = 1 << 18;          // weights replies go out in parts of this many floats (0 = whole)
   // Shard 0 only: data leases.
   int64_t dataset_size = 0, batch = 64, epochs = 1;
 };

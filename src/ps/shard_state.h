@@ -25,6 +25,23 @@
 
 namespace limbo::ps {
 
+// Floats [offset, offset + n) of the shard's slice (a gradient that arrived
+// in parts; see protocol.h).
+struct GradPart {
+  int64_t offset = 0;
+  const float* data = nullptr;
+  int64_t n = 0;
+};
+
+// A single-gradient update computed part by part while the gradient is still
+// arriving (see ShardState::begin_step).
+struct StreamedStep {
+  std::shared_ptr<torch::Tensor> base;  // the version it reads
+  std::shared_ptr<torch::Tensor> next;  // the version it writes
+  float alpha = 0;
+  bool finite = true;
+};
+
 struct UpdateOptions {
   double alpha0 = 0.01;  // for weight decay
   double momentum = 0;
@@ -43,8 +60,24 @@ class ShardState {
   // weight decay as configured), in one pass that also checks g. Returns
   // false and changes nothing when g holds NaN or Inf.
   bool step_single(const float* g, double alpha);
+  bool step_single(const std::vector<GradPart>& g, double alpha);
   // Adds alpha * g to the accumulator; false (nothing added) on NaN/Inf.
   bool accumulate(const float* g, double alpha);
+  bool accumulate(const std::vector<GradPart>& g, double alpha);
+
+  // Streaming a single-gradient update (only when streams(): no momentum,
+  // no weight decay): begin_step() on the current version, step_part() as
+  // each part arrives (w' = w - alpha g on that range, checking g), then
+  // finish_step(), which publishes w' unless a part held NaN/Inf (then it
+  // returns false and publishes nothing). finish_step() requires current():
+  // no other update since begin_step(); otherwise abandon() the step and
+  // make the update again with step_single().
+  bool streams() const { return opt_.momentum == 0 && opt_.weight_decay == 0; }
+  StreamedStep begin_step(double alpha);
+  void step_part(StreamedStep& s, const GradPart& g);
+  bool current(const StreamedStep& s) const { return s.base == weights_; }
+  bool finish_step(StreamedStep& s);
+  void abandon(StreamedStep& s);
   // Applies the accumulated k gradients and clears the accumulator.
   void apply(int64_t k);
 

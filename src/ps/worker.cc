@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -168,13 +169,55 @@ class Learner {
     return h.seq;
   }
 
-  // Copies a shard's weights into the flat parameters.
-  void take_weights(Link& l, const Message& m) {
-    if (static_cast<int64_t>(m.floats()) != l.numel)
-      throw PeerFailure("shard " + std::to_string(l.index) + " sent " + std::to_string(m.floats()) +
-                        " floats, expected " + std::to_string(l.numel));
-    copy_floats(t_.params().data().data_ptr<float>() + l.offset, m.payload.data, m.payload.size);
-    l.clock = m.header.clock;
+  // Receives the reply to pull `seq` (re-sent through `resend` when the
+  // shard lost it), part by part, each part copied into the flat parameters
+  // as it arrives while the next one is still in transit. Returns the first
+  // part's message (its meta carries the lease).
+  template <typename Resend>
+  Message receive_weights(Link& l, uint64_t seq, Resend resend) {
+    float* flat = t_.params().data().data_ptr<float>() + l.offset;
+    int64_t got = 0;
+    Message first;
+    for (;;) {
+      Message m = await(l, seq, MsgType::Weights, [&] {
+        got = 0;
+        return seq = resend();
+      });
+      const int64_t n = static_cast<int64_t>(m.floats());
+      const bool last = !(m.header.flags & kMoreParts);
+      if (static_cast<int64_t>(m.header.offset) != got || (last ? got + n != l.numel : got + n >= l.numel) ||
+          (got > 0 && m.header.clock != first.header.clock))
+        throw PeerFailure("shard " + std::to_string(l.index) + " sent weights floats [" +
+                          std::to_string(m.header.offset) + ", " + std::to_string(m.header.offset + n) + ") at clock " +
+                          std::to_string(m.header.clock) + " after " + std::to_string(got) + " of " +
+                          std::to_string(l.numel) + " floats" + (got > 0 ? " at clock " + std::to_string(first.header.clock) : std::string()));
+      copy_floats(flat + got, m.payload.data, m.payload.size);
+      if (got == 0) {
+        first = m;
+        first.payload = Frame();
+      }
+      got += n;
+      if (last) break;
+    }
+    l.clock = first.header.clock;
+    return first;
+  }
+
+  // Sends this learner's gradient slice to a shard in parts, straight from
+  // the gradient buffer (`keep` counts the sends in flight).
+  template <typename Keep>
+  uint64_t send_push(Link& l, const float* g, int64_t lease_id, Keep keep) {
+    Header h = header(MsgType::Push, l);
+    h.clock = l.clock;
+    h.aux = l.index == 0 ? lease_id : -1;
+    const int64_t part = opt_.part_floats > 0 ? opt_.part_floats : l.numel;
+    for (int64_t o = 0; o < l.numel; o += part) {
+      const int64_t k = std::min(part, l.numel - o);
+      h.offset = static_cast<uint64_t>(o);
+      h.flags = o + k < l.numel ? kMoreParts : 0;
+      if (!l.sock->send(nullptr, h, "", g + l.offset + o, static_cast<size_t>(k) * 4, keep())) break;
+    }
+    return h.seq;
   }
 
   void bye() {
@@ -254,8 +297,7 @@ json Learner::run(const std::atomic<bool>& stop) {
         }
         push_seq[L.index] = 0;
       }
-      Message w = await(L, pull_seq[L.index], MsgType::Weights, [&] { return pull_seq[L.index] = send_pull(L, flags); });
-      take_weights(L, w);
+      Message w = receive_weights(L, pull_seq[L.index], [&] { return pull_seq[L.index] = send_pull(L, flags); });
       if (L.index == 0) {
         json meta = w.meta.empty() ? json::object() : json::parse(w.meta);
         lease = meta.value("lease", json());
@@ -293,12 +335,7 @@ json Learner::run(const std::atomic<bool>& stop) {
 
     const float* g = flat.grad().data_ptr<float>();
     for (auto& l : links_) {
-      Header h = header(MsgType::Push, *l);
-      h.clock = l->clock;
-      h.aux = l->index == 0 ? lease_id : -1;
-      h.payload_bytes = static_cast<uint64_t>(l->numel) * 4;
-      push_seq[l->index] = h.seq;
-      l->sock->send(nullptr, h, "", g + l->offset, static_cast<size_t>(l->numel) * 4, keep_grad());
+      push_seq[l->index] = send_push(*l, g, lease_id, keep_grad);
       pull_seq[l->index] = send_pull(*l, l->index == 0 ? kWantLease : 0);
     }
     steps += 1;
@@ -349,9 +386,7 @@ json Learner::run(const std::atomic<bool>& stop) {
     uint64_t clock0 = 0;
     for (auto& l : links_) {
       Link& L = *l;
-      Message w = await(L, seqs[L.index], MsgType::Weights,
-                        [&] { return seqs[L.index] = send_pull(L, kObserver | kFinal); });
-      take_weights(L, w);
+      Message w = receive_weights(L, seqs[L.index], [&] { return seqs[L.index] = send_pull(L, kObserver | kFinal); });
       if (L.index == 0) clock0 = w.header.clock;
     }
     auto ev = train::evaluate(model, t_.data().test, t_.normalization());

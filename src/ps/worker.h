@@ -39,6 +39,7 @@ struct WorkerOptions {
   int64_t log_every = 50;           // steps per metrics line
   std::string run_dir;              // learners/<id>.jsonl; the finisher's final.json, checkpoint.pt
   int64_t max_steps = 0;            // leave after this many steps (0 = until the data is done)
+  int64_t part_floats = 1 << 18;    // pushes go out in parts of this many floats (0 = whole slices)
 };
 
 ModelFingerprint model_fingerprint(const std::string& model_name, const optim::FlatParams& params);
