@@ -210,6 +210,21 @@ struct LimboPair {
   }
 };
 
+// The two memory passes Limbo adds to the bytes on the wire, timed alone on
+// the same sizes: the shard's update (w - alpha g with the NaN check, into a
+// new version) and the learner's copy of the weights into its parameters.
+struct Passes {
+  std::vector<float> g, dst;
+  limbo::ps::ShardState state;
+  explicit Passes(size_t n) : g(n, 1e-6f), dst(n, 0.f), state(static_cast<int64_t>(n), dst.data(), {}) {}
+  double run() {
+    auto t0 = Clock::now();
+    state.step_single(g.data(), 1e-3);
+    limbo::ps::copy_floats(dst.data(), state.weights()->data_ptr<float>(), dst.size() * 4);
+    return since(t0);
+  }
+};
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -239,28 +254,31 @@ int main(int argc, char** argv) {
   limbo::keep_freed_memory();  // as the limbo binary does at start-up (applies to both sides)
   std::printf("push + pull round trip on loopback, median of %d interleaved reps, parts of %g MiB "
               "(GB/s = 2 x payload / time)\n", reps, part_mb);
-  std::printf("%10s %8s %11s %11s %9s %11s %12s %12s\n", "floats", "MB", "raw 1 msg", "raw parts", "limbo",
-              "limbo GB/s", "vs 1 msg", "vs parts");
+  std::printf("%10s %8s %11s %11s %9s %11s %12s %12s %14s\n", "floats", "MB", "raw 1 msg", "raw parts", "limbo",
+              "limbo GB/s", "vs 1 msg", "vs parts", "passes alone");
   for (size_t m : sizes_m) {
     const size_t n = m * 1000 * 1000;
     const size_t part = part_mb > 0 ? std::max<size_t>(1, static_cast<size_t>(part_mb * (1 << 20) / 4)) : n;
     RawEcho raw(n, n), raw_parts(n, part);
+    Passes passes(n);
     LimboPair limbo_pair(n, part);
-    std::vector<double> t1, tp, tl;
+    std::vector<double> t1, tp, tl, tx;
     for (int r = 0; r < reps + 3; ++r) {
       double a = raw.round_trip();
       double b = raw_parts.round_trip();
       double c = limbo_pair.round_trip();
+      double x = passes.run();
       if (r >= 3) {
         t1.push_back(a);
         tp.push_back(b);
         tl.push_back(c);
+        tx.push_back(x);
       }
     }
     const double bytes = 2.0 * 4 * n;
-    double m1 = median(t1), mp = median(tp), ml = median(tl);
-    std::printf("%10zu %8.1f %8.2f ms %8.2f ms %6.2f ms %11.2f %11.2fx %11.2fx\n", n, 4.0 * n / 1e6, 1e3 * m1,
-                1e3 * mp, 1e3 * ml, bytes / ml / 1e9, m1 / ml, mp / ml);
+    double m1 = median(t1), mp = median(tp), ml = median(tl), mx = median(tx);
+    std::printf("%10zu %8.1f %8.2f ms %8.2f ms %6.2f ms %11.2f %11.2fx %11.2fx %11.2f ms\n", n, 4.0 * n / 1e6, 1e3 * m1,
+                1e3 * mp, 1e3 * ml, bytes / ml / 1e9, m1 / ml, mp / ml, 1e3 * mx);
   }
   return 0;
 }
