@@ -279,10 +279,7 @@ struct Server::Impl {
   void drop_incoming(uint32_t learner) {
     auto it = incoming.find(learner);
     if (it == incoming.end()) return;
-    if (it->second.streaming) {
-      state->abandon(it->second.step);
-      streaming_active = false;
-    }
+    drop_streaming(it->second);
     incoming.erase(it);
   }
 
