@@ -391,6 +391,69 @@ TEST(Shard, PushesInPartsAreAccumulatedWhenSeveralMakeAnUpdate) {
   for (int64_t i = 0; i < kTotal; ++i) ASSERT_NEAR(w[i], 1.f - 0.5f * (ga[i] + gb[i]) / 2, 1e-6) << i;
 }
 
+// Random part sizes, and pushes spoiled in random ways (a skipped part, NaN or
+// Inf in a random part, a wrong total, abandoned half way): after every push
+// the weights are exactly those of applying the good pushes alone.
+TEST(Shard, RandomlySplitAndSpoiledPushesLeaveExactlyTheGoodUpdates) {
+  auto o = softsync(1);
+  o.alpha0 = 0.25;
+  o.policy = StalenessPolicy::Constant;
+  LocalShard shard(o, {}, /*part_floats=*/128);
+  Client c(shard.endpoint);
+  ASSERT_EQ(c.hello(1, shard.fp).header.type, MsgType::Welcome);
+  std::mt19937 rng(11);
+  uint64_t seq = 1, clock = 0;
+  std::vector<float> oracle = c.pull_parts(1, seq++, &clock);
+  int good = 0, rejected = 0;
+  for (int round = 0; round < 60; ++round) {
+    std::vector<float> g(kTotal);
+    for (auto& v : g) v = std::uniform_real_distribution<float>(-1, 1)(rng);
+    // Parts of random sizes.
+    std::vector<std::pair<size_t, size_t>> parts;
+    for (size_t at = 0; at < g.size();) {
+      size_t n = std::min<size_t>(1 + rng() % 300, g.size() - at);
+      parts.push_back({at, n});
+      at += n;
+    }
+    const int kind = round < 10 ? 0 : static_cast<int>(rng() % 5);  // 0 = good
+    if (kind == 1 && parts.size() < 3) continue;
+    if (kind == 2) g[rng() % g.size()] = (rng() % 2) ? std::nanf("") : std::numeric_limits<float>::infinity();
+    Header h = push_header(1, seq++, clock);
+    std::string want = kind == 0 ? "accepted" : kind == 1 ? "protocol" : kind == 2 ? "non_finite" : "shape";
+    for (size_t k = 0; k < parts.size(); ++k) {
+      auto [at, n] = parts[k];
+      if (kind == 1 && k == 1) continue;                      // a skipped part
+      if (kind == 3 && k + 1 == parts.size()) n -= 1;  // one float short
+      if (kind == 4 && k == parts.size() / 2) break;          // abandoned
+      h.offset = at;
+      h.flags = k + 1 < parts.size() ? kMoreParts : 0;
+      c.s.send(nullptr, h, "", g.data() + at, n * 4);
+    }
+    if (kind == 4) {
+      want = "";  // no answer; the next push replaces it
+    } else {
+      Message r = c.reply();
+      std::string got = r.header.type == MsgType::PushAck ? json::parse(r.meta)["status"].get<std::string>()
+                                                          : json::parse(r.meta)["code"].get<std::string>();
+      ASSERT_EQ(got, want) << "round " << round << " kind " << kind;
+    }
+    if (kind == 0) {
+      for (int64_t i = 0; i < kTotal; ++i) oracle[i] = oracle[i] - 0.25f * g[i];
+      good += 1;
+    } else if (kind != 4) {
+      rejected += 1;
+    }
+    auto w = c.pull_parts(1, seq++, &clock);
+    ASSERT_EQ(clock, static_cast<uint64_t>(good)) << "round " << round;
+    for (int64_t i = 0; i < kTotal; ++i) ASSERT_EQ(w[i], oracle[i]) << "round " << round << " float " << i;
+  }
+  auto s = shard.finish();
+  EXPECT_EQ(s["updates"], good);
+  EXPECT_EQ(s["gradients_rejected"].get<int>(), rejected);
+  EXPECT_GT(good, 15);
+  EXPECT_GT(rejected, 15);
+}
+
 TEST(Curve, KeyFilesRoundTripAndBadFilesAreRefused) {
   if (!curve_available()) GTEST_SKIP() << "libzmq without CURVE";
   testing::TempDir d;
