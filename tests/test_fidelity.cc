@@ -70,7 +70,10 @@ TEST(Fidelity, SimulatorAgreesWithARealJob) {
   double tv = 0;
   for (int t = 0; t <= 64; ++t) tv += std::abs((pr.count(t) ? pr[t] : 0) - (ps.count(t) ? ps[t] : 0)) / 2;
   EXPECT_LT(tv, 0.2) << "real " << real["staleness_hist"] << " sim " << sim["staleness_hist"];
-  EXPECT_NEAR(sim["test_accuracy"].get<double>(), real["test_accuracy"].get<double>(), 0.05);
+  // One epoch of 12,000 samples: a single run's accuracy varies by about
+  // +-3.5 points (0.746-0.816 real over 8 runs here), so two independent runs
+  // differ by up to ~0.07; a simulator that trained wrongly would be far off.
+  EXPECT_NEAR(sim["test_accuracy"].get<double>(), real["test_accuracy"].get<double>(), 0.08);
 }
 
 }  // namespace

@@ -253,6 +253,7 @@ TEST(Codec, RoundTripsEveryField) {
   h.clock = 1234567890123ull;
   h.seq = 77;
   h.aux = -5;
+  h.offset = 1ull << 33;
   std::vector<float> g = {1.5f, -2.f, 0.25f};
   auto m = encode(h, R"({"a":1})", g);
   auto d = decode(m.frames(), 1 << 20);
@@ -264,6 +265,7 @@ TEST(Codec, RoundTripsEveryField) {
   EXPECT_EQ(d.msg.header.clock, 1234567890123ull);
   EXPECT_EQ(d.msg.header.seq, 77u);
   EXPECT_EQ(d.msg.header.aux, -5);
+  EXPECT_EQ(d.msg.header.offset, 1ull << 33);
   EXPECT_EQ(d.msg.meta, R"({"a":1})");
   ASSERT_EQ(d.msg.floats(), 3u);
   EXPECT_EQ(std::memcmp(d.msg.payload.data, g.data(), 12), 0);
@@ -297,6 +299,12 @@ TEST(Codec, RejectsEachKindOfMalformedMessage) {
     Header v = h;
     v.version = kProtocolVersion + 1;
     expect(encode(v, "", {}), Reject::Version);
+    // A peer of version 1 (48-byte header) is told about the version, not
+    // about the header size.
+    v.version = 1;
+    auto old = encode(v, "", {});
+    old.bytes[0].resize(48);
+    expect(old, Reject::Version);
   }
   {
     auto m = good;
@@ -365,6 +373,15 @@ TEST(Codec, RandomizedInputNeverCrashesAndValidOnesStayValid) {
   }
   EXPECT_GT(rejected, 100000);
   EXPECT_GT(accepted, 0);  // e.g. flips in the clock or seq fields
+}
+
+TEST(Codec, PartSizesKeepPushesWithinTheMostParts) {
+  EXPECT_EQ(part_size(0, 10), 10);       // 0: whole slices
+  EXPECT_EQ(part_size(3, 10), 3);
+  EXPECT_EQ(part_size(20, 10), 10);
+  EXPECT_EQ(part_size(1, 100000), 25);   // ceil(100000 / 4096)
+  EXPECT_LE((100000 + part_size(1, 100000) - 1) / part_size(1, 100000), kMaxParts);
+  EXPECT_EQ(part_size(1 << 18, 10000000), 1 << 18);
 }
 
 TEST(Codec, FiniteCheck) {

@@ -42,14 +42,15 @@ AggregatorOptions softsync(int n) {
 constexpr int64_t kTotal = 1000;
 
 struct LocalShard {
-  explicit LocalShard(AggregatorOptions agg, CurveKeys keys = {}, int64_t part_floats = -1) : initial(kTotal, 1.f) {
+  explicit LocalShard(AggregatorOptions agg, CurveKeys keys = {}, int64_t part_floats = -1, int64_t total = kTotal)
+      : initial(static_cast<size_t>(total), 1.f) {
     ServerOptions o;
     if (part_floats >= 0) o.part_floats = part_floats;
     o.dir = dir.path() + "/shard";
     o.agg = agg;
     o.heartbeat_timeout = 30;
     o.max_payload_bytes = 1 << 20;
-    server = std::make_unique<Server>(o, fp, initial.data(), kTotal, keys);
+    server = std::make_unique<Server>(o, fp, initial.data(), total, keys);
     endpoint = server->endpoint();
     thread = std::thread([this] { server->run(stop); });
   }
@@ -164,6 +165,13 @@ TEST(Shard, HandshakeChecksTheModelFingerprint) {
   ASSERT_EQ(err.header.type, MsgType::Error);
   EXPECT_EQ(json::parse(err.meta)["code"], "version");
   EXPECT_NE(json::parse(err.meta)["reason"].get<std::string>().find("protocol version"), std::string::npos);
+  // So is a peer of protocol version 1, whose header was 48 bytes.
+  v.version = 1;
+  encode_header(v, hdr);
+  c.s.send_raw({std::string(reinterpret_cast<char*>(hdr), 48), "", ""});
+  auto err1 = c.reply();
+  ASSERT_EQ(err1.header.type, MsgType::Error);
+  EXPECT_NE(json::parse(err1.meta)["reason"].get<std::string>().find("protocol version 1,"), std::string::npos);
 }
 
 TEST(Shard, AppliesTheStalenessWeightedUpdateAndRejectsBadGradients) {
@@ -370,6 +378,43 @@ TEST(Shard, AStreamedPushOvertakenByAnotherUpdateIsAppliedAgainAsStale) {
   auto w = a.pull_parts(1, 3, &clock);
   ASSERT_EQ(clock, 2u);
   for (int64_t i = 0; i < kTotal; ++i) ASSERT_EQ(w[i], (1.f - 0.5f * gb[i]) - (0.5f / 1) * ga[i]) << i;
+}
+
+TEST(Shard, APushInTooManyPartsIsRefusedAndADuplicateDoesNotCutAPushShort) {
+  const int64_t total = kMaxParts + 100;
+  LocalShard shard(softsync(1), {}, -1, total);
+  Client c(shard.endpoint);
+  ASSERT_EQ(c.hello(1, shard.fp, total).header.type, MsgType::Welcome);
+  // Parts of one float: a shard holds at most kMaxParts parts of a push.
+  std::vector<float> g(static_cast<size_t>(total), 0.5f);
+  Header h = push_header(1, 2);
+  for (int64_t k = 0; k < kMaxParts; ++k) {
+    h.offset = static_cast<uint64_t>(k);
+    h.flags = kMoreParts;
+    c.s.send(nullptr, h, "", g.data() + k, 4);
+  }
+  Message r = c.reply();
+  EXPECT_EQ(json::parse(r.meta)["code"], "shape");
+  EXPECT_NE(json::parse(r.meta)["reason"].get<std::string>().find("parts"), std::string::npos);
+  // A repeated first part of an applied push, arriving while a newer push is
+  // under way, is answered as a duplicate and leaves the newer push whole.
+  EXPECT_EQ(json::parse(c.push_parts(push_header(1, 3), g, 1000).meta)["status"], "accepted");
+  c.push_parts(push_header(1, 4, 1), g, 1000, /*stop_after=*/2);
+  Header dup = push_header(1, 3);
+  dup.flags = kMoreParts;
+  EXPECT_EQ(json::parse(c.call(dup, "", std::vector<float>(g.begin(), g.begin() + 1000)).meta)["status"], "duplicate");
+  Header rest = push_header(1, 4, 1);
+  for (size_t o = 2000; o < g.size(); o += 1000) {
+    const size_t n = std::min<size_t>(1000, g.size() - o);
+    rest.offset = o;
+    rest.flags = o + n < g.size() ? kMoreParts : 0;
+    c.s.send(nullptr, rest, "", g.data() + o, n * 4);
+  }
+  EXPECT_EQ(json::parse(c.reply().meta)["status"], "accepted");
+  uint64_t clock;
+  auto w = c.pull_parts(1, 5, &clock);
+  EXPECT_EQ(clock, 2u);
+  EXPECT_FLOAT_EQ(w[0], 1.f - 2 * 0.1f * 0.5f);
 }
 
 TEST(Shard, PushesInPartsAreAccumulatedWhenSeveralMakeAnUpdate) {

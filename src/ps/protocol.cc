@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -40,6 +41,11 @@ const char* type_name(MsgType t) {
 }
 
 bool valid_type(uint8_t t) { return t >= 1 && t <= 10; }
+
+int64_t part_size(int64_t wanted_floats, int64_t slice_floats) {
+  if (wanted_floats <= 0 || wanted_floats >= slice_floats) return slice_floats > 0 ? slice_floats : 1;
+  return std::max(wanted_floats, (slice_floats + kMaxParts - 1) / kMaxParts);
+}
 
 const char* reject_name(Reject r) {
   switch (r) {
@@ -87,9 +93,11 @@ Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes) {
     return fail(Reject::FrameCount, "expected 3 frames (header, meta, payload), got " +
                                         std::to_string(frames.size()));
   const Frame& hf = frames[0];
-  if (hf.size != kHeaderBytes || hf.data == nullptr)
+  auto wrong_size = [&] {
     return fail(Reject::HeaderSize, "header frame has " + std::to_string(hf.size) + " bytes, expected " +
                                         std::to_string(kHeaderBytes));
+  };
+  if (hf.size < 6 || hf.data == nullptr) return wrong_size();
   const unsigned char* p = hf.data;
   Header& h = d.msg.header;
   h.magic = get<uint32_t>(p);
@@ -98,6 +106,7 @@ Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes) {
   if (h.version != kProtocolVersion)
     return fail(Reject::Version, "protocol version " + std::to_string(h.version) + ", this build speaks " +
                                      std::to_string(kProtocolVersion));
+  if (hf.size != kHeaderBytes) return wrong_size();
   uint8_t type = get<uint8_t>(p);
   if (!valid_type(type)) return fail(Reject::Type, "unknown message type " + std::to_string(type));
   h.type = static_cast<MsgType>(type);

@@ -50,6 +50,10 @@ constexpr uint8_t kObserver = 2;   // not a registered learner: just read the we
 constexpr uint8_t kFinal = 4;      // answer once no learner is registered (final weights)
 // Header flag of a Push or Weights part: more parts of this payload follow.
 constexpr uint8_t kMoreParts = 8;
+// Most parts one payload may come in (a shard refuses a push in more); a
+// sender makes its parts at least 1/kMaxParts of the slice.
+constexpr int64_t kMaxParts = 4096;
+int64_t part_size(int64_t wanted_floats, int64_t slice_floats);  // floats per part (wanted <= 0: whole slice)
 bool valid_type(uint8_t t);
 
 struct Header {
@@ -108,7 +112,9 @@ struct Decoded {
 };
 
 // Decodes frames into a message; payloads above max_payload_bytes are
-// rejected as Oversized. The header is checked before anything else is read.
+// rejected as Oversized. The header is checked before anything else is read;
+// magic and version (its first 6 bytes in every protocol version) before its
+// size, so that a peer of another version is told so.
 Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes);
 
 // True when every float of the payload is finite.

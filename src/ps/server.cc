@@ -140,7 +140,7 @@ struct Server::Impl {
     if (!(flags & kObserver)) agg.on_pull(learner);
     auto w = state->weights();  // keeps this version alive until ZeroMQ has sent it
     const int64_t n = w->numel();
-    const int64_t part = opt.part_floats > 0 ? opt.part_floats : n;
+    const int64_t part = part_size(opt.part_floats, n);
     const float* data = w->data_ptr<float>();
     for (int64_t o = 0; o < n; o += part) {
       const int64_t k = std::min(part, n - o);
@@ -295,6 +295,17 @@ struct Server::Impl {
     }
     auto it = incoming.find(h.sender);
     if (first) {
+      auto seen = last_push_seq.find(h.sender);
+      if (seen != last_push_seq.end() && h.seq <= seen->second) {
+        // A push seen before: answered, never applied twice. Its later parts
+        // are ignored (rejected, if another push is under way meanwhile).
+        if (it == incoming.end() && !last) {
+          it = incoming.emplace(h.sender, Incoming{}).first;
+          it->second.head = h;
+          it->second.swallow = true;
+        }
+        return send_json(id, MsgType::PushAck, h.seq, {{"status", "duplicate"}});
+      }
       drop_incoming(h.sender);  // an unfinished earlier push was abandoned by its learner
       it = incoming.emplace(h.sender, Incoming{}).first;
       it->second.head = h;
@@ -317,6 +328,9 @@ struct Server::Impl {
       bad = Reject::Shape;
       why = "gradient of " + std::string(last ? "" : "more than ") + std::to_string(in.received + n) +
             " floats for a shard of " + std::to_string(range.numel);
+    } else if (!last && static_cast<int64_t>(in.parts.size()) + 1 >= kMaxParts) {
+      bad = Reject::Shape;
+      why = "push in more than " + std::to_string(kMaxParts) + " parts";
     }
     if (bad != Reject::None) {
       in.swallow = true;
@@ -324,15 +338,7 @@ struct Server::Impl {
       if (last) incoming.erase(it);
       return reject(bad, why, &id, h.seq);
     }
-    if (first) {
-      auto seen = last_push_seq.find(h.sender);
-      if (seen != last_push_seq.end() && h.seq <= seen->second) {
-        in.swallow = true;
-        if (last) incoming.erase(it);
-        return send_json(id, MsgType::PushAck, h.seq, {{"status", "duplicate"}});
-      }
-      if (!last) maybe_stream(in);
-    }
+    if (first && !last) maybe_stream(in);
     // ZeroMQ may hand out payloads at any byte offset; copy the rare unaligned one.
     Frame f = m.payload;
     if (reinterpret_cast<uintptr_t>(f.data) % alignof(float) != 0) {
@@ -345,7 +351,10 @@ struct Server::Impl {
     in.frames.push_back(std::move(f));
     in.parts.push_back(part);
     in.received += n;
-    if (in.streaming) state->step_part(in.step, part);
+    if (in.streaming) {
+      if (state->current(in.step)) state->step_part(in.step, part);
+      else drop_streaming(in);  // overtaken by another update: made again from the parts at the end
+    }
     if (!last) return;
     Incoming done = std::move(in);
     incoming.erase(it);

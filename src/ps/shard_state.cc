@@ -15,6 +15,7 @@ namespace limbo::ps {
 namespace {
 
 constexpr int64_t kParallelGrain = 1 << 20;  // floats per task of a parallel pass
+constexpr size_t kSpareVersions = 4;          // released versions kept for re-use
 
 // out = w - alpha * g in one pass that also checks g (see all_finite()).
 // The new version is written with streaming (non-temporal) stores where the
@@ -118,7 +119,7 @@ std::shared_ptr<torch::Tensor> ShardState::fresh_version() {
 }
 
 void ShardState::publish(std::shared_ptr<torch::Tensor> next) {
-  if (spare_.size() < 4) spare_.push_back(weights_);
+  if (spare_.size() < kSpareVersions) spare_.push_back(weights_);
   weights_ = std::move(next);
 }
 
@@ -187,7 +188,7 @@ bool ShardState::finish_step(StreamedStep& s) {
 }
 
 void ShardState::abandon(StreamedStep& s) {
-  if (s.next) spare_.push_back(std::move(s.next));
+  if (s.next && spare_.size() < kSpareVersions) spare_.push_back(std::move(s.next));
   s = StreamedStep();
 }
 

@@ -210,7 +210,7 @@ class Learner {
     Header h = header(MsgType::Push, l);
     h.clock = l.clock;
     h.aux = l.index == 0 ? lease_id : -1;
-    const int64_t part = opt_.part_floats > 0 ? opt_.part_floats : l.numel;
+    const int64_t part = part_size(opt_.part_floats, l.numel);
     for (int64_t o = 0; o < l.numel; o += part) {
       const int64_t k = std::min(part, l.numel - o);
       h.offset = static_cast<uint64_t>(o);
