@@ -79,6 +79,14 @@ struct Frame {
   std::shared_ptr<void> keep;
 };
 
+// Floats [offset, offset + n) of a shard's slice (a gradient that arrived in
+// parts).
+struct GradPart {
+  int64_t offset = 0;
+  const float* data = nullptr;
+  int64_t n = 0;
+};
+
 struct Message {
   Header header;
   std::string meta;  // JSON text

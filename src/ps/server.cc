@@ -1,5 +1,6 @@
 #include "ps/server.h"
 
+#include "ps/push_parts.h"
 #include "ps/shard_checkpoint.h"
 #include "ps/shard_state.h"
 #include "ps/staleness.h"
@@ -15,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include "common/error.h"
 #include "common/files.h"
@@ -68,21 +70,13 @@ struct Server::Impl {
   std::map<uint32_t, uint64_t> last_push_seq;
   std::map<uint32_t, int64_t> grads_per_learner;
 
-  // A push arriving in parts (protocol.h), per learner. The parts are kept
-  // (no copy) until the last one; a push that would make an update on its
-  // own is meanwhile computed part by part as the parts arrive (`step`), and
-  // used if no other update happened before its last part.
-  struct Incoming {
-    Header head;  // of the first part
-    std::vector<Frame> frames;
-    std::vector<GradPart> parts;
-    int64_t received = 0;
-    bool swallow = false;  // answered already (refused): ignore its remaining parts
-    bool streaming = false;
-    StreamedStep step;
-  };
-  std::map<uint32_t, Incoming> incoming;
-  bool streaming_active = false;  // at most one streamed step at a time
+  // Pushes arriving in parts (protocol.h). At most one push at a time is
+  // streamed: a push that would make an update on its own is applied part by
+  // part as it arrives, and the result kept if no other update overtook it
+  // by its last part (else the update is made again from the kept parts).
+  std::unique_ptr<PushAssembler> pushes;
+  std::optional<uint32_t> streamed;
+  StreamedStep step;
 
   int64_t accepted = 0, dropped = 0, updates = 0, checkpoints = 0, learners_dropped = 0;
   std::array<int64_t, kRejectKinds> rejected{};
@@ -195,7 +189,8 @@ struct Server::Impl {
   void remove_learner(uint32_t id, const std::string& why) {
     if (!agg.remove_learner(id)) return;
     last_seen.erase(id);
-    drop_incoming(id);
+    pushes->drop(id);
+    stop_streaming(id);
     int released = leases ? leases->release(id) : 0;
     log_info("shard " + std::to_string(opt.shard) + ": learner " + std::to_string(id) + " " + why +
              " (lambda = " + std::to_string(agg.learners()) + ", c = " + std::to_string(agg.c()) +
@@ -276,112 +271,52 @@ struct Server::Impl {
                {"protocol", protocol_name(opt.agg.protocol)}, {"softsync_n", opt.agg.softsync_n}});
   }
 
-  void drop_incoming(uint32_t learner) {
-    auto it = incoming.find(learner);
-    if (it == incoming.end()) return;
-    drop_streaming(it->second);
-    incoming.erase(it);
-  }
-
-  // One part of a push: checked, kept, and (when this push is the one being
-  // streamed) applied to the next version; the last part completes the push.
+  // One part of a push: checked and kept by the assembler, applied to the
+  // next version when its push is the one streamed; the last part completes it.
   void on_push_part(const std::string& id, const Message& m, bool known) {
     const Header& h = m.header;
-    const bool first = h.offset == 0, last = !(h.flags & kMoreParts);
     if (!known) {
       // Only the first part is answered: the learner registers again and re-sends.
       return reject(Reject::UnknownLearner, "push from unregistered learner " + std::to_string(h.sender),
-                    first ? &id : nullptr, h.seq);
+                    h.offset == 0 ? &id : nullptr, h.seq);
     }
-    auto it = incoming.find(h.sender);
-    if (first) {
-      auto seen = last_push_seq.find(h.sender);
-      if (seen != last_push_seq.end() && h.seq <= seen->second) {
-        // A push seen before: answered, never applied twice. Its later parts
-        // are ignored (rejected, if another push is under way meanwhile).
-        if (it == incoming.end() && !last) {
-          it = incoming.emplace(h.sender, Incoming{}).first;
-          it->second.head = h;
-          it->second.swallow = true;
-        }
-        return send_json(id, MsgType::PushAck, h.seq, {{"status", "duplicate"}});
-      }
-      drop_incoming(h.sender);  // an unfinished earlier push was abandoned by its learner
-      it = incoming.emplace(h.sender, Incoming{}).first;
-      it->second.head = h;
-    } else if (it == incoming.end() || it->second.head.seq != h.seq) {
-      return reject(Reject::Protocol, "push part at float " + std::to_string(h.offset) + " of a push (seq " +
-                                          std::to_string(h.seq) + ") whose first part never came", &id, h.seq);
+    auto seen = last_push_seq.find(h.sender);
+    auto r = pushes->add(m, seen == last_push_seq.end() ? 0 : seen->second);
+    using Outcome = PushAssembler::Result::Outcome;
+    if (r.outcome == Outcome::Duplicate) return send_json(id, MsgType::PushAck, h.seq, {{"status", "duplicate"}});
+    if (r.outcome == Outcome::Ignored) return;
+    if (r.ended || r.first) stop_streaming(h.sender);  // a new push abandons the one under way
+    if (r.outcome == Outcome::Rejected) return reject(r.reject, r.why, &id, h.seq);
+    if (r.first && !r.complete) maybe_stream(h);
+    if (streamed == h.sender) {
+      if (state->current(step)) state->step_part(step, r.part);
+      else stop_streaming(h.sender);  // overtaken by another update: made again from the parts at the end
     }
-    Incoming& in = it->second;
-    if (in.swallow) {
-      if (last) incoming.erase(it);
-      return;
-    }
-    const int64_t n = static_cast<int64_t>(m.floats());
-    Reject bad = Reject::None;
-    std::string why;
-    if (static_cast<int64_t>(h.offset) != in.received) {
-      bad = Reject::Protocol;
-      why = "push part at float " + std::to_string(h.offset) + ", expected " + std::to_string(in.received);
-    } else if (last ? in.received + n != range.numel : (n == 0 || in.received + n >= range.numel)) {
-      bad = Reject::Shape;
-      why = "gradient of " + std::string(last ? "" : "more than ") + std::to_string(in.received + n) +
-            " floats for a shard of " + std::to_string(range.numel);
-    } else if (!last && static_cast<int64_t>(in.parts.size()) + 1 >= kMaxParts) {
-      bad = Reject::Shape;
-      why = "push in more than " + std::to_string(kMaxParts) + " parts";
-    }
-    if (bad != Reject::None) {
-      in.swallow = true;
-      drop_streaming(in);
-      if (last) incoming.erase(it);
-      return reject(bad, why, &id, h.seq);
-    }
-    if (first && !last) maybe_stream(in);
-    // ZeroMQ may hand out payloads at any byte offset; copy the rare unaligned one.
-    Frame f = m.payload;
-    if (reinterpret_cast<uintptr_t>(f.data) % alignof(float) != 0) {
-      auto copy = std::shared_ptr<float>(new float[static_cast<size_t>(n)], std::default_delete<float[]>());
-      std::memcpy(copy.get(), f.data, f.size);
-      f.data = reinterpret_cast<const unsigned char*>(copy.get());
-      f.keep = copy;
-    }
-    GradPart part{in.received, reinterpret_cast<const float*>(f.data), n};
-    in.frames.push_back(std::move(f));
-    in.parts.push_back(part);
-    in.received += n;
-    if (in.streaming) {
-      if (state->current(in.step)) state->step_part(in.step, part);
-      else drop_streaming(in);  // overtaken by another update: made again from the parts at the end
-    }
-    if (!last) return;
-    Incoming done = std::move(in);
-    incoming.erase(it);
-    streaming_active = streaming_active && !done.streaming;
-    on_push(id, done);
+    if (!r.complete) return;
+    PartedPush push = pushes->take(h.sender);
+    on_push(id, push);
   }
 
-  void drop_streaming(Incoming& in) {
-    if (!in.streaming) return;
-    state->abandon(in.step);
-    in.streaming = false;
-    streaming_active = false;
+  void stop_streaming(uint32_t learner) {
+    if (streamed != learner) return;
+    state->abandon(step);
+    streamed.reset();
   }
 
   // Streams a push that would, as things stand, make an update alone.
-  void maybe_stream(Incoming& in) {
-    if (streaming_active || !state->streams()) return;
+  void maybe_stream(const Header& h) {
+    if (streamed || !state->streams()) return;
     Aggregator trial = agg;
-    auto o = trial.offer(in.head.sender, in.head.clock);
+    auto o = trial.offer(h.sender, h.clock);
     if (o.outcome != Aggregator::Offer::Accepted || trial.pending() != 1 || !trial.ready()) return;
-    in.step = state->begin_step(o.alpha);
-    in.streaming = true;
-    streaming_active = true;
+    step = state->begin_step(o.alpha);
+    streamed = h.sender;
   }
 
-  void on_push(const std::string& id, Incoming& in) {
-    const Header& h = in.head;
+  void on_push(const std::string& id, const PartedPush& push) {
+    const Header& h = push.head;
+    const bool was_streamed = streamed == h.sender;
+    if (was_streamed) streamed.reset();  // `step` is finished or abandoned below
     // A NaN/Inf gradient is never applied; its batch counts as used (a
     // diverged model would otherwise get the same batch back forever).
     auto non_finite = [&] {
@@ -391,14 +326,14 @@ struct Server::Impl {
     };
     auto offer = agg.offer(h.sender, h.clock);
     if (offer.outcome == Aggregator::Offer::Rejected) {
-      if (in.streaming) state->abandon(in.step);
+      if (was_streamed) state->abandon(step);
       return reject(Reject::Protocol, offer.why, &id, h.seq);
     }
     last_push_seq[h.sender] = h.seq;
     if (leases && h.aux >= 0) leases->complete(h.aux);
     json ack = {{"tau", offer.tau}};
     if (offer.outcome == Aggregator::Offer::Dropped) {
-      if (in.streaming) state->abandon(in.step);
+      if (was_streamed) state->abandon(step);
       dropped += 1;
       ack["status"] = "dropped";
     } else {
@@ -407,11 +342,11 @@ struct Server::Impl {
       // step already holds that update unless another update came first.
       const bool single = agg.pending() == 1 && agg.ready();
       bool ok;
-      if (in.streaming && single && state->current(in.step) && in.step.alpha == static_cast<float>(offer.alpha)) {
-        ok = state->finish_step(in.step);
+      if (was_streamed && single && state->current(step) && step.alpha == static_cast<float>(offer.alpha)) {
+        ok = state->finish_step(step);
       } else {
-        if (in.streaming) state->abandon(in.step);
-        ok = single ? state->step_single(in.parts, offer.alpha) : state->accumulate(in.parts, offer.alpha);
+        if (was_streamed) state->abandon(step);
+        ok = single ? state->step_single(push.parts, offer.alpha) : state->accumulate(push.parts, offer.alpha);
       }
       if (!ok) {
         agg.retract(h.sender, h.clock);
@@ -521,6 +456,7 @@ Server::Server(ServerOptions opt, ModelFingerprint fp, const float* initial, int
     throw InvalidInput("--shard " + std::to_string(s.opt.shard) + " is not in [0, " + std::to_string(s.opt.shards) + ")");
   s.total = total;
   s.range = partition(total, s.opt.shards)[s.opt.shard];
+  s.pushes = std::make_unique<PushAssembler>(s.range.numel);
   s.state = std::make_unique<ShardState>(s.range.numel, initial + s.range.offset,
                                          UpdateOptions{s.opt.agg.alpha0, s.opt.momentum, s.opt.weight_decay});
   if (s.opt.shard == 0 && s.opt.dataset_size > 0)

@@ -87,6 +87,12 @@ bool fused_sgd_step(float* out, const float* w, const float* g, float alpha, siz
   return ok;
 }
 
+bool parts_finite(const std::vector<GradPart>& g) {
+  for (const auto& p : g)
+    if (!all_finite(p.data, static_cast<size_t>(p.n))) return false;
+  return true;
+}
+
 torch::Tensor view_of(const float* g, int64_t n) {
   return torch::from_blob(const_cast<float*>(g), {n}, torch::kFloat32);
 }
@@ -126,14 +132,6 @@ void ShardState::publish(std::shared_ptr<torch::Tensor> next) {
 bool ShardState::step_single(const float* g, double alpha) { return step_single({{0, g, numel_}}, alpha); }
 
 bool ShardState::accumulate(const float* g, double alpha) { return accumulate({{0, g, numel_}}, alpha); }
-
-namespace {
-bool parts_finite(const std::vector<GradPart>& g) {
-  for (const auto& p : g)
-    if (!all_finite(p.data, static_cast<size_t>(p.n))) return false;
-  return true;
-}
-}  // namespace
 
 bool ShardState::step_single(const std::vector<GradPart>& g, double alpha) {
   torch::NoGradGuard ng;

@@ -23,15 +23,9 @@
 #include <memory>
 #include <vector>
 
-namespace limbo::ps {
+#include "ps/protocol.h"
 
-// Floats [offset, offset + n) of the shard's slice (a gradient that arrived
-// in parts; see protocol.h).
-struct GradPart {
-  int64_t offset = 0;
-  const float* data = nullptr;
-  int64_t n = 0;
-};
+namespace limbo::ps {
 
 // A single-gradient update computed part by part while the gradient is still
 // arriving (see ShardState::begin_step).

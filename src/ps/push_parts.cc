@@ -1,0 +1,78 @@
+#include "ps/push_parts.h"
+
+#include <cstring>
+#include <memory>
+
+namespace limbo::ps {
+
+PushAssembler::Result PushAssembler::add(const Message& m, uint64_t handled_seq) {
+  const Header& h = m.header;
+  const bool first = h.offset == 0, last = !(h.flags & kMoreParts);
+  Result r;
+  auto it = pushes_.find(h.sender);
+  if (first) {
+    if (handled_seq != 0 && h.seq <= handled_seq) {
+      // Seen before: answered as a duplicate, never applied twice. Its later
+      // parts are ignored (rejected, if another push is under way meanwhile).
+      if (it == pushes_.end() && !last) pushes_[h.sender] = PartedPush{h, {}, {}, 0, true};
+      r.outcome = Result::Outcome::Duplicate;
+      return r;
+    }
+    it = pushes_.insert_or_assign(h.sender, PartedPush{h, {}, {}, 0, false}).first;
+  } else if (it == pushes_.end() || it->second.head.seq != h.seq) {
+    r.outcome = Result::Outcome::Rejected;
+    r.reject = Reject::Protocol;
+    r.why = "push part at float " + std::to_string(h.offset) + " of a push (seq " + std::to_string(h.seq) +
+            ") whose first part never came";
+    return r;
+  }
+  PartedPush& p = it->second;
+  if (p.ignore_rest) {
+    if (last) pushes_.erase(it);
+    return r;  // Ignored
+  }
+  const int64_t n = static_cast<int64_t>(m.floats());
+  if (static_cast<int64_t>(h.offset) != p.received) {
+    r.reject = Reject::Protocol;
+    r.why = "push part at float " + std::to_string(h.offset) + ", expected " + std::to_string(p.received);
+  } else if (last ? p.received + n != slice_ : (n == 0 || p.received + n >= slice_)) {
+    r.reject = Reject::Shape;
+    r.why = "gradient of " + std::string(last ? "" : "more than ") + std::to_string(p.received + n) +
+            " floats for a shard of " + std::to_string(slice_);
+  } else if (!last && static_cast<int64_t>(p.parts.size()) + 1 >= kMaxParts) {
+    r.reject = Reject::Shape;
+    r.why = "push in more than " + std::to_string(kMaxParts) + " parts";
+  }
+  if (r.reject != Reject::None) {
+    r.outcome = Result::Outcome::Rejected;
+    r.ended = true;
+    if (last) pushes_.erase(it);
+    else p.ignore_rest = true;
+    return r;
+  }
+  // ZeroMQ may hand out payloads at any byte offset; copy the rare unaligned one.
+  Frame f = m.payload;
+  if (reinterpret_cast<uintptr_t>(f.data) % alignof(float) != 0) {
+    auto copy = std::shared_ptr<float>(new float[static_cast<size_t>(n)], std::default_delete<float[]>());
+    std::memcpy(copy.get(), f.data, f.size);
+    f.data = reinterpret_cast<const unsigned char*>(copy.get());
+    f.keep = copy;
+  }
+  r.outcome = Result::Outcome::Added;
+  r.first = first;
+  r.complete = last;
+  r.part = GradPart{p.received, reinterpret_cast<const float*>(f.data), n};
+  p.frames.push_back(std::move(f));
+  p.parts.push_back(r.part);
+  p.received += n;
+  return r;
+}
+
+PartedPush PushAssembler::take(uint32_t learner) {
+  auto it = pushes_.find(learner);
+  PartedPush p = std::move(it->second);
+  pushes_.erase(it);
+  return p;
+}
+
+}  // namespace limbo::ps
