@@ -240,6 +240,7 @@ class AsyncJob {
       total_rate += j.value("samples_per_second", 0.0);
       learners.push_back({{"learner", i}, {"steps", j["steps"]}, {"samples_per_second", j["samples_per_second"]},
                           {"compute_seconds_per_step", j.value("compute_seconds_per_step", 0.0)},
+                          {"compute_cv", j.value("compute_cv", 0.0)}, {"wait_cv", j.value("wait_cv", 0.0)},
                           {"wait_seconds_per_step", j.value("wait_seconds_per_step", 0.0)}});
     }
     s["learners"] = learners;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -24,6 +25,13 @@ using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Coefficient of variation (std / mean) of per-step times from their sum and sum of squares.
+double cv_of(double sum, double squares, int64_t n) {
+  if (n < 2 || sum <= 0) return 0;
+  const double mean = sum / n, var = std::max(0.0, squares / n - mean * mean);
+  return std::sqrt(var) / mean;
+}
 
 struct Link {
   int index = 0;
@@ -266,7 +274,7 @@ json Learner::run(const std::atomic<bool>& stop) {
 
   // Where a learner's time goes (the simulator is calibrated from these):
   // computing (batch, forward, backward) and waiting for the shards.
-  double compute_seconds = 0, wait_seconds = 0;
+  double compute_seconds = 0, compute_squares = 0, wait_seconds = 0, wait_squares = 0;
   for (;;) {
     // Acknowledgements of the previous push, then the weights of this step.
     auto wait0 = Clock::now();
@@ -308,7 +316,9 @@ json Learner::run(const std::atomic<bool>& stop) {
         }
       }
     }
-    wait_seconds += since(wait0);
+    const double step_wait = since(wait0);
+    wait_seconds += step_wait;
+    wait_squares += step_wait * step_wait;
     if (done || stop || (opt_.max_steps > 0 && steps >= opt_.max_steps)) break;
     if (lease.is_null()) {  // all batches are out; some may come back
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
@@ -331,7 +341,9 @@ json Learner::run(const std::atomic<bool>& stop) {
     auto loss = torch::nn::functional::cross_entropy(model.forward(batch.x), batch.y);
     loss.backward();
     const double lv = loss.item<double>();
-    compute_seconds += since(compute0);
+    const double step_compute = since(compute0);
+    compute_seconds += step_compute;
+    compute_squares += step_compute * step_compute;
 
     const float* g = flat.grad().data_ptr<float>();
     for (auto& l : links_) {
@@ -373,6 +385,8 @@ json Learner::run(const std::atomic<bool>& stop) {
                   {"staleness_mean_seen", tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0},
                   {"finisher", finisher},
                   {"compute_seconds_per_step", steps ? compute_seconds / steps : 0.0},
+                  {"compute_cv", cv_of(compute_seconds, compute_squares, steps)},
+                  {"wait_cv", cv_of(wait_seconds, wait_squares, steps)},
                   {"wait_seconds_per_step", steps ? wait_seconds / steps : 0.0}};
   log_info(tag + ": left after " + std::to_string(steps) + " steps (" + std::to_string(samples) + " samples, " +
            std::to_string(static_cast<int64_t>(secs > 0 ? samples / secs : 0)) + " samples/s)");
