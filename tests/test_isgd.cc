@@ -129,14 +129,14 @@ TEST(IsgdStep, SubproblemLowersTheBatchLossAndRespectsStop) {
   Sgd sgd(SgdOptions{});
   auto anchor = t.params().data().clone();
   // An unreachable limit: exactly `stop` updates, and the loss goes down.
-  auto r = train::isgd_extra_updates(t.model(), t.params(), b.x, b.y, rule, sgd, o, 0.0, anchor, 0.05);
+  auto r = train::isgd_extra_updates(t.step(), t.params(), b.x, b.y, rule, sgd, o, 0.0, anchor, 0.05);
   EXPECT_EQ(r.iterations, 3);
   EXPECT_LT(r.loss_after, r.loss_before);
   // A limit just below the current loss: stops as soon as it is met.
   o.stop = 50;
   o.zeta = 2.0;
   const double limit = r.loss_after - 0.01;
-  auto r2 = train::isgd_extra_updates(t.model(), t.params(), b.x, b.y, rule, sgd, o, limit,
+  auto r2 = train::isgd_extra_updates(t.step(), t.params(), b.x, b.y, rule, sgd, o, limit,
                                       anchor, 0.05);
   EXPECT_GE(r2.iterations, 1);
   EXPECT_LT(r2.iterations, 50);

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -12,8 +13,8 @@
 #include "cli/commands.h"
 #include "cli/schema.h"
 #include "common/error.h"
+#include "models/export.h"
 #include "train/checkpoint.h"
-#include "train/evaluate.h"
 #include "train/safetensors.h"
 #include "train/trainer.h"
 
@@ -37,20 +38,53 @@ std::unique_ptr<train::Trainer> load(const CheckpointArgs& a) {
 
 int run_eval(const CheckpointArgs& a) {
   auto trainer = load(a);
-  auto r = train::evaluate(trainer->model(), trainer->data().test, trainer->normalization());
-  std::printf("{\"checkpoint\": \"%s\", \"test_samples\": %lld, \"test_loss\": %.6f, "
-              "\"test_accuracy\": %.6f}\n",
-              a.checkpoint.c_str(), static_cast<long long>(r.samples), r.loss, r.accuracy);
+  auto r = trainer->evaluate_test();
+  nlohmann::json out = {{"checkpoint", a.checkpoint}, {"test_samples", r.samples}, {"test_loss", r.loss},
+                        {"test_accuracy", std::isnan(r.accuracy) ? nlohmann::json() : nlohmann::json(r.accuracy)}};
+  std::printf("%s\n", out.dump().c_str());
   return 0;
 }
 
 int run_export(const CheckpointArgs& a) {
-  if (a.out.empty()) throw InvalidInput("--out FILE.safetensors is required");
+  if (a.out.empty()) throw InvalidInput("--out FILE is required");
+  auto ends_with = [&](const char* ext) {
+    const std::string e(ext);
+    return a.out.size() >= e.size() && a.out.compare(a.out.size() - e.size(), e.size(), e) == 0;
+  };
+  std::string format = a.format;
+  if (format == "auto") format = ends_with(".pt") || ends_with(".pth") ? "torchscript" : "safetensors";
   auto trainer = load(a);
   auto cfg_text = train::read_checkpoint_config(a.checkpoint);
-  train::write_safetensors(a.out, train::state_dict(trainer->model()),
-                           {{"format", "pt"}, {"producer", "limbo"}, {"limbo_config", cfg_text}});
-  std::printf("wrote %s\n", a.out.c_str());
+  if (format == "safetensors") {
+    train::write_safetensors(a.out, train::state_dict(trainer->model()),
+                             {{"format", "pt"}, {"producer", "limbo"}, {"limbo_config", cfg_text}});
+  } else if (format == "torchscript") {
+    Config cfg(train_schema());
+    cfg.load_toml_string(cfg_text, a.checkpoint + " (stored config)");
+    for (const auto& o : a.overrides) cfg.apply_override(o);
+    auto tc = trainer_config(cfg);
+    const auto& norm = trainer->normalization();
+    const bool user = tc.model.name == "torchscript";
+    nlohmann::json info = {
+        {"producer", "limbo"},
+        {"model", tc.model.name},
+        {"loss", train::loss_name(tc.loss)},
+        {"input", user ? "as Limbo fed it in training: uint8 inputs scaled by 1/255, others as stored; "
+                         "then (x - mean) / std per channel when normalization is set"
+                       : "images in [0, 1] pixel units [B, C, H, W]; the module normalises them"},
+        {"normalization", norm.mean.empty() ? nlohmann::json()
+                                            : nlohmann::json{{"mean", norm.mean}, {"std", norm.std}}},
+        {"config", cfg_text}};
+    models::ExportOptions ex;
+    ex.path = a.out;
+    ex.input_mean = norm.mean;
+    ex.input_std = norm.std;
+    ex.extra_files["limbo.json"] = info.dump(2);
+    models::export_torchscript(trainer->model(), tc.model, train::input_spec(trainer->data().train), ex);
+  } else {
+    throw InvalidInput("unknown --format '" + format + "'; allowed: torchscript, safetensors");
+  }
+  std::printf("wrote %s (%s)\n", a.out.c_str(), format.c_str());
   return 0;
 }
 

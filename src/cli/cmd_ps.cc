@@ -128,8 +128,7 @@ int run_worker_cmd(const WorkerArgs& a) {
   auto summary = ps::run_worker(trainer, tc, wo, keys_of(a.keys_file), g_stop);
   std::printf("learner %u: %lld steps, %.0f samples/s\n", wo.learner_id,
               static_cast<long long>(summary["steps"].get<int64_t>()), summary["samples_per_second"].get<double>());
-  if (summary.contains("test_accuracy"))
-    std::printf("test accuracy: %.2f%%\n", 100.0 * summary["test_accuracy"].get<double>());
+  if (summary.contains("test_loss")) std::printf("%s\n", test_result(summary).c_str());
   return kExitOk;
 }
 
@@ -159,10 +158,10 @@ int run_sim(const SimArgs& a) {
     eo.log_every = cfg.get_int("train.log_every");
     auto s = sim::run_elastic_sim(trainer, tc, eo);
     std::printf("run directory: %s\n", run_dir.c_str());
-    std::printf("elastic simulation (%s policy): %lld steps, %lld membership changes, test accuracy %.2f%%; "
+    std::printf("elastic simulation (%s policy): %lld steps, %lld membership changes, %s; "
                 "simulation overhead %.1f%% beyond gradient computation\n",
                 s["batch_policy"].get<std::string>().c_str(), static_cast<long long>(s["steps"].get<int64_t>()),
-                static_cast<long long>(s["membership_changes"].get<int64_t>()), 100 * s["test_accuracy"].get<double>(),
+                static_cast<long long>(s["membership_changes"].get<int64_t>()), test_result(s).c_str(),
                 100 * s["overhead_fraction"].get<double>());
     return kExitOk;
   }
@@ -183,10 +182,10 @@ int run_sim(const SimArgs& a) {
   auto s = sim::run_async_sim(trainer, tc, so);
   std::printf("run directory: %s\n", so.run_dir.c_str());
   std::printf("%d virtual learners, %s: %lld updates, staleness mean %.2f (p99 %lld, max %lld), "
-              "test accuracy %.2f%%\n", so.learners, s["protocol"].get<std::string>().c_str(),
+              "%s\n", so.learners, s["protocol"].get<std::string>().c_str(),
               static_cast<long long>(s["updates"].get<int64_t>()), s["staleness_mean"].get<double>(),
               static_cast<long long>(s["staleness_p99"].get<int64_t>()),
-              static_cast<long long>(s["staleness_max"].get<int64_t>()), 100 * s["test_accuracy"].get<double>());
+              static_cast<long long>(s["staleness_max"].get<int64_t>()), test_result(s).c_str());
   std::printf("%.1f virtual s in %.1f s wall; simulation overhead %.1f%% beyond gradient computation\n",
               s["virtual_seconds"].get<double>(), s["wall_seconds"].get<double>(),
               100 * s["overhead_fraction"].get<double>());

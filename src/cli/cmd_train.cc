@@ -1,3 +1,4 @@
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 
@@ -102,9 +103,19 @@ int run_train(const TrainArgs& a) {
   std::printf("steps %lld, epochs %.2f, %.0f samples/s\n",
               static_cast<long long>(summary["steps"].get<int64_t>()),
               summary["epochs"].get<double>(), summary["samples_per_second"].get<double>());
-  std::printf("test accuracy: %.2f%% (test loss %.4f)\n",
-              100.0 * summary["test_accuracy"].get<double>(), summary["test_loss"].get<double>());
+  std::printf("%s\n", test_result(summary).c_str());
   return 0;
+}
+
+std::string test_result(const nlohmann::json& s) {
+  char buf[96];
+  const double loss = s.value("test_loss", nlohmann::json()).is_number() ? s["test_loss"].get<double>() : NAN;
+  if (s.contains("test_accuracy") && s["test_accuracy"].is_number())
+    std::snprintf(buf, sizeof buf, "test accuracy %.2f%% (test loss %.4f)",
+                  100.0 * s["test_accuracy"].get<double>(), loss);
+  else
+    std::snprintf(buf, sizeof buf, "test loss %.4f", loss);
+  return buf;
 }
 
 int run_launch(const LaunchArgs& a) {

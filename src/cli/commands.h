@@ -2,6 +2,8 @@
 // limbo::Error subclasses for main() to report.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -76,9 +78,13 @@ int run_plot(const std::vector<std::string>& runs, const std::string& out);
 struct CheckpointArgs {
   std::string checkpoint;
   std::vector<std::string> overrides;  // e.g. data.path for another machine
-  std::string out;                     // export: output .safetensors path
+  std::string out;                     // export: output path
+  std::string format = "auto";         // export: torchscript | safetensors | auto (by extension)
 };
 int run_eval(const CheckpointArgs& a);
+// "test accuracy 88.52% (test loss 0.3331)", or "test loss 0.0123" for
+// models without accuracy (regression, a module loss without predict).
+std::string test_result(const nlohmann::json& summary);
 int run_export(const CheckpointArgs& a);
 
 // Prints the resolved config (or the schema as Markdown).

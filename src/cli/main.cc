@@ -113,9 +113,13 @@ int main(int argc, char** argv) {
   auto* eval = app.add_subcommand("eval", "evaluate a checkpoint on its test split");
   eval->add_option("--checkpoint", ck_args.checkpoint, "checkpoint.pt")->required();
   eval->add_option("--set", ck_args.overrides, "override a stored key, e.g. data.path=DIR");
-  auto* exp = app.add_subcommand("export", "write a checkpoint's weights as safetensors");
+  auto* exp = app.add_subcommand(
+      "export", "write a checkpoint's model as TorchScript (torch.jit.load) or its weights as safetensors");
   exp->add_option("--checkpoint", ck_args.checkpoint, "checkpoint.pt")->required();
-  exp->add_option("--out", ck_args.out, "output .safetensors file")->required();
+  exp->add_option("--out", ck_args.out, "output file (.pt: TorchScript, .safetensors: weights)")->required();
+  exp->add_option("--format", ck_args.format,
+                  "torchscript | safetensors (default: from the --out extension; .pt/.pth = torchscript)")
+      ->check(CLI::IsMember({"auto", "torchscript", "safetensors"}));
   exp->add_option("--set", ck_args.overrides, "override a stored key");
 
   bool schema_md = false;

@@ -56,15 +56,27 @@ KeySpec B(std::string key, bool def, std::string doc) {
 std::shared_ptr<const Schema> train_schema() {
   static const std::shared_ptr<const Schema> schema = [] {
     auto s = std::make_shared<Schema>();
-    s->add(S("model.name", "lenet", models::model_names(), "model architecture"));
+    s->add(S("model.name", "lenet", models::model_names(),
+             "model architecture; torchscript = your own module saved with torch.jit.save "
+             "(model.path)"));
+    s->add(S("model.path", "", {}, "torchscript: the file written by torch.jit.save"));
+    s->add(S("model.loss", "cross_entropy", {"cross_entropy", "mse", "module"},
+             "cross_entropy: outputs [B, C, ...] against int labels [B, ...]; mse: outputs "
+             "against float targets of the same shape; module: the TorchScript module's "
+             "forward(x, y) returns the loss (accuracy from its predict(x), if any)"));
     s->add(I("model.width", 256, 1, 1 << 16, "mlp: hidden units per layer"));
     s->add(I("model.depth", 2, 0, 64, "mlp: number of hidden layers"));
     s->add(B("model.channels_last", true,
              "keep convolution weights and inputs in channels-last memory order (faster oneDNN "
              "convolutions on CPU; same results up to rounding)"));
 
-    s->add(S("data.dataset", "fashion-mnist", {"fashion-mnist", "mnist", "cifar10", "synthetic"},
-             "dataset"));
+    s->add(S("data.dataset", "fashion-mnist", {"fashion-mnist", "mnist", "cifar10", "synthetic", "tensors"},
+             "dataset; tensors = your own arrays in data.path: train.safetensors and "
+             "test.safetensors (tensors x, y), or train_x.npy, train_y.npy, test_x.npy, "
+             "test_y.npy"));
+    s->add(S("data.normalize", "auto", {"auto", "none", "standardize"},
+             "input normalisation: standardize = per-channel mean/std of the training split; "
+             "auto = standardize for the built-in image datasets, none for tensors"));
     s->add(S("data.path", "", {}, "folder with the dataset files; empty = the dataset's default "
                                   "(/usr/share/datasets/fashion-mnist for fashion-mnist)"));
     s->add(I("data.batch_size", 64, 1, 1 << 16, "mini-batch size (per worker)"));
@@ -235,6 +247,9 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.model.width = c.get_int("model.width");
   t.model.depth = c.get_int("model.depth");
   t.model.channels_last = c.get_bool("model.channels_last");
+  t.model.path = c.get_string("model.path");
+  t.loss = train::parse_loss(c.get_string("model.loss"));
+  t.normalize = c.get_string("data.normalize");
 
   t.sgd.momentum = c.get_float("optim.momentum");
   t.sgd.nesterov = c.get_bool("optim.nesterov");

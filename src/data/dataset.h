@@ -1,13 +1,20 @@
-// In-memory image-classification datasets, independent of libtorch.
+// Datasets, independent of libtorch.
 //
-// Images are stored as uint8 N x C x H x W (row-major), labels as uint8 class
-// ids. Readers validate everything they load and throw InvalidInput naming the
+// Built-in readers (IDX, CIFAR-10, synthetic) hold images in memory as uint8
+// N x C x H x W (row-major) and labels as uint8 class ids. Tensor datasets
+// ("tensors": npy / safetensors files) instead hold memory-mapped arrays x
+// [N, ...] and y [N, ...] of any supported dtype (`tensors`); their `shape`
+// describes one sample of x as C x H x W where it can (see tensor_dataset.h).
+// Readers validate everything they load and throw InvalidInput naming the
 // file and what is wrong; a Dataset that exists is consistent.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "data/tensor_file.h"
 
 namespace limbo::data {
 
@@ -16,13 +23,22 @@ struct Shape {
   int64_t pixels() const { return channels * height * width; }
 };
 
+// Mapped sample and target arrays of a tensor dataset (rows agree).
+struct TensorPair {
+  MappedTensor x, y;
+};
+
 struct Dataset {
   std::string name;
   Shape shape;
-  int64_t num_classes = 0;
+  int64_t num_classes = 0;  // tensor datasets: 1 + the largest label (0 = float targets)
   std::vector<uint8_t> images;  // size() * shape.pixels()
   std::vector<uint8_t> labels;  // size()
-  int64_t size() const { return static_cast<int64_t>(labels.size()); }
+  std::shared_ptr<const TensorPair> tensors;  // set for tensor datasets (images/labels empty)
+  int64_t tensor_rows = 0;                    // rows of `tensors` in use (after truncate)
+  int64_t size() const {
+    return tensors ? tensor_rows : static_cast<int64_t>(labels.size());
+  }
   const uint8_t* image(int64_t i) const { return images.data() + i * shape.pixels(); }
   // Keeps only the first n samples (n >= size() keeps all).
   void truncate(int64_t n);
@@ -34,9 +50,13 @@ struct DatasetSplits {
 };
 
 // Per-channel normalisation constants, computed from the training split.
+// Empty vectors mean "no normalisation" (tensor datasets by default).
 struct Normalization {
   std::vector<float> mean, std;  // one per channel, in [0,1] pixel units
 };
+// Image datasets: channels of C x H x W. Tensor datasets: the first dimension
+// after N of x is the channel (every feature for x [N, D]); values are taken
+// after uint8 inputs are scaled by 1/255. One streaming pass over the split.
 Normalization compute_normalization(const Dataset& d);
 
 }  // namespace limbo::data

@@ -4,7 +4,51 @@
 
 namespace limbo::data {
 
+namespace {
+
+// Tensor datasets: rows of x converted to float (uint8 scaled by 1/255), then
+// standardised per channel when `norm` is set; y as int64 labels or float.
+Batch make_tensor_batch(const Dataset& d, const Normalization& norm,
+                        const std::vector<int64_t>& ids) {
+  const MappedTensor& xs = d.tensors->x;
+  const MappedTensor& ys = d.tensors->y;
+  const int64_t n = static_cast<int64_t>(ids.size());
+  std::vector<int64_t> xshape = xs.shape, yshape = ys.shape;
+  xshape[0] = yshape[0] = n;
+  Batch b;
+  b.x = torch::empty(xshape, torch::kFloat32);
+  const bool labels = is_integer(ys.dtype);
+  b.y = torch::empty(yshape, labels ? torch::kInt64 : torch::kFloat32);
+  const int64_t xrow = xs.row_numel(), yrow = ys.row_numel();
+  const int64_t channels = norm.mean.empty() ? 0 : static_cast<int64_t>(norm.mean.size());
+  const int64_t inner = channels > 0 ? xrow / channels : 0;
+  float* x = b.x.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    float* q = x + i * xrow;
+    to_float(xs.dtype, xs.row(ids[i]), xrow, q);
+    const float base = xs.dtype == DType::U8 ? 1.0f / 255.0f : 1.0f;
+    if (channels == 0) {
+      if (base != 1.0f)
+        for (int64_t k = 0; k < xrow; ++k) q[k] *= base;
+      continue;
+    }
+    for (int64_t c = 0; c < channels; ++c) {
+      const float scale = base / norm.std[c], shift = -norm.mean[c] / norm.std[c];
+      float* r = q + c * inner;
+      for (int64_t k = 0; k < inner; ++k) r[k] = r[k] * scale + shift;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (labels) to_int64(ys.dtype, ys.row(ids[i]), yrow, b.y.data_ptr<int64_t>() + i * yrow);
+    else to_float(ys.dtype, ys.row(ids[i]), yrow, b.y.data_ptr<float>() + i * yrow);
+  }
+  return b;
+}
+
+}  // namespace
+
 Batch make_batch(const Dataset& d, const Normalization& norm, const std::vector<int64_t>& ids) {
+  if (d.tensors) return make_tensor_batch(d, norm, ids);
   const int64_t n = static_cast<int64_t>(ids.size());
   const auto& s = d.shape;
   const int64_t plane = s.height * s.width;

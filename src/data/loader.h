@@ -24,8 +24,8 @@
 namespace limbo::data {
 
 struct Batch {
-  torch::Tensor x;  // float [n, C, H, W], normalised
-  torch::Tensor y;  // int64 [n]
+  torch::Tensor x;  // float [n, C, H, W] (tensor datasets: [n, ...]), normalised
+  torch::Tensor y;  // int64 [n] labels (tensor datasets: int64 or float [n, ...])
   BatchPlan plan;
 };
 

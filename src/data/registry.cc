@@ -4,6 +4,7 @@
 #include "data/cifar10.h"
 #include "data/idx.h"
 #include "data/synthetic.h"
+#include "data/tensor_dataset.h"
 
 namespace limbo::data {
 
@@ -27,9 +28,11 @@ DatasetSplits load_dataset(const DataSource& src) {
     if (src.train_limit > 0) o.train_size = src.train_limit;
     if (src.test_limit > 0) o.test_size = src.test_limit;
     s = make_synthetic(o);
+  } else if (src.dataset == "tensors") {
+    s = load_tensor_dataset(path);
   } else {
     throw InvalidInput("unknown dataset '" + src.dataset +
-                       "'; allowed: fashion-mnist, mnist, cifar10, synthetic");
+                       "'; allowed: fashion-mnist, mnist, cifar10, synthetic, tensors");
   }
   if (src.train_limit > 0) s.train.truncate(src.train_limit);
   if (src.test_limit > 0) s.test.truncate(src.test_limit);

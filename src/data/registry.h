@@ -1,5 +1,6 @@
 // Datasets by name: "fashion-mnist", "mnist" (IDX), "cifar10" (binary),
-// "synthetic" (generated). Throws InvalidInput for unknown names.
+// "synthetic" (generated), "tensors" (a user's npy / safetensors files, see
+// tensor_dataset.h). Throws InvalidInput for unknown names.
 #pragma once
 
 #include <string>

@@ -6,8 +6,10 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
                                  std::shared_ptr<optim::Sgd> sgd)
     : group_(std::move(group)), sgd_(std::move(sgd)), loss_buf_(torch::zeros({1}, torch::kFloat64)) {}
 
-void AllReduceUpdate::start(torch::Tensor& weights) {
-  if (group_) group_->broadcast(weights, 0);  // elastic training syncs in establish()
+void AllReduceUpdate::start(torch::Tensor& weights, torch::Tensor& buffers) {
+  if (!group_) return;  // elastic training syncs in establish()
+  group_->broadcast(weights, 0);
+  if (buffers.numel() > 0) group_->broadcast(buffers, 0);
 }
 
 double AllReduceUpdate::weighted_sum(torch::Tensor* grad, double loss, double share) {
@@ -29,8 +31,8 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   {
     torch::NoGradGuard no_grad;
     auto& buf = ctx.grad_with_slot;
-    const int64_t n = ctx.grad.numel();
-    ctx.grad.mul_(share_);
+    const int64_t n = buf.numel() - 2;  // gradient and buffers, then the two slots
+    buf.narrow(0, 0, n).mul_(share_);
     buf[n].fill_(ctx.loss * share_);
     buf[n + 1].fill_(flag_source_ ? flag_source_() : 0.0);
     group_->allreduce_sum(buf);

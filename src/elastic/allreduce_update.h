@@ -6,7 +6,9 @@
 // each gradient is weighted by its share of the global batch before the sum:
 // the result is exactly the mean gradient over the global batch, as one
 // process with batch R*b would compute it. The loss is averaged the same way,
-// so loss-driven decisions (ISGD) agree on every member.
+// so loss-driven decisions (ISGD) agree on every member, and the float
+// buffers that ride in the same all-reduce (BatchNorm running statistics,
+// updated by each member's forward) become the same weighted mean everywhere.
 #pragma once
 
 #include <functional>
@@ -21,8 +23,8 @@ namespace limbo::elastic {
 class AllReduceUpdate : public train::UpdateRule {
  public:
   AllReduceUpdate(std::shared_ptr<comm::Collective> group, std::shared_ptr<optim::Sgd> sgd);
-  // Broadcasts member 0's weights to everyone.
-  void start(torch::Tensor& weights) override;
+  // Broadcasts member 0's weights and buffers to everyone.
+  void start(torch::Tensor& weights, torch::Tensor& buffers) override;
   train::StepResult apply(train::StepContext& ctx) override;
   double reduce(torch::Tensor* grad, double loss) override;
   const char* name() const override { return "allreduce"; }

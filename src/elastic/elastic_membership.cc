@@ -29,6 +29,7 @@ int sync_state(comm::Collective& g, train::SyncTargets& s) {
                             torch::kInt64);
   g.broadcast(meta, source);
   g.broadcast(s.weights, source);
+  if (s.buffers.numel() > 0) g.broadcast(s.buffers, source);
   if (meta[4].item<int64_t>() != 0) {
     torch::Tensor buf = s.sgd.buffer().defined() ? s.sgd.buffer() : torch::zeros_like(s.weights);
     g.broadcast(buf, source);

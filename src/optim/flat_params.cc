@@ -27,10 +27,25 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
     entries_.push_back({p.key(), p.value().sizes().vec(), total, p.value().numel()});
     total += p.value().numel();
   }
+  std::vector<torch::Tensor> float_buffers;
+  int64_t buffer_total = 0;
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+    if (b.value().scalar_type() != torch::kFloat32) continue;
+    float_buffers.push_back(b.value());
+    buffer_total += b.value().numel();
+  }
   data_ = torch::empty({total}, torch::kFloat32);
-  grad_slot_ = torch::zeros({total + kSlots}, torch::kFloat32);
+  grad_slot_ = torch::zeros({total + buffer_total + kSlots}, torch::kFloat32);
   grad_ = grad_slot_.narrow(0, 0, total);
+  buffers_ = grad_slot_.narrow(0, total, buffer_total);
   torch::NoGradGuard no_grad;
+  int64_t at = 0;
+  for (auto& b : float_buffers) {
+    auto view = buffers_.narrow(0, at, b.numel()).view(b.sizes());
+    view.copy_(b);
+    b.set_data(view);
+    at += b.numel();
+  }
   size_t i = 0;
   for (auto& p : named) {
     const Entry& e = entries_[i++];

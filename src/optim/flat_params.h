@@ -8,7 +8,13 @@
 //   - all-reduce / push of the whole gradient needs no packing copy;
 //   - zero_grad() is one fill.
 // Call zero_grad() (never Module::zero_grad, which would detach the views)
-// before each backward. Buffers (e.g. BatchNorm statistics) are not included.
+// before each backward.
+//
+// Float32 buffers (BatchNorm running statistics) live in the same allocation,
+// right after the gradient: grad_with_slot() = [gradient | buffers | slots].
+// One all-reduce of grad_with_slot() therefore also averages the members'
+// buffers (data-parallel training keeps them identical, see AllReduceUpdate).
+// Other buffers (BatchNorm's int64 num_batches_tracked) stay where they are.
 //
 // With channels_last, 4-D parameters (convolution weights) are laid out in
 // the flat buffers as [out, h, w, in] and exposed with channels-last strides;
@@ -29,11 +35,14 @@ class FlatParams {
 
   torch::Tensor& data() { return data_; }
   torch::Tensor& grad() { return grad_; }
-  // The gradient buffer followed by kSlots spare floats: a collective can
-  // carry scalars (the loss, a membership-change flag) with the gradient in
-  // one call. grad() is a view of its first numel() elements.
+  // The gradient buffer, the float buffers, then kSlots spare floats: a
+  // collective can carry scalars (the loss, a membership-change flag) with
+  // the gradient in one call. grad() is a view of its first numel() elements,
+  // buffers() of the next buffer_numel().
   static constexpr int64_t kSlots = 2;
   torch::Tensor& grad_with_slot() { return grad_slot_; }
+  torch::Tensor& buffers() { return buffers_; }
+  int64_t buffer_numel() const { return buffers_.numel(); }
   int64_t numel() const { return data_.numel(); }
   void zero_grad() { grad_.zero_(); }
 
@@ -46,7 +55,7 @@ class FlatParams {
   const std::vector<Entry>& entries() const { return entries_; }
 
  private:
-  torch::Tensor data_, grad_, grad_slot_;
+  torch::Tensor data_, grad_, grad_slot_, buffers_;
   std::vector<Entry> entries_;
 };
 

@@ -19,16 +19,15 @@
 #include <optional>
 
 #include "common/error.h"
+#include "common/timing.h"
 #include "common/files.h"
 #include "common/log.h"
 
 namespace limbo::ps {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 
 }  // namespace
@@ -202,7 +201,7 @@ struct Server::Impl {
   void sweep() {
     std::vector<uint32_t> gone;
     for (const auto& [id, t] : last_seen)
-      if (since(t) > opt.heartbeat_timeout) gone.push_back(id);
+      if (seconds_since(t) > opt.heartbeat_timeout) gone.push_back(id);
     for (uint32_t id : gone) {
       learners_dropped += 1;
       remove_learner(id, "dropped after " + std::to_string(opt.heartbeat_timeout) + " s without a message");
@@ -370,13 +369,13 @@ struct Server::Impl {
   }
 
   void log_window() {
-    double secs = since(window_start);
+    double secs = seconds_since(window_start);
     json line = {{"kind", "ps_updates"}, {"shard", opt.shard}, {"clock", agg.clock()}, {"updates", window_updates},
                  {"updates_per_second", secs > 0 ? window_updates / secs : 0.0},
                  {"busy_fraction", secs > 0 ? (busy - window_busy) / secs : 0.0},
                  {"learners", agg.learners()}, {"c", agg.c()}, {"staleness_hist", hist_to_json(hist_window)},
                  {"accepted", accepted}, {"dropped", dropped}, {"rejected", rejected_total()},
-                 {"elapsed", since(start)}};
+                 {"elapsed", seconds_since(start)}};
     if (leases) line["epoch"] = leases->epoch_progress();
     std::ofstream(metrics_path, std::ios::app) << line.dump() << "\n";
     hist_window.clear();
@@ -392,7 +391,7 @@ struct Server::Impl {
       if (rejected[i]) rej[reject_name(static_cast<Reject>(i))] = rejected[i];
     json per = json::object();
     for (const auto& [l, c] : grads_per_learner) per[std::to_string(l)] = c;
-    double wall = since(start);
+    double wall = seconds_since(start);
     json s = {{"shard", opt.shard}, {"shards", opt.shards}, {"offset", range.offset}, {"numel", range.numel},
               {"protocol", protocol_name(opt.agg.protocol)}, {"softsync_n", opt.agg.softsync_n},
               {"staleness_policy", policy_name(opt.agg.policy)}, {"clock", agg.clock()}, {"updates", updates},
@@ -502,9 +501,9 @@ void Server::run(const std::atomic<bool>& stop) {
         s.reject(Reject::Protocol, e.what(), nullptr, 0);
       }
       frames.clear();
-      s.busy += since(t0);
+      s.busy += seconds_since(t0);
     }
-    if (since(last_sweep) > 0.1) {
+    if (seconds_since(last_sweep) > 0.1) {
       s.sweep();
       last_sweep = Clock::now();
     }

@@ -11,20 +11,18 @@
 #include <thread>
 
 #include "common/error.h"
+#include "common/timing.h"
 #include "common/files.h"
 #include "common/log.h"
 #include "data/loader.h"
 #include "ps/shard_state.h"
 #include "train/checkpoint.h"
-#include "train/evaluate.h"
 
 namespace limbo::ps {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Coefficient of variation (std / mean) of per-step times from their sum and sum of squares.
 double cv_of(double sum, double squares, int64_t n) {
@@ -152,7 +150,7 @@ class Learner {
         }
         continue;  // a heartbeat answer or a reply to an abandoned request
       }
-      if (since(last_beat) > opt_.heartbeat_interval) {
+      if (seconds_since(last_beat) > opt_.heartbeat_interval) {
         if (registering) {
           uint64_t s2;
           send_hello(l, &s2);
@@ -162,7 +160,7 @@ class Learner {
         }
         last_beat = Clock::now();
       }
-      if (since(last_heard) > opt_.request_timeout)
+      if (seconds_since(last_heard) > opt_.request_timeout)
         throw PeerFailure("shard " + std::to_string(l.index) + " at " + l.endpoint + " did not answer for " +
                           std::to_string(opt_.request_timeout) + " s (ps.request_timeout)" +
                           (registering ? std::string(": is it running, and do both sides use the same --keys?")
@@ -260,9 +258,9 @@ json Learner::run(const std::atomic<bool>& stop) {
   };
 
   int64_t steps = 0, samples = 0, accepted = 0, dropped = 0, lost = 0, rejected = 0, tau_sum = 0, tau_n = 0;
-  double loss_sum = 0, window_loss = 0;
-  int64_t window_steps = 0, window_samples = 0;
-  auto start = Clock::now(), window_start = Clock::now();
+  double loss_sum = 0;
+  train::MetricsWindow window;
+  auto start = Clock::now();
   bool finisher = false, done = false;
 
   // The first pull; later pulls go out together with the pushes.
@@ -316,7 +314,7 @@ json Learner::run(const std::atomic<bool>& stop) {
         }
       }
     }
-    const double step_wait = since(wait0);
+    const double step_wait = seconds_since(wait0);
     wait_seconds += step_wait;
     wait_squares += step_wait * step_wait;
     if (done || stop || (opt_.max_steps > 0 && steps >= opt_.max_steps)) break;
@@ -336,12 +334,8 @@ json Learner::run(const std::atomic<bool>& stop) {
     auto batch = data::make_batch(train_set, t_.normalization(), ids);
 
     while (in_flight->load() > 0) std::this_thread::yield();
-    flat.zero_grad();
-    if (cfg_.model.channels_last) batch.x = batch.x.contiguous(at::MemoryFormat::ChannelsLast);
-    auto loss = torch::nn::functional::cross_entropy(model.forward(batch.x), batch.y);
-    loss.backward();
-    const double lv = loss.item<double>();
-    const double step_compute = since(compute0);
+    const double lv = t_.step().gradient(batch);
+    const double step_compute = seconds_since(compute0);
     compute_seconds += step_compute;
     compute_squares += step_compute * step_compute;
 
@@ -358,26 +352,20 @@ json Learner::run(const std::atomic<bool>& stop) {
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
     loss_sum += lv;
-    window_loss += lv;
-    window_steps += 1;
-    window_samples += count;
-    if (window_steps >= opt_.log_every && !metrics.empty()) {
-      double secs = since(window_start);
+    window.add(lv, count);
+    if (window.steps() >= opt_.log_every && !metrics.empty()) {
       json line = {{"kind", "learner"}, {"learner", opt_.learner_id}, {"step", steps}, {"epoch", epoch},
-                   {"loss", window_loss / window_steps}, {"samples_per_second", secs > 0 ? window_samples / secs : 0.0},
+                   {"loss", window.mean_loss()}, {"samples_per_second", window.samples_per_second()},
                    {"staleness_mean", tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0},
-                   {"gradients_dropped", dropped}, {"elapsed", since(start)}};
+                   {"gradients_dropped", dropped}, {"elapsed", seconds_since(start)}};
       std::ofstream(metrics, std::ios::app) << line.dump() << "\n";
-      window_loss = 0;
-      window_steps = 0;
-      window_samples = 0;
-      window_start = Clock::now();
+      window.reset();
     }
   }
   // Outstanding pushes were acknowledged above; leave every shard.
   while (in_flight->load() > 0) std::this_thread::yield();
   bye();
-  const double secs = since(start);
+  const double secs = seconds_since(start);
   json summary = {{"learner", opt_.learner_id}, {"steps", steps}, {"samples", samples},
                   {"samples_per_second", secs > 0 ? samples / secs : 0.0}, {"seconds", secs},
                   {"mean_loss", steps ? loss_sum / steps : 0.0}, {"gradients_accepted", accepted},
@@ -403,17 +391,18 @@ json Learner::run(const std::atomic<bool>& stop) {
       Message w = receive_weights(L, seqs[L.index], [&] { return seqs[L.index] = send_pull(L, kObserver | kFinal); });
       if (L.index == 0) clock0 = w.header.clock;
     }
-    auto ev = train::evaluate(model, t_.data().test, t_.normalization());
+    auto ev = t_.evaluate_test();
     train::TrainState st;
     st.step = static_cast<int64_t>(clock0);
     st.cursor = {cfg_.train.epochs, 0};
     st.config_toml = cfg_.config_toml;
     train::save_checkpoint(opt_.run_dir + "/checkpoint.pt", model, t_.sgd(), st);
-    json fin = {{"test_accuracy", ev.accuracy}, {"test_loss", ev.loss}, {"test_samples", ev.samples},
+    json fin = {{"test_accuracy", std::isnan(ev.accuracy) ? json() : json(ev.accuracy)}, {"test_loss", ev.loss}, {"test_samples", ev.samples},
                 {"clock_shard0", clock0}, {"learner", opt_.learner_id}};
     write_file_atomic(opt_.run_dir + "/final.json", fin.dump(2) + "\n");
     log_info(tag + ": final test accuracy " + std::to_string(100 * ev.accuracy) + "%");
-    summary["test_accuracy"] = ev.accuracy;
+    summary["test_accuracy"] = std::isnan(ev.accuracy) ? json() : json(ev.accuracy);
+    summary["test_loss"] = ev.loss;
   }
   return summary;
 }
@@ -428,7 +417,7 @@ ModelFingerprint model_fingerprint(const std::string& model_name, const optim::F
     std::string shape;
     for (size_t i = 0; i < e.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(e.shape[i]);
     fp.description += " " + e.name + "[" + shape + "]";
-    canon += ";" + e.name + "[" + shape + "]";
+    canon += ";" + e.name + "[" + shape + "]:float32";  // FlatParams holds float32 only
   }
   fp.hash = fnv1a(canon);
   return fp;

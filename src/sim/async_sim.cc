@@ -10,19 +10,17 @@
 #include <set>
 
 #include "common/error.h"
+#include "common/timing.h"
 #include "common/log.h"
 #include "data/loader.h"
 #include "ps/leases.h"
 #include "ps/staleness.h"
-#include "train/evaluate.h"
 #include "train/run_dir.h"
 
 namespace limbo::sim {
 namespace {
 
 using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 enum class EventKind { PullArrives, WeightsArrive, ComputeDone, PushArrives };
 
@@ -147,7 +145,7 @@ class AsyncSim {
                     static_cast<size_t>(flat.numel()) * 4);
     auto g0 = Clock::now();
     double loss = gradient_on(L);  // the work a real learner does: batch, forward, backward
-    grad_seconds_ += since(g0);
+    grad_seconds_ += seconds_since(g0);
     L.snapshot.reset();
     track_snapshots();
     L.steps += 1;
@@ -177,15 +175,10 @@ class AsyncSim {
   }
 
   double gradient_on(VirtualLearner& L) {
-    auto& flat = t_.params();
     const auto& order = sampler_->epoch_order(L.lease.epoch);
     std::vector<int64_t> ids(order.begin() + L.lease.position, order.begin() + L.lease.position + L.lease.count);
     auto batch = data::make_batch(t_.data().train, t_.normalization(), ids);
-    flat.zero_grad();
-    if (cfg_.model.channels_last) batch.x = batch.x.contiguous(at::MemoryFormat::ChannelsLast);
-    auto loss = torch::nn::functional::cross_entropy(t_.model().forward(batch.x), batch.y);
-    loss.backward();
-    return loss.item<double>();
+    return t_.step().gradient(batch);
   }
 
   void track_snapshots() {
@@ -270,12 +263,12 @@ json AsyncSim::run() {
     }
   }
   if (window_updates_ > 0) log_window(now);
-  const double wall = since(wall0);
+  const double wall = seconds_since(wall0);
   // Final weights, evaluated.
   auto& flat = t_.params();
   ps::copy_floats(flat.data().data_ptr<float>(), state_->weights()->data_ptr<float>(),
                   static_cast<size_t>(flat.numel()) * 4);
-  auto ev = train::evaluate(t_.model(), t_.data().test, t_.normalization());
+  auto ev = t_.evaluate_test();
   const ps::StalenessStats st = ps::staleness_stats(hist_);
   json per = json::array();
   for (const auto& L : learners_) per.push_back({{"steps", L.steps}, {"speed", L.speed}, {"busy_virtual_seconds", L.busy}});

@@ -5,19 +5,17 @@
 #include <chrono>
 
 #include "common/error.h"
+#include "common/timing.h"
 #include "common/log.h"
 #include "data/loader.h"
 #include "optim/batch_policy.h"
 #include "optim/lr_schedule.h"
-#include "train/evaluate.h"
 #include "train/run_dir.h"
 
 namespace limbo::sim {
 namespace {
 
 using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
-double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 int workers_at(const std::vector<std::pair<double, int>>& schedule, double epoch) {
   int r = schedule.front().second;
@@ -70,16 +68,13 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
       auto plan = k == 0 ? head : data::plan_batch(sampler, cur, b, r, k, cfg.loader.drop_last);
       if (plan.ids.empty()) continue;
       auto batch = data::make_batch(train_set, t.normalization(), plan.ids);
-      flat.zero_grad();
-      if (cfg.model.channels_last) batch.x = batch.x.contiguous(at::MemoryFormat::ChannelsLast);
-      auto l = torch::nn::functional::cross_entropy(model.forward(batch.x), batch.y);
-      l.backward();
+      const double l = t.step().gradient(batch);
       const double share = static_cast<double>(plan.ids.size()) / head.global_size;
       torch::NoGradGuard ng;
       gsum.add_(flat.grad(), share);  // what the weighted all-reduce sums
-      loss += share * l.item<double>();
+      loss += share * l;
     }
-    grad_seconds += since(g0);
+    grad_seconds += seconds_since(g0);
     auto p = policy.step(step, b * r);
     if (p.changed && p.momentum_factor != 1.0) sgd.scale_buffer(p.momentum_factor);
     const double lr = schedule.lr(epoch_now, step) * p.multiplier;
@@ -99,16 +94,15 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
     }
     if (head.last_in_epoch) {
       auto e0 = Clock::now();
-      ev = train::evaluate(model, t.data().test, t.normalization());
-      model.train();
-      eval_seconds += since(e0);
+      ev = t.evaluate_test();
+      eval_seconds += seconds_since(e0);
       run.append_metrics({{"kind", "eval"}, {"step", step}, {"epoch", static_cast<double>(cur.epoch)},
                           {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss}});
       log_info("epoch " + std::to_string(cur.epoch) + ": " + std::to_string(r) + " workers, test accuracy " +
                std::to_string(100 * ev.accuracy) + "%");
     }
   }
-  const double wall = since(wall0) - eval_seconds;  // simulation time, evaluation excluded
+  const double wall = seconds_since(wall0) - eval_seconds;  // simulation time, evaluation excluded
   json s = {{"mode", "sim-elastic"}, {"steps", step}, {"samples", samples}, {"epochs", cur.epoch},
             {"membership_changes", changes}, {"train_loss", last_loss}, {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss},
             {"batch_policy", cfg.batch_policy.kind == optim::BatchPolicyKind::None     ? "none"

@@ -2,24 +2,20 @@
 
 namespace limbo::train {
 
-IsgdExtraResult isgd_extra_updates(models::Net& model, optim::FlatParams& flat,
-                                   const torch::Tensor& x, const torch::Tensor& y,
+IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
+                                   torch::Tensor x, const torch::Tensor& y,
                                    UpdateRule& rule, optim::Sgd& sgd,
                                    const optim::IsgdOptions& opt, double limit,
                                    const torch::Tensor& anchor, double lr) {
-  namespace F = torch::nn::functional;
   const double zeta = opt.zeta > 0 ? opt.zeta : lr;
   IsgdExtraResult r;
   torch::Tensor phi_grad;
   for (int64_t it = 0;; ++it) {
-    flat.zero_grad();
-    auto loss = F::cross_entropy(model.forward(x), y);
     double psi;
     if (it < opt.stop) {
-      loss.backward();
-      psi = rule.reduce(&flat.grad(), loss.item<double>());
+      psi = rule.reduce(&flat.grad(), step.gradient(x, y));
     } else {
-      psi = rule.reduce(nullptr, loss.item<double>());  // measure only: the cap is reached
+      psi = rule.reduce(nullptr, step.loss_only(x, y));  // measure only: the cap is reached
     }
     if (it == 0) r.loss_before = psi;
     r.loss_after = psi;

@@ -6,10 +6,10 @@
 
 #include <torch/torch.h>
 
-#include "models/net.h"
 #include "optim/flat_params.h"
 #include "optim/isgd.h"
 #include "optim/sgd.h"
+#include "train/step.h"
 #include "train/update_rule.h"
 
 namespace limbo::train {
@@ -20,8 +20,8 @@ struct IsgdExtraResult {
   double loss_after = 0;   // batch loss after the extra updates
 };
 
-IsgdExtraResult isgd_extra_updates(models::Net& model, optim::FlatParams& flat,
-                                   const torch::Tensor& x, const torch::Tensor& y,
+IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
+                                   torch::Tensor x, const torch::Tensor& y,
                                    UpdateRule& rule, optim::Sgd& sgd,
                                    const optim::IsgdOptions& opt, double limit,
                                    const torch::Tensor& anchor, double lr);

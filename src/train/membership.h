@@ -18,6 +18,7 @@ namespace limbo::train {
 // Everything that must be identical on every member after a change.
 struct SyncTargets {
   torch::Tensor& weights;
+  torch::Tensor& buffers;  // float buffers (BatchNorm statistics); may be empty
   optim::Sgd& sgd;
   TrainState& state;
   optim::BatchSizePolicy& policy;

@@ -27,6 +27,7 @@
 #include "optim/sgd.h"
 #include "train/checkpoint.h"
 #include "train/membership.h"
+#include "train/step.h"
 #include "train/threads.h"
 #include "train/update_rule.h"
 
@@ -48,14 +49,18 @@ struct TrainOptions {
   int64_t pause_at_step = 0;
   // Testing aid: every member appends "step epoch id id ..." (the global
   // batch) to <run_dir>/samples-<pid>.txt for every step it commits, and
-  // writes a fingerprint of its final weights to final-<pid>.txt.
+  // writes a fingerprint of its final weights and buffers to final-<pid>.txt.
   bool sample_log = false;
 };
 
 struct TrainerConfig {
   data::DataSource source;
   data::LoaderOptions loader;
+  // "auto": standardise built-in image datasets, leave tensor datasets as
+  // they are; "none"; "standardize" (per-channel mean/std of the train split).
+  std::string normalize = "auto";
   models::ModelOptions model;
+  LossKind loss = LossKind::CrossEntropy;
   optim::SgdOptions sgd;
   optim::LrScheduleOptions lr;
   optim::BatchPolicyOptions batch_policy;  // learning rate vs. global batch
@@ -69,10 +74,16 @@ struct TrainerConfig {
 
 class Trainer {
  public:
-  explicit Trainer(TrainerConfig cfg);  // loads data, builds the model; throws InvalidInput
+  // Loads data, builds the model and checks that it fits the data; throws
+  // InvalidInput (before anything is written).
+  explicit Trainer(TrainerConfig cfg);
+  ~Trainer();
   nlohmann::json run();
 
   models::Net& model() { return *model_; }
+  TrainStep& step() { return *step_; }
+  // Loss and accuracy of the current weights on the test split.
+  EvalResult evaluate_test() { return step_->evaluate(splits_->test, norm_); }
   optim::FlatParams& params() { return *flat_; }
   optim::Sgd& sgd() { return *sgd_; }
   std::shared_ptr<optim::Sgd> sgd_ptr() { return sgd_; }
@@ -85,7 +96,15 @@ class Trainer {
   void set_membership(std::unique_ptr<Membership> m) { membership_ = std::move(m); }
 
  private:
+  struct Run;  // the state of one run() (trainer.cc)
   void checkpoint(const std::string& why);
+  void resume();
+  void reform(Run& r, const std::string& reason, Clock::time_point detected, double detection);
+  bool train_step(Run& r);  // false when the step failed and the group re-formed
+  void log_step(Run& r);
+  void after_epoch_and_step(Run& r);
+  void eval_now(Run& r);
+  nlohmann::json summary(Run& r);
   bool writer_ = true;  // this member writes the run directory and checkpoints
 
   TrainerConfig cfg_;
@@ -94,6 +113,7 @@ class Trainer {
   data::Normalization norm_;
   models::NetPtr model_;
   std::unique_ptr<optim::FlatParams> flat_;
+  std::unique_ptr<TrainStep> step_;
   std::shared_ptr<optim::Sgd> sgd_;
   std::unique_ptr<optim::LrSchedule> schedule_;
   std::shared_ptr<UpdateRule> rule_;

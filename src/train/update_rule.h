@@ -21,7 +21,7 @@ namespace limbo::train {
 struct StepContext {
   torch::Tensor& weights;  // flat, updated in place
   torch::Tensor& grad;     // flat mean gradient of this worker's batch
-  torch::Tensor& grad_with_slot;  // grad plus one spare element (see FlatParams)
+  torch::Tensor& grad_with_slot;  // [grad | float buffers | 2 spare slots] (see FlatParams)
   double loss;             // this worker's mean batch loss
   int64_t batch_size;      // this worker's batch
   int64_t global_batch;    // the batch of all workers together (= batch_size alone)
@@ -42,8 +42,8 @@ class UpdateRule {
  public:
   virtual ~UpdateRule() = default;
   // Called once before the first step: distributed rules make every member
-  // start from the same weights here (a collective; blocks).
-  virtual void start(torch::Tensor& weights) {}
+  // start from the same weights and buffers here (a collective; blocks).
+  virtual void start(torch::Tensor& weights, torch::Tensor& buffers) {}
   virtual StepResult apply(StepContext& ctx) = 0;
   // Averages an extra gradient (may be null: loss only) and loss across
   // workers, in place; returns the global loss. Used for additional passes

@@ -1,0 +1,160 @@
+#include "data/tensor_dataset.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+#include "common/files.h"
+
+namespace limbo::data {
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& s, size_t from = 0) {
+  std::string out = "[";
+  for (size_t i = from; i < s.size(); ++i) out += (i > from ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+MappedTensor take(std::map<std::string, MappedTensor>& all, const std::string& name,
+                  const std::string& file) {
+  auto it = all.find(name);
+  if (it == all.end()) {
+    std::string have;
+    for (const auto& [k, v] : all) have += (have.empty() ? "" : ", ") + k;
+    throw InvalidInput("'" + file + "' has no tensor '" + name + "' (it holds: " +
+                       (have.empty() ? "nothing" : have) + "); a tensor dataset needs x and y");
+  }
+  return it->second;
+}
+
+// Applies the checks that concern one split; fills everything but num_classes.
+Dataset make_split(MappedTensor x, MappedTensor y, const std::string& name) {
+  if (x.shape.empty())
+    throw InvalidInput("'" + x.origin + "' is a scalar; x needs a first dimension of samples");
+  if (y.shape.empty())
+    throw InvalidInput("'" + y.origin + "' is a scalar; y needs a first dimension of samples");
+  if (x.shape[0] != y.shape[0])
+    throw InvalidInput("x and y lengths differ: '" + x.origin + "' holds " +
+                       std::to_string(x.shape[0]) + " samples, '" + y.origin + "' holds " +
+                       std::to_string(y.shape[0]));
+  Dataset d;
+  d.name = name;
+  const auto& s = x.shape;
+  if (s.size() >= 4) d.shape = {s[1], s[2], s[3]};
+  else if (s.size() == 3) d.shape = {1, s[1], s[2]};
+  else if (s.size() == 2) d.shape = {s[1], 1, 1};
+  else d.shape = {1, 1, 1};
+  d.tensor_rows = x.shape[0];
+  d.tensors = std::make_shared<const TensorPair>(TensorPair{std::move(x), std::move(y)});
+  return d;
+}
+
+// Smallest and largest label (integer targets only).
+std::pair<int64_t, int64_t> label_range(const Dataset& d, int64_t* min_at) {
+  const MappedTensor& y = d.tensors->y;
+  int64_t lo = 0, hi = -1;
+  std::vector<int64_t> row(y.row_numel());
+  for (int64_t i = 0; i < d.size(); ++i) {
+    to_int64(y.dtype, y.row(i), y.row_numel(), row.data());
+    for (int64_t v : row) {
+      if (hi < lo) lo = hi = v;
+      if (v < lo) {
+        lo = v;
+        *min_at = i;
+      }
+      hi = std::max(hi, v);
+    }
+  }
+  return {lo, hi};
+}
+
+}  // namespace
+
+std::vector<int64_t> sample_shape(const Dataset& d) {
+  if (!d.tensors) return {d.shape.channels, d.shape.height, d.shape.width};
+  const auto& s = d.tensors->x.shape;
+  return {s.begin() + 1, s.end()};
+}
+
+std::vector<int64_t> target_shape(const Dataset& d) {
+  if (!d.tensors) return {};
+  const auto& s = d.tensors->y.shape;
+  return {s.begin() + 1, s.end()};
+}
+
+bool has_labels(const Dataset& d) { return !d.tensors || is_integer(d.tensors->y.dtype); }
+
+LabelProblem find_bad_label(const Dataset& d, int64_t num_classes) {
+  LabelProblem p;
+  if (!has_labels(d)) return p;
+  if (!d.tensors) {
+    for (int64_t i = 0; i < d.size(); ++i)
+      if (d.labels[i] >= num_classes) return {i, d.labels[i]};
+    return p;
+  }
+  const MappedTensor& y = d.tensors->y;
+  std::vector<int64_t> row(y.row_numel());
+  for (int64_t i = 0; i < d.size(); ++i) {
+    to_int64(y.dtype, y.row(i), y.row_numel(), row.data());
+    for (int64_t v : row)
+      if (v < 0 || v >= num_classes) return {i, v};
+  }
+  return p;
+}
+
+DatasetSplits load_tensor_dataset(const std::string& dir) {
+  if (dir.empty())
+    throw InvalidInput("data.dataset = \"tensors\" needs data.path = a folder holding "
+                       "train.safetensors and test.safetensors, or train_x.npy, train_y.npy, "
+                       "test_x.npy and test_y.npy");
+  DatasetSplits s;
+  const std::string st_train = dir + "/train.safetensors", st_test = dir + "/test.safetensors";
+  if (file_exists(st_train) || file_exists(st_test)) {
+    for (const auto* f : {&st_train, &st_test})
+      if (!file_exists(*f)) throw InvalidInput("tensor dataset: '" + *f + "' does not exist");
+    auto train = read_safetensors(st_train);
+    auto test = read_safetensors(st_test);
+    s.train = make_split(take(train, "x", st_train), take(train, "y", st_train), dir + "/train");
+    s.test = make_split(take(test, "x", st_test), take(test, "y", st_test), dir + "/test");
+  } else {
+    const std::string names[4] = {"train_x.npy", "train_y.npy", "test_x.npy", "test_y.npy"};
+    bool any = false;
+    for (const auto& n : names) any = any || file_exists(dir + "/" + n);
+    if (!any)
+      throw InvalidInput("tensor dataset folder '" + dir +
+                         "' holds neither train.safetensors + test.safetensors nor "
+                         "train_x.npy, train_y.npy, test_x.npy, test_y.npy");
+    for (const auto& n : names)
+      if (!file_exists(dir + "/" + n))
+        throw InvalidInput("tensor dataset: '" + dir + "/" + n + "' does not exist");
+    s.train = make_split(read_npy(dir + "/train_x.npy"), read_npy(dir + "/train_y.npy"), dir + "/train");
+    s.test = make_split(read_npy(dir + "/test_x.npy"), read_npy(dir + "/test_y.npy"), dir + "/test");
+  }
+  const auto& trx = s.train.tensors->x;
+  const auto& tex = s.test.tensors->x;
+  const auto& try_ = s.train.tensors->y;
+  const auto& tey = s.test.tensors->y;
+  if (sample_shape(s.train) != sample_shape(s.test))
+    throw InvalidInput("train and test samples differ in shape: '" + trx.origin + "' has " +
+                       shape_str(trx.shape, 1) + ", '" + tex.origin + "' has " +
+                       shape_str(tex.shape, 1));
+  if (target_shape(s.train) != target_shape(s.test) || has_labels(s.train) != has_labels(s.test))
+    throw InvalidInput("train and test targets differ: '" + try_.origin + "' is " +
+                       dtype_name(try_.dtype) + " " + shape_str(try_.shape, 1) + ", '" +
+                       tey.origin + "' is " + dtype_name(tey.dtype) + " " +
+                       shape_str(tey.shape, 1));
+  if (has_labels(s.train)) {
+    int64_t hi = -1;
+    for (Dataset* d : {&s.train, &s.test}) {
+      int64_t at = 0;
+      auto [lo, h] = label_range(*d, &at);
+      if (lo < 0)
+        throw InvalidInput("'" + d->tensors->y.origin + "': sample " + std::to_string(at) +
+                           " has the negative label " + std::to_string(lo));
+      hi = std::max(hi, h);
+    }
+    s.train.num_classes = s.test.num_classes = hi + 1;
+  }
+  return s;
+}
+
+}  // namespace limbo::data

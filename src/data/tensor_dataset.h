@@ -1,0 +1,42 @@
+// Tensor datasets (`data.dataset = "tensors"`): a user's arrays in files.
+//
+// A folder holds either `train.safetensors` and `test.safetensors`, each with
+// tensors `x` [N, ...] and `y` [N, ...], or the numpy files `train_x.npy`,
+// `train_y.npy`, `test_x.npy`, `test_y.npy` (np.save). x may be uint8, int8,
+// int32, int64, float16, bfloat16, float32 or float64; uint8 becomes float
+// scaled by 1/255, the others float as they are. y holds integer class labels
+// ([N] or [N, ...], e.g. per token; made int64) or float targets.
+//
+// Files are memory-mapped, never copied. Every problem is an InvalidInput
+// naming the file: a missing file or tensor, an unsupported dtype, x and y
+// lengths that differ, a truncated file, a corrupt header, train and test
+// samples of different shapes, a negative label.
+//
+// The samples' `shape` is C x H x W for x [N, C, H, W], 1 x H x W for
+// [N, H, W], D x 1 x 1 for [N, D]; `num_classes` is 1 + the largest label of
+// either split (0 for float targets).
+#pragma once
+
+#include <string>
+
+#include "data/dataset.h"
+
+namespace limbo::data {
+
+DatasetSplits load_tensor_dataset(const std::string& dir);
+
+// The sample shape of x without N, e.g. {1, 28, 28}.
+std::vector<int64_t> sample_shape(const Dataset& d);
+// The target shape of y without N ({} for [N] labels).
+std::vector<int64_t> target_shape(const Dataset& d);
+// True when targets are class labels (integers; every built-in dataset).
+bool has_labels(const Dataset& d);
+
+// The first sample whose label lies outside [0, num_classes): its index and
+// label; index -1 when every label is in range.
+struct LabelProblem {
+  int64_t index = -1, label = 0;
+};
+LabelProblem find_bad_label(const Dataset& d, int64_t num_classes);
+
+}  // namespace limbo::data

@@ -1,0 +1,188 @@
+#include "train/step.h"
+
+#include <cmath>
+#include <numeric>
+
+#include "common/error.h"
+#include "data/tensor_dataset.h"
+
+namespace limbo::train {
+namespace F = torch::nn::functional;
+
+LossKind parse_loss(const std::string& name) {
+  if (name == "cross_entropy") return LossKind::CrossEntropy;
+  if (name == "mse") return LossKind::Mse;
+  if (name == "module") return LossKind::Module;
+  throw InvalidInput("unknown model.loss '" + name + "'; allowed: cross_entropy, mse, module");
+}
+
+const char* loss_name(LossKind k) {
+  switch (k) {
+    case LossKind::CrossEntropy: return "cross_entropy";
+    case LossKind::Mse: return "mse";
+    case LossKind::Module: return "module";
+  }
+  return "?";
+}
+
+TrainStep::TrainStep(models::Net& net, optim::FlatParams& flat, LossKind loss, bool channels_last)
+    : net_(net), flat_(flat), loss_(loss), channels_last_(channels_last) {}
+
+bool TrainStep::reports_accuracy() const {
+  return loss_ == LossKind::CrossEntropy || (loss_ == LossKind::Module && net_.can_predict());
+}
+
+void TrainStep::prepare(torch::Tensor& x) const {
+  if (channels_last_ && x.dim() == 4) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+}
+
+void TrainStep::check_labels(const torch::Tensor& y, int64_t classes) const {
+  if (y.numel() == 0) return;
+  const int64_t lo = y.min().item<int64_t>(), hi = y.max().item<int64_t>();
+  if (lo < 0 || hi >= classes)
+    throw InvalidInput("a batch holds the label " + std::to_string(lo < 0 ? lo : hi) +
+                       ", outside [0, " + std::to_string(classes) + ") of the model's " +
+                       std::to_string(classes) + " outputs");
+}
+
+torch::Tensor TrainStep::loss(const torch::Tensor& x, const torch::Tensor& y) {
+  switch (loss_) {
+    case LossKind::CrossEntropy: {
+      auto out = net_.forward(x);
+      if (out.dim() >= 2) check_labels(y, out.size(1));
+      return F::cross_entropy(out, y);
+    }
+    case LossKind::Mse: return F::mse_loss(net_.forward(x), y);
+    case LossKind::Module: return net_.forward_loss(x, y);
+  }
+  throw Error("internal: unknown loss");
+}
+
+double TrainStep::gradient(torch::Tensor& x, const torch::Tensor& y) {
+  flat_.zero_grad();
+  prepare(x);
+  auto l = loss(x, y);
+  l.backward();
+  return l.item<double>();
+}
+
+double TrainStep::loss_only(const torch::Tensor& x, const torch::Tensor& y) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor in = x;
+  prepare(in);
+  return loss(in, y).item<double>();
+}
+
+EvalResult TrainStep::evaluate(const data::Dataset& split, const data::Normalization& norm,
+                               int64_t chunk) {
+  const bool was_training = net_.is_training();
+  net_.eval();
+  torch::NoGradGuard no_grad;
+  EvalResult r;
+  double loss_sum = 0;
+  int64_t correct = 0, labels = 0, loss_count = 0;
+  std::vector<int64_t> ids;
+  try {
+    for (int64_t start = 0; start < split.size(); start += chunk) {
+      const int64_t n = std::min(chunk, split.size() - start);
+      ids.resize(n);
+      std::iota(ids.begin(), ids.end(), start);
+      auto b = data::make_batch(split, norm, ids);
+      torch::Tensor scores;
+      if (loss_ == LossKind::Module) {
+        loss_sum += net_.forward_loss(b.x, b.y).item<double>() * n;
+        loss_count += n;
+        if (net_.can_predict()) scores = net_.predict(b.x);
+      } else {
+        scores = net_.forward(b.x);
+        if (loss_ == LossKind::CrossEntropy) {
+          loss_sum += F::cross_entropy(scores, b.y, F::CrossEntropyFuncOptions().reduction(torch::kSum))
+                          .item<double>();
+        } else {
+          loss_sum += F::mse_loss(scores, b.y, F::MSELossFuncOptions().reduction(torch::kSum)).item<double>();
+        }
+        loss_count += b.y.numel();
+      }
+      if (scores.defined() && b.y.scalar_type() == torch::kInt64) {
+        correct += scores.argmax(1).eq(b.y).sum().item<int64_t>();
+        labels += b.y.numel();
+      }
+    }
+  } catch (...) {
+    net_.train(was_training);
+    throw;
+  }
+  net_.train(was_training);
+  r.samples = split.size();
+  r.loss = loss_count > 0 ? loss_sum / loss_count : 0.0;
+  r.accuracy = labels > 0 ? static_cast<double>(correct) / labels : std::nan("");
+  if (!reports_accuracy()) r.accuracy = std::nan("");
+  return r;
+}
+
+void TrainStep::check_data(const data::DatasetSplits& d, const data::Normalization& norm) {
+  const data::Dataset& probe_split = d.test.size() > 0 ? d.test : d.train;
+  const int64_t n = std::min<int64_t>(2, probe_split.size());
+  if (n == 0) return;
+  std::vector<int64_t> ids(n);
+  std::iota(ids.begin(), ids.end(), 0);
+  auto b = data::make_batch(probe_split, norm, ids);
+  const bool labels = data::has_labels(d.train);
+  const std::string yfile = d.train.tensors ? d.train.tensors->y.origin : d.train.name;
+  if (loss_ == LossKind::Mse && labels)
+    throw InvalidInput("model.loss = \"mse\" needs float targets, but '" + yfile +
+                       "' holds integer labels; use model.loss = \"cross_entropy\"");
+  if (loss_ == LossKind::CrossEntropy && !labels)
+    throw InvalidInput("model.loss = \"cross_entropy\" needs integer labels, but '" + yfile +
+                       "' holds float targets; use model.loss = \"mse\"");
+  const bool was_training = net_.is_training();
+  net_.eval();
+  torch::NoGradGuard no_grad;
+  torch::Tensor scores;
+  try {
+    if (loss_ == LossKind::Module) {
+      net_.forward_loss(b.x, b.y);  // throws InvalidInput unless a scalar
+      if (net_.can_predict()) scores = net_.predict(b.x);
+    } else {
+      scores = net_.forward(b.x);
+    }
+  } catch (const InvalidInput&) {
+    net_.train(was_training);
+    throw;
+  } catch (const std::exception& e) {  // c10::Error, torch::jit::JITException
+    net_.train(was_training);
+    std::string msg = e.what();
+    if (auto at = msg.rfind("RuntimeError: "); at != std::string::npos) msg = msg.substr(at);
+    throw InvalidInput("the model cannot run on this data (samples " + c10::str(b.x.sizes()) +
+                       ", targets " + c10::str(b.y.sizes()) + "): " + msg.substr(0, 400));
+  }
+  net_.train(was_training);
+  auto shape = [](const torch::Tensor& t) { return c10::str(t.sizes()); };
+  if (loss_ == LossKind::Mse) {
+    if (scores.sizes() != b.y.sizes())
+      throw InvalidInput("model.loss = \"mse\": the model's outputs " + shape(scores) +
+                         " differ in shape from the targets " + shape(b.y) + " ('" + yfile + "')");
+    return;
+  }
+  if (!scores.defined() || !labels) return;
+  auto ys = b.y.sizes().vec();
+  auto os = scores.sizes().vec();
+  bool fits = os.size() == ys.size() + 1 && os[0] == ys[0];
+  for (size_t i = 1; fits && i < ys.size(); ++i) fits = os[i + 1] == ys[i];
+  if (!fits)
+    throw InvalidInput(std::string("the model's ") +
+                       (loss_ == LossKind::Module ? "predict(x)" : "outputs") + " " + shape(scores) +
+                       " do not fit the labels " + shape(b.y) +
+                       ": cross_entropy needs outputs [B, C, ...] for labels [B, ...]");
+  const int64_t classes = os[1];
+  for (const data::Dataset* s : {&d.train, &d.test}) {
+    auto bad = data::find_bad_label(*s, classes);
+    if (bad.index >= 0)
+      throw InvalidInput("'" + (s->tensors ? s->tensors->y.origin : s->name) + "': sample " +
+                         std::to_string(bad.index) + " has the label " + std::to_string(bad.label) +
+                         ", outside [0, " + std::to_string(classes) + ") of the model's " +
+                         std::to_string(classes) + " outputs");
+  }
+}
+
+}  // namespace limbo::train

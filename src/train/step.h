@@ -1,0 +1,106 @@
+// The training step, written once for every mode.
+//
+// TrainStep is what the trainer, the parameter-server learner, both
+// simulators, ISGD's extra iterations and evaluation call to turn a batch
+// into a loss and a gradient: zero the flat gradient, forward, loss,
+// backward. A new model kind or loss is added here and nowhere else.
+//
+// Losses (`model.loss`):
+//   cross_entropy  outputs [B, C, ...] against int64 labels [B, ...]
+//                  (PyTorch's convention; per-token classification works);
+//                  accuracy is the share of label elements predicted right.
+//   mse            outputs against float targets of the same shape.
+//   module         the model's forward(x, y) returns the scalar loss itself;
+//                  accuracy comes from its predict(x) when it has one.
+//
+// MetricsWindow is the running mean loss and throughput between two metrics
+// lines. Both run on the training thread only.
+#pragma once
+
+#include <string>
+
+#include "common/timing.h"
+#include "data/loader.h"
+#include "data/registry.h"
+#include "models/net.h"
+#include "optim/flat_params.h"
+
+namespace limbo::train {
+
+enum class LossKind { CrossEntropy, Mse, Module };
+LossKind parse_loss(const std::string& name);  // throws InvalidInput
+const char* loss_name(LossKind k);
+
+struct EvalResult {
+  double loss = 0;      // mean test loss (per sample for the module loss, per element otherwise)
+  double accuracy = 0;  // share of labels predicted right (NaN where there is none)
+  int64_t samples = 0;
+};
+
+class TrainStep {
+ public:
+  // `net` and `flat` (its flat parameters) must outlive the step.
+  TrainStep(models::Net& net, optim::FlatParams& flat, LossKind loss, bool channels_last);
+
+  // Checks that the model's outputs fit the data's targets, with one forward
+  // of two test samples in eval mode: output shape against target shape and,
+  // for labels, every label of both splits inside [0, C). Throws InvalidInput
+  // naming the file, sample and values. Call before anything is written.
+  void check_data(const data::DatasetSplits& d, const data::Normalization& norm);
+
+  // Zeroes the flat gradient, runs forward, loss and backward on the batch
+  // (its x made channels-last first where configured): afterwards
+  // flat.grad() holds the batch's mean gradient. Returns the mean loss.
+  double gradient(data::Batch& batch) { return gradient(batch.x, batch.y); }
+  double gradient(torch::Tensor& x, const torch::Tensor& y);
+  // The batch's mean loss without a gradient (autograd off).
+  double loss_only(const torch::Tensor& x, const torch::Tensor& y);
+
+  // Loss and accuracy over a whole split, in eval mode without autograd, in
+  // chunks of `chunk` samples; restores the model's train/eval mode.
+  EvalResult evaluate(const data::Dataset& split, const data::Normalization& norm,
+                      int64_t chunk = 1000);
+
+  bool reports_accuracy() const;
+  LossKind loss_kind() const { return loss_; }
+  models::Net& net() { return net_; }
+
+ private:
+  torch::Tensor loss(const torch::Tensor& x, const torch::Tensor& y);
+  void prepare(torch::Tensor& x) const;
+  void check_labels(const torch::Tensor& y, int64_t classes) const;
+
+  models::Net& net_;
+  optim::FlatParams& flat_;
+  LossKind loss_;
+  bool channels_last_;
+};
+
+// Mean loss and samples/s between two metrics lines.
+class MetricsWindow {
+ public:
+  void add(double loss, int64_t samples) {
+    loss_ += loss;
+    steps_ += 1;
+    samples_ += samples;
+  }
+  int64_t steps() const { return steps_; }
+  double mean_loss() const { return steps_ ? loss_ / steps_ : 0.0; }
+  double samples_per_second() const {
+    const double s = seconds_since(start_);
+    return s > 0 ? samples_ / s : 0.0;
+  }
+  // Starts a new window (also used to exclude evaluation time).
+  void reset() {
+    loss_ = 0;
+    steps_ = samples_ = 0;
+    start_ = Clock::now();
+  }
+
+ private:
+  double loss_ = 0;
+  int64_t steps_ = 0, samples_ = 0;
+  Clock::time_point start_ = Clock::now();
+};
+
+}  // namespace limbo::train

@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Writes the models and datasets the TorchScript tests train, the way a user
+would: modules saved with torch.jit.save, arrays with np.save or as
+safetensors.
+
+usage: make_fixtures.py OUT_DIR [--train N] [--test N]
+
+OUT_DIR/
+  fmnist_npy/          train_x.npy (uint8 [N,1,28,28]), train_y.npy (int64), test_*
+  fmnist_st/           train.safetensors, test.safetensors (x float16 [N,28,28], y int32)
+  regress_npy/         x float32 [N,8], y float32 [N,2] (a noisy linear map)
+  cnn_bn.pt            small CNN with BatchNorm and dropout (scripted)
+  gru_rows.pt          GRU reading the image rows, classifier on the last state (scripted)
+  module_loss.pt       forward(x, y) returns the loss; predict(x) returns scores
+  regress.pt           two-layer regression net (traced), for model.loss = mse
+  five_classes.pt      a classifier with only 5 outputs (labels go to 9)
+"""
+import argparse
+import gzip
+import json
+import os
+import struct
+
+import numpy as np
+import torch
+from torch import nn
+
+FMNIST = "/usr/share/datasets/fashion-mnist"
+
+
+def idx(path):
+    with gzip.open(path) as f:
+        data = f.read()
+    nd = data[3]
+    dims = struct.unpack(">" + "I" * nd, data[4:4 + 4 * nd])
+    return np.frombuffer(data[4 + 4 * nd:], np.uint8).reshape(dims)
+
+
+def save_safetensors(path, tensors):
+    codes = {np.dtype(np.float16): "F16", np.dtype(np.float32): "F32", np.dtype(np.int32): "I32",
+             np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8"}
+    header, blobs, offset = {}, [], 0
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a)
+        b = a.tobytes()
+        header[name] = {"dtype": codes[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+class CnnBn(nn.Module):
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 12, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(12)
+        self.conv2 = nn.Conv2d(12, 24, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(24)
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(24 * 7 * 7, classes)
+
+    def forward(self, x):
+        x = torch.max_pool2d(torch.relu(self.bn1(self.conv1(x))), 2)
+        x = torch.max_pool2d(torch.relu(self.bn2(self.conv2(x))), 2)
+        return self.head(self.drop(torch.flatten(x, 1)))
+
+
+class GruRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(28, 48, batch_first=True)
+        self.out = nn.Linear(48, 10)
+
+    def forward(self, x):
+        h, _ = self.gru(x.reshape(x.shape[0], 28, 28))
+        return self.out(h[:, -1])
+
+
+class ModuleLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x, y):
+        scores = self.body(x)
+        # label smoothing: a loss the built-in choices do not offer
+        return nn.functional.cross_entropy(scores, y, label_smoothing=0.1)
+
+    @torch.jit.export
+    def predict(self, x):
+        return self.body(x)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--train", type=int, default=6000)
+    ap.add_argument("--test", type=int, default=1000)
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    torch.manual_seed(0)
+
+    xtr = idx(f"{FMNIST}/train-images-idx3-ubyte.gz")[:a.train]
+    ytr = idx(f"{FMNIST}/train-labels-idx1-ubyte.gz")[:a.train].astype(np.int64)
+    xte = idx(f"{FMNIST}/t10k-images-idx3-ubyte.gz")[:a.test]
+    yte = idx(f"{FMNIST}/t10k-labels-idx1-ubyte.gz")[:a.test].astype(np.int64)
+
+    d = os.path.join(a.out, "fmnist_npy")
+    os.makedirs(d, exist_ok=True)
+    np.save(f"{d}/train_x.npy", xtr[:, None])
+    np.save(f"{d}/train_y.npy", ytr)
+    np.save(f"{d}/test_x.npy", xte[:, None])
+    np.save(f"{d}/test_y.npy", yte)
+
+    d = os.path.join(a.out, "fmnist_st")
+    os.makedirs(d, exist_ok=True)
+    save_safetensors(f"{d}/train.safetensors", {"x": (xtr / 255.0).astype(np.float16), "y": ytr.astype(np.int32)})
+    save_safetensors(f"{d}/test.safetensors", {"x": (xte / 255.0).astype(np.float16), "y": yte.astype(np.int32)})
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(8, 2)).astype(np.float32)
+    d = os.path.join(a.out, "regress_npy")
+    os.makedirs(d, exist_ok=True)
+    for split, n in (("train", 2000), ("test", 500)):
+        x = rng.normal(size=(n, 8)).astype(np.float32)
+        y = (x @ w + 0.05 * rng.normal(size=(n, 2))).astype(np.float32)
+        np.save(f"{d}/{split}_x.npy", x)
+        np.save(f"{d}/{split}_y.npy", y)
+
+    torch.jit.save(torch.jit.script(CnnBn()), f"{a.out}/cnn_bn.pt")
+    torch.jit.save(torch.jit.script(GruRows()), f"{a.out}/gru_rows.pt")
+    torch.jit.save(torch.jit.script(ModuleLoss()), f"{a.out}/module_loss.pt")
+    torch.jit.save(torch.jit.script(CnnBn(5)), f"{a.out}/five_classes.pt")
+    reg = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
+    torch.jit.save(torch.jit.trace(reg, torch.zeros(4, 8)), f"{a.out}/regress.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+// Tensor datasets: the npy and safetensors readers (every dtype, memory
+// mapping), every bad-input case with the file named in the message, and
+// batches, normalisation and label checks built on them.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "common/error.h"
+#include "common/files.h"
+#include "data/loader.h"
+#include "data/registry.h"
+#include "data/tensor_dataset.h"
+#include "data/tensor_file.h"
+#include "train/safetensors.h"
+#include "test_util.h"
+
+using namespace limbo;
+using namespace limbo::data;
+using limbo::testing::run_limbo;
+using limbo::testing::TempDir;
+
+namespace {
+
+template <typename F>
+void expect_invalid(F&& f, std::vector<std::string> needles) {
+  try {
+    f();
+    FAIL() << "expected InvalidInput";
+  } catch (const InvalidInput& e) {
+    std::string msg = e.what();
+    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << msg;
+  }
+}
+
+// An .npy file as np.save writes it (format 1.0, header padded to 64 bytes).
+std::string npy_bytes(const std::string& descr, const std::vector<int64_t>& shape,
+                      const std::string& data, bool fortran = false) {
+  std::string sh = "(";
+  for (auto d : shape) sh += std::to_string(d) + ", ";
+  if (shape.size() > 1) sh.resize(sh.size() - 2);
+  sh += ")";
+  std::string h = "{'descr': '" + descr + "', 'fortran_order': " + (fortran ? "True" : "False") +
+                  ", 'shape': " + sh + ", }";
+  while ((10 + h.size() + 1) % 64) h += ' ';
+  h += '\n';
+  std::string out = "\x93NUMPY";
+  out += '\x01';
+  out += '\x00';
+  out += static_cast<char>(h.size() & 0xff);
+  out += static_cast<char>(h.size() >> 8);
+  return out + h + data;
+}
+
+template <typename T>
+std::string raw(const std::vector<T>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+}
+
+void put(const std::string& path, const std::string& bytes) {
+  limbo::testing::write_bytes(path, bytes, false);
+}
+
+// A 4-sample dataset of 1x2x2 uint8 images with labels 0..3 as npy files.
+void write_npy_dataset(const TempDir& d, int64_t n = 4) {
+  std::vector<uint8_t> x(n * 4);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<uint8_t>(i * 10);
+  std::vector<int64_t> y(n);
+  for (int64_t i = 0; i < n; ++i) y[i] = i % 4;
+  for (const char* split : {"train", "test"}) {
+    put(d.file(std::string(split) + "_x.npy"), npy_bytes("|u1", {n, 1, 2, 2}, raw(x)));
+    put(d.file(std::string(split) + "_y.npy"), npy_bytes("<i8", {n}, raw(y)));
+  }
+}
+
+}  // namespace
+
+TEST(Npy, ReadsEveryDtypeMemoryMapped) {
+  TempDir d;
+  struct Case {
+    std::string descr;
+    DType t;
+    std::string bytes;
+  };
+  std::vector<Case> cases = {
+      {"|u1", DType::U8, raw(std::vector<uint8_t>{0, 7, 255})},
+      {"|i1", DType::I8, raw(std::vector<int8_t>{-1, 7, -128})},
+      {"<i4", DType::I32, raw(std::vector<int32_t>{-5, 7, 100000})},
+      {"<i8", DType::I64, raw(std::vector<int64_t>{-5, 7, 1LL << 40})},
+      {"<f2", DType::F16, raw(std::vector<uint16_t>{0x3c00, 0xc000, 0x3800})},  // 1, -2, 0.5
+      {"<f4", DType::F32, raw(std::vector<float>{1.5f, -2.f, 3.25f})},
+      {"<f8", DType::F64, raw(std::vector<double>{1.5, -2., 3.25})},
+  };
+  for (const auto& c : cases) {
+    const std::string p = d.file("a.npy");
+    put(p, npy_bytes(c.descr, {3}, c.bytes));
+    auto t = read_npy(p);
+    EXPECT_EQ(t.dtype, c.t) << c.descr;
+    ASSERT_EQ(t.shape, std::vector<int64_t>{3});
+    // The data is the file's mapping, not a copy: it sits at the header's end.
+    EXPECT_EQ(t.data, t.file->data() + (t.file->size() - static_cast<int64_t>(c.bytes.size())));
+    EXPECT_EQ(std::memcmp(t.data, c.bytes.data(), c.bytes.size()), 0);
+  }
+  float f[3];
+  to_float(DType::F16, reinterpret_cast<const uint8_t*>(cases[4].bytes.data()), 3, f);
+  EXPECT_EQ(f[0], 1.0f);
+  EXPECT_EQ(f[1], -2.0f);
+  EXPECT_EQ(f[2], 0.5f);
+  int64_t v[3];
+  to_int64(DType::I8, reinterpret_cast<const uint8_t*>(cases[1].bytes.data()), 3, v);
+  EXPECT_EQ(v[2], -128);
+}
+
+TEST(Npy, BadFilesAreRefusedNamingTheFileAndTheProblem) {
+  TempDir d;
+  const std::string p = d.file("bad.npy");
+  expect_invalid([&] { read_npy(d.file("missing.npy")); }, {"missing.npy", "cannot open"});
+  put(p, npy_bytes("<u2", {2}, std::string(4, '\0')));
+  expect_invalid([&] { read_npy(p); }, {"bad.npy", "'<u2'", "does not read"});
+  put(p, npy_bytes("|b1", {2}, std::string(2, '\0')));
+  expect_invalid([&] { read_npy(p); }, {"bad.npy", "'|b1'"});
+  put(p, npy_bytes("<f4", {2, 2}, std::string(16, '\0'), /*fortran=*/true));
+  expect_invalid([&] { read_npy(p); }, {"bad.npy", "Fortran order"});
+  put(p, npy_bytes("|O", {2}, std::string(16, '\0')));
+  expect_invalid([&] { read_npy(p); }, {"bad.npy", "object array"});
+  put(p, npy_bytes(">f4", {2}, std::string(8, '\0')));
+  expect_invalid([&] { read_npy(p); }, {"bad.npy", "big-endian"});
+  put(p, npy_bytes("<f4", {10, 3}, std::string(100, '\0')));  // needs 120 bytes
+  expect_invalid([&] { read_npy(p); }, {"bad.npy", "truncated", "120"});
+  put(p, npy_bytes("<f4", {10}, std::string(40, '\0')).substr(0, 30));  // cut in the header
+  expect_invalid([&] { read_npy(p); }, {"bad.npy", "truncated"});
+  put(p, "PK\x03\x04 not numpy at all");
+  expect_invalid([&] { read_npy(p); }, {"bad.npy", "not a .npy file"});
+}
+
+TEST(Safetensors, ReadsEveryDtypeIncludingBfloat16) {
+  TempDir d;
+  const std::string p = d.file("t.safetensors");
+  train::NamedTensors ts = {
+      {"u8", torch::tensor({1, 2, 255}, torch::kUInt8)},
+      {"i8", torch::tensor({-1, 2, -3}, torch::kInt8)},
+      {"i32", torch::tensor({-1, 2, 3}, torch::kInt32)},
+      {"i64", torch::tensor({-1, 2, 3}, torch::kInt64)},
+      {"f16", torch::tensor({0.5, -1.0, 2.0}, torch::kFloat16)},
+      {"bf16", torch::tensor({0.5, -1.0, 2.0}, torch::kBFloat16)},
+      {"f32", torch::tensor({0.25, -1.0, 2.0}, torch::kFloat32)},
+      {"f64", torch::tensor({0.25, -1.0, 2.0}, torch::kFloat64)}};
+  train::write_safetensors(p, ts, {{"format", "pt"}});
+  auto all = read_safetensors(p);
+  ASSERT_EQ(all.size(), ts.size());
+  for (const auto& [name, t] : ts) {
+    const auto& m = all.at(name);
+    ASSERT_EQ(m.shape, std::vector<int64_t>{3}) << name;
+    EXPECT_GE(m.data, m.file->data());
+    EXPECT_LT(m.data, m.file->data() + m.file->size());
+    std::vector<float> got(3);
+    to_float(m.dtype, m.data, 3, got.data());
+    auto want = t.to(torch::kFloat32);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(got[i], want[i].item<float>()) << name << " " << i;
+  }
+}
+
+TEST(Safetensors, CorruptFilesAreRefusedNamingTheFile) {
+  TempDir d;
+  const std::string p = d.file("bad.safetensors");
+  auto with_header = [&](const std::string& json, const std::string& body) {
+    std::string h = json;
+    std::string out(8, '\0');
+    uint64_t n = h.size();
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+    put(p, out + h + body);
+  };
+  with_header("{\"x\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]", std::string(8, 0));
+  expect_invalid([&] { read_safetensors(p); }, {"bad.safetensors", "corrupt safetensors header"});
+  with_header("{\"x\": {\"dtype\": \"F32\", \"shape\": [4], \"data_offsets\": [0, 16]}}", std::string(8, 0));
+  expect_invalid([&] { read_safetensors(p); }, {"bad.safetensors:x", "data_offsets end at byte 16"});
+  with_header("{\"x\": {\"dtype\": \"F32\", \"shape\": [3], \"data_offsets\": [0, 8]}}", std::string(8, 0));
+  expect_invalid([&] { read_safetensors(p); }, {"bad.safetensors:x", "needs 12 bytes"});
+  with_header("{\"x\": {\"dtype\": \"BOOL\", \"shape\": [2], \"data_offsets\": [0, 2]}}", std::string(2, 0));
+  expect_invalid([&] { read_safetensors(p); }, {"bad.safetensors:x", "'BOOL'"});
+  with_header("{\"x\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [8, 0]}}", std::string(8, 0));
+  expect_invalid([&] { read_safetensors(p); }, {"bad.safetensors:x", "bad data_offsets"});
+  with_header("{\"x\": {\"dtype\": \"F32\", \"shape\": \"two\", \"data_offsets\": [0, 8]}}", std::string(8, 0));
+  expect_invalid([&] { read_safetensors(p); }, {"bad.safetensors:x", "corrupt"});
+  put(p, std::string("\xff\xff\xff\x00\x00\x00\x00\x00{}", 10));  // header length beyond the file
+  expect_invalid([&] { read_safetensors(p); }, {"bad.safetensors", "exceeds the file"});
+  put(p, "abc");
+  expect_invalid([&] { read_safetensors(p); }, {"bad.safetensors", "truncated"});
+}
+
+TEST(TensorDataset, NpyFolderGivesBatchesScaledAndLabelled) {
+  TempDir d;
+  write_npy_dataset(d);
+  auto s = load_tensor_dataset(d.path());
+  EXPECT_EQ(s.train.size(), 4);
+  EXPECT_EQ(s.train.num_classes, 4);
+  EXPECT_EQ(s.train.shape.channels, 1);
+  EXPECT_EQ(s.train.shape.height, 2);
+  auto b = make_batch(s.train, {}, {2, 0});
+  ASSERT_EQ(b.x.sizes(), (std::vector<int64_t>{2, 1, 2, 2}));
+  EXPECT_FLOAT_EQ(b.x[0][0][0][0].item<float>(), 80.0f / 255.0f);  // uint8 scaled by 1/255
+  EXPECT_EQ(b.y.scalar_type(), torch::kInt64);
+  EXPECT_EQ(b.y[0].item<int64_t>(), 2);
+  // standardize: per-channel mean 0, std 1 over the training split.
+  auto norm = compute_normalization(s.train);
+  ASSERT_EQ(norm.mean.size(), 1u);
+  auto all = make_batch(s.train, norm, {0, 1, 2, 3});
+  EXPECT_NEAR(all.x.mean().item<double>(), 0.0, 1e-5);
+  EXPECT_NEAR(all.x.std(/*unbiased=*/false).item<double>(), 1.0, 1e-4);
+  s.train.truncate(3);
+  EXPECT_EQ(s.train.size(), 3);
+}
+
+TEST(TensorDataset, SafetensorsFolderWithFloatTargetsAndPerTokenLabels) {
+  TempDir d;
+  for (const char* split : {"train", "test"}) {
+    train::write_safetensors(d.file(std::string(split) + ".safetensors"),
+                             {{"x", torch::randn({5, 3}).to(torch::kBFloat16)},
+                              {"y", torch::randn({5, 2})}},
+                             {});
+  }
+  auto s = load_tensor_dataset(d.path());
+  EXPECT_FALSE(has_labels(s.train));
+  EXPECT_EQ(s.train.num_classes, 0);
+  auto b = make_batch(s.train, {}, {0, 4});
+  EXPECT_EQ(b.x.sizes(), (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(b.y.scalar_type(), torch::kFloat32);
+  EXPECT_EQ(b.y.sizes(), (std::vector<int64_t>{2, 2}));
+  // Per-token labels [N, T] stay [n, T] int64.
+  for (const char* split : {"train", "test"})
+    train::write_safetensors(d.file(std::string(split) + ".safetensors"),
+                             {{"x", torch::randn({5, 4, 3})}, {"y", torch::randint(0, 7, {5, 4}).to(torch::kInt32)}},
+                             {});
+  auto t = load_tensor_dataset(d.path());
+  EXPECT_TRUE(has_labels(t.train));
+  EXPECT_EQ(make_batch(t.train, {}, {1}).y.sizes(), (std::vector<int64_t>{1, 4}));
+}
+
+TEST(TensorDataset, FolderProblemsAreRefusedNamingTheFile) {
+  {
+    TempDir d;
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {d.path(), "train_x.npy"});
+    write_npy_dataset(d);
+    std::filesystem::remove(d.file("test_y.npy"));
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"test_y.npy", "does not exist"});
+  }
+  {
+    TempDir d;  // lengths differ
+    write_npy_dataset(d);
+    put(d.file("train_y.npy"), npy_bytes("<i8", {3}, raw(std::vector<int64_t>{0, 1, 2})));
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"lengths differ", "train_x.npy", "4", "train_y.npy", "3"});
+  }
+  {
+    TempDir d;  // a negative label
+    write_npy_dataset(d);
+    put(d.file("test_y.npy"), npy_bytes("<i8", {4}, raw(std::vector<int64_t>{0, 1, -3, 2})));
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"test_y.npy", "sample 2", "-3"});
+  }
+  {
+    TempDir d;  // train and test shapes differ
+    write_npy_dataset(d);
+    put(d.file("test_x.npy"), npy_bytes("|u1", {4, 1, 2, 3}, std::string(24, '\0')));
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"differ in shape", "test_x.npy"});
+  }
+  {
+    TempDir d;  // a missing tensor
+    train::write_safetensors(d.file("train.safetensors"), {{"x", torch::zeros({2, 3})}, {"labels", torch::zeros({2})}}, {});
+    train::write_safetensors(d.file("test.safetensors"), {{"x", torch::zeros({2, 3})}, {"y", torch::zeros({2})}}, {});
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"train.safetensors", "no tensor 'y'", "labels"});
+  }
+  {
+    TempDir d;  // only one of the two safetensors files
+    train::write_safetensors(d.file("train.safetensors"), {{"x", torch::zeros({2, 3})}, {"y", torch::zeros({2})}}, {});
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"test.safetensors", "does not exist"});
+  }
+}
+
+// Through the CLI: every bad input exits with code 2, names the file, and
+// leaves no run directory behind.
+TEST(TensorDataset, BadInputExitsWithCode2AndWritesNothing) {
+  TempDir d;
+  write_npy_dataset(d, 8);
+  auto train = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> a = {"train", "--run-dir", d.file("run"), "--set", "data.dataset=tensors",
+                                  "--set", "data.path=" + d.path(), "--set", "model.name=mlp",
+                                  "--set", "train.epochs=1", "--set", "train.progress=false"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_limbo(a);
+  };
+  auto ok = train({});
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  std::filesystem::remove_all(d.file("run"));
+  struct Case {
+    std::string file, bytes, needle;
+  };
+  std::vector<uint8_t> x(32, 1);
+  std::vector<Case> cases = {
+      {"train_x.npy", npy_bytes("|u1", {8, 1, 2, 2}, raw(x)).substr(0, 100), "truncated"},
+      {"train_x.npy", npy_bytes("<u2", {8, 1, 2, 2}, std::string(64, '\0')), "'<u2'"},
+      {"train_x.npy", npy_bytes("|u1", {8, 1, 2, 2}, raw(x), true), "Fortran order"},
+      {"train_y.npy", npy_bytes("|O", {8}, std::string(64, '\0')), "object array"},
+      {"train_y.npy", npy_bytes("<i8", {7}, std::string(56, '\0')), "lengths differ"},
+  };
+  for (const auto& c : cases) {
+    TempDir e;
+    write_npy_dataset(e, 8);
+    put(e.file(c.file), c.bytes);
+    auto r = run_limbo({"train", "--run-dir", d.file("run"), "--set", "data.dataset=tensors", "--set",
+                        "data.path=" + e.path(), "--set", "model.name=mlp", "--set", "train.progress=false"});
+    EXPECT_EQ(r.exit_code, 2) << c.needle << ": " << r.output;
+    EXPECT_NE(r.output.find(c.file), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(c.needle), std::string::npos) << r.output;
+    EXPECT_FALSE(file_exists(d.file("run"))) << c.needle << ": the run directory was created";
+  }
+}

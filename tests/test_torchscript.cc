@@ -1,0 +1,234 @@
+// A user's own TorchScript models and tensor-file datasets, trained by the
+// real `limbo` binary in every mode: single process, elastic data-parallel
+// (with a SIGKILLed worker), the parameter server and the simulator. The
+// models and data are written by tests/python/make_fixtures.py with PyTorch
+// for Python, as a user would write them; without python3-torch the tests
+// skip with a message.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <regex>
+
+#include "common/files.h"
+#include "test_util.h"
+
+namespace {
+
+using json = nlohmann::json;
+using limbo::file_exists;
+using limbo::testing::run_limbo;
+using limbo::testing::slurp;
+using limbo::testing::TempDir;
+
+const char* kPython = "/usr/bin/python3";
+
+// Fixtures shared by every test of this executable (written once).
+class Fixtures {
+ public:
+  static const Fixtures& get() {
+    static Fixtures f;
+    return f;
+  }
+  bool ok() const { return ok_; }
+  const std::string& why() const { return why_; }
+  std::string operator()(const std::string& name) const { return dir_.file(name); }
+
+ private:
+  Fixtures() {
+    if (!file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) {
+      why_ = "dataset-fashion-mnist is not installed";
+      return;
+    }
+    if (!file_exists(kPython)) {
+      why_ = "/usr/bin/python3 is not installed";
+      return;
+    }
+    const std::string log = dir_.file("fixtures.log");
+    pid_t pid = limbo::testing::spawn_process(
+        {kPython, std::string(LIMBO_SOURCE_DIR) + "/tests/python/make_fixtures.py", dir_.path()}, log);
+    auto r = limbo::testing::wait_child(pid, log);
+    ok_ = r.exit_code == 0;
+    if (!ok_) why_ = "make_fixtures.py failed (python3-torch and python3-numpy needed): " + r.output;
+  }
+  TempDir dir_;
+  bool ok_ = false;
+  std::string why_;
+};
+
+#define NEED_FIXTURES()                                        \
+  const Fixtures& fx = Fixtures::get();                        \
+  if (!fx.ok()) GTEST_SKIP() << fx.why();
+
+std::vector<std::string> cat(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// --set arguments for a user's model on a user's dataset.
+std::vector<std::string> user_job(const Fixtures& fx, const std::string& model, const std::string& data,
+                                  std::vector<std::string> extra = {}) {
+  std::vector<std::string> a = {"--set", "model.name=torchscript", "--set", "model.path=" + fx(model),
+                                "--set", "data.dataset=tensors", "--set", "data.path=" + fx(data),
+                                "--set", "train.progress=false", "--set", "data.batch_size=32",
+                                "--set", "optim.lr=0.05"};
+  for (const auto& e : extra) a.insert(a.end(), {"--set", e});
+  return a;
+}
+
+json summary(const std::string& run) { return json::parse(slurp(run + "/summary.json")); }
+double s_staleness(const std::string& run) { return summary(run)["staleness_mean"].get<double>(); }
+
+}  // namespace
+
+TEST(TorchScript, CnnWithBatchNormAndDropoutTrainsSingleProcess) {
+  NEED_FIXTURES();
+  TempDir d;
+  auto r = run_limbo(cat({"train", "--run-dir", d.file("run")},
+                         user_job(fx, "cnn_bn.pt", "fmnist_npy", {"train.epochs=2"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = summary(d.file("run"));
+  EXPECT_EQ(s["model"], "torchscript");
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.78) << s.dump();
+  // The checkpoint holds the user's parameter and buffer names.
+  auto ev = run_limbo({"eval", "--checkpoint", d.file("run/checkpoint.pt")});
+  ASSERT_EQ(ev.exit_code, 0) << ev.output;
+  auto e = json::parse(ev.output.substr(ev.output.find('{')));
+  EXPECT_NEAR(e["test_accuracy"].get<double>(), s["test_accuracy"].get<double>(), 1e-9);
+}
+
+TEST(TorchScript, GruOverImageRowsFromFloat16Safetensors) {
+  NEED_FIXTURES();
+  TempDir d;
+  auto r = run_limbo(cat({"train", "--run-dir", d.file("run")},
+                         user_job(fx, "gru_rows.pt", "fmnist_st", {"train.epochs=2", "optim.lr=0.1"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_GT(summary(d.file("run"))["test_accuracy"].get<double>(), 0.65) << r.output;
+}
+
+TEST(TorchScript, AModuleThatComputesItsOwnLossReportsAccuracyThroughPredict) {
+  NEED_FIXTURES();
+  TempDir d;
+  auto r = run_limbo(cat({"train", "--run-dir", d.file("run")},
+                         user_job(fx, "module_loss.pt", "fmnist_npy", {"model.loss=module", "train.epochs=1"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = summary(d.file("run"));
+  EXPECT_EQ(s["loss"], "module");
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.7) << s.dump();
+}
+
+TEST(TorchScript, MseRegressionReportsTestLossWithoutAccuracy) {
+  NEED_FIXTURES();
+  TempDir d;
+  auto r = run_limbo(cat({"train", "--run-dir", d.file("run")},
+                         user_job(fx, "regress.pt", "regress_npy", {"model.loss=mse", "train.epochs=3"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = summary(d.file("run"));
+  EXPECT_TRUE(s["test_accuracy"].is_null()) << s.dump();
+  // Targets have variance ~ |w|^2 ~ 8 per output; a fit gets close to the noise.
+  EXPECT_LT(s["test_loss"].get<double>(), 0.1) << s.dump();
+}
+
+TEST(TorchScript, ModelAndDataMismatchesExitWith2AndWriteNothing) {
+  NEED_FIXTURES();
+  TempDir d;
+  struct Case {
+    std::vector<std::string> args;
+    std::vector<std::string> needles;
+  };
+  std::vector<Case> cases = {
+      // Labels go to 9, the model has 5 outputs.
+      {user_job(fx, "five_classes.pt", "fmnist_npy"), {"train_y.npy", "has the label", "outside [0, 5)"}},
+      {user_job(fx, "regress.pt", "fmnist_npy"), {"cannot run on this data"}},
+      {user_job(fx, "cnn_bn.pt", "regress_npy"), {"needs integer labels", "train_y.npy"}},
+      {user_job(fx, "regress.pt", "regress_npy", {"model.loss=module"}), {"forward"}},
+      {user_job(fx, "missing.pt", "fmnist_npy"), {"missing.pt", "does not exist"}},
+      {user_job(fx, "fmnist_npy/train_y.npy", "fmnist_npy"), {"train_y.npy", "cannot be loaded"}},
+      {{"--set", "model.name=lenet", "--set", "data.dataset=tensors", "--set", "data.path=" + fx("regress_npy")},
+       {"integer labels"}},
+  };
+  for (const auto& c : cases) {
+    auto r = run_limbo(cat({"train", "--run-dir", d.file("run")}, c.args));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    for (const auto& n : c.needles) EXPECT_NE(r.output.find(n), std::string::npos) << n << " in " << r.output;
+    EXPECT_FALSE(file_exists(d.file("run"))) << r.output;
+  }
+}
+
+TEST(TorchScript, ElasticTwoWorkersSurviveASigkill) {
+  NEED_FIXTURES();
+  TempDir d;
+  const std::string run = d.file("run"), log = d.file("launch.log");
+  pid_t launcher = limbo::testing::spawn_limbo(
+      cat({"launch", "--nproc", "2", "--min-workers", "1", "--", "--run-dir", run},
+          user_job(fx, "cnn_bn.pt", "fmnist_npy",
+                   {"train.epochs=3", "train.threads=1", "elastic.collective_timeout=2"})),
+      log);
+  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 90)) << slurp(log);
+  std::smatch m;
+  std::string text = slurp(log);
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("worker rank 1 pid ([0-9]+)"))) << text;
+  ASSERT_EQ(::kill(std::stoi(m[1]), SIGKILL), 0);
+  auto r = limbo::testing::wait_child(launcher, log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = summary(run);
+  EXPECT_EQ(s["workers"].get<int64_t>(), 1);
+  EXPECT_GE(s["membership_changes"].get<int64_t>(), 1);
+  EXPECT_EQ(s["samples"].get<int64_t>(), 3 * 6000);
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.78) << s.dump();
+}
+
+TEST(TorchScript, ParameterServerTwoLearners) {
+  NEED_FIXTURES();
+  TempDir d;
+  const std::string run = d.file("run");
+  auto r = run_limbo(cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2", "--protocol",
+                          "softsync", "--run-dir", run, "--"},
+                         user_job(fx, "cnn_bn.pt", "fmnist_npy",
+                                  {"train.epochs=2", "train.threads=1", "ps.request_timeout=30"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = summary(run);
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.75) << s.dump();
+}
+
+TEST(TorchScript, SimulatorWithFourVirtualLearners) {
+  NEED_FIXTURES();
+  TempDir d;
+  const std::string run = d.file("run");
+  // Every gradient is an update (4-softsync with 4 learners): staleness ~3.
+  auto r = run_limbo(cat({"sim", "--run-dir", run, "--set", "sim.learners=4", "--set", "ps.softsync_n=4"},
+                         user_job(fx, "cnn_bn.pt", "fmnist_npy",
+                                  {"train.epochs=2", "optim.momentum=0", "optim.lr=0.1"})));
+  EXPECT_GT(s_staleness(run), 2.0);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = summary(run);
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.7) << s.dump();
+}
+
+// BatchNorm statistics are averaged across data-parallel members (in the
+// gradient all-reduce), so 2 workers x 32 evaluate like 1 process x 64.
+TEST(TorchScript, BatchNormDataParallelEvaluatesLikeSingleProcess) {
+  NEED_FIXTURES();
+  TempDir d;
+  auto single = run_limbo(cat({"train", "--run-dir", d.file("one")},
+                              user_job(fx, "cnn_bn.pt", "fmnist_npy",
+                                       {"train.epochs=2", "data.batch_size=64", "train.threads=1"})));
+  ASSERT_EQ(single.exit_code, 0) << single.output;
+  auto dp = run_limbo(cat({"launch", "--nproc", "2", "--min-workers", "1", "--", "--run-dir", d.file("two")},
+                          user_job(fx, "cnn_bn.pt", "fmnist_npy",
+                                   {"train.epochs=2", "data.batch_size=32", "train.threads=1",
+                                    "train.sample_log=true"})));
+  ASSERT_EQ(dp.exit_code, 0) << dp.output;
+  // Both members end with the same weights and the same BatchNorm statistics.
+  std::vector<std::string> finals;
+  for (const auto& e : std::filesystem::directory_iterator(d.file("two")))
+    if (e.path().filename().string().rfind("final-", 0) == 0) finals.push_back(slurp(e.path()));
+  ASSERT_EQ(finals.size(), 2u);
+  EXPECT_EQ(finals[0], finals[1]);
+  const double a1 = summary(d.file("one"))["test_accuracy"], a2 = summary(d.file("two"))["test_accuracy"];
+  EXPECT_GT(a2, 0.78);
+  EXPECT_NEAR(a1, a2, 0.03) << "single " << a1 << ", data-parallel " << a2;
+}
