@@ -82,7 +82,7 @@ struct CheckpointArgs {
   std::string format = "auto";         // export: torchscript | safetensors | auto (by extension)
 };
 int run_eval(const CheckpointArgs& a);
-// "test accuracy 88.52% (test loss 0.3331)", or "test loss 0.0123" for
+// "test accuracy: 88.52% (test loss 0.3331)", or "test loss: 0.0123" for
 // models without accuracy (regression, a module loss without predict).
 std::string test_result(const nlohmann::json& summary);
 int run_export(const CheckpointArgs& a);

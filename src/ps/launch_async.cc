@@ -253,7 +253,7 @@ class AsyncJob {
     write_file_atomic(opt_.run_dir + "/summary.json", s.dump(2) + "\n");
     char buf[256];
     std::snprintf(buf, sizeof buf, "launch: done in %.1f s; test accuracy %s; staleness mean %.2f, p99 %ld, max %ld",
-                  wall, fin.value("test_accuracy", json()).is_number() ? std::to_string(100 * fin["test_accuracy"].get<double>()).c_str() : "n/a",
+                  wall, fin.is_object() && fin.value("test_accuracy", json()).is_number() ? std::to_string(100 * fin["test_accuracy"].get<double>()).c_str() : "n/a",
                   st.mean, static_cast<long>(st.p99), static_cast<long>(st.max));
     log_info(buf);
   }
