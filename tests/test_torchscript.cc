@@ -120,6 +120,16 @@ TEST(TorchScript, AModuleThatComputesItsOwnLossReportsAccuracyThroughPredict) {
   EXPECT_GT(s["test_accuracy"].get<double>(), 0.7) << s.dump();
 }
 
+TEST(TorchScript, PerTokenLabelsWithCrossEntropy) {
+  NEED_FIXTURES();
+  TempDir d;
+  auto r = run_limbo(cat({"train", "--run-dir", d.file("run")},
+                         user_job(fx, "tagger.pt", "tokens_npy", {"train.epochs=3", "optim.lr=0.1"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Accuracy counts every token: argmax of 4 features is learnable almost exactly.
+  EXPECT_GT(summary(d.file("run"))["test_accuracy"].get<double>(), 0.85) << r.output;
+}
+
 TEST(TorchScript, MseRegressionReportsTestLossWithoutAccuracy) {
   NEED_FIXTURES();
   TempDir d;

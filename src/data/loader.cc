@@ -23,17 +23,22 @@ Batch make_tensor_batch(const Dataset& d, const Normalization& norm,
   const int64_t channels = norm.mean.empty() ? 0 : static_cast<int64_t>(norm.mean.size());
   const int64_t inner = channels > 0 ? xrow / channels : 0;
   float* x = b.x.data_ptr<float>();
+  const float base = xs.dtype == DType::U8 ? 1.0f / 255.0f : 1.0f;
   for (int64_t i = 0; i < n; ++i) {
     float* q = x + i * xrow;
-    to_float(xs.dtype, xs.row(ids[i]), xrow, q);
-    const float base = xs.dtype == DType::U8 ? 1.0f / 255.0f : 1.0f;
-    if (channels == 0) {
-      if (base != 1.0f)
-        for (int64_t k = 0; k < xrow; ++k) q[k] *= base;
+    if (xs.dtype == DType::U8) {  // one pass: uint8 -> scaled (and normalised) float
+      const uint8_t* p = xs.row(ids[i]);
+      const int64_t groups = channels > 0 ? channels : 1, len = channels > 0 ? inner : xrow;
+      for (int64_t c = 0; c < groups; ++c) {
+        const float scale = channels > 0 ? base / norm.std[c] : base;
+        const float shift = channels > 0 ? -norm.mean[c] / norm.std[c] : 0.0f;
+        for (int64_t k = c * len; k < (c + 1) * len; ++k) q[k] = p[k] * scale + shift;
+      }
       continue;
     }
+    to_float(xs.dtype, xs.row(ids[i]), xrow, q);  // other dtypes: as they are
     for (int64_t c = 0; c < channels; ++c) {
-      const float scale = base / norm.std[c], shift = -norm.mean[c] / norm.std[c];
+      const float scale = 1.0f / norm.std[c], shift = -norm.mean[c] / norm.std[c];
       float* r = q + c * inner;
       for (int64_t k = 0; k < inner; ++k) r[k] = r[k] * scale + shift;
     }

@@ -9,11 +9,13 @@ OUT_DIR/
   fmnist_npy/          train_x.npy (uint8 [N,1,28,28]), train_y.npy (int64), test_*
   fmnist_st/           train.safetensors, test.safetensors (x float16 [N,28,28], y int32)
   regress_npy/         x float32 [N,8], y float32 [N,2] (a noisy linear map)
+  tokens_npy/          x float32 [N,12,6], y int64 [N,12]: per-token labels (argmax of 4 features)
   cnn_bn.pt            small CNN with BatchNorm and dropout (scripted)
   gru_rows.pt          GRU reading the image rows, classifier on the last state (scripted)
   module_loss.pt       forward(x, y) returns the loss; predict(x) returns scores
   regress.pt           two-layer regression net (traced), for model.loss = mse
   five_classes.pt      a classifier with only 5 outputs (labels go to 9)
+  tagger.pt            per-token classifier: [B, T, 6] -> scores [B, 4, T]
 """
 import argparse
 import gzip
@@ -95,6 +97,16 @@ class ModuleLoss(nn.Module):
         return self.body(x)
 
 
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.proj(x))).permute(0, 2, 1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -131,6 +143,14 @@ def main():
         np.save(f"{d}/{split}_x.npy", x)
         np.save(f"{d}/{split}_y.npy", y)
 
+    d = os.path.join(a.out, "tokens_npy")
+    os.makedirs(d, exist_ok=True)
+    for split, n in (("train", 2000), ("test", 500)):
+        x = rng.normal(size=(n, 12, 6)).astype(np.float32)
+        np.save(f"{d}/{split}_x.npy", x)
+        np.save(f"{d}/{split}_y.npy", x[:, :, :4].argmax(-1).astype(np.int64))
+
+    torch.jit.save(torch.jit.script(Tagger()), f"{a.out}/tagger.pt")
     torch.jit.save(torch.jit.script(CnnBn()), f"{a.out}/cnn_bn.pt")
     torch.jit.save(torch.jit.script(GruRows()), f"{a.out}/gru_rows.pt")
     torch.jit.save(torch.jit.script(ModuleLoss()), f"{a.out}/module_loss.pt")
