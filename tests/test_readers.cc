@@ -8,11 +8,13 @@
 #include "data/idx.h"
 #include "data/registry.h"
 #include "data/synthetic.h"
+#include "expect_invalid.h"
 #include "test_util.h"
 
 using namespace limbo;
 using namespace limbo::data;
 using limbo::testing::idx_bytes;
+using limbo::testing::expect_invalid;
 using limbo::testing::TempDir;
 using limbo::testing::write_bytes;
 
@@ -22,18 +24,6 @@ std::vector<uint8_t> ramp(size_t n, int mod = 256) {
   std::vector<uint8_t> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(i % mod);
   return v;
-}
-
-// Expects InvalidInput whose message contains every needle.
-template <typename F>
-void expect_invalid(F&& f, std::vector<std::string> needles) {
-  try {
-    f();
-    FAIL() << "expected InvalidInput";
-  } catch (const InvalidInput& e) {
-    std::string msg = e.what();
-    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << msg;
-  }
 }
 
 class IdxTest : public ::testing::TestWithParam<bool> {};  // param: gzip

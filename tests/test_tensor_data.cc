@@ -14,25 +14,16 @@
 #include "data/tensor_dataset.h"
 #include "data/tensor_file.h"
 #include "train/safetensors.h"
+#include "expect_invalid.h"
 #include "test_util.h"
 
 using namespace limbo;
 using namespace limbo::data;
 using limbo::testing::run_limbo;
+using limbo::testing::expect_invalid;
 using limbo::testing::TempDir;
 
 namespace {
-
-template <typename F>
-void expect_invalid(F&& f, std::vector<std::string> needles) {
-  try {
-    f();
-    FAIL() << "expected InvalidInput";
-  } catch (const InvalidInput& e) {
-    std::string msg = e.what();
-    for (const auto& n : needles) EXPECT_NE(msg.find(n), std::string::npos) << msg;
-  }
-}
 
 // An .npy file as np.save writes it (format 1.0, header padded to 64 bytes).
 std::string npy_bytes(const std::string& descr, const std::vector<int64_t>& shape,

@@ -7,7 +7,6 @@ test loss and accuracy as `limbo eval` (no Limbo code involved).
 usage: test_export_roundtrip.py LIMBO_BINARY
 Exit code 77 (skipped) without python3-torch or the Fashion-MNIST package.
 """
-import gzip
 import json
 import os
 import struct
@@ -22,16 +21,9 @@ except ImportError as e:  # pragma: no cover
     print(f"SKIP: {e}")
     sys.exit(77)
 
-FMNIST = "/usr/share/datasets/fashion-mnist"
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def idx(path):
-    with gzip.open(path) as f:
-        data = f.read()
-    nd = data[3]
-    dims = struct.unpack(">" + "I" * nd, data[4:4 + 4 * nd])
-    return np.frombuffer(data[4 + 4 * nd:], np.uint8).reshape(dims)
+sys.path.insert(0, HERE)
+from make_fixtures import FMNIST, idx  # noqa: E402
 
 
 def run(*args):
