@@ -48,6 +48,43 @@ TEST(BatchPolicy, DynamicRampsUpOverTAndDropsAtOnce) {
   }
 }
 
+// A shrink while a ramp up is unfinished: mid-ramp at 1.75 towards 4 (batch
+// 64 -> 256, T = 8, three steps in), the batch shrinks to 128 (target 2).
+// The multiplier must not jump up to 2: it goes on from 1.75 and reaches 2
+// gradually, and it never rises at the shrink itself.
+TEST(BatchPolicy, AShrinkMidRampNeverRaisesTheRate) {
+  for (bool ramp_down : {false, true}) {
+    auto o = opts(BatchPolicyKind::Dynamic, 8);
+    o.ramp_down = ramp_down;
+    BatchSizePolicy p(o);
+    for (int64_t t = 0; t < 10; ++t) p.step(t, 64);
+    double m = 0;
+    for (int64_t t = 10; t <= 13; ++t) m = p.step(t, 256).multiplier;
+    ASSERT_NEAR(m, 2.125, 1e-12);  // 1 + 3 * 3/8 at t = 13
+    // At 2.125 the new target 2 lies below: the shrink lowers the rate.
+    auto s = p.step(14, 128);
+    EXPECT_TRUE(s.changed);
+    EXPECT_LE(s.multiplier, m + 1e-12);
+    // The reported case: a ramp 1 -> 4 from t = 10 is at 1.75 at t = 12.
+    BatchSizePolicy q(o);
+    for (int64_t t = 0; t < 10; ++t) q.step(t, 64);
+    for (int64_t t = 10; t <= 12; ++t) m = q.step(t, 256).multiplier;
+    ASSERT_NEAR(m, 1.75, 1e-12);
+    auto at_shrink = q.step(13, 128);
+    EXPECT_TRUE(at_shrink.changed);
+    EXPECT_NEAR(at_shrink.multiplier, 1.75, 1e-12) << "ramp_down " << ramp_down;
+    double prev = at_shrink.multiplier;
+    for (int64_t t = 14; t < 40; ++t) {
+      double now = q.step(t, 128).multiplier;
+      EXPECT_GE(now, prev - 1e-12);        // continuous, towards the target
+      EXPECT_LE(now, 2.0 + 1e-12);         // never above the new target
+      EXPECT_LE(now - prev, 0.25 / 8 * 2 + 1e-12);  // no jump
+      prev = now;
+    }
+    EXPECT_NEAR(prev, 2.0, 1e-12);
+  }
+}
+
 TEST(BatchPolicy, DynamicCanRampDownToo) {
   auto o = opts(BatchPolicyKind::Dynamic, 8);
   o.ramp_down = true;

@@ -250,6 +250,52 @@ TEST(Elastic, StoppedWorkerIsDetectedByTimeout) {
   expect_identical_finals(job.run, 2);
 }
 
+// ISGD's control window holds one epoch of global batches: with 2 workers of
+// batch 8 on 3000 samples that is 188 batches, not the 375 of one worker.
+TEST(Elastic, IsgdWindowIsOneEpochOfTheGroupsBatches) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  job.start(2, 1, 2, {}, {"--set", "optim.algorithm=isgd"});
+  auto r = job.finish();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::istringstream in(slurp(job.run + "/metrics.jsonl"));
+  int epochs = 0;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] != "isgd_epoch") continue;
+    EXPECT_EQ(j["window"].get<int64_t>(), 188) << line;
+    epochs += 1;
+  }
+  EXPECT_EQ(epochs, 2);
+}
+
+// A peer killed while the group runs ISGD's extra iterations (their
+// all-reduces): the survivors re-form and go on instead of dying. With k = 0
+// most batches after the first epoch trigger, so most of a step's time is
+// spent in extra iterations; the kill is repeated (fresh job) until a
+// survivor reports that it hit them, at most 4 times.
+TEST(Elastic, APeerLostDuringIsgdExtraIterationsReformsTheGroup) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  bool hit = false;
+  for (int attempt = 0; attempt < 4 && !hit; ++attempt) {
+    Job job;
+    job.start(3, 1, 3, {},
+              {"--set", "optim.algorithm=isgd", "--set", "isgd.k=0", "--set", "isgd.stop=8"});
+    ASSERT_TRUE(limbo::testing::wait_for_text(job.run + "/metrics.jsonl", "\"kind\":\"isgd_batch\"", 120))
+        << slurp(job.log);
+    ASSERT_EQ(::kill(rank_pid(job.log, 1), SIGKILL), 0);
+    auto r = job.finish();
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    hit = r.output.find("ISGD's extra iterations after step") != std::string::npos;
+    auto s = job.summary();
+    EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+    EXPECT_EQ(s["samples"].get<int64_t>(), 3 * 3000);
+    expect_exactly_once(job.run, 3, 3000);
+    expect_identical_finals(job.run, 2);
+  }
+  EXPECT_TRUE(hit) << "no kill landed in ISGD's extra iterations in 4 attempts";
+}
+
 TEST(Elastic, AWorkerStartedByHandJoinsARunningJob) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   Job job;

@@ -60,6 +60,31 @@ TEST(IsgdController, NothingTriggersBeforeTheWindowIsFull) {
   EXPECT_EQ(c.end_epoch().triggered, 0);
 }
 
+// Elastic training: the window follows the global batch. With R workers an
+// epoch has 1/R of the batches, so the window shrinks and keeps the newest
+// losses; a state synced from a bigger window is taken whole first.
+TEST(IsgdController, WindowFollowsTheBatchesPerEpoch) {
+  IsgdOptions o;
+  IsgdController c(o, 100);
+  for (int i = 0; i < 100; ++i) c.observe(i);
+  c.set_batches_per_epoch(50);
+  EXPECT_EQ(c.window().capacity(), 50);
+  ASSERT_EQ(c.window().values().size(), 50u);
+  EXPECT_EQ(c.window().values().front(), 50.0);
+  EXPECT_EQ(c.window().values().back(), 99.0);
+  IsgdController joiner(o, 20);  // sized before it knows the world
+  joiner.load_state(c.state());
+  EXPECT_EQ(joiner.window().values().size(), 50u);
+  joiner.set_batches_per_epoch(50);
+  EXPECT_EQ(joiner.window().values(), c.window().values());
+  IsgdOptions fixed;
+  fixed.window = 30;
+  IsgdController f(fixed, 100);
+  f.set_batches_per_epoch(10);
+  EXPECT_EQ(f.window().capacity(), 30);  // an explicit isgd.window stays
+  EXPECT_THROW(f.load_state(c.state()), InvalidInput);
+}
+
 TEST(IsgdStep, PlainStepIsTheGradientOfPhi) {
   auto w = torch::randn({50}, torch::kFloat64), g = torch::randn({50}, torch::kFloat64);
   auto a = torch::randn({50}, torch::kFloat64);

@@ -5,7 +5,10 @@
 // for Python, as a user would write them; without python3-torch the tests
 // skip with a message.
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -26,7 +29,9 @@ using limbo::testing::TempDir;
 
 const char* kPython = "/usr/bin/python3";
 
-// Fixtures shared by every test of this executable (written once).
+// Fixtures shared by every test (ctest runs each test in its own process):
+// written once into the build tree under a file lock, rewritten when
+// make_fixtures.py changes.
 class Fixtures {
  public:
   static const Fixtures& get() {
@@ -35,7 +40,7 @@ class Fixtures {
   }
   bool ok() const { return ok_; }
   const std::string& why() const { return why_; }
-  std::string operator()(const std::string& name) const { return dir_.file(name); }
+  std::string operator()(const std::string& name) const { return dir_ + "/" + name; }
 
  private:
   Fixtures() {
@@ -47,14 +52,25 @@ class Fixtures {
       why_ = "/usr/bin/python3 is not installed";
       return;
     }
-    const std::string log = dir_.file("fixtures.log");
-    pid_t pid = limbo::testing::spawn_process(
-        {kPython, std::string(LIMBO_SOURCE_DIR) + "/tests/python/make_fixtures.py", dir_.path()}, log);
-    auto r = limbo::testing::wait_child(pid, log);
-    ok_ = r.exit_code == 0;
-    if (!ok_) why_ = "make_fixtures.py failed (python3-torch and python3-numpy needed): " + r.output;
+    const std::string script = std::string(LIMBO_SOURCE_DIR) + "/tests/python/make_fixtures.py";
+    std::filesystem::create_directories(dir_);
+    int lock = ::open((dir_ + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+    if (lock >= 0) ::flock(lock, LOCK_EX);
+    const std::string stamp = dir_ + "/done";
+    std::error_code ec;
+    ok_ = file_exists(stamp) &&
+          std::filesystem::last_write_time(stamp, ec) >= std::filesystem::last_write_time(script, ec);
+    if (!ok_) {
+      const std::string log = dir_ + "/fixtures.log";
+      pid_t pid = limbo::testing::spawn_process({kPython, script, dir_}, log);
+      auto r = limbo::testing::wait_child(pid, log);
+      ok_ = r.exit_code == 0;
+      if (ok_) limbo::testing::write_bytes(stamp, "", false);
+      else why_ = "make_fixtures.py failed (python3-torch and python3-numpy needed): " + r.output;
+    }
+    if (lock >= 0) ::close(lock);  // releases the lock
   }
-  TempDir dir_;
+  std::string dir_ = LIMBO_FIXTURE_DIR;
   bool ok_ = false;
   std::string why_;
 };
@@ -98,6 +114,17 @@ TEST(TorchScript, CnnWithBatchNormAndDropoutTrainsSingleProcess) {
   ASSERT_EQ(ev.exit_code, 0) << ev.output;
   auto e = json::parse(ev.output.substr(ev.output.find('{')));
   EXPECT_NEAR(e["test_accuracy"].get<double>(), s["test_accuracy"].get<double>(), 1e-9);
+}
+
+TEST(TorchScript, ACheckpointForAnotherModuleIsRefusedNamingTheTensor) {
+  NEED_FIXTURES();
+  TempDir d;
+  auto r = run_limbo(cat({"train", "--run-dir", d.file("run")},
+                         user_job(fx, "cnn_bn.pt", "fmnist_npy", {"train.max_steps=5"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto ev = run_limbo({"eval", "--checkpoint", d.file("run/checkpoint.pt"), "--set", "model.path=" + fx("gru_rows.pt")});
+  EXPECT_EQ(ev.exit_code, 2) << ev.output;
+  EXPECT_NE(ev.output.find("written for another model"), std::string::npos) << ev.output;
 }
 
 TEST(TorchScript, GruOverImageRowsFromFloat16Safetensors) {

@@ -1,5 +1,7 @@
 #include "cli/schema.h"
 
+#include <filesystem>
+
 #include <ctime>
 
 #include "common/error.h"
@@ -222,6 +224,13 @@ Config resolve_config(const std::string& config_file, const std::vector<std::str
   Config cfg(train_schema());
   if (!config_file.empty()) cfg.load_toml_file(config_file);
   for (const auto& o : overrides) cfg.apply_override(o);
+  // The user's files are stored with absolute paths (config.toml, checkpoints),
+  // so `limbo eval` / `export` find them from any directory.
+  for (const char* key : {"model.path", "data.path"}) {
+    const std::string& v = cfg.get_string(key);
+    if (!v.empty() && v[0] != '/')
+      cfg.set_text(key, std::filesystem::absolute(v).lexically_normal().string(), "absolute path of " + v);
+  }
   return cfg;
 }
 

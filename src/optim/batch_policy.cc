@@ -45,7 +45,11 @@ BatchSizePolicy::Step BatchSizePolicy::step(int64_t iteration, int64_t global_ba
         from_ = current_;
         to_ = target(global_batch);
         ramp_start_ = iteration;
-        if (!grows && !opt_.ramp_down) from_ = to_;  // drop at once
+        // A shrink never raises the rate: to a lower target it drops at once
+        // (or ramps down with ramp_down); a target still above the current
+        // multiplier (a shrink during an unfinished ramp up) is approached
+        // gradually from where the multiplier is.
+        if (!grows && !opt_.ramp_down && to_ < current_) from_ = to_;
         break;
     }
     if (opt_.kind != BatchPolicyKind::Dynamic) current_ = to_;

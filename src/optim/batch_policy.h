@@ -13,7 +13,10 @@
 //            when the batch grows. When it shrinks it drops at once (default),
 //            because a ramp down keeps a too-large step for the now noisier
 //            batch; `ramp_down` ramps in both directions instead. A change
-//            during a ramp starts from the multiplier in effect then.
+//            during a ramp starts from the multiplier in effect then, and a
+//            shrink never raises it: when a shrink's target is still above
+//            the multiplier (an unfinished ramp up), the ramp goes on from
+//            there to the lower target.
 //
 // Momentum at a change: keep the buffer (default, as the re-implementations
 // do), reset it to zero, or rescale it by the multiplier's jump at the change

@@ -1,5 +1,7 @@
 #include "optim/isgd.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace limbo::optim {
@@ -78,15 +80,26 @@ void IsgdController::load_state(const torch::Tensor& t) {
   auto c = t.contiguous().to(torch::kFloat64);
   const double* p = c.data_ptr<double>();
   int64_t n = c.numel();
-  if (n < 4 || n - 4 > window_.capacity())
+  if (n < 4 || (n - 4 > window_.capacity() && opt_.window > 0))
     throw InvalidInput("checkpoint: ISGD state does not fit a window of " +
                        std::to_string(window_.capacity()) + " batches");
   total_triggered_ = static_cast<int64_t>(p[0]);
   total_extra_ = static_cast<int64_t>(p[1]);
   epoch_triggered_ = static_cast<int64_t>(p[2]);
   epoch_extra_ = static_cast<int64_t>(p[3]);
-  window_ = ControlWindow(window_.capacity());
+  window_ = ControlWindow(std::max(window_.capacity(), n - 4));
   for (int64_t i = 4; i < n; ++i) window_.push(p[i]);
+}
+
+void IsgdController::set_batches_per_epoch(int64_t n) {
+  if (opt_.window > 0) return;
+  n = std::max<int64_t>(n, 2);
+  if (n == window_.capacity()) return;
+  ControlWindow w(n);
+  const auto& v = window_.values();
+  const int64_t keep = std::min<int64_t>(n, static_cast<int64_t>(v.size()));
+  for (auto it = v.end() - keep; it != v.end(); ++it) w.push(*it);
+  window_ = std::move(w);
 }
 
 void isgd_phi_grad(torch::Tensor& out, const torch::Tensor& w, const torch::Tensor& grad,

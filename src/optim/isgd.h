@@ -81,9 +81,16 @@ class IsgdController {
   const IsgdOptions& options() const { return opt_; }
   const ControlWindow& window() const { return window_; }
 
-  // Window and counters as a tensor (for checkpoints), and back.
+  // Window and counters as a tensor (for checkpoints), and back. Without an
+  // explicit isgd.window, a state holding more losses than the window grows it
+  // (a member that synced from a job of another world size); call
+  // set_batches_per_epoch afterwards.
   torch::Tensor state() const;
   void load_state(const torch::Tensor& t);
+  // The global batch changed (elastic training): without an explicit
+  // isgd.window, the window becomes one epoch of the new global batches,
+  // keeping the newest losses.
+  void set_batches_per_epoch(int64_t n);
 
  private:
   IsgdOptions opt_;

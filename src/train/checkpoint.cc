@@ -52,6 +52,15 @@ void load_into(torch::nn::Module& m, torch::serialize::InputArchive& ar, const s
   }
 }
 
+// The first entry where two model descriptions differ, for messages.
+std::string first_difference(const std::vector<std::string>& a, const std::vector<std::string>& b) {
+  for (size_t i = 0; i < std::max(a.size(), b.size()); ++i) {
+    const std::string x = i < a.size() ? a[i] : "(nothing)", y = i < b.size() ? b[i] : "(nothing)";
+    if (x != y) return "the checkpoint has " + x + " where this model has " + y;
+  }
+  return "";
+}
+
 int64_t read_int(torch::serialize::InputArchive& ar, const std::string& key,
                  const std::string& file) {
   torch::Tensor t;
@@ -89,6 +98,9 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
     s.write("rng", gen.get_state());
   }
   s.write("config", bytes_tensor(st.config_toml));
+  std::string desc;
+  for (const auto& e : model_description(model)) desc += e + "\n";
+  s.write("model_description", bytes_tensor(desc));
   if (!st.extra.empty()) {
     torch::serialize::OutputArchive e;
     for (const auto& [name, t] : st.extra) e.write(name, t);
@@ -119,6 +131,17 @@ TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, op
     throw InvalidInput("checkpoint '" + path + "' lacks its model/ or state/ section");
   if (read_int(s, "format_version", path) != kFormatVersion)
     throw InvalidInput("checkpoint '" + path + "' has an unsupported format version");
+  torch::Tensor stored_desc;
+  if (s.try_read("model_description", stored_desc)) {  // absent in older checkpoints
+    std::vector<std::string> stored;
+    std::string text = tensor_bytes(stored_desc);
+    for (size_t at = 0, nl; (nl = text.find('\n', at)) != std::string::npos; at = nl + 1)
+      stored.push_back(text.substr(at, nl - at));
+    auto diff = first_difference(stored, model_description(model));
+    if (!diff.empty())
+      throw InvalidInput("checkpoint '" + path + "' was written for another model: " + diff +
+                         " (another model.path, model or dataset?)");
+  }
   load_into(model, m, path, "");
   if (sgd) {
     torch::Tensor buf;
@@ -144,6 +167,16 @@ TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, op
       if (e.try_read(key, t)) st.extra[key] = t;
     }
   return st;
+}
+
+std::vector<std::string> model_description(torch::nn::Module& m) {
+  std::vector<std::string> out;
+  auto add = [&](const std::string& kind, const std::string& name, const torch::Tensor& t) {
+    out.push_back(kind + " " + name + c10::str(t.sizes()) + ":" + std::string(c10::toString(t.scalar_type())));
+  };
+  for (const auto& p : m.named_parameters(true)) add("parameter", p.key(), p.value());
+  for (const auto& b : m.named_buffers(true)) add("buffer", b.key(), b.value());
+  return out;
 }
 
 std::string read_checkpoint_config(const std::string& path) {

@@ -3,7 +3,10 @@
 //   model/   parameters and buffers, nested by submodule (nn::Module layout)
 //   optim/   momentum_buffer (absent before the first momentum step)
 //   state/   step, epoch, position, samples, format_version, rng (torch CPU
-//            generator state), config (resolved TOML, as uint8 bytes)
+//            generator state), config (resolved TOML, as uint8 bytes),
+//            model_description (every parameter's and buffer's name, shape
+//            and dtype; a checkpoint for another model is refused naming the
+//            first tensor that differs)
 //
 // Files are written atomically (temp file + rename). PyTorch for Python reads
 // them with torch.jit.load(path); ckpt.model.state_dict() has the usual
@@ -14,6 +17,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "data/sampler.h"
 #include "optim/sgd.h"
@@ -35,6 +39,10 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
 // views survive) and optimizer; restores the torch RNG. Throws InvalidInput
 // naming the file and the mismatching tensor on a missing file or shape clash.
 TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Sgd* sgd);
+
+// The model's fingerprint stored in every checkpoint (state/model_description)
+// and checked on load: one "parameter|buffer NAME[SHAPE]:DTYPE" per tensor.
+std::vector<std::string> model_description(torch::nn::Module& m);
 
 // Reads only the resolved config stored in a checkpoint.
 std::string read_checkpoint_config(const std::string& path);

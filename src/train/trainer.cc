@@ -22,6 +22,11 @@ models::InputSpec input_spec(const data::Dataset& d) {
 
 namespace {
 
+// Failures of a peer, after which an elastic group re-forms.
+bool recoverable(const Error& e) {
+  return dynamic_cast<const PeerFailure*>(&e) != nullptr || dynamic_cast<const Timeout*>(&e) != nullptr;
+}
+
 data::Normalization choose_normalization(const std::string& mode, const data::Dataset& train) {
   if (mode == "standardize" || (mode == "auto" && !train.tensors))
     return data::compute_normalization(train);
@@ -138,6 +143,9 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
   writer_ = est.rank == 0;
   r.run_dir.set_writer(writer_);
   r.loader->restart(state_.cursor, r.world, est.rank);
+  if (isgd_)  // the control window holds one epoch of the new global batches
+    isgd_->set_batches_per_epoch(data::batches_per_epoch(
+        r.n, cfg_.loader.batch_size * r.world, cfg_.loader.drop_last));
   r.pending_event = est.event;
   r.pending_event["detection_seconds"] = detection;
   r.pending_since = detected;
@@ -201,8 +209,7 @@ bool Trainer::train_step(Run& r) {
   try {
     r.res = rule_->apply(ctx);
   } catch (const Error& e) {
-    const bool recoverable = dynamic_cast<const PeerFailure*>(&e) || dynamic_cast<const Timeout*>(&e);
-    if (!r.elastic || !recoverable) throw;
+    if (!r.elastic || !recoverable(e)) throw;
     // The step did not commit here: re-form, take the newest state, redo.
     log_warn(std::string("step ") + std::to_string(state_.step + 1) + " failed: " + e.what());
     reform(r, std::string("failure: ") + e.what(), apply_start, seconds_since(apply_start));
@@ -234,8 +241,20 @@ bool Trainer::train_step(Run& r) {
   if (decision.triggered) {
     auto x0 = Clock::now();
     if (!anchor.defined()) anchor = flat_->data().clone();  // anchor after the update
-    auto ir = isgd_extra_updates(*step_, *flat_, batch.x, batch.y, *rule_, *sgd_,
-                                 isgd_->options(), decision.limit, anchor, r.lr);
+    IsgdExtraResult ir;
+    try {
+      ir = isgd_extra_updates(*step_, *flat_, batch.x, batch.y, *rule_, *sgd_,
+                              isgd_->options(), decision.limit, anchor, r.lr);
+    } catch (const Error& e) {
+      if (!r.elastic || !recoverable(e)) throw;
+      // The step itself committed; the extra iterations are a refinement.
+      // Members may have applied different numbers of them, so the group
+      // re-forms and takes one member's weights (state sync) and goes on.
+      log_warn("ISGD's extra iterations after step " + std::to_string(state_.step) +
+               " interrupted: " + e.what());
+      reform(r, std::string("failure during ISGD extra iterations: ") + e.what(), x0,
+             seconds_since(x0));
+    }
     isgd_->record_extra(ir.iterations);
     r.isgd_extra_seconds += seconds_since(x0);
     r.run_dir.append_metrics({{"kind", "isgd_batch"}, {"step", state_.step},
@@ -282,6 +301,7 @@ void Trainer::after_epoch_and_step(Run& r) {
     auto num = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
     r.run_dir.append_metrics({{"kind", "isgd_epoch"}, {"epoch", state_.cursor.epoch},
                               {"triggered", es.triggered}, {"extra_iterations", es.extra_iterations},
+                              {"window", isgd_->window().capacity()},
                               {"limit", num(es.limit)}, {"mean", num(es.mean)}, {"std", num(es.std)}});
   }
   if (last_in_epoch) {
