@@ -1,6 +1,7 @@
 #include "common/files.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -12,6 +13,66 @@
 #include "common/error.h"
 
 namespace limbo {
+namespace {
+
+FsyncFn g_fsync = nullptr;
+
+int do_fsync(int fd) { return g_fsync ? g_fsync(fd) : ::fsync(fd); }
+
+std::string parent_dir(const std::string& path) {
+  auto p = std::filesystem::path(path).parent_path();
+  return p.empty() ? "." : p.string();
+}
+
+}  // namespace
+
+void set_fsync_for_testing(FsyncFn fn) { g_fsync = fn; }
+
+void fsync_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error("cannot open '" + path + "' to flush it: " + std::strerror(errno));
+  if (do_fsync(fd) != 0) {
+    int e = errno;
+    ::close(fd);
+    throw Error("cannot flush '" + path + "' to disk: " + std::strerror(e));
+  }
+  ::close(fd);
+}
+
+void rename_durably(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    throw Error("cannot rename '" + from + "' to '" + to + "': " + std::strerror(errno));
+  const std::string dir = parent_dir(to);
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw Error("cannot open directory '" + dir + "' to flush it: " + std::strerror(errno));
+  if (do_fsync(fd) != 0) {
+    int e = errno;
+    ::close(fd);
+    throw Error("cannot flush directory '" + dir + "' after renaming '" + to + "': " + std::strerror(e));
+  }
+  ::close(fd);
+}
+
+void append_line(const std::string& path, const std::string& line) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) throw Error("cannot open '" + path + "' to append: " + std::strerror(errno));
+  const std::string data = line + "\n";
+  struct stat st {};
+  const off_t before = ::fstat(fd, &st) == 0 ? st.st_size : -1;
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      int e = n < 0 ? errno : EIO;
+      if (before >= 0 && ::ftruncate(fd, before) != 0) {}  // no torn line left behind
+      ::close(fd);
+      throw Error("cannot append to '" + path + "': " + std::strerror(e));
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::close(fd) != 0) throw Error("cannot append to '" + path + "': " + std::strerror(errno));
+}
 
 void write_file_atomic(const std::string& path, const std::string& data) {
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
@@ -30,15 +91,16 @@ void write_file_atomic(const std::string& path, const std::string& data) {
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+  if (do_fsync(fd) != 0 || ::close(fd) != 0) {
     int e = errno;
     ::unlink(tmp.c_str());
-    throw Error("cannot flush '" + tmp + "': " + std::strerror(e));
+    throw Error("cannot flush '" + tmp + "' to disk: " + std::strerror(e));
   }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    int e = errno;
+  try {
+    rename_durably(tmp, path);
+  } catch (...) {
     ::unlink(tmp.c_str());
-    throw Error("cannot rename '" + tmp + "' to '" + path + "': " + std::strerror(e));
+    throw;
   }
 }
 

@@ -377,7 +377,7 @@ struct Server::Impl {
                  {"accepted", accepted}, {"dropped", dropped}, {"rejected", rejected_total()},
                  {"elapsed", seconds_since(start)}};
     if (leases) line["epoch"] = leases->epoch_progress();
-    std::ofstream(metrics_path, std::ios::app) << line.dump() << "\n";
+    append_line(metrics_path, line.dump());
     hist_window.clear();
     window_updates = 0;
     window_start = Clock::now();

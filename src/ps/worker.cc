@@ -358,7 +358,7 @@ json Learner::run(const std::atomic<bool>& stop) {
                    {"loss", window.mean_loss()}, {"samples_per_second", window.samples_per_second()},
                    {"staleness_mean", tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0},
                    {"gradients_dropped", dropped}, {"elapsed", seconds_since(start)}};
-      std::ofstream(metrics, std::ios::app) << line.dump() << "\n";
+      append_line(metrics, line.dump());
       window.reset();
     }
   }

@@ -110,17 +110,19 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
   root.write("optim", o);
   root.write("state", s);
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  root.save_to(tmp);
-  // Flush to disk before the rename, so a crash leaves the old or the new
-  // checkpoint, never a torn one.
-  int fd = ::open(tmp.c_str(), O_RDONLY);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+  // Flush to disk before the rename (and the directory after it), so a crash
+  // leaves the old or the new checkpoint, never a torn one; a failed flush
+  // leaves the old checkpoint in place and stops the run.
+  try {
+    root.save_to(tmp);
+    fsync_file(tmp);
+    rename_durably(tmp, path);
+  } catch (const c10::Error& e) {
     std::remove(tmp.c_str());
-    throw Error("cannot move checkpoint into place at '" + path + "'");
+    throw Error("cannot write checkpoint '" + path + "': " + e.what_without_backtrace());
+  } catch (...) {
+    std::remove(tmp.c_str());
+    throw;
   }
 }
 

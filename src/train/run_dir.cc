@@ -8,9 +8,9 @@ namespace limbo::train {
 RunDir::RunDir(std::string path, bool append_metrics) : path_(std::move(path)) {
   if (path_.empty()) return;
   make_dirs(path_);
-  std::string metrics = path_ + "/metrics.jsonl";
-  metrics_.open(metrics, append_metrics ? std::ios::app : std::ios::trunc);
-  if (!metrics_) throw Error("cannot open '" + metrics + "' for writing");
+  metrics_ = path_ + "/metrics.jsonl";
+  std::ofstream f(metrics_, append_metrics ? std::ios::app : std::ios::trunc);
+  if (!f) throw Error("cannot open '" + metrics_ + "' for writing");
 }
 
 void RunDir::write_config(const std::string& toml) const {
@@ -19,8 +19,7 @@ void RunDir::write_config(const std::string& toml) const {
 
 void RunDir::append_metrics(const nlohmann::json& record) {
   if (!enabled()) return;
-  metrics_ << record.dump() << "\n";
-  metrics_.flush();
+  append_line(metrics_, record.dump());
 }
 
 void RunDir::write_summary(const nlohmann::json& summary) const {

@@ -5,7 +5,8 @@
 //   summary.json     written at the end (atomically)
 //   checkpoint.pt    the latest checkpoint (see checkpoint.h)
 // metrics.jsonl is appended to on --resume, so a resumed run's history is
-// continuous. Lines are flushed as they are written.
+// continuous. Lines are written whole as they come (a failed append throws
+// and leaves no partial line).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -31,7 +32,7 @@ class RunDir {
 
  private:
   std::string path_;
-  std::ofstream metrics_;
+  std::string metrics_;
   bool writer_ = true;
 };
 
