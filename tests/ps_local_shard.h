@@ -101,12 +101,14 @@ struct Client {
     d.msg.payload.keep = frames[2].keep;
     return d.msg;
   }
-  Message hello(uint32_t id, const ModelFingerprint& fp, int64_t total = kTotal, int timeout_ms = 5000) {
+  Message hello(uint32_t id, const ModelFingerprint& fp, int64_t total = kTotal, int timeout_ms = 5000,
+                const std::string& incarnation = "") {
     Header h;
     h.type = MsgType::Hello;
     h.sender = id;
-    return call(h, json{{"fingerprint", hex64(fp.hash)}, {"model", fp.description}, {"total", total}}.dump(), {},
-                timeout_ms);
+    json meta = {{"fingerprint", hex64(fp.hash)}, {"model", fp.description}, {"total", total}};
+    if (!incarnation.empty()) meta["incarnation"] = incarnation;
+    return call(h, meta.dump(), {}, timeout_ms);
   }
   // Sends a push in parts of `part` floats (as a learner does) and returns the reply.
   Message push_parts(Header h, const std::vector<float>& g, size_t part, size_t stop_after = SIZE_MAX) {

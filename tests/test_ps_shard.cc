@@ -106,6 +106,57 @@ TEST(Shard, AppliesTheStalenessWeightedUpdateAndRejectsBadGradients) {
   EXPECT_EQ(s["staleness_max"], 1);
 }
 
+// A learner restarted with the same --learner-id is a new process whose
+// sequence numbers start again: its pushes must not be taken for duplicates of
+// its earlier process's. The same process registering again keeps its
+// numbers, so a re-sent push is still recognised.
+TEST(Shard, ALearnerRestartedWithItsOldIdStartsAfresh) {
+  LocalShard shard(softsync(1));
+  Client old_process(shard.endpoint);
+  ASSERT_EQ(old_process.hello(3, shard.fp, kTotal, 5000, "aaaa").header.type, MsgType::Welcome);
+  std::vector<float> g(kTotal, 0.01f);
+  EXPECT_EQ(json::parse(old_process.call(push_header(3, 40), "", g).meta)["status"], "accepted");
+  // The same process again (e.g. after a shard restart it still knows): dedup holds.
+  ASSERT_EQ(old_process.hello(3, shard.fp, kTotal, 5000, "aaaa").header.type, MsgType::Welcome);
+  EXPECT_EQ(json::parse(old_process.call(push_header(3, 40), "", g).meta)["status"], "duplicate");
+  // The old process is gone (SIGKILL); a new one starts with the same id.
+  Client new_process(shard.endpoint);
+  ASSERT_EQ(new_process.hello(3, shard.fp, kTotal, 5000, "bbbb").header.type, MsgType::Welcome);
+  EXPECT_EQ(json::parse(new_process.call(push_header(3, 2), "", g).meta)["status"], "accepted");
+  EXPECT_EQ(json::parse(new_process.call(push_header(3, 3), "", g).meta)["status"], "accepted");
+  auto s = shard.finish();
+  EXPECT_EQ(s["updates"], 3);
+}
+
+// Under hardsync a learner that pushed waits for the round: its pulls are
+// held. A peer that keeps pulling holds one pull, not one per message; a
+// peer that never registered cannot read the weights, not even as an
+// observer (which only the finisher, registered before, may be).
+TEST(Shard, HeldPullsAreBoundedAndUnregisteredPeersCannotPull) {
+  AggregatorOptions o;
+  o.protocol = Protocol::Hardsync;
+  o.alpha0 = 0.1;
+  LocalShard shard(o);
+  Client a(shard.endpoint), b(shard.endpoint), stranger(shard.endpoint);
+  ASSERT_EQ(a.hello(1, shard.fp).header.type, MsgType::Welcome);
+  ASSERT_EQ(b.hello(2, shard.fp).header.type, MsgType::Welcome);
+  std::vector<float> g(kTotal, 0.01f);
+  EXPECT_EQ(json::parse(a.call(push_header(1, 1), "", g).meta)["status"], "accepted");
+  for (uint64_t seq = 2; seq < 52; ++seq) a.s.send(nullptr, pull_header(1, seq), "", nullptr, 0);
+  Header obs = pull_header(9, 1);
+  obs.flags = kObserver;
+  auto refused = stranger.call(obs, "");
+  ASSERT_EQ(refused.header.type, MsgType::Error);
+  EXPECT_EQ(json::parse(refused.meta)["code"], "unknown_learner");
+  EXPECT_EQ(json::parse(b.call(push_header(2, 1), "", g).meta)["status"], "accepted");
+  // The round is complete: the one held pull (the newest) is answered.
+  auto w = a.reply();
+  EXPECT_EQ(w.header.type, MsgType::Weights);
+  EXPECT_EQ(w.header.seq, 51u);
+  auto s = shard.finish();
+  EXPECT_LE(s["held_pulls_peak"].get<int64_t>(), 1);
+}
+
 TEST(Shard, KeepsServingAfterGarbage) {
   LocalShard shard(softsync(1));
   // 1. Raw bytes on the TCP port (not even ZeroMQ's greeting).

@@ -10,6 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <deque>
+#include <set>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -64,9 +66,16 @@ struct Server::Impl {
     uint64_t seq;
     uint8_t flags;
   };
-  std::vector<Held> held;
+  std::vector<Held> held;  // at most one per connection (a newer pull replaces it)
+  size_t held_peak = 0;
+  // Connections that completed a handshake: only they may read the weights
+  // as observers (the finisher's final pull), also without CURVE. Bounded.
+  std::set<std::string> welcomed;
+  std::deque<std::string> welcomed_order;
+  static constexpr size_t kMaxRemembered = 4096;
   std::map<uint32_t, Clock::time_point> last_seen;
   std::map<uint32_t, uint64_t> last_push_seq;
+  std::map<uint32_t, std::string> incarnation;  // per learner id: its process (hello "incarnation")
   std::map<uint32_t, int64_t> grads_per_learner;
 
   // Pushes arriving in parts (protocol.h). At most one push at a time is
@@ -190,12 +199,31 @@ struct Server::Impl {
     last_seen.erase(id);
     pushes->drop(id);
     stop_streaming(id);
+    // Its held pulls go with it (a learner that comes back pulls again).
+    held.erase(std::remove_if(held.begin(), held.end(),
+                              [&](const Held& h) { return h.learner == id && !(h.flags & kObserver); }),
+               held.end());
     int released = leases ? leases->release(id) : 0;
     log_info("shard " + std::to_string(opt.shard) + ": learner " + std::to_string(id) + " " + why +
              " (lambda = " + std::to_string(agg.learners()) + ", c = " + std::to_string(agg.c()) +
              (released ? ", " + std::to_string(released) + " lease(s) re-queued" : std::string()) + ")");
     maybe_update();
     service_held();
+  }
+
+  // Learners that are no longer registered keep their sequence numbers (a
+  // dropped but living learner re-sends after registering again); beyond
+  // kMaxRemembered ids the departed ones are forgotten.
+  void forget_departed() {
+    if (last_push_seq.size() <= kMaxRemembered && incarnation.size() <= kMaxRemembered &&
+        grads_per_learner.size() <= kMaxRemembered)
+      return;
+    auto prune = [&](auto& m) {
+      for (auto it = m.begin(); it != m.end();) it = agg.registered(it->first) ? std::next(it) : m.erase(it);
+    };
+    prune(last_push_seq);
+    prune(incarnation);
+    prune(grads_per_learner);
   }
 
   void sweep() {
@@ -225,12 +253,15 @@ struct Server::Impl {
     switch (h.type) {
       case MsgType::Hello: return on_hello(id, d.msg);
       case MsgType::Pull:
-        if (!known && !(h.flags & kObserver))
+        if (!known && !((h.flags & kObserver) && welcomed.count(id)))
           return reject(Reject::UnknownLearner, "pull from unregistered learner " + std::to_string(learner), &id, h.seq);
         {
           Held hp{id, learner, h.seq, h.flags};
+          held.erase(std::remove_if(held.begin(), held.end(), [&](const Held& o) { return o.identity == id; }),
+                     held.end());
           if (pull_may_go(hp)) answer_pull(id, learner, h.seq, h.flags);
           else held.push_back(hp);
+          held_peak = std::max(held_peak, held.size());
         }
         return;
       case MsgType::Push: return on_push_part(id, d.msg, known);
@@ -239,6 +270,8 @@ struct Server::Impl {
         return send_json(id, MsgType::Heartbeat, h.seq, json::object());
       case MsgType::Bye:
         remove_learner(learner, "left");
+        last_push_seq.erase(learner);  // the process is gone for good
+        incarnation.erase(learner);
         return;
       default:
         return reject(Reject::Protocol, std::string("a shard does not accept '") + type_name(h.type) + "' messages", &id, h.seq);
@@ -260,6 +293,26 @@ struct Server::Impl {
       return send_json(id, MsgType::Refuse, m.header.seq, {{"reason", reason}});
     }
     const uint32_t learner = m.header.sender;
+    const std::string inc = meta.value("incarnation", std::string());
+    auto known_inc = incarnation.find(learner);
+    if (!inc.empty() && known_inc != incarnation.end() && known_inc->second != inc) {
+      // A new process with an old id (restarted by hand or by a launcher):
+      // what its predecessor left (registration, leases, a push in parts,
+      // held pulls, sequence numbers) is gone with it.
+      remove_learner(learner, "restarted (a new process with the same id)");
+      last_push_seq.erase(learner);
+      held.erase(std::remove_if(held.begin(), held.end(), [&](const Held& h) { return h.learner == learner; }),
+                 held.end());
+    }
+    if (!inc.empty()) incarnation[learner] = inc;
+    if (welcomed.insert(id).second) {
+      welcomed_order.push_back(id);
+      if (welcomed_order.size() > kMaxRemembered) {
+        welcomed.erase(welcomed_order.front());
+        welcomed_order.pop_front();
+      }
+    }
+    forget_departed();
     if (agg.add_learner(learner))
       log_info("shard " + std::to_string(opt.shard) + ": learner " + std::to_string(learner) + " joined (lambda = " +
                std::to_string(agg.learners()) + ", c = " + std::to_string(agg.c()) + ")");
@@ -401,7 +454,7 @@ struct Server::Impl {
               {"staleness_max", st.max}, {"staleness_hist", hist_to_json(hist_total)},
               {"updates_per_second", wall > 0 ? updates / wall : 0.0}, {"busy_fraction", wall > 0 ? busy / wall : 0.0},
               {"wall_seconds", wall}, {"gradients_per_learner", per}, {"learners_dropped", learners_dropped},
-              {"checkpoints", checkpoints}};
+              {"checkpoints", checkpoints}, {"held_pulls_peak", held_peak}};
     if (transport && keys.enabled()) {
       s["curve_peers_accepted"] = transport->zap_accepted();
       s["curve_peers_refused"] = transport->zap_refused();

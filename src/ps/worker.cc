@@ -2,7 +2,10 @@
 
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <random>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -83,7 +86,8 @@ class Learner {
   void send_hello(Link& l, uint64_t* seq) {
     Header h = header(MsgType::Hello, l);
     *seq = h.seq;
-    json meta = {{"fingerprint", hex64(fp_.hash)}, {"model", fp_.description}, {"total", t_.params().numel()}};
+    json meta = {{"fingerprint", hex64(fp_.hash)}, {"model", fp_.description}, {"total", t_.params().numel()},
+                 {"incarnation", incarnation_}};
     l.sock->send(nullptr, h, meta.dump(), nullptr, 0);
   }
 
@@ -235,6 +239,12 @@ class Learner {
   WorkerOptions opt_;
   Transport transport_;
   ModelFingerprint fp_;
+  // This process, for the shards: a learner restarted with the same id is
+  // told apart from a re-registration of this one (sequence numbers restart).
+  const std::string incarnation_ = [] {
+    std::random_device rd;
+    return hex64((static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid()));
+  }();
   std::vector<std::unique_ptr<Link>> links_;
 };
 
