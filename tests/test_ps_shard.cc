@@ -17,6 +17,8 @@
 #include <thread>
 
 #include "common/error.h"
+#include <zmq.h>
+
 #include "common/files.h"
 #include "ps/aggregator.h"
 #include "ps/protocol.h"
@@ -155,6 +157,45 @@ TEST(Shard, HeldPullsAreBoundedAndUnregisteredPeersCannotPull) {
   EXPECT_EQ(w.header.seq, 51u);
   auto s = shard.finish();
   EXPECT_LE(s["held_pulls_peak"].get<int64_t>(), 1);
+}
+
+// A partial ZAP request is answered (400) and leaves the handler working:
+// the next, complete request from another client is answered too.
+TEST(Shard, APartialZapRequestLeavesTheCurveHandlerWorking) {
+  if (!curve_available()) GTEST_SKIP() << "libzmq without CURVE";
+  CurveKeys keys = generate_curve_keys();
+  Transport t(keys);
+  auto ask = [&](const std::vector<std::string>& frames) {
+    void* req = zmq_socket(t.context(), ZMQ_REQ);
+    int linger = 0, timeout = 2000;
+    zmq_setsockopt(req, ZMQ_LINGER, &linger, sizeof linger);
+    zmq_setsockopt(req, ZMQ_RCVTIMEO, &timeout, sizeof timeout);
+    EXPECT_EQ(zmq_connect(req, "inproc://zeromq.zap.01"), 0);
+    for (size_t i = 0; i < frames.size(); ++i)
+      zmq_send(req, frames[i].data(), frames[i].size(), i + 1 < frames.size() ? ZMQ_SNDMORE : 0);
+    std::vector<std::string> reply;
+    for (int more = 1; more;) {
+      char buf[256];
+      int n = zmq_recv(req, buf, sizeof buf, 0);
+      if (n < 0) break;  // timed out: no answer
+      reply.emplace_back(buf, static_cast<size_t>(std::min(n, 256)));
+      int m = 0;
+      size_t len = sizeof m;
+      zmq_getsockopt(req, ZMQ_RCVMORE, &m, &len);
+      more = m;
+    }
+    zmq_close(req);
+    return reply;
+  };
+  auto partial = ask({"1.0", "7", "limbo"});
+  ASSERT_GE(partial.size(), 3u) << "a partial request got no answer";
+  EXPECT_EQ(partial[2], "400");
+  uint8_t key[32];
+  zmq_z85_decode(key, keys.public_key.c_str());
+  auto full = ask({"1.0", "8", "limbo", "127.0.0.1", "", "CURVE", std::string(reinterpret_cast<char*>(key), 32)});
+  ASSERT_GE(full.size(), 3u) << "the handler stopped answering after a partial request";
+  EXPECT_EQ(full[1], "8");
+  EXPECT_EQ(full[2], "200");
 }
 
 TEST(Shard, KeepsServingAfterGarbage) {

@@ -112,7 +112,17 @@ void Transport::zap_loop() {
       more = zmq_msg_more(&m);
       zmq_msg_close(&m);
     }
-    if (parts.size() < 6) continue;
+    if (parts.size() < 6) {
+      // A partial request still gets its answer: a REP socket that does not
+      // reply can never receive again, which would lock every peer out.
+      zap_refused_ += 1;
+      log_warn("refused a malformed ZAP request (" + std::to_string(parts.size()) + " frames)");
+      const std::vector<std::string> reply = {"1.0", parts.size() > 1 ? parts[1] : std::string(), "400",
+                                              "malformed ZAP request", "", ""};
+      for (size_t i = 0; i < reply.size(); ++i)
+        zmq_send(rep, reply[i].data(), reply[i].size(), i + 1 < reply.size() ? ZMQ_SNDMORE : 0);
+      continue;
+    }
     const std::string& version = parts[0];
     const std::string& request_id = parts[1];
     const std::string& mechanism = parts[5];
