@@ -67,6 +67,23 @@ TEST(PsJob, FourLearnersSoftsyncReachRealAccuracy) {
   EXPECT_EQ(ev.exit_code, 0) << ev.output;
 }
 
+// Learners send heartbeats from a thread of their own: a step longer than
+// ps.heartbeat_timeout (here 2.5 s against 1 s) is slow, not dead, and no
+// learner is dropped.
+TEST(PsJob, ALearnerWhoseStepsOutlastTheHeartbeatTimeoutIsNotDropped) {
+  TempDir d;
+  const std::string run = d.file("run");
+  auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2",
+                                          "--protocol", "softsync", "--run-dir", run, "--"},
+                                         cat(mlp_args(1), {"--set", "data.train_limit=256", "--set",
+                                                           "train.slow_step_ms=2500"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto shard = read_json(run + "/shard-0/summary.json");
+  EXPECT_EQ(shard["learners_dropped"], 0) << shard.dump();
+  EXPECT_EQ(r.output.find("dropped after"), std::string::npos) << r.output;
+  EXPECT_EQ(shard["gradients_accepted"].get<int64_t>(), 4) << shard.dump();  // 256 samples / 64
+}
+
 TEST(PsJob, KillingALearnerDoesNotHangHardsync) {
   TempDir d;
   const std::string run = d.file("run");

@@ -204,6 +204,8 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(B("train.progress", true, "show a progress bar (terminal) or progress lines"));
     s->add(I("train.pause_at_step", 0, 0, std::nullopt,
              "testing aid: after step N, print 'paused at step N' and wait to be killed"));
+    s->add(I("train.slow_step_ms", 0, 0, 600000,
+             "testing aid: sleep N ms in every training step (a slow worker or learner)"));
     s->add(B("train.sample_log", false,
              "testing aid: append every committed global batch's sample ids to samples.txt"));
     return std::shared_ptr<const Schema>(s);
@@ -309,6 +311,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.progress = c.get_bool("train.progress");
   t.train.pause_at_step = c.get_int("train.pause_at_step");
   t.train.sample_log = c.get_bool("train.sample_log");
+  t.train.slow_step = std::chrono::milliseconds(c.get_int("train.slow_step_ms"));
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));
   t.threads.blas = static_cast<int>(c.get_int("train.blas_threads"));

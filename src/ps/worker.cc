@@ -231,8 +231,57 @@ class Learner {
   }
 
   void bye() {
+    heartbeats_.reset();  // no heartbeat may follow the goodbye
     for (auto& l : links_) l->sock->send(nullptr, header(MsgType::Bye, *l), "", nullptr, 0);
   }
+
+  // Heartbeats from a thread of their own, on sockets of their own, every
+  // heartbeat_interval for as long as the learner runs: a step longer than
+  // ps.heartbeat_timeout (a big model, an overloaded host) no longer gets the
+  // learner dropped. A stopped process sends none and is still dropped; a
+  // training thread that hangs inside a step is not seen this way (the
+  // shard's leases and ps.request_timeout on the learner's side bound that).
+  class Heartbeats {
+   public:
+    Heartbeats(Transport& t, std::vector<std::string> endpoints, uint32_t learner, double interval)
+        : thread_([this, &t, endpoints = std::move(endpoints), learner, interval] {
+            run(t, endpoints, learner, interval);
+          }) {}
+    ~Heartbeats() {
+      stop_ = true;
+      thread_.join();
+    }
+
+   private:
+    void run(Transport& t, const std::vector<std::string>& endpoints, uint32_t learner, double interval) {
+      try {
+        std::vector<std::unique_ptr<Socket>> socks;
+        for (const auto& e : endpoints) {
+          socks.push_back(std::make_unique<Socket>(t, Socket::Kind::Dealer));
+          socks.back()->connect(e);
+        }
+        uint64_t seq = uint64_t{1} << 62;  // apart from the training thread's numbers
+        std::vector<Frame> frames;
+        while (!stop_) {
+          for (size_t k = 0; k < socks.size(); ++k) {
+            Header h;
+            h.type = MsgType::Heartbeat;
+            h.sender = learner;
+            h.shard = static_cast<uint32_t>(k);
+            h.seq = ++seq;
+            socks[k]->send(nullptr, h, "", nullptr, 0);
+            while (socks[k]->recv(frames, nullptr, 0)) {}  // answers are not needed
+          }
+          for (double slept = 0; slept < interval && !stop_; slept += 0.05)
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+      } catch (const std::exception& e) {
+        log_warn(std::string("learner heartbeats stopped: ") + e.what());
+      }
+    }
+    std::atomic<bool> stop_{false};
+    std::thread thread_;
+  };
 
   train::Trainer& t_;
   const train::TrainerConfig& cfg_;
@@ -246,9 +295,11 @@ class Learner {
     return hex64((static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid()));
   }();
   std::vector<std::unique_ptr<Link>> links_;
+  std::unique_ptr<Heartbeats> heartbeats_;  // after transport_: stopped before it goes
 };
 
 json Learner::run(const std::atomic<bool>& stop) {
+  heartbeats_ = std::make_unique<Heartbeats>(transport_, opt_.servers, opt_.learner_id, opt_.heartbeat_interval);
   auto& flat = t_.params();
   auto& model = t_.model();
   const auto& train_set = t_.data().train;

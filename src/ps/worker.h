@@ -7,8 +7,9 @@
 // together, so a step costs one round trip per shard. Payloads are sent from
 // the flat gradient buffer without copying.
 //
-// The learner registers with every shard (handshake: protocol version and
-// model fingerprint), sends heartbeats while it waits, re-registers and
+// The learner registers with every shard (handshake: protocol version, model
+// fingerprint and a per-process incarnation id), sends heartbeats from a
+// thread of its own (so long steps are not taken for a crash), re-registers and
 // re-sends when a restarted shard no longer knows it, and gives up with
 // PeerFailure after `request_timeout` seconds without any answer from a
 // shard. On SIGTERM (stop flag) it finishes the current step and leaves.

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <numeric>
+#include <thread>
 
 #include "common/error.h"
 #include "data/tensor_dataset.h"
@@ -63,6 +64,7 @@ double TrainStep::gradient(torch::Tensor& x, const torch::Tensor& y) {
   prepare(x);
   auto l = loss(x, y);
   l.backward();
+  if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
   return l.item<double>();
 }
 

@@ -62,6 +62,8 @@ class TrainStep {
                       int64_t chunk = 1000);
 
   bool reports_accuracy() const;
+  // Testing aid (train.slow_step_ms): gradient() also sleeps this long.
+  void set_testing_delay(std::chrono::milliseconds d) { delay_ = d; }
   LossKind loss_kind() const { return loss_; }
   models::Net& net() { return net_; }
 
@@ -74,6 +76,7 @@ class TrainStep {
   optim::FlatParams& flat_;
   LossKind loss_;
   bool channels_last_;
+  std::chrono::milliseconds delay_{0};
 };
 
 // Mean loss and samples/s between two metrics lines.

@@ -51,6 +51,9 @@ struct TrainOptions {
   // batch) to <run_dir>/samples-<pid>.txt for every step it commits, and
   // writes a fingerprint of its final weights and buffers to final-<pid>.txt.
   bool sample_log = false;
+  // Testing aid: every gradient computation also sleeps this long (a slow
+  // worker or learner that is not dead).
+  std::chrono::milliseconds slow_step{0};
 };
 
 struct TrainerConfig {
