@@ -85,10 +85,13 @@ int run_train(const TrainArgs& a) {
     auto member = std::make_unique<elastic::Member>(std::move(kv), mo);
     auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.sgd_ptr());
     trainer.set_update_rule(rule);
-    // SIGTERM: finish the current step, leave at the next agreed boundary.
+    // SIGTERM and SIGINT (Ctrl-C reaches every process of the terminal's
+    // group): finish the current step, leave at the next agreed boundary; the
+    // writer checkpoints first when it leaves.
     struct sigaction sa {};
     sa.sa_handler = on_sigterm;
     ::sigaction(SIGTERM, &sa, nullptr);
+    ::sigaction(SIGINT, &sa, nullptr);
     trainer.set_membership(std::make_unique<elastic::ElasticMembership>(
         std::move(member), rule, [] { return g_leave_requested.load(); }));
   }

@@ -206,6 +206,9 @@ std::shared_ptr<const Schema> train_schema() {
              "testing aid: after step N, print 'paused at step N' and wait to be killed"));
     s->add(I("train.slow_step_ms", 0, 0, 600000,
              "testing aid: sleep N ms in every training step (a slow worker or learner)"));
+    s->add(B("train.testing_die_in_isgd", false,
+             "testing aid: the process kills itself (SIGKILL) when its group enters ISGD's extra "
+             "iterations"));
     s->add(B("train.sample_log", false,
              "testing aid: append every committed global batch's sample ids to samples.txt"));
     return std::shared_ptr<const Schema>(s);
@@ -312,6 +315,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.pause_at_step = c.get_int("train.pause_at_step");
   t.train.sample_log = c.get_bool("train.sample_log");
   t.train.slow_step = std::chrono::milliseconds(c.get_int("train.slow_step_ms"));
+  t.train.die_in_isgd = c.get_bool("train.testing_die_in_isgd");
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));
   t.threads.blas = static_cast<int>(c.get_int("train.blas_threads"));

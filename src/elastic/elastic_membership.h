@@ -27,6 +27,7 @@ class ElasticMembership : public train::Membership {
   bool leaving() override { return want_leave_(); }
   void leave() override { member_->leave(); }
   void publish_progress(double epoch) override { member_->publish_progress(epoch); }
+  void publish_done() override { member_->publish_done(); }
   int64_t id() const { return member_->id(); }
 
  private:

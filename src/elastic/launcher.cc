@@ -11,12 +11,16 @@
 #include <sstream>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "comm/collective.h"
 #include "comm/kv_store.h"
 #include "elastic/coordinator.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/files.h"
 #include "common/process.h"
+#include "common/timing.h"
 
 namespace limbo::elastic {
 namespace {
@@ -40,6 +44,20 @@ pid_t start_worker(const LaunchOptions& opt, int rank, int threads, const std::s
     args.insert(args.end(), {"--dist-rdzv", rdzv, "--dist-rank", std::to_string(rank),
                              "--dist-world", std::to_string(opt.nproc)});
   return spawn_program(opt.self_exe, args);
+}
+
+// Adds the workers the launcher killed after training completed to the run's
+// summary (written by the member that finished as writer).
+void record_killed(const std::string& run_dir, const std::set<pid_t>& pids) {
+  if (run_dir.empty()) return;
+  const std::string path = run_dir + "/summary.json";
+  try {
+    auto s = nlohmann::json::parse(read_file(path));
+    s["workers_killed_after_training"] = std::vector<pid_t>(pids.begin(), pids.end());
+    write_file_atomic(path, s.dump(2) + "\n");
+  } catch (const std::exception& e) {
+    log_warn(std::string("launch: could not record the killed workers in the summary: ") + e.what());
+  }
 }
 
 }  // namespace
@@ -130,8 +148,20 @@ int launch(const LaunchOptions& opt_in) {
       if (kv->try_get("elastic/host_pid/" + std::to_string(id)) == want) return id;
     return 0;
   };
-  bool any_succeeded = false;
-  bool training_done = false;  // a worker finished training: no more scheduling
+  // How the job ends (each exit code other than 0 has one rule, logged):
+  //   training completed (elastic/done, or a fixed-membership worker ended
+  //   with 0)                                   -> 0, whatever else happened
+  //   the launcher got SIGINT / SIGTERM         -> 128 + signal, no restart
+  //   below the minimum past the timeout        -> 4 (timeout)
+  //   a fixed-membership worker failed          -> its exit code
+  //   every elastic worker gone before training completed: restart from the
+  //   checkpoint (at most max_restarts); then   -> the last failure's code
+  bool training_done = false;
+  Clock::time_point done_at;
+  std::set<pid_t> killed_after_done;
+  int user_signal = 0;
+  std::string exit_reason;
+  auto last_done_check = Clock::now() - std::chrono::seconds(1);
 
   std::map<pid_t, int> running;  // pid -> launch index
   std::set<pid_t> terminating;   // SIGTERMed by the schedule
@@ -157,9 +187,43 @@ int launch(const LaunchOptions& opt_in) {
   for (;;) {
   while (!running.empty()) {
     if (int sig = g_forward_signal.exchange(0)) {
-      log_info("launch: forwarding signal " + std::to_string(sig) + " to the workers");
-      stop_all(sig);
-      if (result == 0) result = 128 + sig;
+      // Elastic workers take SIGTERM as "leave cleanly" (the writer
+      // checkpoints); the job stops without a restart.
+      const int fwd = opt.elastic ? SIGTERM : sig;
+      log_info("launch: got signal " + std::to_string(sig) + "; stopping the job (workers get signal " +
+               std::to_string(fwd) + ")");
+      if (!user_signal) user_signal = sig;
+      stop_all(fwd);
+      if (!stopping) {
+        stopping = true;
+        stop_deadline = Clock::now() + opt.kill_grace;
+      }
+    }
+    // Members set elastic/done before they leave the group, so a check made
+    // after the coordinator saw them leave never misses it.
+    auto check_done = [&] {
+      if (training_done || !opt.elastic) return training_done;
+      last_done_check = Clock::now();
+      if (kv->try_get("elastic/done")) {
+        training_done = true;
+        done_at = Clock::now();
+        log_info("launch: training completed");
+      }
+      return training_done;
+    };
+    if (seconds_since(last_done_check) > 0.1) check_done();
+    if (training_done && opt.elastic && seconds_since(done_at) > 1.0) {
+      // Members that completed left the group at once; one that has not
+      // left a second later is stopped or hung: it is declared failed.
+      for (const auto& [pid, idx] : running) {
+        if (killed_after_done.count(pid)) continue;
+        const int64_t id = worker_id_of(pid);
+        if (id && kv->try_get("elastic/left/" + std::to_string(id))) continue;
+        log_warn("launch: worker pid " + std::to_string(pid) + " (id " + std::to_string(id) +
+                 ") did not finish with the others (stopped or hung); killing it");
+        ::kill(pid, SIGKILL);
+        killed_after_done.insert(pid);
+      }
     }
     int status = 0;
     pid_t pid = ::waitpid(-1, &status, WNOHANG);
@@ -167,8 +231,7 @@ int launch(const LaunchOptions& opt_in) {
       int rank = running[pid];
       running.erase(pid);
       int code = exit_code_of(status);
-      if (code == 0) any_succeeded = true;
-      if (code == 0 && !terminating.count(pid)) training_done = true;  // not a scheduled leave
+      if (!opt.elastic && code == 0 && !terminating.count(pid)) training_done = true;
       if (opt.elastic) {
         if (coordinator)
           if (int64_t id = worker_id_of(pid)) coordinator->mark_dead(id);
@@ -176,14 +239,21 @@ int launch(const LaunchOptions& opt_in) {
           log_warn("launch: worker (first rank " + std::to_string(rank) + ", pid " +
                    std::to_string(pid) + ") exited with status " + std::to_string(code) +
                    "; the others go on");
-        if (code != 0 && result == 0) result = code;
+        if (code != 0 && !killed_after_done.count(pid) && result == 0) {  // the first rule holds
+          result = code;
+          exit_reason = "worker pid " + std::to_string(pid) + " exited with status " + std::to_string(code);
+        }
         terminating.erase(pid);
         continue;
       }
       if (code != 0) {
         log_warn("launch: worker rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
                  ") failed with status " + std::to_string(code) + "; stopping the others");
-        if (result == 0) result = code;
+        if (result == 0) {
+          result = code;
+          exit_reason = "worker rank " + std::to_string(rank) + " failed with status " + std::to_string(code) +
+                        " (fixed membership: the job stops)";
+        }
         if (!stopping) {
           stopping = true;
           stop_all(SIGTERM);
@@ -219,11 +289,12 @@ int launch(const LaunchOptions& opt_in) {
         --active;
       }
     }
-    if (coordinator && !stopping) {
+    if (coordinator && !stopping && !training_done) {
       auto r = coordinator->poll();
       if (r.new_round)
         log_info("launch: membership round " + std::to_string(r.round.number) + ": workers [" +
                  format_members(r.round.members) + "] (" + r.reason + ")");
+      if ((r.fell_below || r.below_minimum_timed_out) && check_done()) continue;
       if (r.fell_below && r.round.number > 0)
         log_warn("launch: " + std::to_string(r.alive) + " workers alive, below the minimum of " +
                  std::to_string(opt.min_workers) + "; waiting up to " +
@@ -233,6 +304,7 @@ int launch(const LaunchOptions& opt_in) {
                  std::to_string(opt.min_workers) + ", for longer than the rendezvous timeout; "
                  "stopping the job");
         result = kExitTimeout;
+        exit_reason = "fewer workers than --min-workers for longer than the rendezvous timeout";
         stopping = true;
         stop_all(SIGTERM);
         stop_deadline = std::chrono::steady_clock::now() + opt.kill_grace;
@@ -245,7 +317,7 @@ int launch(const LaunchOptions& opt_in) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   const std::string ckpt = run_dir + "/checkpoint.pt";
-  if (opt.elastic && !any_succeeded && !stopping && restarts < opt.max_restarts &&
+  if (opt.elastic && !training_done && !stopping && restarts < opt.max_restarts &&
       !run_dir.empty() && ::access(ckpt.c_str(), R_OK) == 0) {
     ++restarts;
     log_warn("launch: every worker is gone; restarting the job from " + ckpt + " (restart " +
@@ -262,8 +334,20 @@ int launch(const LaunchOptions& opt_in) {
   }
   break;
   }
-  // Elastic: the job succeeded if the workers that remained finished.
-  if (opt.elastic && any_succeeded && result != kExitTimeout) return 0;
+  if (training_done) {
+    if (!killed_after_done.empty()) record_killed(run_dir, killed_after_done);
+    return 0;
+  }
+  if (user_signal) {
+    log_warn("launch: exit code " + std::to_string(128 + user_signal) + ": stopped by signal " +
+             std::to_string(user_signal) + " before training completed (resume with --resume)");
+    return 128 + user_signal;
+  }
+  if (result == 0) {
+    result = kExitFailure;
+    exit_reason = "every worker left before training completed";
+  }
+  log_warn("launch: exit code " + std::to_string(result) + ": " + exit_reason);
   return result;
 }
 

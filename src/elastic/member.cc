@@ -87,6 +87,8 @@ void Member::publish_progress(double epoch) {
   store_->set("elastic/progress", std::to_string(epoch));
 }
 
+void Member::publish_done() { store_->set("elastic/done", "1"); }
+
 void Member::leave() { store_->set("elastic/left/" + std::to_string(id_), "1"); }
 
 std::shared_ptr<comm::Collective> Member::form_group(const Round& round) {

@@ -43,6 +43,9 @@ class Member {
   // Sets `elastic/progress` (fractional epochs), read by the launcher's
   // --elastic-schedule.
   void publish_progress(double epoch);
+  // Sets `elastic/done`: training completed (every member reaches the same
+  // last step). The launcher ends the job then, whatever else happened.
+  void publish_done();
   // Forms the Gloo group of `round` (blocks until every member joined).
   std::shared_ptr<comm::Collective> form_group(const Round& round);
   int rank_in(const Round& round) const;

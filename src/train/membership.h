@@ -41,6 +41,8 @@ struct Membership {
   virtual void leave() = 0;
   // The writer reports training progress (fractional epochs) for schedulers.
   virtual void publish_progress(double epoch) {}
+  // Training completed (after the last step, before the final evaluation).
+  virtual void publish_done() {}
 };
 
 }  // namespace limbo::train

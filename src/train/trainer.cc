@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <signal.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -48,6 +49,7 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   model_ = models::make_model(cfg_.model, input_spec(splits_->train));
   flat_ = std::make_unique<optim::FlatParams>(*model_, cfg_.model.channels_last);
   step_ = std::make_unique<TrainStep>(*model_, *flat_, cfg_.loss, cfg_.model.channels_last);
+  step_->set_testing_delay(cfg_.train.slow_step);
   step_->check_data(*splits_, norm_);
   sgd_ = std::make_shared<optim::Sgd>(cfg_.sgd);
   schedule_ = std::make_unique<optim::LrSchedule>(cfg_.lr);
@@ -228,6 +230,12 @@ bool Trainer::train_step(Run& r) {
       line += " " + std::to_string(order[batch.plan.begin.position + i]);
     std::ofstream(cfg_.run_dir + "/samples-" + std::to_string(::getpid()) + ".txt", std::ios::app)
         << line << "\n";
+    // ... and the slice it trained on itself: "step epoch world id id ...".
+    std::string mine = std::to_string(state_.step) + " " + std::to_string(batch.plan.begin.epoch) + " " +
+                       std::to_string(r.world);
+    for (int64_t id : batch.plan.ids) mine += " " + std::to_string(id);
+    std::ofstream(cfg_.run_dir + "/slices-" + std::to_string(::getpid()) + ".txt", std::ios::app)
+        << mine << "\n";
   }
   if (!r.pending_event.is_null()) {
     r.pending_event["first_step_seconds"] = seconds_since(r.pending_since);
@@ -242,6 +250,7 @@ bool Trainer::train_step(Run& r) {
     auto x0 = Clock::now();
     if (!anchor.defined()) anchor = flat_->data().clone();  // anchor after the update
     IsgdExtraResult ir;
+    if (r.t.die_in_isgd) ::kill(::getpid(), SIGKILL);
     try {
       ir = isgd_extra_updates(*step_, *flat_, batch.x, batch.y, *rule_, *sgd_,
                               isgd_->options(), decision.limit, anchor, r.lr);
@@ -322,6 +331,9 @@ void Trainer::after_epoch_and_step(Run& r) {
     membership_->publish_progress(r.epoch_now(state_.cursor));
   if (r.elastic && membership_->change_agreed()) {
     if (membership_->leaving()) {
+      // A member leaving at the request of the job (the launcher stopping
+      // it: Ctrl-C, SIGTERM) may be the last: the writer checkpoints first.
+      checkpoint("leaving after step " + std::to_string(state_.step));
       membership_->leave();
       r.left = true;
       log_info("leaving the job after step " + std::to_string(state_.step));
@@ -421,7 +433,10 @@ nlohmann::json Trainer::run() {
     after_epoch_and_step(r);
     if (r.left) return {{"left", true}, {"steps", state_.step}};
   }
-  if (elastic) membership_->leave();  // done: not a failure for the coordinator
+  if (elastic) {
+    membership_->publish_done();  // the launcher ends the job on this
+    membership_->leave();         // done: not a failure for the coordinator
+  }
   if (t.sample_log && !cfg_.run_dir.empty()) {
     // Testing aid: every member records a fingerprint of its final weights.
     std::ofstream(cfg_.run_dir + "/final-" + std::to_string(::getpid()) + ".txt")

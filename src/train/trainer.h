@@ -48,12 +48,16 @@ struct TrainOptions {
   // process announces "paused at step N" on stderr and sleeps until killed.
   int64_t pause_at_step = 0;
   // Testing aid: every member appends "step epoch id id ..." (the global
-  // batch) to <run_dir>/samples-<pid>.txt for every step it commits, and
+  // batch) to <run_dir>/samples-<pid>.txt and "step epoch world id id ..."
+  // (its own slice) to slices-<pid>.txt for every step it commits, and
   // writes a fingerprint of its final weights and buffers to final-<pid>.txt.
   bool sample_log = false;
   // Testing aid: every gradient computation also sleeps this long (a slow
   // worker or learner that is not dead).
   std::chrono::milliseconds slow_step{0};
+  // Testing aid: SIGKILL this process when its group enters ISGD's extra
+  // iterations (the others then fail inside their all-reduces).
+  bool die_in_isgd = false;
 };
 
 struct TrainerConfig {
