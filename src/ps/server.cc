@@ -34,18 +34,6 @@ using json = nlohmann::json;
 
 }  // namespace
 
-std::vector<Range> partition(int64_t total, int shards) {
-  if (shards < 1) throw InvalidInput("the number of shards must be >= 1");
-  if (total < shards)
-    throw InvalidInput(std::to_string(shards) + " shards for " + std::to_string(total) + " parameters: too many shards");
-  std::vector<Range> r;
-  for (int k = 0; k < shards; ++k) {
-    int64_t a = total * k / shards, b = total * (k + 1) / shards;
-    r.push_back({a, b - a});
-  }
-  return r;
-}
-
 struct Server::Impl {
   ServerOptions opt;
   ModelFingerprint fp;
@@ -501,7 +489,7 @@ struct Server::Impl {
 };
 
 Server::Server(ServerOptions opt, ModelFingerprint fp, const float* initial, int64_t total, CurveKeys keys)
-    : impl_(new Impl(std::move(opt), std::move(fp), std::move(keys))) {
+    : impl_(std::make_unique<Impl>(std::move(opt), std::move(fp), std::move(keys))) {
   Impl& s = *impl_;
   if (s.opt.dir.empty()) throw InvalidInput("ps-server needs a directory for its checkpoint and metrics");
   if (s.opt.shard < 0 || s.opt.shard >= s.opt.shards)
@@ -524,7 +512,7 @@ Server::Server(ServerOptions opt, ModelFingerprint fp, const float* initial, int
   write_file_atomic(s.opt.dir + "/endpoint", s.endpoint + "\n");
 }
 
-Server::~Server() { delete impl_; }
+Server::~Server() = default;
 
 std::string Server::endpoint() const { return impl_->endpoint; }
 

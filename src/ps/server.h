@@ -1,7 +1,7 @@
 // One parameter-server shard (`limbo ps-server`).
 //
 // The shard owns a contiguous slice [offset, offset + numel) of the flat
-// parameter vector (see partition()), its own clock, the aggregation state
+// parameter vector (see partition() in model_layout.h), its own clock, the aggregation state
 // (Aggregator), optional server-side momentum / weight decay, and, on shard
 // 0, the data leases (LeaseBook). It serves learners over one ROUTER socket
 // on one thread: decode, validate, aggregate, update, reply. Anything
@@ -15,28 +15,16 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "ps/aggregator.h"
 #include "ps/leases.h"
+#include "ps/model_layout.h"
 #include "ps/transport.h"
 
 namespace limbo::ps {
-
-struct Range {
-  int64_t offset = 0, numel = 0;
-};
-// Contiguous ranges of a flat vector of `total` floats over `shards` shards,
-// balanced by bytes (sizes differ by at most one element).
-std::vector<Range> partition(int64_t total, int shards);
-
-// What learners and shards must agree on: protocol version, parameter names
-// and shapes. A text description (for error messages) and its hash.
-struct ModelFingerprint {
-  std::string description;  // e.g. "mlp: fc1.weight[256,784] fc1.bias[256] ..."
-  uint64_t hash = 0;
-};
 
 struct ServerOptions {
   int shard = 0, shards = 1;
@@ -60,13 +48,15 @@ class Server {
   // same seeded initialisation and keeps its slice).
   Server(ServerOptions opt, ModelFingerprint fp, const float* initial, int64_t total, CurveKeys keys);
   ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
   // Serves until `stop` becomes true; writes the final checkpoint and summary.
   void run(const std::atomic<bool>& stop);
   std::string endpoint() const;
 
  private:
   struct Impl;
-  Impl* impl_;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace limbo::ps

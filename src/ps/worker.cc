@@ -470,20 +470,6 @@ json Learner::run(const std::atomic<bool>& stop) {
 
 }  // namespace
 
-ModelFingerprint model_fingerprint(const std::string& model_name, const optim::FlatParams& params) {
-  ModelFingerprint fp;
-  fp.description = model_name + ":";
-  std::string canon = "limbo-ps-v" + std::to_string(kProtocolVersion);
-  for (const auto& e : params.entries()) {
-    std::string shape;
-    for (size_t i = 0; i < e.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(e.shape[i]);
-    fp.description += " " + e.name + "[" + shape + "]";
-    canon += ";" + e.name + "[" + shape + "]:float32";  // FlatParams holds float32 only
-  }
-  fp.hash = fnv1a(canon);
-  return fp;
-}
-
 json run_worker(train::Trainer& trainer, const train::TrainerConfig& cfg, const WorkerOptions& opt,
                 const CurveKeys& keys, const std::atomic<bool>& stop) {
   if (opt.servers.empty()) throw InvalidInput("a worker needs --servers (the shards' endpoints, in shard order)");

@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-#include "ps/server.h"
+#include "ps/model_layout.h"
 #include "ps/transport.h"
 #include "train/trainer.h"
 
@@ -42,8 +42,6 @@ struct WorkerOptions {
   int64_t max_steps = 0;            // leave after this many steps (0 = until the data is done)
   int64_t part_floats = 1 << 18;    // pushes go out in parts of this many floats (0 = whole slices)
 };
-
-ModelFingerprint model_fingerprint(const std::string& model_name, const optim::FlatParams& params);
 
 // Trains as one learner until the data is done, `stop` is set or max_steps;
 // returns this learner's summary.

@@ -1,0 +1,34 @@
+#include "ps/model_layout.h"
+
+#include "common/error.h"
+#include "ps/protocol.h"
+
+namespace limbo::ps {
+
+std::vector<Range> partition(int64_t total, int shards) {
+  if (shards < 1) throw InvalidInput("the number of shards must be >= 1");
+  if (total < shards)
+    throw InvalidInput(std::to_string(shards) + " shards for " + std::to_string(total) + " parameters: too many shards");
+  std::vector<Range> r;
+  for (int k = 0; k < shards; ++k) {
+    int64_t a = total * k / shards, b = total * (k + 1) / shards;
+    r.push_back({a, b - a});
+  }
+  return r;
+}
+
+ModelFingerprint model_fingerprint(const std::string& model_name, const optim::FlatParams& params) {
+  ModelFingerprint fp;
+  fp.description = model_name + ":";
+  std::string canon = "limbo-ps-v" + std::to_string(kProtocolVersion);
+  for (const auto& e : params.entries()) {
+    std::string shape;
+    for (size_t i = 0; i < e.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(e.shape[i]);
+    fp.description += " " + e.name + "[" + shape + "]";
+    canon += ";" + e.name + "[" + shape + "]:float32";  // FlatParams holds float32 only
+  }
+  fp.hash = fnv1a(canon);
+  return fp;
+}
+
+}  // namespace limbo::ps
