@@ -9,7 +9,11 @@
 // so machine noise hits them alike. GB/s counts the bytes moved both ways:
 // 2 * 4 * N per round trip.
 //
+// The shard runs the default job's update: server momentum 0.9 (optim.momentum)
+// and weight decay 0 (optim.weight_decay); --momentum / --weight-decay change them.
+//
 //   build/bench/limbo_bench_ps_roundtrip [--reps 20] [--sizes-m 1,10] [--part-mb 1]
+//                                        [--momentum 0.9] [--weight-decay 0]
 #include <zmq.h>
 
 #include <nlohmann/json.hpp>
@@ -131,12 +135,15 @@ struct LimboPair {
   uint64_t seq = 0, clock = 0;
 
   size_t part;
-  LimboPair(size_t n, size_t part_floats) : grad(n, 1e-6f), weights(n, 0.f), part(part_floats) {
+  LimboPair(size_t n, size_t part_floats, double momentum, double weight_decay)
+      : grad(n, 1e-6f), weights(n, 0.f), part(part_floats) {
     char tmpl[] = "/tmp/limbo-bench-ps-XXXXXX";
     dir = ::mkdtemp(tmpl);
     limbo::ps::ServerOptions o;
     o.dir = dir;
     o.agg.alpha0 = 1e-3;
+    o.momentum = momentum;
+    o.weight_decay = weight_decay;
     o.checkpoint_every = 0;
     o.log_every = 1 << 30;
     o.part_floats = static_cast<int64_t>(part_floats);
@@ -235,25 +242,28 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   int reps = 20;
   std::vector<size_t> sizes_m = {1, 10};
-  double part_mb = 1.0;
+  double part_mb = 1.0, momentum = 0.9, weight_decay = 0.0;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
     if (a == "--reps") reps = std::atoi(argv[i + 1]);
     else if (a == "--part-mb") part_mb = std::atof(argv[i + 1]);
+    else if (a == "--momentum") momentum = std::atof(argv[i + 1]);
+    else if (a == "--weight-decay") weight_decay = std::atof(argv[i + 1]);
     else if (a == "--sizes-m") {
       sizes_m.clear();
       std::stringstream ss(argv[i + 1]);
       std::string item;
       while (std::getline(ss, item, ',')) sizes_m.push_back(std::stoul(item));
     } else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--sizes-m 1,10] [--part-mb 1]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--reps N] [--sizes-m 1,10] [--part-mb 1] [--momentum 0.9] [--weight-decay 0]\n", argv[0]);
       return 2;
     }
   }
   limbo::set_log_level(limbo::LogLevel::Warn);
   limbo::keep_freed_memory();  // as the limbo binary does at start-up (applies to both sides)
-  std::printf("push + pull round trip on loopback, median of %d interleaved reps, parts of %g MiB "
-              "(GB/s = 2 x payload / time)\n", reps, part_mb);
+  std::printf("push + pull round trip on loopback, median of %d interleaved reps, parts of %g MiB, "
+              "shard momentum %g, weight decay %g (GB/s = 2 x payload / time)\n",
+              reps, part_mb, momentum, weight_decay);
   std::printf("%10s %8s %11s %11s %9s %11s %12s %12s %14s\n", "floats", "MB", "raw 1 msg", "raw parts", "limbo",
               "limbo GB/s", "vs 1 msg", "vs parts", "passes alone");
   for (size_t m : sizes_m) {
@@ -261,7 +271,7 @@ int main(int argc, char** argv) {
     const size_t part = part_mb > 0 ? std::max<size_t>(1, static_cast<size_t>(part_mb * (1 << 20) / 4)) : n;
     RawEcho raw(n, n), raw_parts(n, part);
     Passes passes(n);
-    LimboPair limbo_pair(n, part);
+    LimboPair limbo_pair(n, part, momentum, weight_decay);
     std::vector<double> t1, tp, tl, tx;
     for (int r = 0; r < reps + 3; ++r) {
       double a = raw.round_trip();

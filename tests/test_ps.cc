@@ -17,6 +17,7 @@
 #include "ps/leases.h"
 #include "ps/protocol.h"
 #include "ps/server.h"
+#include "ps/shard_state.h"
 #include "ps/staleness.h"
 #include "test_util.h"
 
@@ -408,4 +409,64 @@ TEST(Staleness, StatisticsFromAHistogram) {
 }
 
 }  // namespace
+// Found: the shard streamed its update part by part only without momentum
+// and weight decay, so the default job (momentum 0.9) never streamed. Now a
+// streamed step with momentum and weight decay gives the same result as the
+// rule written out, an abandoned step (overtaken) leaves the momentum as it
+// was, and a step with a NaN part changes nothing.
+TEST(ShardStateTest, StreamsWithMomentumAndWeightDecay) {
+  const int64_t n = 1000;
+  const double alpha0 = 0.1, mu = 0.9, wd = 0.01;
+  std::vector<float> w(n), g1(n), g2(n);
+  for (int64_t i = 0; i < n; ++i) {
+    w[i] = 0.5f - 0.001f * i;
+    g1[i] = 0.01f * static_cast<float>(i % 13) - 0.05f;
+    g2[i] = -0.02f * static_cast<float>(i % 7) + 0.03f;
+  }
+  ShardState s(n, w.data(), UpdateOptions{alpha0, mu, wd});
+  ASSERT_TRUE(s.streams());
+  auto stream = [&](const std::vector<float>& g, double alpha, int64_t parts, bool finish = true) {
+    StreamedStep st = s.begin_step(alpha);
+    for (int64_t k = 0; k < parts; ++k) {
+      const int64_t a = n * k / parts, b = n * (k + 1) / parts;
+      s.step_part(st, GradPart{a, g.data() + a, b - a});
+    }
+    if (!finish) {
+      s.abandon(st);
+      return true;
+    }
+    return s.finish_step(st);
+  };
+  // Step 1: v = d, w1 = w0 - v.
+  std::vector<double> v(n), want(n);
+  ASSERT_TRUE(stream(g1, 0.1, 3));
+  for (int64_t i = 0; i < n; ++i) {
+    v[i] = 0.1 * g1[i] + alpha0 * wd * w[i];
+    want[i] = w[i] - v[i];
+  }
+  // An overtaken step, abandoned after two of three parts: nothing changes.
+  stream(g2, 0.05, 2, /*finish=*/false);
+  // Step 2 with the second gradient, streamed: v = mu v + d.
+  ASSERT_TRUE(stream(g2, 0.05, 4));
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = 0.05 * g2[i] + alpha0 * wd * want[i];
+    v[i] = mu * v[i] + d;
+    want[i] = want[i] - v[i];
+  }
+  const float* got = s.weights()->data_ptr<float>();
+  const float* mom = s.momentum_buffer().data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_NEAR(got[i], want[i], 1e-6) << i;
+    ASSERT_NEAR(mom[i], v[i], 1e-6) << i;
+  }
+  // A NaN in the last part: refused, weights and momentum untouched.
+  auto bad = g1;
+  bad[n - 1] = std::nanf("");
+  auto before = s.weights();
+  std::vector<float> mom_before(mom, mom + n);
+  EXPECT_FALSE(stream(bad, 0.1, 3));
+  EXPECT_EQ(s.weights(), before);
+  EXPECT_EQ(std::memcmp(s.momentum_buffer().data_ptr<float>(), mom_before.data(), n * 4), 0);
+}
+
 }  // namespace limbo::ps

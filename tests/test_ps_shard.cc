@@ -145,6 +145,13 @@ TEST(Shard, HeldPullsAreBoundedAndUnregisteredPeersCannotPull) {
   std::vector<float> g(kTotal, 0.01f);
   EXPECT_EQ(json::parse(a.call(push_header(1, 1), "", g).meta)["status"], "accepted");
   for (uint64_t seq = 2; seq < 52; ++seq) a.s.send(nullptr, pull_header(1, seq), "", nullptr, 0);
+  // A heartbeat on the same connection is answered after every pull before it
+  // was handled (one connection is read in order): all 50 have arrived.
+  Header beat;
+  beat.type = MsgType::Heartbeat;
+  beat.sender = 1;
+  beat.seq = 60;
+  ASSERT_EQ(a.call(beat, "").header.type, MsgType::Heartbeat);
   Header obs = pull_header(9, 1);
   obs.flags = kObserver;
   auto refused = stranger.call(obs, "");

@@ -225,7 +225,7 @@ TEST(TorchScript, ParameterServerTwoLearners) {
   auto r = run_limbo(cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2", "--protocol",
                           "softsync", "--run-dir", run, "--"},
                          user_job(fx, "cnn_bn.pt", "fmnist_npy",
-                                  {"train.epochs=2", "train.threads=1", "ps.request_timeout=30"})));
+                                  {"train.epochs=3", "train.threads=1", "ps.request_timeout=30"})));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto s = summary(run);
   EXPECT_GT(s["test_accuracy"].get<double>(), 0.75) << s.dump();

@@ -78,6 +78,48 @@ void stream_copy(unsigned char* __restrict to, const unsigned char* __restrict f
   std::memcpy(to + i, from + i, n - i);
 }
 
+// With weight decay and/or momentum, in one pass that also checks g:
+//   d = alpha g + decay w;  v' = mu v + d (v' = d on the first step);
+//   out = w - v'           (out = w - d without momentum).
+__attribute__((optimize("O3"))) bool fused_momentum_chunk(float* __restrict out, float* __restrict vout,
+                                                          const float* __restrict w, const float* __restrict v,
+                                                          const float* __restrict g, float alpha, float decay,
+                                                          float mu, size_t n) {
+  uint32_t m = 0;
+  size_t i = 0;
+  auto scalar = [&](size_t k) {
+    uint32_t u;
+    std::memcpy(&u, g + k, 4);
+    m |= (u & 0x7f800000u) + 0x00800000u;
+    const float d = alpha * g[k] + decay * w[k];
+    const float nv = v ? mu * v[k] + d : d;
+    if (vout) vout[k] = nv;
+    out[k] = w[k] - nv;
+  };
+#if defined(__SSE2__)
+  // As fused_sgd_chunk: the new version goes out with streaming stores (the
+  // momentum, read again next step, with normal ones).
+  for (; i < n && (reinterpret_cast<uintptr_t>(out + i) & 15) != 0; ++i) scalar(i);
+  const __m128 va = _mm_set1_ps(alpha), vd = _mm_set1_ps(decay), vm = _mm_set1_ps(mu);
+  const __m128i exponent = _mm_set1_epi32(0x7f800000), ulp = _mm_set1_epi32(0x00800000);
+  __m128i acc = _mm_setzero_si128();
+  for (; i + 4 <= n; i += 4) {
+    const __m128 gv = _mm_loadu_ps(g + i), wv = _mm_loadu_ps(w + i);
+    acc = _mm_or_si128(acc, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), exponent), ulp));
+    __m128 nv = _mm_add_ps(_mm_mul_ps(va, gv), _mm_mul_ps(vd, wv));
+    if (v) nv = _mm_add_ps(_mm_mul_ps(vm, _mm_loadu_ps(v + i)), nv);
+    if (vout) _mm_storeu_ps(vout + i, nv);
+    _mm_stream_ps(out + i, _mm_sub_ps(wv, nv));
+  }
+  _mm_sfence();
+  alignas(16) uint32_t lanes[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), acc);
+  m |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
+#endif
+  for (; i < n; ++i) scalar(i);
+  return (m & 0x80000000u) == 0;
+}
+
 // Large slices are split over the intra-op threads.
 bool fused_sgd_step(float* out, const float* w, const float* g, float alpha, size_t n) {
   std::atomic<bool> ok{true};
@@ -167,20 +209,49 @@ StreamedStep ShardState::begin_step(double alpha) {
   s.base = weights_;
   s.next = fresh_version();
   s.alpha = static_cast<float>(alpha);
+  if (opt_.momentum != 0) {
+    // The new momentum is written beside the current one, which stays as it
+    // is until the step is published (an abandoned step changes nothing).
+    if (!spare_momentum_.defined()) spare_momentum_ = torch::empty({numel_}, torch::kFloat32);
+    s.momentum_next = spare_momentum_;
+  }
   return s;
 }
 
 void ShardState::step_part(StreamedStep& s, const GradPart& g) {
   if (!s.finite) return;  // the step is lost anyway
-  s.finite = fused_sgd_step(s.next->data_ptr<float>() + g.offset, s.base->data_ptr<float>() + g.offset, g.data,
-                            s.alpha, static_cast<size_t>(g.n));
+  const size_t n = static_cast<size_t>(g.n);
+  float* out = s.next->data_ptr<float>() + g.offset;
+  const float* w = s.base->data_ptr<float>() + g.offset;
+  if (opt_.momentum == 0 && opt_.weight_decay == 0) {
+    s.finite = fused_sgd_step(out, w, g.data, s.alpha, n);
+    return;
+  }
+  float* vout = s.momentum_next.defined() ? s.momentum_next.data_ptr<float>() + g.offset : nullptr;
+  const float* v = vout && momentum_.defined() ? momentum_.data_ptr<float>() + g.offset : nullptr;
+  const float decay = static_cast<float>(opt_.alpha0 * opt_.weight_decay);
+  const float mu = static_cast<float>(opt_.momentum);
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, static_cast<int64_t>(n), kParallelGrain, [&](int64_t a, int64_t b) {
+    if (!fused_momentum_chunk(out + a, vout ? vout + a : nullptr, w + a, v ? v + a : nullptr, g.data + a, s.alpha,
+                              decay, mu, static_cast<size_t>(b - a)))
+      ok = false;
+  });
+  s.finite = ok;
 }
 
 bool ShardState::finish_step(StreamedStep& s) {
   if (!current(s)) throw std::logic_error("ShardState::finish_step on a step whose base version is no longer current");
   const bool ok = s.finite;
-  if (ok) publish(std::move(s.next));
-  else abandon(s);
+  if (ok) {
+    publish(std::move(s.next));
+    if (s.momentum_next.defined()) {
+      spare_momentum_ = momentum_;  // undefined after the first step: allocated again
+      momentum_ = s.momentum_next;
+    }
+  } else {
+    abandon(s);
+  }
   s = StreamedStep();
   return ok;
 }

@@ -32,6 +32,7 @@ namespace limbo::ps {
 struct StreamedStep {
   std::shared_ptr<torch::Tensor> base;  // the version it reads
   std::shared_ptr<torch::Tensor> next;  // the version it writes
+  torch::Tensor momentum_next;          // with momentum: the buffer it writes
   float alpha = 0;
   bool finite = true;
 };
@@ -59,14 +60,15 @@ class ShardState {
   bool accumulate(const float* g, double alpha);
   bool accumulate(const std::vector<GradPart>& g, double alpha);
 
-  // Streaming a single-gradient update (only when streams(): no momentum,
-  // no weight decay): begin_step() on the current version, step_part() as
-  // each part arrives (w' = w - alpha g on that range, checking g), then
-  // finish_step(), which publishes w' unless a part held NaN/Inf (then it
-  // returns false and publishes nothing). finish_step() requires current():
-  // no other update since begin_step(); otherwise abandon() the step and
-  // make the update again with step_single().
-  bool streams() const { return opt_.momentum == 0 && opt_.weight_decay == 0; }
+  // Streaming a single-gradient update, with or without momentum and weight
+  // decay: begin_step() on the current version, step_part() as each part
+  // arrives (the update above on that range, checking g; the new momentum
+  // goes to a buffer of the step's own), then finish_step(), which publishes
+  // w' and adopts the new momentum unless a part held NaN/Inf (then it
+  // returns false and changes nothing). finish_step() requires current():
+  // no other update since begin_step(); otherwise abandon() the step (the
+  // momentum is untouched) and make the update again with step_single().
+  bool streams() const { return true; }
   StreamedStep begin_step(double alpha);
   void step_part(StreamedStep& s, const GradPart& g);
   bool current(const StreamedStep& s) const { return s.base == weights_; }
@@ -87,7 +89,7 @@ class ShardState {
   UpdateOptions opt_;
   std::shared_ptr<torch::Tensor> weights_;
   std::vector<std::shared_ptr<torch::Tensor>> spare_;
-  torch::Tensor accum_, momentum_;
+  torch::Tensor accum_, momentum_, spare_momentum_;
 };
 
 // Copies a received payload into place, split over the intra-op threads for
