@@ -43,7 +43,7 @@ struct LocalShard {
     if (part_floats >= 0) o.part_floats = part_floats;
     o.dir = dir.path() + "/shard";
     o.agg = agg;
-    o.heartbeat_timeout = 30;
+    o.heartbeat_timeout = std::chrono::seconds(30);
     o.max_payload_bytes = 1 << 20;
     server = std::make_unique<Server>(o, fp, initial.data(), total, keys);
     endpoint = server->endpoint();

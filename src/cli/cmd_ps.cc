@@ -1,4 +1,5 @@
 // `limbo ps-server`, `limbo worker`, `limbo keygen`, `limbo launch --mode async` and `limbo sim`.
+#include <chrono>
 #include <cmath>
 #include <signal.h>
 #include <unistd.h>
@@ -25,6 +26,10 @@ namespace {
 
 std::atomic<bool> g_stop{false};
 void on_stop(int) { g_stop = true; }
+
+std::chrono::milliseconds millis(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
+}
 
 void install_stop_handlers() {
   struct sigaction sa {};
@@ -91,7 +96,7 @@ int run_ps_server(const PsServerArgs& a) {
   so.agg = aggregator_options(cfg);
   so.momentum = cfg.get_float("optim.momentum");
   so.weight_decay = cfg.get_float("optim.weight_decay");
-  so.heartbeat_timeout = cfg.get_float("ps.heartbeat_timeout");
+  so.heartbeat_timeout = millis(cfg.get_float("ps.heartbeat_timeout"));
   so.checkpoint_every = cfg.get_int("ps.checkpoint_every");
   so.log_every = cfg.get_int("ps.log_every");
   so.max_payload_bytes = static_cast<uint64_t>(cfg.get_int("ps.max_message_mb")) << 20;
@@ -118,8 +123,8 @@ int run_worker_cmd(const WorkerArgs& a) {
   if (wo.servers.empty()) throw InvalidInput("--servers needs at least one HOST:PORT");
   wo.learner_id = a.learner_id >= 0 ? static_cast<uint32_t>(a.learner_id)
                                     : static_cast<uint32_t>((::getpid() * 2654435761u) ^ std::time(nullptr)) | 0x80000000u;
-  wo.request_timeout = cfg.get_float("ps.request_timeout");
-  wo.heartbeat_interval = std::min(0.5, cfg.get_float("ps.heartbeat_timeout") / 4);
+  wo.request_timeout = millis(cfg.get_float("ps.request_timeout"));
+  wo.heartbeat_interval = millis(std::min(0.5, cfg.get_float("ps.heartbeat_timeout") / 4));
   wo.log_every = cfg.get_int("train.log_every");
   wo.run_dir = a.run_dir;
   wo.max_steps = tc.train.max_steps;

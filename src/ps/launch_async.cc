@@ -171,10 +171,10 @@ class AsyncJob {
         throw InvalidInput("shard " + std::to_string(s.index) + " exited before serving (" + describe_status(status) +
                            "); see its messages above");
       }
-      if (std::chrono::duration<double>(Clock::now() - t0).count() > opt_.start_timeout) {
+      if (Clock::now() - t0 > opt_.start_timeout) {
         stop_all();
         throw Timeout("shard " + std::to_string(s.index) + " did not publish its endpoint within " +
-                      std::to_string(opt_.start_timeout) + " s");
+                      std::to_string(opt_.start_timeout.count() / 1000.0) + " s");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }

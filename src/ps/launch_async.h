@@ -14,6 +14,7 @@
 // restore weights, clocks and shard 0's data cursor and leases.
 #pragma once
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -29,7 +30,7 @@ struct AsyncLaunchOptions {
   std::string keys_file;  // CURVE keys for every process; empty = none
   int cores = 0;          // 0 = all
   int max_server_restarts = 3;
-  double start_timeout = 60;  // seconds for a shard to publish its endpoint
+  std::chrono::milliseconds start_timeout{60000};  // for a shard to publish its endpoint
   bool resume = false;        // shards start from their checkpoints (an interrupted job)
 };
 

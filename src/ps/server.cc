@@ -217,10 +217,11 @@ struct Server::Impl {
   void sweep() {
     std::vector<uint32_t> gone;
     for (const auto& [id, t] : last_seen)
-      if (seconds_since(t) > opt.heartbeat_timeout) gone.push_back(id);
+      if (Clock::now() - t > opt.heartbeat_timeout) gone.push_back(id);
     for (uint32_t id : gone) {
       learners_dropped += 1;
-      remove_learner(id, "dropped after " + std::to_string(opt.heartbeat_timeout) + " s without a message");
+      remove_learner(id, "dropped after " + std::to_string(opt.heartbeat_timeout.count() / 1000.0) +
+                             " s without a message");
     }
   }
 

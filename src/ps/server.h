@@ -14,6 +14,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -32,7 +33,7 @@ struct ServerOptions {
   std::string dir;  // shard directory (required)
   AggregatorOptions agg;
   double momentum = 0, weight_decay = 0;  // applied to the aggregated update
-  double heartbeat_timeout = 10;          // seconds without a message before a learner is dropped
+  std::chrono::milliseconds heartbeat_timeout{10000};  // without a message before a learner is dropped
   int64_t checkpoint_every = 500;         // updates; 0 = only at exit
   int64_t log_every = 100;                // updates per metrics line
   bool resume = false;                    // start from dir/checkpoint.bin when present

@@ -154,7 +154,7 @@ class Learner {
         }
         continue;  // a heartbeat answer or a reply to an abandoned request
       }
-      if (seconds_since(last_beat) > opt_.heartbeat_interval) {
+      if (Clock::now() - last_beat > opt_.heartbeat_interval) {
         if (registering) {
           uint64_t s2;
           send_hello(l, &s2);
@@ -164,9 +164,9 @@ class Learner {
         }
         last_beat = Clock::now();
       }
-      if (seconds_since(last_heard) > opt_.request_timeout)
+      if (Clock::now() - last_heard > opt_.request_timeout)
         throw PeerFailure("shard " + std::to_string(l.index) + " at " + l.endpoint + " did not answer for " +
-                          std::to_string(opt_.request_timeout) + " s (ps.request_timeout)" +
+                          std::to_string(opt_.request_timeout.count() / 1000.0) + " s (ps.request_timeout)" +
                           (registering ? std::string(": is it running, and do both sides use the same --keys?")
                                        : std::string()));
     }
@@ -243,7 +243,8 @@ class Learner {
   // shard's leases and ps.request_timeout on the learner's side bound that).
   class Heartbeats {
    public:
-    Heartbeats(Transport& t, std::vector<std::string> endpoints, uint32_t learner, double interval)
+    Heartbeats(Transport& t, std::vector<std::string> endpoints, uint32_t learner,
+               std::chrono::milliseconds interval)
         : thread_([this, &t, endpoints = std::move(endpoints), learner, interval] {
             run(t, endpoints, learner, interval);
           }) {}
@@ -253,7 +254,8 @@ class Learner {
     }
 
    private:
-    void run(Transport& t, const std::vector<std::string>& endpoints, uint32_t learner, double interval) {
+    void run(Transport& t, const std::vector<std::string>& endpoints, uint32_t learner,
+             std::chrono::milliseconds interval) {
       try {
         std::vector<std::unique_ptr<Socket>> socks;
         for (const auto& e : endpoints) {
@@ -272,7 +274,8 @@ class Learner {
             socks[k]->send(nullptr, h, "", nullptr, 0);
             while (socks[k]->recv(frames, nullptr, 0)) {}  // answers are not needed
           }
-          for (double slept = 0; slept < interval && !stop_; slept += 0.05)
+          for (auto slept = std::chrono::milliseconds(0); slept < interval && !stop_;
+               slept += std::chrono::milliseconds(50))
             std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
       } catch (const std::exception& e) {

@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -35,8 +36,8 @@ namespace limbo::ps {
 struct WorkerOptions {
   std::vector<std::string> servers;  // shard endpoints in shard order, e.g. tcp://10.0.0.1:5555
   uint32_t learner_id = 0;
-  double request_timeout = 60;      // seconds without any answer from a shard before giving up
-  double heartbeat_interval = 0.5;  // seconds between heartbeats while waiting
+  std::chrono::milliseconds request_timeout{60000};   // without any answer from a shard before giving up
+  std::chrono::milliseconds heartbeat_interval{500};  // between heartbeats (own thread)
   int64_t log_every = 50;           // steps per metrics line
   std::string run_dir;              // learners/<id>.jsonl; the finisher's final.json, checkpoint.pt
   int64_t max_steps = 0;            // leave after this many steps (0 = until the data is done)
