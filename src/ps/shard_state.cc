@@ -17,6 +17,16 @@ namespace {
 constexpr int64_t kParallelGrain = 1 << 20;  // floats per task of a parallel pass
 constexpr size_t kSpareVersions = 4;          // released versions kept for re-use
 
+#if defined(__SSE2__)
+// Ends a pass of streaming stores and folds the per-lane exponent checks.
+inline uint32_t finish_stream(__m128i acc) {
+  _mm_sfence();
+  alignas(16) uint32_t lanes[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), acc);
+  return lanes[0] | lanes[1] | lanes[2] | lanes[3];
+}
+#endif
+
 // out = w - alpha * g in one pass that also checks g (see all_finite()).
 // The new version is written with streaming (non-temporal) stores where the
 // CPU has them: it is far larger than the caches and is only read again when
@@ -44,10 +54,7 @@ __attribute__((optimize("O3"))) bool fused_sgd_chunk(float* __restrict out, cons
     acc = _mm_or_si128(acc, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), exponent), ulp));
     _mm_stream_ps(out + i, _mm_sub_ps(_mm_loadu_ps(w + i), _mm_mul_ps(va, gv)));
   }
-  _mm_sfence();
-  alignas(16) uint32_t lanes[4];
-  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), acc);
-  m |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
+  m |= finish_stream(acc);
 #endif
   for (; i < n; ++i) scalar(i);
   return (m & 0x80000000u) == 0;
@@ -111,10 +118,7 @@ __attribute__((optimize("O3"))) bool fused_momentum_chunk(float* __restrict out,
     if (vout) _mm_storeu_ps(vout + i, nv);
     _mm_stream_ps(out + i, _mm_sub_ps(wv, nv));
   }
-  _mm_sfence();
-  alignas(16) uint32_t lanes[4];
-  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), acc);
-  m |= lanes[0] | lanes[1] | lanes[2] | lanes[3];
+  m |= finish_stream(acc);
 #endif
   for (; i < n; ++i) scalar(i);
   return (m & 0x80000000u) == 0;
