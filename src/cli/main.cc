@@ -1,3 +1,4 @@
+#include <signal.h>
 // `limbo`: the command line. The only place that reads argv and the
 // environment; everything below receives explicit options.
 #include <CLI/CLI.hpp>
@@ -23,6 +24,9 @@ int report(const char* kind, const std::string& msg, int code) {
 int main(int argc, char** argv) {
   using namespace limbo;
   keep_freed_memory();
+  // A peer that dies mid-transfer must surface as an error on the socket
+  // (EPIPE -> PeerFailure, the group re-forms), not kill this process.
+  ::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"Limbo: distributed training on resources that are not fixed"};
   app.require_subcommand(1);
   std::string level = "info";
