@@ -40,7 +40,7 @@ COMMON = ["--set", "model.name=mlp", "--set", "model.width=64", "--set", "data.t
 EPOCHS, SAMPLES = 3, 12000
 ELASTIC = COMMON + ["--set", f"train.epochs={EPOCHS}", "--set", "train.sample_log=true",
                     "--set", "elastic.collective_timeout=2", "--set", "train.checkpoint_every_steps=100"]
-PS = COMMON + ["--set", "train.epochs=3", "--set", "optim.lr=0.02", "--set", "ps.heartbeat_timeout=2",
+PS = COMMON + ["--set", "train.epochs=5", "--set", "optim.lr=0.02", "--set", "ps.heartbeat_timeout=2",
                "--set", "ps.request_timeout=30", "--set", "ps.checkpoint_every=20"]
 FAULTS = ["elastic-kill", "elastic-stop", "elastic-term", "ps-learner-kill", "ps-shard-kill", "ps-restart"]
 
@@ -96,7 +96,7 @@ def ps_job(limbo, d, fault, rng):
     if fault:
         if not wait_for(log, "joined (lambda = 3", 120):
             return p, run, log, "learners never joined"
-        time.sleep(rng.uniform(0.2, 1.5))
+        time.sleep(rng.uniform(0.2, 1.2))  # training takes about 2.5 s
         with open(log) as f:
             text = f.read()
         if fault == "ps-shard-kill":

@@ -155,7 +155,9 @@ void expect_exactly_once(const std::string& dir, int epochs, int n) {
       auto sp = line.find(' ');
       int64_t step = std::stoll(line.substr(0, sp));
       auto [it, fresh] = steps.emplace(step, line.substr(sp + 1));
-      if (!fresh) EXPECT_EQ(it->second, line.substr(sp + 1)) << "step " << step << " differs";
+      if (!fresh) {
+        EXPECT_EQ(it->second, line.substr(sp + 1)) << "step " << step << " differs";
+      }
     }
   }
   std::map<std::pair<int, int>, int> count;

@@ -116,6 +116,49 @@ TEST(PsJob, KillingALearnerDoesNotHangHardsync) {
   EXPECT_GT(fin["test_accuracy"].get<double>(), 0.7);
 }
 
+// The finisher waits for the final weights until no learner is registered.
+// A peer that died between batches is registered until the shard drops it;
+// meanwhile the finisher, which has said goodbye, must neither heartbeat
+// as a learner nor register again (found by bench/chaos.py: the shard
+// answered its heartbeat with unknown_learner, it registered again and
+// waited for itself for ever).
+TEST(PsJob, TheFinisherWaitsOutAPeerThatDiedBetweenBatches) {
+  TempDir d;
+  const std::string run = d.file("run");
+  auto args = cat(mlp_args(1), {"--set", "data.train_limit=1024"});
+  limbo::testing::KillOnExit children;
+  pid_t server = spawn_limbo(cat({"ps-server", "--dir", run + "/shard-0"}, args), d.file("server.log"));
+  children.pids.push_back(server);
+  ASSERT_TRUE(wait_for_text(run + "/shard-0/endpoint", "tcp://", 60)) << slurp(d.file("server.log"));
+  std::string endpoint = slurp(run + "/shard-0/endpoint");
+  endpoint.erase(endpoint.find_last_not_of("\n ") + 1);
+  auto learner = [&](int i, std::vector<std::string> extra) {
+    children.pids.push_back(0);
+    return children.pids.back() = spawn_limbo(cat(cat({"worker", "--servers", endpoint, "--learner-id", std::to_string(i), "--run-dir", run},
+                               args), extra),
+                       d.file("learner" + std::to_string(i) + ".log"));
+  };
+  pid_t sleeper = learner(1, {"--set", "train.pause_at_step=2"});
+  ASSERT_TRUE(wait_for_text(d.file("learner1.log"), "paused at step 2", 60)) << slurp(d.file("learner1.log"));
+  pid_t finisher = learner(0, {});
+  // The finisher has trained every other batch and now waits for the final
+  // weights; the paused learner still heartbeats. Let the finisher wait a
+  // few of its heartbeat intervals (0.25 s), then kill the sleeper.
+  ASSERT_TRUE(wait_for_text(d.file("learner0.log"), "left after", 60)) << slurp(d.file("learner0.log"));
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));
+  ASSERT_EQ(::kill(sleeper, SIGKILL), 0);
+  wait_child(sleeper, d.file("learner1.log"));
+  auto r = wait_child(finisher, d.file("learner0.log"), 30);
+  EXPECT_FALSE(r.timed_out) << "the finisher never got the final weights:\n" << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("registering again"), std::string::npos) << r.output;
+  ::kill(server, SIGTERM);
+  auto sr = wait_child(server, d.file("server.log"), 30);
+  EXPECT_EQ(sr.exit_code, 0) << sr.output;
+  EXPECT_NE(sr.output.find("learner 1 dropped"), std::string::npos) << sr.output;
+  EXPECT_GT(read_json(run + "/final.json")["test_accuracy"].get<double>(), 0.3);
+}
+
 pid_t shard_pid(const std::string& dir) {
   std::string cmd = "pgrep -f -- '--dir " + dir + "( |$)'";
   FILE* p = ::popen(cmd.c_str(), "r");

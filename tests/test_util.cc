@@ -76,14 +76,37 @@ pid_t spawn_process(const std::vector<std::string>& args, const std::string& log
   return pid;
 }
 
-ProcessResult wait_child(pid_t pid, const std::string& log) {
+ProcessResult wait_child(pid_t pid, const std::string& log, double timeout_s) {
   int status = 0;
-  ::waitpid(pid, &status, 0);
   ProcessResult r;
+  if (timeout_s > 0) {
+    auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (::waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > end) {
+        ::kill(pid, SIGKILL);
+        ::waitpid(pid, &status, 0);
+        r.timed_out = true;
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  } else {
+    ::waitpid(pid, &status, 0);
+  }
   if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
   if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
   r.output = slurp(log);
   return r;
+}
+
+KillOnExit::~KillOnExit() {
+  for (pid_t p : pids) {
+    int status = 0;
+    if (p > 0 && ::waitpid(p, &status, WNOHANG) == 0) {
+      ::kill(p, SIGKILL);
+      ::waitpid(p, &status, 0);
+    }
+  }
 }
 
 ProcessResult run_limbo(const std::vector<std::string>& args) {

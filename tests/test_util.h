@@ -31,6 +31,7 @@ struct ProcessResult {
   int exit_code = -1;  // -1 when killed by a signal
   int signal = 0;
   std::string output;  // stdout + stderr
+  bool timed_out = false;
 };
 
 // Runs the limbo binary with arguments; waits for it.
@@ -43,7 +44,16 @@ pid_t spawn_process(const std::vector<std::string>& argv, const std::string& log
 pid_t spawn_limbo(const std::vector<std::string>& args, const std::string& log);
 // Waits until `needle` appears in the file or the timeout passes.
 bool wait_for_text(const std::string& file, const std::string& needle, double timeout_s);
-ProcessResult wait_child(pid_t pid, const std::string& log);
+// Waits for a child; with timeout_s > 0, SIGKILLs it after that long and
+// reports signal 9 with timed_out set.
+ProcessResult wait_child(pid_t pid, const std::string& log, double timeout_s = 0);
+
+// SIGKILLs (and reaps) the children still running when it goes out of
+// scope, so a failed assertion leaves no process behind.
+struct KillOnExit {
+  std::vector<pid_t> pids;
+  ~KillOnExit();
+};
 
 std::string slurp(const std::string& path);
 

@@ -1,6 +1,7 @@
-#include <signal.h>
 // `limbo`: the command line. The only place that reads argv and the
 // environment; everything below receives explicit options.
+#include <signal.h>
+
 #include <CLI/CLI.hpp>
 
 #include <c10/util/Exception.h>

@@ -96,18 +96,26 @@ class Learner {
   void hello(Link& l) {
     uint64_t seq;
     send_hello(l, &seq);
-    Message m = await(l, seq, MsgType::Welcome, [&] { send_hello(l, &seq); return seq; }, /*registering=*/true);
+    Message m = await(l, seq, MsgType::Welcome, [&] { send_hello(l, &seq); return seq; }, Waiting::Hello);
     if (m.meta.empty()) throw PeerFailure("shard " + std::to_string(l.index) + " sent an empty welcome");
     json w = json::parse(m.meta);
     l.offset = w["offset"];
     l.numel = w["numel"];
   }
 
+  // How a learner waits for a reply: as a registered learner (heartbeats;
+  // registers again when the shard no longer knows it), while registering
+  // (hellos are repeated), or as an observer after its goodbye (the final
+  // pull: observer heartbeats, which never register it again, so the shard
+  // can see every learner gone).
+  enum class Waiting { Learner, Hello, Observer };
+
   // Waits for the reply `seq` of type `want` from a shard, sending heartbeats
   // while waiting. When the shard no longer knows this learner (it restarted
   // or dropped us), registers again and calls `resend` for a new seq.
   template <typename Resend>
-  Message await(Link& l, uint64_t seq, MsgType want, Resend resend, bool registering = false) {
+  Message await(Link& l, uint64_t seq, MsgType want, Resend resend, Waiting waiting = Waiting::Learner) {
+    const bool registering = waiting == Waiting::Hello;
     auto last_heard = Clock::now(), last_beat = Clock::now();
     std::vector<Frame> frames;
     for (;;) {
@@ -126,7 +134,16 @@ class Learner {
         if (h.type == MsgType::Error) {
           json e = json::parse(d.msg.meta);
           std::string code = e.value("code", std::string());
-          if (code == "unknown_learner" && !registering) {
+          if (code == "unknown_learner" && waiting == Waiting::Observer) {
+            // The shard restarted and forgot this connection: a handshake
+            // and a goodbye make it a known observer again.
+            log_warn("shard " + std::to_string(l.index) + " does not know this observer (restarted?): greeting it again");
+            hello(l);
+            l.sock->send(nullptr, header(MsgType::Bye, l), "", nullptr, 0);
+            seq = resend();
+            continue;
+          }
+          if (code == "unknown_learner" && waiting == Waiting::Learner) {
             log_warn("shard " + std::to_string(l.index) + " does not know this learner (restarted?): registering again");
             hello(l);
             seq = resend();
@@ -161,7 +178,9 @@ class Learner {
           send_hello(l, &s2);
           seq = s2;
         } else {
-          l.sock->send(nullptr, header(MsgType::Heartbeat, l), "", nullptr, 0);
+          Header beat = header(MsgType::Heartbeat, l);
+          if (waiting == Waiting::Observer) beat.flags = kObserver;
+          l.sock->send(nullptr, beat, "", nullptr, 0);
         }
         last_beat = Clock::now();
       }
@@ -185,7 +204,7 @@ class Learner {
   // as it arrives while the next one is still in transit. Returns the first
   // part's message (its meta carries the lease).
   template <typename Resend>
-  Message receive_weights(Link& l, uint64_t seq, Resend resend) {
+  Message receive_weights(Link& l, uint64_t seq, Resend resend, Waiting waiting = Waiting::Learner) {
     float* flat = t_.params().data().data_ptr<float>() + l.offset;
     int64_t got = 0;
     Message first;
@@ -193,7 +212,7 @@ class Learner {
       Message m = await(l, seq, MsgType::Weights, [&] {
         got = 0;
         return seq = resend();
-      });
+      }, waiting);
       const int64_t n = static_cast<int64_t>(m.floats());
       const bool last = !(m.header.flags & kMoreParts);
       if (static_cast<int64_t>(m.header.offset) != got || (last ? got + n != l.numel : got + n >= l.numel) ||
@@ -355,17 +374,17 @@ json Learner::run(const std::atomic<bool>& stop) {
     compute_squares += step_compute * step_compute;
 
     const float* g = flat.grad().data_ptr<float>();
-    for (auto& l : links_) {
-      push_seq[l->index] = send_push(*l, g, lease_id, keep_grad);
-      pull_seq[l->index] = send_pull(*l, l->index == 0 ? kWantLease : 0);
-    }
+    for (auto& l : links_) push_seq[l->index] = send_push(*l, g, lease_id, keep_grad);
     steps += 1;
     samples += count;
-    if (cfg_.train.pause_at_step > 0 && steps == cfg_.train.pause_at_step) {  // testing aid
+    if (cfg_.train.pause_at_step > 0 && steps == cfg_.train.pause_at_step) {
+      // Testing aid: stops between batches (the step's gradient sent, no
+      // next batch asked for), still sending heartbeats from their thread.
       std::fprintf(stderr, "paused at step %lld\n", static_cast<long long>(steps));
       std::fflush(stderr);
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
+    for (auto& l : links_) pull_seq[l->index] = send_pull(*l, l->index == 0 ? kWantLease : 0);
     loss_sum += lv;
     window.add(lv, count);
     if (window.steps() >= opt_.log_every && !metrics.empty()) {
@@ -403,7 +422,8 @@ json Learner::run(const std::atomic<bool>& stop) {
     uint64_t clock0 = 0;
     for (auto& l : links_) {
       Link& L = *l;
-      Message w = receive_weights(L, seqs[L.index], [&] { return seqs[L.index] = send_pull(L, kObserver | kFinal); });
+      Message w = receive_weights(L, seqs[L.index], [&] { return seqs[L.index] = send_pull(L, kObserver | kFinal); },
+                                  Waiting::Observer);
       if (L.index == 0) clock0 = w.header.clock;
     }
     auto ev = t_.evaluate_test();
