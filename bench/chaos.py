@@ -39,7 +39,7 @@ COMMON = ["--set", "model.name=mlp", "--set", "model.width=64", "--set", "data.t
           "--set", "train.progress=false"]
 EPOCHS, SAMPLES = 3, 12000
 ELASTIC = COMMON + ["--set", f"train.epochs={EPOCHS}", "--set", "train.sample_log=true",
-                    "--set", "elastic.collective_timeout=2", "--set", "train.checkpoint_every_steps=100"]
+                    "--set", "elastic.collective_timeout=30", "--set", "train.checkpoint_every_steps=100"]
 PS = COMMON + ["--set", "train.epochs=5", "--set", "optim.lr=0.02", "--set", "ps.heartbeat_timeout=2",
                "--set", "ps.request_timeout=30", "--set", "ps.checkpoint_every=20"]
 FAULTS = ["elastic-kill", "elastic-stop", "elastic-term", "ps-learner-kill", "ps-shard-kill", "ps-restart"]

@@ -93,6 +93,34 @@ TEST(Coordinator, DropsSilentDeadAndLeftWorkersAndAdmitsJoiners) {
   EXPECT_NE(r.reason.find("left 1"), std::string::npos) << r.reason;
 }
 
+// A member that goes silent without leaving aborts the round it was in (the
+// others may be blocked in a collective on it); one that leaves does not.
+TEST(Coordinator, ASilentMemberAbortsItsRoundALeavingOneDoesNot) {
+  Fixture f(3);
+  for (int i = 0; i < 3; ++i) f.join();
+  EXPECT_EQ(*f.kv->try_get("elastic/heartbeat_interval_ms"), "750");  // a quarter of the 3 s timeout
+  EXPECT_EQ(f.coord->poll().round.number, 1);
+  f.kv->set("elastic/left/3", "1");
+  auto r = f.coord->poll();
+  EXPECT_TRUE(r.aborted.empty());
+  EXPECT_FALSE(f.kv->try_get("elastic/abort").has_value());
+  EXPECT_EQ(r.round.number, 2);
+  f.advance(2.0);
+  f.beat(1);
+  r = f.coord->poll();
+  EXPECT_FALSE(f.kv->try_get("elastic/abort").has_value());
+  f.advance(1.5);  // worker 2: 3.5 s without a beat
+  f.beat(1);
+  r = f.coord->poll();
+  EXPECT_EQ(r.aborted, (std::vector<int64_t>{2}));
+  EXPECT_EQ(*f.kv->try_get("elastic/abort"), "2");  // the round both were in
+  EXPECT_EQ(r.round.number, 3);  // and the next round goes on without it
+  EXPECT_EQ(r.round.members, (std::vector<int64_t>{1}));
+  f.advance(0.5);
+  f.beat(1);
+  EXPECT_TRUE(f.coord->poll().aborted.empty());  // once per round
+}
+
 TEST(Coordinator, AnswersARequestForTheCurrentRoundOnce) {
   Fixture f(2);
   f.join();
@@ -232,24 +260,58 @@ TEST(Elastic, SigkilledWorkerMidEpochSurvivorsGoOnWithEverySampleOnce) {
   EXPECT_NE(slurp(job.run + "/metrics.jsonl").find("\"first_step_seconds\""), std::string::npos);
 }
 
-TEST(Elastic, StoppedWorkerIsDetectedByTimeout) {
+// A stopped worker keeps its connections open, so the others' all-reduce
+// cannot see it fail. Its heartbeats stop: the coordinator drops it after the
+// heartbeat timeout (0.4 s) and aborts the round, and the survivors re-form
+// without waiting for the collective timeout (60 s here).
+TEST(Elastic, StoppedWorkerIsDetectedByItsHeartbeatsNotTheCollectiveTimeout) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   Job job;
-  job.start(3, 1, 12);
+  job.start(3, 1, 12, {}, {"--set", "elastic.collective_timeout=60"});
   ASSERT_TRUE(job.training()) << slurp(job.log);
   pid_t stopped = rank_pid(job.log, 2);
+  const double stopped_at =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   ASSERT_EQ(::kill(stopped, SIGSTOP), 0);
-  // The others time out in the all-reduce (2 s), the coordinator drops the
-  // silent worker (3 s heartbeat timeout), and training goes on without it.
   EXPECT_TRUE(limbo::testing::wait_for_text(job.log, "(lost ", 30)) << slurp(job.log);
   auto done = limbo::testing::wait_for_text(job.run + "/summary.json", "test_accuracy", 120);
-  ::kill(stopped, SIGKILL);  // the launcher waits for every child
+  ::kill(stopped, SIGKILL);
   auto r = job.finish();
   ASSERT_TRUE(done) << r.output;
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("imed out"), std::string::npos) << r.output;  // "Timed out" or "timed out"
+  EXPECT_EQ(r.output.find("imed out"), std::string::npos) << r.output;  // no collective timed out
+  EXPECT_NE(r.output.find("aborting the round's collectives"), std::string::npos) << r.output;
+  // The survivors' group re-formed long before the collective timeout.
+  double reformed_at = 0;
+  std::istringstream in(slurp(job.run + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.value("kind", "") == "membership" && j.value("time", 0.0) > stopped_at) {
+      reformed_at = j["time"].get<double>();
+      break;
+    }
+  }
+  ASSERT_GT(reformed_at, 0) << "no membership change after the stop";
+  EXPECT_LT(reformed_at - stopped_at, 30.0);
   expect_exactly_once(job.run, 12, 3000);
   expect_identical_finals(job.run, 2);
+}
+
+// Slow is not dead: steps of 5 s (heartbeats go on from their own thread)
+// evict no one.
+TEST(Elastic, AWorkerWhoseStepsTakeFiveSecondsIsNotEvicted) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  job.start(2, 1, 1, {}, {"--set", "data.train_limit=32", "--set", "train.slow_step_ms=5000",
+                          "--set", "train.sample_log=false", "--set", "elastic.collective_timeout=60"});
+  auto r = job.finish();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("(lost "), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("aborting"), std::string::npos) << r.output;
+  auto s = job.summary();
+  EXPECT_EQ(s["membership_changes"].get<int64_t>(), 0) << s.dump();
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_GE(s["steps"].get<int64_t>(), 2) << s.dump();
 }
 
 // Found: a worker stopped mid-epoch turned a finished job into exit code 4
@@ -302,7 +364,7 @@ TEST(Elastic, SignalsAtTheLauncherStopTheJobAfterACheckpoint) {
 TEST(Elastic, ACleanLeaveThenACrashOfTheRestStillRestartsTheJob) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   Job job;
-  job.start(2, 1, 4, {}, {"--set", "train.checkpoint_every_steps=50"});
+  job.start(2, 1, 16, {}, {"--set", "train.checkpoint_every_steps=50"});  // long enough to outlast the kill
   ASSERT_TRUE(job.training()) << slurp(job.log);
   pid_t leaver = rank_pid(job.log, 1), other = rank_pid(job.log, 0);
   ASSERT_EQ(::kill(leaver, SIGTERM), 0);
@@ -312,7 +374,7 @@ TEST(Elastic, ACleanLeaveThenACrashOfTheRestStillRestartsTheJob) {
   auto r = job.finish();
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("restarting the job from"), std::string::npos) << r.output;
-  EXPECT_EQ(job.summary()["samples"].get<int64_t>(), 4 * 3000);
+  EXPECT_EQ(job.summary()["samples"].get<int64_t>(), 16 * 3000);
 }
 
 // ISGD's control window holds one epoch of global batches: with 2 workers of

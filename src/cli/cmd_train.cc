@@ -131,6 +131,7 @@ int run_launch(const LaunchArgs& a) {
   lo.train_args = a.train_args;
   lo.elastic = a.min_workers > 0 || a.max_workers > 0;
   lo.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.rdzv_timeout * 1000));
+  lo.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000));
   if (!a.elastic_schedule.empty()) lo.schedule = elastic::parse_schedule(a.elastic_schedule);
   if (a.min_workers > 0) lo.min_workers = a.min_workers;
   if (a.max_workers > 0) lo.max_workers = a.max_workers;

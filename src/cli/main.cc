@@ -60,6 +60,10 @@ int main(int argc, char** argv) {
                      "elastic: admit at most this many workers");
   launch->add_option("--rdzv-timeout", launch_args.rdzv_timeout,
                      "elastic: seconds below the minimum worker count before the job stops");
+  launch->add_option("--heartbeat-timeout", launch_args.heartbeat_timeout,
+                     "elastic: seconds without a worker's heartbeat (sent every timeout/4 from a thread "
+                     "of its own) before it counts as gone and the others re-form (default 0.4)")
+      ->check(CLI::Range(0.05, 3600.0));
   launch->add_option("--elastic-schedule", launch_args.elastic_schedule,
                      "elastic: worker count by epoch, e.g. \"0:1,5:4,10:2\" (starts and stops "
                      "workers as training passes each epoch)");

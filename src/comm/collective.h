@@ -28,6 +28,12 @@ class Collective {
   virtual void allreduce_max(torch::Tensor& t) = 0;
   // Copies `t` from member `root` to everyone, in place.
   virtual void broadcast(torch::Tensor& t, int root) = 0;
+  // Thread-safe, from any thread: a collective blocked in another thread,
+  // and every later one, throws PeerFailure at once; the members blocked
+  // with it see their connections close and fail too. For a member known
+  // to be gone that the collective itself cannot see (a stopped process
+  // keeps its connections open). The group cannot be used again.
+  virtual void abort() = 0;
 };
 
 struct GroupOptions {
@@ -45,7 +51,7 @@ struct GroupOptions {
   int worker_threads = 2;  // c10d's Gloo worker threads (its default; measured best at 16-64 MB)
 };
 
-// Connects to the job's TCPStore and forms a Gloo group of `size` members.
+// Connects to the job's rendezvous store and forms a Gloo group of `size` members.
 // Blocks until all members have joined or the timeout passes (Timeout).
 std::unique_ptr<Collective> make_gloo_group(const GroupOptions& opt, int rank, int size);
 
@@ -57,9 +63,9 @@ std::string local_address_towards(const std::string& host);
 // True when `host` is an address of this machine (it can be bound here).
 bool is_local_address(const std::string& host);
 
-// Hosts the job's TCPStore (the launcher does this, not a worker). Returns an
-// opaque handle; the store lives as long as the handle. port 0 picks a free
-// port; the chosen port is returned in *port.
+// Hosts the job's rendezvous store (comm/store.h; the launcher does this, not
+// a worker). Returns an opaque handle; the store lives as long as the handle.
+// port 0 picks a free port; the chosen port is returned in *port.
 std::shared_ptr<void> host_store(const std::string& host, int* port,
                                  std::chrono::milliseconds timeout);
 

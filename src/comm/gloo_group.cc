@@ -7,15 +7,20 @@
 #include <gloo/transport/tcp/device.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <mutex>
+#include <set>
+
 #include "comm/collective.h"
+#include "comm/store.h"
 #include "common/error.h"
 
 namespace limbo::comm {
@@ -56,16 +61,73 @@ class StoreAdapter : public gloo::rendezvous::Store {
   c10::intrusive_ptr<c10d::Store> s_;
 };
 
+// c10d's Store interface over the job's own store client (comm/store.h),
+// for ProcessGroupGloo's rendezvous.
+class C10dStore : public c10d::Store {
+ public:
+  explicit C10dStore(std::shared_ptr<StoreClient> c) : c10d::Store(c->timeout()), c_(std::move(c)) {}
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    c_->set(key, std::string(value.begin(), value.end()));
+  }
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    return bytes(c_->compare_set(key, std::string(expected.begin(), expected.end()),
+                                 std::string(desired.begin(), desired.end())));
+  }
+  std::vector<uint8_t> get(const std::string& key) override { return bytes(c_->get(key, timeout_)); }
+  int64_t add(const std::string& key, int64_t value) override { return c_->add(key, value); }
+  bool deleteKey(const std::string& key) override { return c_->erase(key); }
+  bool check(const std::vector<std::string>& keys) override { return c_->check(keys); }
+  int64_t getNumKeys() override { return c_->num_keys(); }
+  void wait(const std::vector<std::string>& keys) override { c_->wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& t) override {
+    c_->wait(keys, t);
+  }
+
+ private:
+  static std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+  std::shared_ptr<StoreClient> c_;
+};
+
+// This process's TCP sockets: (fd, inode), so that a descriptor closed and
+// reused by something else is told apart.
+std::set<std::pair<int, ino_t>> tcp_sockets() {
+  std::set<std::pair<int, ino_t>> out;
+  DIR* d = ::opendir("/proc/self/fd");
+  if (!d) return out;
+  while (dirent* e = ::readdir(d)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0' || fd == ::dirfd(d)) continue;
+    struct stat st {};
+    if (::fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    int domain = 0, type = 0;
+    socklen_t len = sizeof domain;
+    if (::getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_DOMAIN, &domain, &len) != 0) continue;
+    len = sizeof type;
+    if (::getsockopt(static_cast<int>(fd), SOL_SOCKET, SO_TYPE, &type, &len) != 0) continue;
+    if ((domain == AF_INET || domain == AF_INET6) && type == SOCK_STREAM) out.insert({static_cast<int>(fd), st.st_ino});
+  }
+  ::closedir(d);
+  return out;
+}
+
+int peer_port(int fd) {
+  sockaddr_storage a{};
+  socklen_t len = sizeof a;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) return -1;
+  if (a.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&a)->sin_port);
+  if (a.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&a)->sin6_port);
+  return -1;
+}
+
 class GlooGroup : public Collective {
  public:
   GlooGroup(const GroupOptions& opt, int rank, int size) : opt_(opt) {
+    const auto sockets_before = tcp_sockets();
     try {
-      c10d::TCPStoreOptions so;
-      so.port = static_cast<uint16_t>(opt.store_port);
-      so.isServer = false;
-      so.waitWorkers = false;
-      so.timeout = opt.timeout;
-      auto tcp = c10::make_intrusive<c10d::TCPStore>(opt.store_host, so);
+      auto client = std::make_shared<StoreClient>(opt.store_host, opt.store_port, opt.timeout);
+      auto tcp = c10::make_intrusive<C10dStore>(client);
       auto store = c10::make_intrusive<c10d::PrefixStore>(opt.prefix, tcp);
       auto go = c10d::ProcessGroupGloo::Options::create(opt.timeout);
       const std::string bind =
@@ -84,6 +146,10 @@ class GlooGroup : public Collective {
         auto device = gloo::transport::tcp::CreateDevice(attr);
         ctx_->connectFullMesh(adapter, device);
       }
+      // The sockets this group opened (its Gloo connections and listeners,
+      // not its store connection), for abort().
+      for (const auto& s : tcp_sockets())
+        if (!sockets_before.count(s) && peer_port(s.first) != opt.store_port) sockets_.push_back(s);
     } catch (const limbo::Error&) {
       throw;
     } catch (const std::exception& e) {
@@ -94,11 +160,26 @@ class GlooGroup : public Collective {
     }
   }
 
+  ~GlooGroup() override {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    sockets_.clear();  // closed with the contexts below; abort() must not touch them
+  }
+
   int rank() const override { return pg_->getRank(); }
+
+  void abort() override {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    aborted_ = true;
+    for (const auto& [fd, inode] : sockets_) {
+      struct stat st {};
+      if (::fstat(fd, &st) == 0 && st.st_ino == inode) ::shutdown(fd, SHUT_RDWR);
+    }
+  }
   int size() const override { return pg_->getSize(); }
 
   void allreduce_sum(torch::Tensor& t) override {
     if (size() == 1) return;
+    check_aborted();
     if (ctx_ && t.scalar_type() == torch::kFloat32 && t.is_contiguous()) {
       try {
         gloo::AllreduceOptions o(ctx_);
@@ -131,6 +212,7 @@ class GlooGroup : public Collective {
 
   void allreduce_max(torch::Tensor& t) override {
     if (size() == 1) return;
+    check_aborted();
     std::vector<at::Tensor> v = {t};
     c10d::AllreduceOptions ao;
     ao.reduceOp = c10d::ReduceOp::MAX;
@@ -143,6 +225,7 @@ class GlooGroup : public Collective {
 
   void broadcast(torch::Tensor& t, int root) override {
     if (size() == 1) return;
+    check_aborted();
     std::vector<at::Tensor> v = {t};
     c10d::BroadcastOptions bo;
     bo.rootRank = root;
@@ -154,7 +237,15 @@ class GlooGroup : public Collective {
   }
 
  private:
+  void check_aborted() {
+    std::lock_guard<std::mutex> lock(abort_mu_);
+    if (aborted_) throw PeerFailure("group '" + opt_.prefix + "' was aborted (a member stopped answering)");
+  }
+
   GroupOptions opt_;
+  std::mutex abort_mu_;
+  bool aborted_ = false;
+  std::vector<std::pair<int, ino_t>> sockets_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::shared_ptr<gloo::rendezvous::Context> ctx_;
   uint32_t tag_ = 0;
@@ -205,22 +296,10 @@ std::unique_ptr<Collective> make_gloo_group(const GroupOptions& opt, int rank, i
 }
 
 std::shared_ptr<void> host_store(const std::string& host, int* port,
-                                 std::chrono::milliseconds timeout) {
-  try {
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<uint16_t>(*port);
-    so.isServer = true;
-    so.waitWorkers = false;
-    so.timeout = timeout;
-    auto store = c10::make_intrusive<c10d::TCPStore>(host, so);
-    *port = store->getPort();
-    // Keep the intrusive_ptr alive inside a shared_ptr<void>.
-    auto holder = std::make_shared<c10::intrusive_ptr<c10d::TCPStore>>(store);
-    return std::shared_ptr<void>(holder, holder.get());
-  } catch (const std::exception& e) {
-    throw InvalidInput("cannot host the rendezvous store on " + host + ":" + std::to_string(*port) +
-                       ": " + std::string(e.what()).substr(0, 200));
-  }
+                                 std::chrono::milliseconds /*timeout*/) {
+  auto server = std::make_shared<StoreServer>(host, *port);
+  *port = server->port();
+  return server;
 }
 
 }  // namespace limbo::comm

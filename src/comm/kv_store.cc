@@ -1,6 +1,6 @@
 #include "comm/kv_store.h"
 
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#include "comm/store.h"
 
 #include "common/error.h"
 
@@ -9,52 +9,14 @@ namespace {
 
 class TcpKvStore : public KvStore {
  public:
-  TcpKvStore(const std::string& host, int port, std::chrono::milliseconds timeout) {
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<uint16_t>(port);
-    so.isServer = false;
-    so.waitWorkers = false;
-    so.timeout = timeout;
-    try {
-      store_ = c10::make_intrusive<c10d::TCPStore>(host, so);
-    } catch (const std::exception& e) {
-      throw PeerFailure("cannot reach the rendezvous store at " + host + ":" +
-                        std::to_string(port) + ": " + std::string(e.what()).substr(0, 200));
-    }
-  }
-  void set(const std::string& key, const std::string& value) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    guard([&] { store_->set(key, std::vector<uint8_t>(value.begin(), value.end())); });
-  }
-  std::optional<std::string> try_get(const std::string& key) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::optional<std::string> out;
-    guard([&] {
-      if (store_->check({key})) {
-        auto v = store_->get(key);
-        out = std::string(v.begin(), v.end());
-      }
-    });
-    return out;
-  }
-  int64_t add(const std::string& key, int64_t delta) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    int64_t v = 0;
-    guard([&] { v = store_->add(key, delta); });
-    return v;
-  }
+  TcpKvStore(const std::string& host, int port, std::chrono::milliseconds timeout)
+      : client_(host, port, timeout) {}
+  void set(const std::string& key, const std::string& value) override { client_.set(key, value); }
+  std::optional<std::string> try_get(const std::string& key) override { return client_.try_get(key); }
+  int64_t add(const std::string& key, int64_t delta) override { return client_.add(key, delta); }
 
  private:
-  template <typename F>
-  void guard(F&& f) {
-    try {
-      f();
-    } catch (const std::exception& e) {
-      throw PeerFailure(std::string("rendezvous store: ") + std::string(e.what()).substr(0, 200));
-    }
-  }
-  std::mutex mu_;  // one connection, used from several threads
-  c10::intrusive_ptr<c10d::TCPStore> store_;
+  StoreClient client_;  // thread-safe: one request at a time
 };
 
 }  // namespace

@@ -1,6 +1,6 @@
 // A small key-value store interface over the job's rendezvous store, for
-// membership bookkeeping (heartbeats, rounds). TcpKvStore wraps a c10d
-// TCPStore client; MemoryKvStore is an in-process fake for tests. All calls
+// membership bookkeeping (heartbeats, rounds). TcpKvStore wraps a
+// StoreClient (comm/store.h); MemoryKvStore is an in-process fake for tests. All calls
 // are thread-safe and block for at most the store's timeout (Timeout) or
 // throw PeerFailure when the store is unreachable.
 #pragma once
@@ -24,7 +24,7 @@ class KvStore {
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
 };
 
-// Connects a client to the TCPStore at host:port.
+// Connects a client to the rendezvous store at host:port.
 std::unique_ptr<KvStore> connect_kv_store(const std::string& host, int port,
                                           std::chrono::milliseconds timeout);
 

@@ -20,7 +20,10 @@ std::vector<int64_t> parse_members(const std::string& s) {
 }
 
 Coordinator::Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOptions opt, Clock clock)
-    : store_(std::move(store)), opt_(opt), clock_(std::move(clock)) {}
+    : store_(std::move(store)), opt_(opt), clock_(std::move(clock)) {
+  // Members beat four times per timeout (read once when they register).
+  store_->set("elastic/heartbeat_interval_ms", std::to_string(std::max<int64_t>(10, opt_.heartbeat_timeout.count() / 4)));
+}
 
 Coordinator::Result Coordinator::poll() {
   const auto now = clock_();
@@ -46,6 +49,18 @@ Coordinator::Result Coordinator::poll() {
     alive.push_back(id);
   }
   r.alive = static_cast<int>(alive.size());
+
+  // A member of the current round that went silent without leaving may
+  // still hold its connections open (a stopped process): the others would
+  // wait in their collective until its timeout. Tell them to abort it.
+  std::vector<int64_t> silent;
+  for (auto id : current_.members)
+    if (!left.count(id) && !std::binary_search(alive.begin(), alive.end(), id)) silent.push_back(id);
+  if (!silent.empty() && aborted_round_ < current_.number) {
+    aborted_round_ = current_.number;
+    store_->set("elastic/abort", std::to_string(current_.number));
+    r.aborted = silent;
+  }
   if (static_cast<int>(alive.size()) > opt_.max_workers) alive.resize(opt_.max_workers);
 
   // A member that failed in (or wants to leave) the current round asks for

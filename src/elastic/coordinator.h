@@ -8,6 +8,11 @@
 // set differs from the current round's members or a member asked. Alive = the
 // heartbeat changed within heartbeat_timeout (measured on the coordinator's
 // own clock, so worker clocks need not agree), not left, not marked dead.
+// When a member of the current round goes silent without leaving, poll()
+// sets `elastic/abort` = that round: members abort its collectives at once
+// (a stopped peer keeps its connections open, so they would otherwise wait
+// for the collective timeout). Members beat every heartbeat_timeout / 4
+// (`elastic/heartbeat_interval_ms`, written by the constructor).
 // Below min_workers no round is written; after rendezvous_timeout below the
 // minimum, poll() reports it so the launcher can stop the job.
 #pragma once
@@ -54,6 +59,7 @@ class Coordinator {
     bool below_minimum_timed_out = false;
     bool fell_below = false;  // this poll found too few workers, for the first time
     int alive = 0;
+    std::vector<int64_t> aborted;  // silent members for which this poll aborted the round
   };
   Result poll();
   // The launcher saw worker `id`'s process exit.
@@ -66,6 +72,7 @@ class Coordinator {
   Round current_;
   std::map<int64_t, std::pair<int64_t, std::chrono::steady_clock::time_point>> heartbeats_;
   std::set<int64_t> dead_;
+  int64_t aborted_round_ = 0;
   std::chrono::steady_clock::time_point below_since_{};
   bool below_ = false;
 };

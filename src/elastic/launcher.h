@@ -1,5 +1,5 @@
 // `limbo launch`: starts N local workers of one data-parallel job, like
-// torchrun. The launcher hosts the rendezvous store (a c10d TCPStore), so a
+// torchrun. The launcher hosts the rendezvous store (comm/store.h), so a
 // worker's crash cannot take it down, and starts each worker as
 // `limbo train <args> --dist-rdzv HOST:PORT --dist-rank i --dist-world N`,
 // splitting the machine's cores among them (train.threads) unless the
@@ -34,7 +34,8 @@ struct LaunchOptions {
   bool elastic = false;
   int min_workers = 1;
   int max_workers = 1 << 20;
-  std::chrono::milliseconds heartbeat_timeout{3000};
+  // A worker silent this long counts as gone; workers beat every quarter of it.
+  std::chrono::milliseconds heartbeat_timeout{400};
   std::chrono::milliseconds rendezvous_timeout{120000};
   // Scheduled elasticity (implies elastic): (epoch, worker count), ascending.
   // The launcher starts workers or SIGTERMs its newest ones as the job's

@@ -21,19 +21,44 @@ Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
   // the training thread cannot delay it.
   auto hb_store = comm::connect_kv_store(opt_.group.store_host, opt_.group.store_port,
                                          opt_.group.timeout);
+  if (auto ms = store_->try_get("elastic/heartbeat_interval_ms"))
+    opt_.heartbeat_interval = std::chrono::milliseconds(std::max<int64_t>(1, std::stoll(*ms)));
   heartbeat_ = std::thread([this, s = std::shared_ptr<comm::KvStore>(std::move(hb_store))] {
-    const std::string key = "elastic/hb/" + std::to_string(id_);
+    auto next = std::chrono::steady_clock::now();
     while (!stop_) {
       try {
-        s->add(key, 1);
+        beat_and_watch(*s);
       } catch (const std::exception& e) {
         log_warn(std::string("heartbeat: ") + e.what());
       }
-      for (auto slept = std::chrono::milliseconds(0); slept < opt_.heartbeat_interval && !stop_;
-           slept += std::chrono::milliseconds(50))
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      next += opt_.heartbeat_interval;
+      const auto now = std::chrono::steady_clock::now();
+      if (next < now) next = now;  // late (e.g. the process was stopped): no burst of beats
+      while (!stop_ && std::chrono::steady_clock::now() < next)
+        std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+            next - std::chrono::steady_clock::now(), std::chrono::milliseconds(50)));
     }
   });
+}
+
+void Member::beat_and_watch(comm::KvStore& s) {
+  s.add("elastic/hb/" + std::to_string(id_), 1);
+  auto abort_at = s.try_get("elastic/abort");
+  if (!abort_at) return;
+  const int64_t k = std::stoll(*abort_at);
+  std::shared_ptr<comm::Collective> g;
+  {
+    std::lock_guard<std::mutex> lock(group_mu_);
+    if (group_round_ > 0 && k >= group_round_) {
+      g = group_.lock();
+      group_.reset();
+    }
+  }
+  if (g) {
+    log_warn("worker " + std::to_string(id_) + ": a member of round " + std::to_string(k) +
+             " went silent; aborting the round's collectives");
+    g->abort();
+  }
 }
 
 Member::~Member() {
@@ -94,7 +119,12 @@ void Member::leave() { store_->set("elastic/left/" + std::to_string(id_), "1"); 
 std::shared_ptr<comm::Collective> Member::form_group(const Round& round) {
   comm::GroupOptions go = opt_.group;
   go.prefix = "elastic/round/" + std::to_string(round.number);
-  return comm::make_gloo_group(go, rank_in(round), static_cast<int>(round.members.size()));
+  std::shared_ptr<comm::Collective> g =
+      comm::make_gloo_group(go, rank_in(round), static_cast<int>(round.members.size()));
+  std::lock_guard<std::mutex> lock(group_mu_);
+  group_ = g;
+  group_round_ = round.number;
+  return g;
 }
 
 }  // namespace limbo::elastic

@@ -1,0 +1,93 @@
+// The job's rendezvous store: a key-value server the launcher hosts, and a
+// client for workers, the coordinator and Gloo's rendezvous.
+//
+// Why not c10d's TCPStore: its server reads each request with blocking
+// receives, so a client stopped (SIGSTOP, a frozen host) in the middle of
+// sending a request blocks the server for every other client, and with it
+// the whole job. This server is one thread with non-blocking sockets and a
+// buffer per connection: a half-sent request waits in its buffer and holds
+// no one up; a client that does not read its answers only fills its own
+// output buffer (bounded: the connection is closed beyond 64 MiB).
+//
+// Wire format (both directions): u32 length (little-endian) of the rest,
+// then one op byte (requests) or status byte (answers), then the fields,
+// each a u32 length and its bytes. One request in flight per connection;
+// `get` with waiting and `wait` are parked on the server until their keys
+// exist. Requests and values are at most 64 MiB.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace limbo::comm {
+
+class StoreServer {
+ public:
+  // Binds host:port (0 = a free port) and serves on its own thread until
+  // destroyed. Throws InvalidInput when the address cannot be bound.
+  StoreServer(const std::string& host, int port);
+  ~StoreServer();
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+  int port() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// A connection to a StoreServer. Thread-safe (one request at a time). Each
+// call blocks for at most the timeout: Timeout when the server does not
+// answer in time (the connection is then dropped and made again on the next
+// call), PeerFailure when it cannot be reached.
+class StoreClient {
+ public:
+  // Connects, retrying until `timeout` (the server may still be starting).
+  StoreClient(const std::string& host, int port, std::chrono::milliseconds timeout);
+  ~StoreClient();
+  StoreClient(const StoreClient&) = delete;
+  StoreClient& operator=(const StoreClient&) = delete;
+
+  void set(const std::string& key, const std::string& value);
+  // The value, or nullopt when the key does not exist (never waits for it).
+  std::optional<std::string> try_get(const std::string& key);
+  // Waits until the key exists (at most `timeout`, else Timeout).
+  std::string get(const std::string& key, std::chrono::milliseconds timeout);
+  // Adds `delta` to an integer key (created at 0); returns the new value.
+  int64_t add(const std::string& key, int64_t delta);
+  // c10d's compare-and-set: when the key holds `expected` (or is missing and
+  // `expected` is empty) it becomes `desired`; returns the value it holds
+  // afterwards (for a missing key with a non-empty `expected`: `expected`).
+  std::string compare_set(const std::string& key, const std::string& expected,
+                          const std::string& desired);
+  bool erase(const std::string& key);
+  bool check(const std::vector<std::string>& keys);
+  int64_t num_keys();
+  // Waits until every key exists (at most `timeout`, else Timeout).
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
+
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  const std::string& address() const { return address_; }
+
+ private:
+  enum class Op : uint8_t;
+  // Sends one request and returns the answer's status byte and field.
+  std::pair<uint8_t, std::string> call(Op op, const std::vector<std::string>& fields,
+                                       std::chrono::milliseconds timeout);
+  void connect_locked(std::chrono::steady_clock::time_point deadline);
+  void drop_locked();
+
+  std::string host_;
+  int port_;
+  std::string address_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  int fd_ = -1;
+};
+
+}  // namespace limbo::comm

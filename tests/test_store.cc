@@ -1,0 +1,164 @@
+// The rendezvous store (comm/store.h): its operations, waiting, and that no
+// client can hold the server up: one stopped in the middle of a request,
+// one sending garbage, one that never reads its answers.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include <arpa/inet.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "comm/store.h"
+#include "common/error.h"
+
+using namespace limbo;
+using namespace limbo::comm;
+using namespace std::chrono_literals;
+
+namespace {
+
+// A raw TCP connection to the server, for clients that misbehave.
+int raw_connect(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  return fd;
+}
+
+double seconds_of(const std::function<void()>& f) {
+  auto t0 = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+TEST(Store, OperationsFollowTheirContracts) {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient c("127.0.0.1", server.port(), 5s);
+  EXPECT_FALSE(c.try_get("a").has_value());
+  c.set("a", std::string("x\0y", 3));
+  EXPECT_EQ(*c.try_get("a"), std::string("x\0y", 3));
+  EXPECT_EQ(c.get("a", 1s), std::string("x\0y", 3));
+  EXPECT_EQ(c.add("n", 5), 5);
+  EXPECT_EQ(c.add("n", -2), 3);
+  EXPECT_EQ(*c.try_get("n"), "3");
+  EXPECT_THROW(c.add("a", 1), InvalidInput);  // not an integer; the connection stays usable
+  EXPECT_TRUE(c.check({"a", "n"}));
+  EXPECT_FALSE(c.check({"a", "missing"}));
+  EXPECT_EQ(c.num_keys(), 2);
+  // compare-and-set, as c10d defines it
+  EXPECT_EQ(c.compare_set("cas", "", "one"), "one");        // missing, expected empty: set
+  EXPECT_EQ(c.compare_set("cas2", "zz", "one"), "zz");      // missing, expected given: untouched
+  EXPECT_FALSE(c.check({"cas2"}));
+  EXPECT_EQ(c.compare_set("cas", "other", "two"), "one");   // mismatch: untouched
+  EXPECT_EQ(c.compare_set("cas", "one", "two"), "two");     // match: replaced
+  EXPECT_TRUE(c.erase("cas"));
+  EXPECT_FALSE(c.erase("cas"));
+  const std::string big(3 << 20, 'b');  // larger than one socket buffer
+  c.set("big", big);
+  EXPECT_EQ(c.get("big", 5s), big);
+}
+
+TEST(Store, GetAndWaitBlockUntilAnotherClientSetsTheKeys) {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient waiter("127.0.0.1", server.port(), 5s);
+  StoreClient setter("127.0.0.1", server.port(), 5s);
+  std::thread t([&] {
+    std::this_thread::sleep_for(200ms);
+    setter.set("k1", "v1");
+    std::this_thread::sleep_for(100ms);
+    setter.set("k2", "v2");
+  });
+  std::string v;
+  const double waited = seconds_of([&] { v = waiter.get("k1", 5s); });
+  EXPECT_EQ(v, "v1");
+  EXPECT_GT(waited, 0.1);
+  waiter.wait({"k1", "k2"}, 5s);
+  t.join();
+  EXPECT_TRUE(waiter.check({"k2"}));
+  // A wait that runs out throws Timeout; the client reconnects and goes on.
+  EXPECT_THROW(waiter.get("never", 200ms), Timeout);
+  EXPECT_THROW(waiter.wait({"k1", "never"}, 200ms), Timeout);
+  EXPECT_EQ(*waiter.try_get("k2"), "v2");
+}
+
+// Found with c10d's TCPStore: a worker stopped (SIGSTOP) in the middle of
+// sending a request blocked the store's server thread, and with it every
+// other member of the job. Here a client sends half a request and stops.
+TEST(Store, AHalfSentRequestHoldsNoOtherClientUp) {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient c("127.0.0.1", server.port(), 2s);
+  c.set("x", "1");
+  int stalled = raw_connect(server.port());
+  const char half[] = {20, 0, 0, 0, 1, 5, 0};  // 20 bytes announced, 3 sent
+  ASSERT_EQ(::send(stalled, half, sizeof half, 0), static_cast<ssize_t>(sizeof half));
+  std::this_thread::sleep_for(50ms);
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(c.add("count", 1), i + 1);
+  EXPECT_EQ(*c.try_get("x"), "1");
+  // Another client still connects and is served.
+  StoreClient d("127.0.0.1", server.port(), 2s);
+  EXPECT_EQ(*d.try_get("count"), "50");
+  ::close(stalled);
+}
+
+TEST(Store, GarbageAndGreedyClientsAreDisconnectedAndTheServerGoesOn) {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient c("127.0.0.1", server.port(), 2s);
+  // A request announcing 2 GiB: the connection is closed.
+  int huge = raw_connect(server.port());
+  const unsigned char big[] = {0, 0, 0, 0x80, 1};
+  ASSERT_EQ(::send(huge, big, sizeof big, 0), 5);
+  char b;
+  EXPECT_EQ(::recv(huge, &b, 1, 0), 0);  // closed by the server
+  ::close(huge);
+  // A well-framed request with an unknown op and fields that do not add up:
+  // answered with an error, the connection stays.
+  int odd = raw_connect(server.port());
+  const char bad[] = {6, 0, 0, 0, 99, 9, 0, 0, 0, 0};
+  ASSERT_EQ(::send(odd, bad, sizeof bad, 0), static_cast<ssize_t>(sizeof bad));
+  char reply[64];
+  EXPECT_GT(::recv(odd, reply, sizeof reply, 0), 5);
+  EXPECT_EQ(reply[4], 2);  // status: bad request
+  ::close(odd);
+  // A client that sends requests but never reads the answers only fills its
+  // own buffers.
+  c.set("v", std::string(1 << 20, 'v'));
+  int greedy = raw_connect(server.port());
+  std::string get = std::string("\x06\x00\x00\x00\x03\x01\x00\x00\x00v", 10);
+  get[0] = 6;
+  for (int i = 0; i < 200; ++i) ::send(greedy, get.data(), get.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+  EXPECT_EQ(c.add("after", 1), 1);  // within the client's 2 s timeout, else Timeout
+  ::close(greedy);
+  EXPECT_EQ(c.add("after", 1), 2);
+}
+
+TEST(Store, AClientReachesAServerThatStartsLaterAndNamesItWhenThereIsNone) {
+  // Find a free port, then start the server after the client began trying.
+  int port = 0;
+  { StoreServer probe("127.0.0.1", 0); port = probe.port(); }
+  std::unique_ptr<StoreServer> server;
+  std::thread t([&] {
+    std::this_thread::sleep_for(300ms);
+    server = std::make_unique<StoreServer>("127.0.0.1", port);
+  });
+  StoreClient c("127.0.0.1", port, 5s);
+  t.join();
+  c.set("a", "b");
+  EXPECT_EQ(*c.try_get("a"), "b");
+  server.reset();
+  try {
+    StoreClient none("127.0.0.1", port, 300ms);
+    FAIL() << "connected to a store that is not there";
+  } catch (const PeerFailure& e) {
+    EXPECT_NE(std::string(e.what()).find("127.0.0.1:" + std::to_string(port)), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(c.set("a", "c"), PeerFailure);  // the server is gone
+}
+
+}  // namespace
