@@ -139,8 +139,8 @@ std::shared_ptr<const Schema> train_schema() {
              "gradient all-reduce on a raw Gloo context on the training thread (false: through "
              "c10d's ProcessGroupGloo worker thread, in 8 MiB buckets)"));
     s->add(F("elastic.collective_timeout", 10.0, 0.1, 3600.0,
-             "seconds a collective may wait for a peer before the peer counts as failed "
-             "(how fast a stopped worker is detected)"));
+             "seconds a collective may wait for a peer before the peer counts as failed (a "
+             "backstop: stopped workers are found by their heartbeats, launch --heartbeat-timeout)"));
     s->add(F("elastic.round_timeout", 120.0, 1.0, 86400.0,
              "seconds a worker waits for a membership round (e.g. below the minimum) before "
              "giving up"));
