@@ -1,11 +1,14 @@
 #include "common/process.h"
 
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "common/error.h"
 
@@ -36,6 +39,108 @@ int exit_code_of(int status) {
 std::string describe_status(int status) {
   if (WIFSIGNALED(status)) return "killed by signal " + std::to_string(WTERMSIG(status));
   return "exit code " + std::to_string(exit_code_of(status));
+}
+
+namespace {
+
+std::atomic<int> g_signal{0};        // since the last take_signal()
+std::atomic<int> g_first_signal{0};  // the first one
+void on_signal(int sig) {
+  g_signal = sig;
+  int none = 0;
+  g_first_signal.compare_exchange_strong(none, sig);
+}
+
+}  // namespace
+
+Supervisor::Supervisor() {
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+}
+
+Supervisor::~Supervisor() {
+  for (const auto& [pid, c] : children_) ::kill(pid, SIGKILL);
+  for (const auto& [pid, c] : children_) ::waitpid(pid, nullptr, 0);
+}
+
+pid_t Supervisor::start(const std::string& exe, const std::vector<std::string>& args, const std::string& role,
+                        int index) {
+  const pid_t pid = spawn_program(exe, args);
+  children_[pid] = Child{role, index};
+  return pid;
+}
+
+std::optional<Supervisor::Exit> Supervisor::poll(pid_t only) {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& [pid, c] : children_) {
+    if (c.stopping && now >= c.kill_at) {
+      ::kill(pid, SIGKILL);
+      c.kill_at = std::chrono::steady_clock::time_point::max();
+    }
+  }
+  int status = 0;
+  for (;;) {
+    const pid_t pid = ::waitpid(only, &status, WNOHANG);
+    if (pid <= 0) return std::nullopt;
+    auto it = children_.find(pid);
+    if (it == children_.end()) continue;  // not ours (or already forgotten)
+    Exit e{pid, status, it->second.role, it->second.index, it->second.stopping};
+    children_.erase(it);
+    return e;
+  }
+}
+
+int Supervisor::take_signal() { return g_signal.exchange(0); }
+int Supervisor::first_signal() const { return g_first_signal.load(); }
+
+void Supervisor::signal(pid_t pid, int sig) {
+  if (children_.count(pid)) ::kill(pid, sig);
+}
+
+void Supervisor::signal_all(int sig, const std::string& role) {
+  for (const auto& [pid, c] : children_)
+    if (role.empty() || c.role == role) ::kill(pid, sig);
+}
+
+void Supervisor::begin_stop(int sig, std::chrono::milliseconds grace, const std::string& role) {
+  const auto kill_at = std::chrono::steady_clock::now() + grace;
+  for (auto& [pid, c] : children_) {
+    if (!role.empty() && c.role != role) continue;
+    ::kill(pid, sig);
+    if (!c.stopping || kill_at < c.kill_at) c.kill_at = kill_at;
+    c.stopping = true;
+  }
+}
+
+std::vector<Supervisor::Exit> Supervisor::stop(int sig, std::chrono::milliseconds grace, const std::string& role) {
+  begin_stop(sig, grace, role);
+  std::vector<Exit> out;
+  while (count(role) > 0) {
+    bool reaped = false;
+    for (const auto& [pid, idx] : children(role)) {
+      if (auto e = poll(pid)) {
+        out.push_back(*e);
+        reaped = true;
+      }
+    }
+    if (!reaped) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return out;
+}
+
+size_t Supervisor::count(const std::string& role) const {
+  size_t n = 0;
+  for (const auto& [pid, c] : children_) n += role.empty() || c.role == role;
+  return n;
+}
+
+std::map<pid_t, int> Supervisor::children(const std::string& role) const {
+  std::map<pid_t, int> out;
+  for (const auto& [pid, c] : children_)
+    if (role.empty() || c.role == role) out[pid] = c.index;
+  return out;
 }
 
 }  // namespace limbo

@@ -1,8 +1,13 @@
-// Child processes for the launchers: start a program, read its exit status.
+// Child processes for the launchers: start a program, read its exit status,
+// and the Supervisor both launchers share (spawn, poll, forward signals,
+// stop with a grace period).
 #pragma once
 
 #include <sys/types.h>
 
+#include <chrono>
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -16,5 +21,64 @@ pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args
 int exit_code_of(int status);
 // "exit code N" or "killed by signal N".
 std::string describe_status(int status);
+
+// The children of one launcher, each with a role ("worker", "shard", ...)
+// and an index. Not thread-safe: the launcher's main loop owns it.
+//
+// Signals: constructing a Supervisor installs handlers for SIGINT and
+// SIGTERM that only record the signal (take_signal()); the launcher decides
+// what its children get. The destructor SIGKILLs and reaps every child still
+// running, so no path out of a launcher leaves processes behind.
+class Supervisor {
+ public:
+  struct Exit {
+    pid_t pid = 0;
+    int status = 0;  // as from waitpid
+    std::string role;
+    int index = 0;
+    bool stopped_by_us = false;  // it was running when stop() / begin_stop() signalled it
+    int code() const { return exit_code_of(status); }
+  };
+
+  Supervisor();
+  ~Supervisor();
+  Supervisor(const Supervisor&) = delete;
+  Supervisor& operator=(const Supervisor&) = delete;
+
+  pid_t start(const std::string& exe, const std::vector<std::string>& args, const std::string& role, int index);
+
+  // Reaps one exited child (of `only`, when given) without blocking; also
+  // SIGKILLs children whose stop grace period has passed.
+  std::optional<Exit> poll(pid_t only = -1);
+
+  // The SIGINT / SIGTERM the launcher received since the last call (0: none).
+  int take_signal();
+  // The first such signal ever received (0: none).
+  int first_signal() const;
+
+  void signal(pid_t pid, int sig);
+  // Sends `sig` to every running child of `role` ("" = all).
+  void signal_all(int sig, const std::string& role = "");
+  // Sends `sig` to the children of `role` now and SIGKILL to those still
+  // running `grace` later (done by poll()); does not wait.
+  void begin_stop(int sig, std::chrono::milliseconds grace, const std::string& role = "");
+  // begin_stop(), then waits until every child of `role` has exited;
+  // returns their exits.
+  std::vector<Exit> stop(int sig, std::chrono::milliseconds grace, const std::string& role = "");
+
+  bool running(pid_t pid) const { return children_.count(pid) > 0; }
+  size_t count(const std::string& role = "") const;
+  // pid -> index of the running children of `role`.
+  std::map<pid_t, int> children(const std::string& role = "") const;
+
+ private:
+  struct Child {
+    std::string role;
+    int index = 0;
+    bool stopping = false;
+    std::chrono::steady_clock::time_point kill_at = std::chrono::steady_clock::time_point::max();
+  };
+  std::map<pid_t, Child> children_;
+};
 
 }  // namespace limbo

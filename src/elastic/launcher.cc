@@ -4,7 +4,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <map>
 #include <set>
@@ -25,16 +24,13 @@
 namespace limbo::elastic {
 namespace {
 
-std::atomic<int> g_forward_signal{0};
-void on_signal(int sig) { g_forward_signal = sig; }
-
 bool sets_threads(const std::vector<std::string>& args) {
   for (const auto& a : args)
     if (a.rfind("train.threads=", 0) == 0) return true;
   return false;
 }
 
-pid_t start_worker(const LaunchOptions& opt, int rank, int threads, const std::string& rdzv) {
+pid_t start_worker(Supervisor& sup, const LaunchOptions& opt, int rank, int threads, const std::string& rdzv) {
   std::vector<std::string> args = {"train"};
   if (threads > 0) args.insert(args.end(), {"--set", "train.threads=" + std::to_string(threads)});
   if (rank > 0) args.insert(args.end(), {"--set", "train.progress=false"});
@@ -43,7 +39,9 @@ pid_t start_worker(const LaunchOptions& opt, int rank, int threads, const std::s
   else
     args.insert(args.end(), {"--dist-rdzv", rdzv, "--dist-rank", std::to_string(rank),
                              "--dist-world", std::to_string(opt.nproc)});
-  return spawn_program(opt.self_exe, args);
+  const pid_t pid = sup.start(opt.self_exe, args, "worker", rank);
+  log_info("launch: worker rank " + std::to_string(rank) + " pid " + std::to_string(pid));
+  return pid;
 }
 
 // Adds the workers the launcher killed after training completed to the run's
@@ -121,10 +119,7 @@ int launch(const LaunchOptions& opt_in) {
   log_info("launch: rendezvous store at " + rdzv + ", " + std::to_string(opt.nproc) +
            " workers" + (threads ? ", " + std::to_string(threads) + " threads each" : ""));
 
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(SIGTERM, &sa, nullptr);
+  Supervisor sup;  // records SIGINT / SIGTERM; the loop below decides what workers get
 
   std::unique_ptr<Coordinator> coordinator;
   std::shared_ptr<comm::KvStore> kv;
@@ -163,21 +158,12 @@ int launch(const LaunchOptions& opt_in) {
   std::string exit_reason;
   auto last_done_check = Clock::now() - std::chrono::seconds(1);
 
-  std::map<pid_t, int> running;  // pid -> launch index
   std::set<pid_t> terminating;   // SIGTERMed by the schedule
   int next_index = opt.nproc;
-  for (int r = 0; r < opt.nproc; ++r) {
-    pid_t pid = start_worker(opt, r, threads, rdzv);
-    running[pid] = r;
-    log_info("launch: worker rank " + std::to_string(r) + " pid " + std::to_string(pid));
-  }
+  for (int r = 0; r < opt.nproc; ++r) start_worker(sup, opt, r, threads, rdzv);
 
   int result = 0;
   bool stopping = false;
-  auto stop_deadline = std::chrono::steady_clock::time_point::max();
-  auto stop_all = [&](int sig) {
-    for (const auto& [pid, rank] : running) ::kill(pid, sig);
-  };
   // Elastic: when every worker is gone without finishing, start the job again
   // from the run directory's last checkpoint (a few times at most).
   std::string run_dir;
@@ -185,18 +171,19 @@ int launch(const LaunchOptions& opt_in) {
     if (opt.train_args[i] == "--run-dir") run_dir = opt.train_args[i + 1];
   int restarts = 0;
   for (;;) {
-  while (!running.empty()) {
-    if (int sig = g_forward_signal.exchange(0)) {
+  while (sup.count() > 0) {
+    if (int sig = sup.take_signal()) {
       // Elastic workers take SIGTERM as "leave cleanly" (the writer
       // checkpoints); the job stops without a restart.
       const int fwd = opt.elastic ? SIGTERM : sig;
       log_info("launch: got signal " + std::to_string(sig) + "; stopping the job (workers get signal " +
                std::to_string(fwd) + ")");
       if (!user_signal) user_signal = sig;
-      stop_all(fwd);
       if (!stopping) {
         stopping = true;
-        stop_deadline = Clock::now() + opt.kill_grace;
+        sup.begin_stop(fwd, opt.kill_grace);  // SIGKILL after the grace period
+      } else {
+        sup.signal_all(fwd);
       }
     }
     // Members set elastic/done before they leave the group, so a check made
@@ -215,22 +202,20 @@ int launch(const LaunchOptions& opt_in) {
     if (training_done && opt.elastic && seconds_since(done_at) > 1.0) {
       // Members that completed left the group at once; one that has not
       // left a second later is stopped or hung: it is declared failed.
-      for (const auto& [pid, idx] : running) {
+      for (const auto& [pid, idx] : sup.children()) {
         if (killed_after_done.count(pid)) continue;
         const int64_t id = worker_id_of(pid);
         if (id && kv->try_get("elastic/left/" + std::to_string(id))) continue;
         log_warn("launch: worker pid " + std::to_string(pid) + " (id " + std::to_string(id) +
                  ") did not finish with the others (stopped or hung); killing it");
-        ::kill(pid, SIGKILL);
+        sup.signal(pid, SIGKILL);
         killed_after_done.insert(pid);
       }
     }
-    int status = 0;
-    pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid > 0 && running.count(pid)) {
-      int rank = running[pid];
-      running.erase(pid);
-      int code = exit_code_of(status);
+    if (auto ex = sup.poll()) {
+      const pid_t pid = ex->pid;
+      const int rank = ex->index;
+      const int code = ex->code();
       if (!opt.elastic && code == 0 && !terminating.count(pid)) training_done = true;
       if (opt.elastic) {
         if (coordinator)
@@ -256,8 +241,7 @@ int launch(const LaunchOptions& opt_in) {
         }
         if (!stopping) {
           stopping = true;
-          stop_all(SIGTERM);
-          stop_deadline = std::chrono::steady_clock::now() + opt.kill_grace;
+          sup.begin_stop(SIGTERM, opt.kill_grace);
         }
       }
       continue;
@@ -268,23 +252,19 @@ int launch(const LaunchOptions& opt_in) {
       int target = opt.nproc;
       for (const auto& [e, c] : opt.schedule)
         if (progress >= e) target = c;
-      int active = static_cast<int>(running.size() - terminating.size());
+      int active = static_cast<int>(sup.count() - terminating.size());
       if (active != target)
         log_info("launch: schedule at epoch " + std::to_string(progress) + ": " +
                  std::to_string(active) + " -> " + std::to_string(target) + " workers");
-      for (; active < target; ++active) {
-        pid_t pid = start_worker(opt, next_index, threads, rdzv);
-        running[pid] = next_index++;
-        log_info("launch: worker rank " + std::to_string(running[pid]) + " pid " + std::to_string(pid));
-      }
+      for (; active < target; ++active) start_worker(sup, opt, next_index++, threads, rdzv);
       while (active > target) {
         // The newest workers leave first (SIGTERM: finish the step, leave cleanly).
         pid_t newest = 0;
         int best = -1;
-        for (const auto& [pid, idx] : running)
+        for (const auto& [pid, idx] : sup.children())
           if (!terminating.count(pid) && idx > best) best = idx, newest = pid;
         if (!newest) break;
-        ::kill(newest, SIGTERM);
+        sup.signal(newest, SIGTERM);
         terminating.insert(newest);
         --active;
       }
@@ -306,13 +286,8 @@ int launch(const LaunchOptions& opt_in) {
         result = kExitTimeout;
         exit_reason = "fewer workers than --min-workers for longer than the rendezvous timeout";
         stopping = true;
-        stop_all(SIGTERM);
-        stop_deadline = std::chrono::steady_clock::now() + opt.kill_grace;
+        sup.begin_stop(SIGTERM, opt.kill_grace);
       }
-    }
-    if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
-      stop_all(SIGKILL);
-      stop_deadline = std::chrono::steady_clock::time_point::max();
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -324,11 +299,7 @@ int launch(const LaunchOptions& opt_in) {
              std::to_string(restarts) + " of at most " + std::to_string(opt.max_restarts) + ")");
     LaunchOptions again = opt;
     again.train_args.push_back("--resume");
-    for (int r = 0; r < opt.nproc; ++r) {
-      pid_t pid = start_worker(again, next_index, threads, rdzv);
-      running[pid] = next_index++;
-      log_info("launch: worker rank " + std::to_string(running[pid]) + " pid " + std::to_string(pid));
-    }
+    for (int r = 0; r < opt.nproc; ++r) start_worker(sup, again, next_index++, threads, rdzv);
     result = 0;
     continue;
   }

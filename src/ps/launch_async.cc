@@ -26,9 +26,6 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-std::atomic<int> g_signal{0};
-void on_signal(int sig) { g_signal = sig; }
-
 bool sets_threads(const std::vector<std::string>& args) {
   for (const auto& a : args)
     if (a.rfind("train.threads=", 0) == 0) return true;
@@ -51,6 +48,8 @@ struct Shard {
   int restarts = 0;
 };
 
+constexpr std::chrono::seconds kShardGrace{10};  // a shard checkpoints when it gets SIGTERM
+
 class AsyncJob {
  public:
   explicit AsyncJob(const AsyncLaunchOptions& o) : opt_(o) {}
@@ -65,11 +64,6 @@ class AsyncJob {
     if (!opt_.keys_file.empty()) common_.insert(common_.end(), {"--keys", opt_.keys_file});
     const int cores = opt_.cores > 0 ? opt_.cores : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     worker_threads_ = sets_threads(opt_.train_args) ? 0 : std::max(1, cores / opt_.workers);
-
-    struct sigaction sa {};
-    sa.sa_handler = on_signal;
-    ::sigaction(SIGINT, &sa, nullptr);
-    ::sigaction(SIGTERM, &sa, nullptr);
 
     for (int k = 0; k < opt_.servers; ++k) {
       Shard s;
@@ -94,36 +88,34 @@ class AsyncJob {
       if (worker_threads_ > 0) a.insert(a.end(), {"--set", "train.threads=" + std::to_string(worker_threads_)});
       if (i > 0) a.insert(a.end(), {"--set", "train.progress=false"});
       a.insert(a.end(), common_.begin(), common_.end());
-      workers_[spawn_program(opt_.self_exe, a)] = i;
+      sup_.start(opt_.self_exe, a, "learner", i);
     }
     int finished_ok = 0, failed = 0, first_failure = 0;
-    bool forwarded = false;
-    while (!workers_.empty()) {
-      if (g_signal && !forwarded) {
+    while (sup_.count("learner") > 0) {
+      if (sup_.take_signal()) {
+        // Learners take SIGTERM as "finish the step and leave".
         log_warn("launch: signal received, asking the learners to leave");
-        for (const auto& [pid, i] : workers_) ::kill(pid, SIGTERM);
-        forwarded = true;
+        sup_.begin_stop(SIGTERM, opt_.stop_grace, "learner");
       }
-      int status = 0;
-      pid_t pid = ::waitpid(-1, &status, WNOHANG);
-      if (pid <= 0) {
+      auto ex = sup_.poll();
+      if (!ex) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
         continue;
       }
-      if (auto w = workers_.find(pid); w != workers_.end()) {
-        if (exit_code_of(status) == 0) {
+      const int status = ex->status;
+      if (ex->role == "learner") {
+        if (ex->code() == 0) {
           finished_ok += 1;
         } else {
           failed += 1;
-          if (!first_failure) first_failure = exit_code_of(status);
-          log_warn("launch: learner " + std::to_string(w->second) + " failed (" + describe_status(status) +
+          if (!first_failure) first_failure = ex->code();
+          log_warn("launch: learner " + std::to_string(ex->index) + " failed (" + describe_status(status) +
                    "); the others go on");
         }
-        workers_.erase(w);
         continue;
       }
       for (auto& s : shards_) {
-        if (s.pid != pid) continue;
+        if (s.pid != ex->pid) continue;
         s.pid = -1;
         if (s.restarts >= opt_.max_server_restarts) {
           log_warn("launch: shard " + std::to_string(s.index) + " failed (" + describe_status(status) + ") and was restarted " +
@@ -141,11 +133,17 @@ class AsyncJob {
     const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
     stop_shards();
     write_summary(wall, finished_ok, failed);
+    if (const int sig = sup_.first_signal()) {
+      log_warn("launch: exit code " + std::to_string(128 + sig) + ": stopped by signal " + std::to_string(sig) +
+               " (resume with --resume)");
+      return 128 + sig;
+    }
     if (finished_ok == 0) {
-      log_warn("launch: every learner failed");
+      log_warn("launch: exit code " + std::to_string(first_failure ? first_failure : kExitFailure) +
+               ": every learner failed");
       return first_failure ? first_failure : kExitFailure;
     }
-    return g_signal ? 128 + g_signal.load() : kExitOk;
+    return kExitOk;
   }
 
  private:
@@ -157,15 +155,15 @@ class AsyncJob {
                                   "--set", "train.threads=1"};
     if (resume) a.push_back("--resume");
     a.insert(a.end(), common_.begin(), common_.end());
-    s.pid = spawn_program(opt_.self_exe, a);
+    s.pid = sup_.start(opt_.self_exe, a, "shard", s.index);
   }
 
   std::string wait_endpoint(Shard& s) {
     auto t0 = Clock::now();
     const std::string path = s.dir + "/endpoint";
     while (!file_exists(path)) {
-      int status;
-      if (::waitpid(s.pid, &status, WNOHANG) == s.pid) {
+      if (auto ex = sup_.poll(s.pid)) {
+        const int status = ex->status;
         s.pid = -1;
         stop_all();
         throw InvalidInput("shard " + std::to_string(s.index) + " exited before serving (" + describe_status(status) +
@@ -184,21 +182,14 @@ class AsyncJob {
     return e;
   }
 
+  // SIGTERM: each shard writes its checkpoint and summary, then exits.
   void stop_shards() {
-    for (auto& s : shards_)
-      if (s.pid > 0) ::kill(s.pid, SIGTERM);
-    for (auto& s : shards_) {
-      if (s.pid <= 0) continue;
-      int status;
-      ::waitpid(s.pid, &status, 0);
-      s.pid = -1;
-    }
+    sup_.stop(SIGTERM, kShardGrace, "shard");
+    for (auto& s : shards_) s.pid = -1;
   }
 
   void stop_all() {
-    for (const auto& [pid, i] : workers_) ::kill(pid, SIGKILL);
-    for (const auto& [pid, i] : workers_) ::waitpid(pid, nullptr, 0);
-    workers_.clear();
+    sup_.stop(SIGKILL, std::chrono::milliseconds(0), "learner");
     stop_shards();
   }
 
@@ -262,7 +253,7 @@ class AsyncJob {
   std::vector<std::string> common_;
   int worker_threads_ = 0;
   std::vector<Shard> shards_;
-  std::map<pid_t, int> workers_;
+  Supervisor sup_;  // declared last: destroyed first, killing what still runs
 };
 
 }  // namespace

@@ -1,0 +1,92 @@
+// The launchers' process supervisor (common/process.h) with real children:
+// reaping, roles, stopping with a grace period, recorded signals, and no
+// child left behind.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <thread>
+
+#include "common/process.h"
+
+using limbo::Supervisor;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::optional<Supervisor::Exit> wait_exit(Supervisor& sup, std::chrono::milliseconds limit) {
+  auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (auto e = sup.poll()) return e;
+    std::this_thread::sleep_for(10ms);
+  }
+  return std::nullopt;
+}
+
+bool alive(pid_t pid) { return ::kill(pid, 0) == 0 || errno != ESRCH; }
+
+TEST(Supervisor, ReapsChildrenWithTheirRoleIndexAndStatus) {
+  Supervisor sup;
+  pid_t a = sup.start("/bin/sh", {"-c", "exit 3"}, "worker", 7);
+  pid_t b = sup.start("/bin/sleep", {"30"}, "shard", 0);
+  EXPECT_EQ(sup.count(), 2u);
+  EXPECT_EQ(sup.count("worker"), 1u);
+  auto e = wait_exit(sup, 5s);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->pid, a);
+  EXPECT_EQ(e->role, "worker");
+  EXPECT_EQ(e->index, 7);
+  EXPECT_EQ(e->code(), 3);
+  EXPECT_FALSE(e->stopped_by_us);
+  EXPECT_TRUE(sup.running(b));
+  EXPECT_FALSE(sup.poll(b).has_value());  // still running
+  sup.signal(b, SIGKILL);
+  e = wait_exit(sup, 5s);
+  ASSERT_TRUE(e.has_value());
+  EXPECT_EQ(e->code(), 128 + SIGKILL);
+  EXPECT_EQ(sup.count(), 0u);
+}
+
+TEST(Supervisor, StopGivesAGracePeriodThenKills) {
+  Supervisor sup;
+  sup.start("/bin/sleep", {"30"}, "worker", 0);                               // leaves on SIGTERM
+  sup.start("/bin/sh", {"-c", "trap '' TERM; exec sleep 30"}, "worker", 1);  // ignores it
+  pid_t other = sup.start("/bin/sleep", {"30"}, "shard", 0);
+  std::this_thread::sleep_for(200ms);  // let the shell install its trap
+  auto t0 = std::chrono::steady_clock::now();
+  auto exits = sup.stop(SIGTERM, 500ms, "worker");
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(exits.size(), 2u);
+  for (const auto& e : exits) {
+    EXPECT_TRUE(e.stopped_by_us);
+    EXPECT_EQ(e.code(), 128 + (e.index == 0 ? SIGTERM : SIGKILL)) << "worker " << e.index;
+  }
+  EXPECT_GE(took, 0.45);  // the stubborn one had its grace period
+  EXPECT_TRUE(sup.running(other));  // another role is left alone
+}
+
+TEST(Supervisor, RecordsTheLaunchersSignalsOnce) {
+  Supervisor sup;
+  EXPECT_EQ(sup.take_signal(), 0);
+  ::raise(SIGTERM);  // recorded, not fatal
+  EXPECT_EQ(sup.take_signal(), SIGTERM);
+  EXPECT_EQ(sup.take_signal(), 0);
+  ::raise(SIGINT);
+  EXPECT_EQ(sup.take_signal(), SIGINT);
+  EXPECT_EQ(sup.first_signal(), SIGTERM);
+}
+
+TEST(Supervisor, LeavesNoChildBehind) {
+  pid_t pid = 0;
+  {
+    Supervisor sup;
+    pid = sup.start("/bin/sleep", {"30"}, "worker", 0);
+    EXPECT_TRUE(alive(pid));
+  }
+  EXPECT_FALSE(alive(pid));  // killed and reaped by the destructor
+}
+
+}  // namespace
