@@ -141,7 +141,7 @@ def contention(limbo, hogs, seconds=12):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limbo", default="build/src/cli/limbo")
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=5, help="0: only the contention check")
     ap.add_argument("--hogs", type=int, default=6, help="busy processes for the contention run")
     args = ap.parse_args()
     parts = ["detection_seconds", "rendezvous_seconds", "group_seconds", "sync_seconds",
@@ -151,6 +151,8 @@ def main():
         for kind in recs:
             recs[kind].append(trial(args.limbo, kind))
     for kind, rs in recs.items():
+        if not rs:
+            continue
         med = {p: statistics.median(r[p] for r in rs) for p in parts}
         print(f"{kind}: median over {len(rs)} trials (s): " +
               ", ".join(f"{p.replace('_seconds', '')} {med[p]:.3f}" for p in parts))
