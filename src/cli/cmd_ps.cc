@@ -9,6 +9,7 @@
 #include <ctime>
 
 #include "cli/commands.h"
+#include "status/server.h"
 #include "cli/schema.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -108,6 +109,14 @@ int run_ps_server(const PsServerArgs& a) {
   ps::Server server(so, ps::model_fingerprint(tc.model.name, flat), flat.data().data_ptr<float>(), flat.numel(),
                     keys_of(a.keys_file));
   install_stop_handlers();
+  std::unique_ptr<status::Server> page;
+  if (!a.status.empty()) {
+    auto [host, port] = status::parse_address(a.status, "--status");
+    page = std::make_unique<status::Server>(std::make_shared<status::Board>("ps-server"), host, port);
+    page->watch(a.dir + "/metrics.jsonl");
+    page->write_url(a.dir);
+    log_info("status page: " + page->url());
+  }
   server.run(g_stop);
   return kExitOk;
 }
@@ -209,6 +218,7 @@ int run_launch_async(const LaunchArgs& a) {
   o.resume = a.resume;
   if (a.resume && a.run_dir.empty()) throw InvalidInput("launch --mode async --resume needs the job's --run-dir");
   if (o.run_dir.empty()) o.run_dir = timestamped_run_dir("async");
+  o.status = a.status;
   if (a.protocol != "hardsync" && a.protocol != "softsync")
     throw InvalidInput("--protocol must be hardsync or softsync, got '" + a.protocol + "'");
   // Validate the arguments once here, before any process starts.

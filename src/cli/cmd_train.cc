@@ -3,6 +3,7 @@
 #include <ctime>
 
 #include "cli/commands.h"
+#include "status/server.h"
 #include "cli/schema.h"
 #include "comm/collective.h"
 #include "common/error.h"
@@ -95,6 +96,16 @@ int run_train(const TrainArgs& a) {
     trainer.set_membership(std::make_unique<elastic::ElasticMembership>(
         std::move(member), rule, [] { return g_leave_requested.load(); }));
   }
+  // The status page tails the run directory's metrics; it starts once the
+  // run has been set up (a refused config writes nothing).
+  std::unique_ptr<status::Server> page;
+  if (!a.status.empty() && !tc.run_dir.empty()) {
+    auto [host, port] = status::parse_address(a.status, "--status");
+    page = std::make_unique<status::Server>(std::make_shared<status::Board>("train"), host, port);
+    page->watch(tc.run_dir + "/metrics.jsonl");
+    page->write_url(tc.run_dir);
+    log_info("status page: " + page->url());
+  }
   auto summary = trainer.run();
   if (summary.contains("left")) {
     std::printf("left the job after step %lld\n",
@@ -132,6 +143,11 @@ int run_launch(const LaunchArgs& a) {
   lo.elastic = a.min_workers > 0 || a.max_workers > 0;
   lo.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.rdzv_timeout * 1000));
   lo.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000));
+  lo.status = a.status;
+  // One run directory for the whole job (members and the status page).
+  bool has_run_dir = false;
+  for (size_t i = 0; i + 1 < lo.train_args.size(); ++i) has_run_dir |= lo.train_args[i] == "--run-dir";
+  if (!has_run_dir) lo.train_args.insert(lo.train_args.end(), {"--run-dir", timestamped_run_dir("launch")});
   if (!a.elastic_schedule.empty()) lo.schedule = elastic::parse_schedule(a.elastic_schedule);
   if (a.min_workers > 0) lo.min_workers = a.min_workers;
   if (a.max_workers > 0) lo.max_workers = a.max_workers;

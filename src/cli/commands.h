@@ -20,6 +20,7 @@ struct TrainArgs {
   int dist_rank = 0;
   int dist_world = 1;
   bool elastic = false;  // join the job's elastic membership instead of a fixed rank
+  std::string status;    // ADDR:PORT of a status page (empty: none)
 };
 int run_train(const TrainArgs& a);
 
@@ -40,6 +41,7 @@ struct LaunchArgs {
   std::string run_dir;
   std::string keys_file;
   bool resume = false;  // async: continue from the shards' checkpoints
+  std::string status = "127.0.0.1:0";  // ADDR:PORT of the job's status page (port 0 = any free)
 };
 int run_launch(const LaunchArgs& a);
 int run_launch_async(const LaunchArgs& a);
@@ -52,8 +54,12 @@ struct PsServerArgs {
   std::string dir;
   bool resume = false;
   std::string keys_file;
+  std::string status;  // ADDR:PORT of a status page (empty: none)
 };
 int run_ps_server(const PsServerArgs& a);
+
+// `limbo status ADDR:PORT | RUN_DIR [--watch]`: a compact view of a live job.
+int run_status(const std::string& target, bool watch, double interval);
 
 struct WorkerArgs {
   std::string config_file;

@@ -45,6 +45,8 @@ int main(int argc, char** argv) {
                     "data-parallel worker: HOST:PORT of the job's rendezvous store (set by launch)");
   train->add_option("--dist-rank", train_args.dist_rank, "data-parallel worker: this worker's rank");
   train->add_option("--dist-world", train_args.dist_world, "data-parallel worker: number of workers");
+  train->add_option("--status", train_args.status,
+                    "serve a live status page on ADDR:PORT (port 0 = any free; see docs/status.md)");
   train->add_flag("--elastic", train_args.elastic,
                   "join the elastic job at --dist-rdzv (rank and world come from its rounds)");
 
@@ -78,6 +80,9 @@ int main(int argc, char** argv) {
   launch->add_option("--keys", launch_args.keys_file, "async: CURVE key file from `limbo keygen`");
   launch->add_flag("--resume", launch_args.resume,
                    "async: continue an interrupted job from its shards' checkpoints in --run-dir");
+  launch->add_option("--status", launch_args.status,
+                     "ADDR:PORT of the job's live status page (default 127.0.0.1:0, a free port; "
+                     "the URL is printed and written to the run directory as status.url)");
   launch->add_option("train_args", launch_args.train_args, "arguments for `limbo train` (after --)");
 
   cli::PsServerArgs ps_args;
@@ -91,6 +96,16 @@ int main(int argc, char** argv) {
   ps_server->add_flag("--resume", ps_args.resume, "start from the directory's checkpoint when there is one");
   ps_server->add_option("--keys", ps_args.keys_file, "CURVE key file: admit only peers holding it")
       ->check(CLI::ExistingFile);
+  ps_server->add_option("--status", ps_args.status, "serve a live status page on ADDR:PORT (port 0 = any free)");
+
+  std::string status_target;
+  bool status_watch = false;
+  double status_interval = 2.0;
+  auto* status = app.add_subcommand("status", "print a compact view of a running job: limbo status ADDR:PORT | RUN_DIR");
+  status->add_option("target", status_target, "the job's status address, or its run directory (reads status.url)")
+      ->required();
+  status->add_flag("--watch", status_watch, "refresh until interrupted");
+  status->add_option("--interval", status_interval, "seconds between refreshes with --watch")->check(CLI::Range(0.1, 3600.0));
 
   cli::WorkerArgs worker_args;
   auto* worker = app.add_subcommand("worker", "run one asynchronous learner against parameter-server shards");
@@ -151,6 +166,7 @@ int main(int argc, char** argv) {
     if (*train) return cli::run_train(train_args);
     if (*launch) return launch_args.mode == "async" ? cli::run_launch_async(launch_args) : cli::run_launch(launch_args);
     if (*ps_server) return cli::run_ps_server(ps_args);
+    if (*status) return cli::run_status(status_target, status_watch, status_interval);
     if (*worker) return cli::run_worker_cmd(worker_args);
     if (*keygen) return cli::run_keygen(keygen_out);
     if (*sim) return cli::run_sim(sim_args);

@@ -89,6 +89,9 @@ Coordinator::Result Coordinator::poll() {
                         alive.end(), std::back_inserter(removed));
     std::vector<int64_t> gone, lost;
     for (auto id : removed) (left.count(id) ? gone : lost).push_back(id);
+    r.lost = lost;
+    for (auto id : lost)
+      if (dead_.count(id)) r.crashed.push_back(id);
     if (!added.empty()) r.reason += "joined " + format_members(added);
     if (!gone.empty()) r.reason += std::string(r.reason.empty() ? "" : "; ") + "left " + format_members(gone);
     if (!lost.empty()) r.reason += std::string(r.reason.empty() ? "" : "; ") + "lost " + format_members(lost);

@@ -60,6 +60,8 @@ class Coordinator {
     bool fell_below = false;  // this poll found too few workers, for the first time
     int alive = 0;
     std::vector<int64_t> aborted;  // silent members for which this poll aborted the round
+    std::vector<int64_t> lost;     // members the new round dropped without their leaving
+    std::vector<int64_t> crashed;  // those of them whose process the launcher saw exit
   };
   Result poll();
   // The launcher saw worker `id`'s process exit.

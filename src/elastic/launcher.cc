@@ -15,6 +15,7 @@
 #include "comm/collective.h"
 #include "comm/kv_store.h"
 #include "elastic/coordinator.h"
+#include "status/server.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "common/files.h"
@@ -169,9 +170,25 @@ int launch(const LaunchOptions& opt_in) {
   std::string run_dir;
   for (size_t i = 0; i + 1 < opt.train_args.size(); ++i)
     if (opt.train_args[i] == "--run-dir") run_dir = opt.train_args[i + 1];
+  // The job's status page (on the launcher that hosts the job). status.url
+  // is written once the run directory exists (a refused config writes nothing).
+  std::unique_ptr<status::Server> page;
+  bool url_written = false;
+  if (!opt.status.empty() && hosting) {
+    auto [host, port] = status::parse_address(opt.status, "--status");
+    page = std::make_unique<status::Server>(std::make_shared<status::Board>(opt.elastic ? "elastic" : "sync"), host,
+                                            port);
+    if (!run_dir.empty()) page->watch(run_dir + "/metrics.jsonl");
+    if (!opt.elastic) page->board().member_event(opt.nproc, "start", "fixed membership");
+    log_info("launch: status page at " + page->url());
+  }
   int restarts = 0;
   for (;;) {
   while (sup.count() > 0) {
+    if (page && !url_written && !run_dir.empty() && file_exists(run_dir + "/metrics.jsonl")) {
+      page->write_url(run_dir);
+      url_written = true;
+    }
     if (int sig = sup.take_signal()) {
       // Elastic workers take SIGTERM as "leave cleanly" (the writer
       // checkpoints); the job stops without a restart.
@@ -271,9 +288,19 @@ int launch(const LaunchOptions& opt_in) {
     }
     if (coordinator && !stopping && !training_done) {
       auto r = coordinator->poll();
-      if (r.new_round)
+      if (r.new_round) {
         log_info("launch: membership round " + std::to_string(r.round.number) + ": workers [" +
                  format_members(r.round.members) + "] (" + r.reason + ")");
+        if (page) {
+          const std::string kind = r.round.number == 1                    ? "start"
+                                   : !r.crashed.empty()                   ? "crash"
+                                   : !r.lost.empty()                      ? "hang"
+                                   : r.reason.find("left") != std::string::npos   ? "leave"
+                                   : r.reason.find("joined") != std::string::npos ? "join"
+                                                                                  : "change";
+          page->board().member_event(static_cast<int>(r.round.members.size()), kind, r.reason);
+        }
+      }
       if ((r.fell_below || r.below_minimum_timed_out) && check_done()) continue;
       if (r.fell_below && r.round.number > 0)
         log_warn("launch: " + std::to_string(r.alive) + " workers alive, below the minimum of " +

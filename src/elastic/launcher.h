@@ -43,6 +43,9 @@ struct LaunchOptions {
   std::vector<std::pair<double, int>> schedule;
   // Elastic: restarts from the last checkpoint when every worker is gone.
   int max_restarts = 3;
+  // ADDR:PORT of the job's status page (empty: none); the URL is logged and
+  // written to the run directory as status.url.
+  std::string status;
 };
 
 // Parses "0:1,5:4,10:2" (epoch:workers, ascending epochs, counts >= 1).

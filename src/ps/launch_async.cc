@@ -19,6 +19,7 @@
 #include "common/log.h"
 #include "common/process.h"
 #include "ps/staleness.h"
+#include "status/server.h"
 
 namespace limbo::ps {
 namespace {
@@ -74,6 +75,14 @@ class AsyncJob {
     }
     if (opt_.resume && !file_exists(shards_[0].dir + "/checkpoint.bin"))
       throw InvalidInput("--resume: no shard checkpoint in '" + shards_[0].dir + "'");
+    if (!opt_.status.empty()) {
+      auto [host, port] = status::parse_address(opt_.status, "--status");
+      page_ = std::make_unique<status::Server>(std::make_shared<status::Board>("async"), host, port);
+      for (const auto& s : shards_) page_->watch(s.dir + "/metrics.jsonl");
+      page_->watch_dir(opt_.run_dir + "/learners", ".jsonl");
+      page_->write_url(opt_.run_dir);
+      log_info("launch: status page at " + page_->url());
+    }
     for (auto& s : shards_) start_shard(s, opt_.resume);
     std::vector<std::string> endpoints;
     for (auto& s : shards_) endpoints.push_back(wait_endpoint(s));
@@ -90,6 +99,7 @@ class AsyncJob {
       a.insert(a.end(), common_.begin(), common_.end());
       sup_.start(opt_.self_exe, a, "learner", i);
     }
+    if (page_) page_->board().member_event(opt_.workers, "start", std::to_string(opt_.workers) + " learners");
     int finished_ok = 0, failed = 0, first_failure = 0;
     while (sup_.count("learner") > 0) {
       if (sup_.take_signal()) {
@@ -104,6 +114,9 @@ class AsyncJob {
       }
       const int status = ex->status;
       if (ex->role == "learner") {
+        if (page_)
+          page_->board().member_event(static_cast<int>(sup_.count("learner")), ex->code() == 0 ? "leave" : "crash",
+                                      "learner " + std::to_string(ex->index) + ": " + describe_status(status));
         if (ex->code() == 0) {
           finished_ok += 1;
         } else {
@@ -253,6 +266,7 @@ class AsyncJob {
   std::vector<std::string> common_;
   int worker_threads_ = 0;
   std::vector<Shard> shards_;
+  std::unique_ptr<status::Server> page_;
   Supervisor sup_;  // declared last: destroyed first, killing what still runs
 };
 

@@ -31,7 +31,8 @@ struct AsyncLaunchOptions {
   int cores = 0;          // 0 = all
   int max_server_restarts = 3;
   std::chrono::milliseconds start_timeout{60000};  // for a shard to publish its endpoint
-  std::chrono::milliseconds stop_grace{30000};     // SIGINT/SIGTERM: learners leave, or are killed after this
+  std::chrono::milliseconds stop_grace{30000};
+  std::string status;  // ADDR:PORT of the job's status page (empty: none)     // SIGINT/SIGTERM: learners leave, or are killed after this
   bool resume = false;        // shards start from their checkpoints (an interrupted job)
 };
 

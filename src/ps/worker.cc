@@ -388,7 +388,7 @@ json Learner::run(const std::atomic<bool>& stop) {
     loss_sum += lv;
     window.add(lv, count);
     if (window.steps() >= opt_.log_every && !metrics.empty()) {
-      json line = {{"kind", "learner"}, {"learner", opt_.learner_id}, {"step", steps}, {"epoch", epoch},
+      json line = {{"kind", "learner"}, {"learner", opt_.learner_id}, {"step", steps}, {"samples", samples}, {"epoch", epoch},
                    {"loss", window.mean_loss()}, {"samples_per_second", window.samples_per_second()},
                    {"staleness_mean", tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0},
                    {"gradients_dropped", dropped}, {"elapsed", seconds_since(start)}};

@@ -289,6 +289,7 @@ void Trainer::log_step(Run& r) {
                               {"loss", r.window.mean_loss()}, {"lr", r.lr},
                               {"lr_multiplier", r.policy.multiplier},
                               {"batch_size", r.res.global_batch},
+                              {"samples", state_.samples},
                               {"samples_per_second", r.window.samples_per_second()}});
     r.window.reset();
   }
