@@ -43,6 +43,12 @@ Server::Server(std::shared_ptr<Board> board, const std::string& host, int port)
   srv.set_keep_alive_max_count(20);
   srv.set_keep_alive_timeout(2);
   srv.set_payload_max_length(16 * 1024);
+  // SO_REUSEADDR only: httplib's default also sets SO_REUSEPORT, which would
+  // let a second server bind a port that is taken and share its clients.
+  srv.set_socket_options([](socket_t sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
   auto no_store = [](httplib::Response& res) { res.set_header("Cache-Control", "no-store"); };
   srv.Get("/", [no_store](const httplib::Request&, httplib::Response& res) {
     no_store(res);
