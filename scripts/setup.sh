@@ -13,6 +13,7 @@ PACKAGES=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   dataset-fashion-mnist
   python3-torch python3-numpy python3-matplotlib
+  libcpp-httplib-dev libjs-chart.js chromium python3-prometheus-client
 )
 
 SUDO=""

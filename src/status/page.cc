@@ -17,7 +17,7 @@ const std::string& page_html() {
  .fact span{font-size:12px;color:#666}
  #grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:12px}
  .card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:8px;height:240px}
- .card.hidden{display:none}
+ .hidden{display:none}
  #events{font-size:12px;max-height:120px;overflow:auto;background:#fff;border:1px solid #ddd;border-radius:6px;padding:6px;margin-top:12px}
  #error{color:#b00}
 </style></head>
@@ -121,6 +121,8 @@ function render(s) {
       "</b> → " + e.members + " members " + (e.detail ? "(" + e.detail.replace(/</g, "&lt;") + ")" : "") + "</div>").join("");
   document.body.dataset.updates = Number(document.body.dataset.updates) + 1;
   document.body.dataset.members = s.members;
+  document.body.dataset.points = t.length;
+  document.body.dataset.events = s.events.map(e => e.kind).join(",");
 }
 async function tick() {
   try {
