@@ -5,6 +5,9 @@
 #include <nlohmann/json.hpp>
 #include <signal.h>
 
+#include <chrono>
+#include <thread>
+
 #include "common/files.h"
 #include "models/net.h"
 #include "optim/flat_params.h"
@@ -40,7 +43,7 @@ torch::Tensor weights_of(const std::string& ckpt) {
 TEST(Cli, HelpForEverySubcommand) {
   auto r = run_limbo({"--help"});
   EXPECT_EQ(r.exit_code, 0);
-  for (const char* sub : {"train", "eval", "export", "config"}) {
+  for (const char* sub : {"train", "eval", "export", "config", "status"}) {
     EXPECT_NE(r.output.find(sub), std::string::npos);
     auto s = run_limbo({sub, "--help"});
     EXPECT_EQ(s.exit_code, 0) << sub;
@@ -158,6 +161,48 @@ TEST(Cli, BadInputGivesAClearErrorAndExitCode2) {
     for (const auto& n : c.needles) EXPECT_NE(r.output.find(n), std::string::npos) << r.output;
   }
   EXPECT_FALSE(file_exists(d.file("r2/checkpoint.pt")));
+}
+
+
+// `limbo train --status` serves a page for a running job; `limbo status`
+// reads it by run directory or address; bad addresses and dead jobs are
+// refused clearly, and a bad address writes nothing.
+TEST(Cli, StatusOfARunningJobAndItsErrors) {
+  TempDir d;
+  const std::string run = d.file("run");
+  pid_t job = limbo::testing::spawn_limbo(
+      {"train", "--run-dir", run, "--status", "127.0.0.1:0", "--set", "data.dataset=synthetic",
+       "--set", "model.name=mlp", "--set", "train.epochs=400", "--set", "train.log_every=5",
+       "--set", "train.progress=false"},
+      d.file("train.log"));
+  limbo::testing::KillOnExit children{{job}};
+  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/status.url", "http://127.0.0.1:", 60))
+      << limbo::testing::slurp(d.file("train.log"));
+  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60));
+  std::this_thread::sleep_for(std::chrono::milliseconds(800));  // one tail period
+  auto r = run_limbo({"status", run});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("job train"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("1 members"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("samples/s"), std::string::npos) << r.output;
+  std::string url = limbo::testing::slurp(run + "/status.url");
+  const std::string addr = url.substr(7, url.find('/', 7) - 7);
+  r = run_limbo({"status", addr});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  ::kill(job, SIGTERM);
+  limbo::testing::wait_child(job, d.file("train.log"), 60);
+  r = run_limbo({"status", run});  // the job is gone
+  EXPECT_EQ(r.exit_code, 3) << r.output;
+  EXPECT_NE(r.output.find(addr), std::string::npos) << r.output;
+  r = run_limbo({"status", d.path()});  // no status.url there
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("status.url"), std::string::npos) << r.output;
+  for (const std::string& bad : {"localhost", "127.0.0.1:99999", "203.0.113.7:0"}) {
+    r = run_limbo({"train", "--run-dir", d.file("bad"), "--status", bad, "--set", "data.dataset=synthetic"});
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
+    EXPECT_NE(r.output.find("--status"), std::string::npos) << r.output;
+    EXPECT_FALSE(file_exists(d.file("bad"))) << "a refused --status wrote the run directory";
+  }
 }
 
 }  // namespace

@@ -62,6 +62,13 @@ int run_train(const TrainArgs& a) {
     tc.loader.rank = a.dist_rank;
     if (a.dist_rank != 0) tc.run_dir.clear();  // member 0 writes the run directory
   }
+  // The status page binds before the run directory is set up (a bad or
+  // taken address writes nothing) and tails the run's metrics once it is.
+  std::unique_ptr<status::Server> page;
+  if (!a.status.empty()) {
+    auto [host, port] = status::parse_address(a.status, "--status");
+    page = std::make_unique<status::Server>(std::make_shared<status::Board>("train"), host, port);
+  }
   train::Trainer trainer(tc);
   if (distributed) {
     comm::GroupOptions go;
@@ -96,12 +103,7 @@ int run_train(const TrainArgs& a) {
     trainer.set_membership(std::make_unique<elastic::ElasticMembership>(
         std::move(member), rule, [] { return g_leave_requested.load(); }));
   }
-  // The status page tails the run directory's metrics; it starts once the
-  // run has been set up (a refused config writes nothing).
-  std::unique_ptr<status::Server> page;
-  if (!a.status.empty() && !tc.run_dir.empty()) {
-    auto [host, port] = status::parse_address(a.status, "--status");
-    page = std::make_unique<status::Server>(std::make_shared<status::Board>("train"), host, port);
+  if (page && !tc.run_dir.empty()) {
     page->watch(tc.run_dir + "/metrics.jsonl");
     page->write_url(tc.run_dir);
     log_info("status page: " + page->url());
