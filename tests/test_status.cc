@@ -212,6 +212,30 @@ TEST(StatusBoard, SeriesStayBoundedOnLongJobs) {
   EXPECT_EQ(s["samples_total"], 5000 * 64);
 }
 
+// Found: a learner whose loss became NaN wrote "loss": null, and the board's
+// typed read threw in the tail thread and killed the launcher. Records of any
+// shape are taken for what they hold and never stop the board.
+TEST(StatusBoard, RecordsWithNullsOrWrongTypesNeverStopIt) {
+  Board b("async");
+  const std::vector<json> odd = {
+      json::parse(R"({"kind":"learner","learner":0,"step":5,"samples":320,"loss":null,"samples_per_second":"fast"})"),
+      json::parse(R"({"kind":"train","step":"x","loss":null,"lr":"high","batch_size":1.5,"samples":null})"),
+      json::parse(R"({"kind":"ps_updates","shard":"a","learners":null,"staleness_hist":{"x":1,"-3":2,"2":"n","1":4}})"),
+      json::parse(R"({"kind":"ps_updates","shard":0,"staleness_hist":[1,2]})"),
+      json::parse(R"({"kind":"membership","world":"three","reason":7})"),
+      json::parse(R"({"kind":"isgd_epoch","triggered":null})"),
+      json::parse(R"({"kind":5})"), json::parse("[1,2,3]"), json::parse("null"), json::parse(R"("text")")};
+  for (const auto& r : odd) EXPECT_NO_THROW(b.add_record(r)) << r.dump();
+  json s;
+  ASSERT_NO_THROW(s = b.snapshot());
+  EXPECT_EQ(s["samples_total"], 320);
+  EXPECT_TRUE(s["loss"].is_null() || s["loss"].is_number()) << s.dump();
+  EXPECT_EQ(s["ps"]["staleness_hist"].size(), 1u) << s.dump();  // only "1": 4 is a real count
+  std::map<std::string, std::string> types;
+  std::vector<Sample> samples;
+  EXPECT_EQ(check_exposition(b.prometheus(), &types, &samples), "") << b.prometheus();
+}
+
 TEST(StatusTail, ReadsCompleteNewLinesOnly) {
   limbo::testing::TempDir d;
   const std::string path = d.file("metrics.jsonl");
@@ -352,6 +376,12 @@ TEST(StatusServer, TailsTheMetricsFilesItWatches) {
   }
   EXPECT_EQ(snap["samples_total"], 500) << snap.dump();
   EXPECT_EQ(snap["step"], 10);
+}
+
+// Found under load: a server destroyed right after it was made hung in its
+// destructor (httplib's stop() does nothing until its loop runs).
+TEST(StatusServer, AServerDestroyedAtOnceStops) {
+  for (int i = 0; i < 50; ++i) Server s(std::make_shared<Board>("train"), "127.0.0.1", 0);
 }
 
 TEST(StatusServer, BadAddressesAreRefusedClearly) {

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -42,7 +43,22 @@ void sample(std::string& out, const std::string& name, double v, const std::stri
 std::optional<double> number(const json& r, const char* key) {
   auto it = r.find(key);
   if (it == r.end() || !it->is_number()) return std::nullopt;
-  return it->get<double>();
+  const double v = it->get<double>();
+  if (!std::isfinite(v)) return std::nullopt;
+  return v;
+}
+
+// A field of a record, or `fallback` when it is missing, null (a NaN was
+// written as null) or of another type: records never stop the board.
+double real(const json& r, const char* key, double fallback) { return number(r, key).value_or(fallback); }
+int64_t integer(const json& r, const char* key, int64_t fallback) {
+  auto it = r.find(key);
+  if (it == r.end() || !it->is_number_integer()) return fallback;
+  return it->get<int64_t>();
+}
+std::string text(const json& r, const char* key) {
+  auto it = r.find(key);
+  return it != r.end() && it->is_string() ? it->get<std::string>() : std::string();
 }
 
 }  // namespace
@@ -75,17 +91,17 @@ void Board::push_point() {
 
 void Board::add_record(const json& r) {
   if (!r.is_object()) return;
-  const std::string kind = r.value("kind", std::string());
+  const std::string kind = text(r, "kind");
   std::lock_guard<std::mutex> lock(mu_);
   if (kind == "train") {
-    const int64_t step = r.value("step", step_);
-    const int64_t batch = r.value("batch_size", batch_size_.value_or(0));
-    if (r.contains("samples") && r["samples"].is_number_integer())
-      samples_total_ = std::max(samples_total_, r["samples"].get<int64_t>());
+    const int64_t step = integer(r, "step", step_);
+    const int64_t batch = integer(r, "batch_size", batch_size_.value_or(0));
+    if (integer(r, "samples", -1) >= 0)
+      samples_total_ = std::max(samples_total_, integer(r, "samples", 0));
     else if (step > step_)
       samples_total_ += (step - step_) * batch;
     step_ = std::max(step_, step);
-    epoch_ = r.value("epoch", epoch_);
+    epoch_ = real(r, "epoch", epoch_);
     batch_size_ = batch;
     if (auto v = number(r, "loss")) loss_ = v;
     if (auto v = number(r, "lr")) lr_ = v;
@@ -100,8 +116,8 @@ void Board::add_record(const json& r) {
     append(accuracy_["test_loss"], opt(test_loss_));
   } else if (kind == "membership") {
     if (launcher_members_) return;
-    members_ = r.value("world", members_);
-    const std::string reason = r.value("reason", std::string());
+    members_ = static_cast<int>(integer(r, "world", members_));
+    const std::string reason = text(r, "reason");
     const std::string k = reason == "start" ? "start" : reason.rfind("failure", 0) == 0 ? "crash" : "change";
     changes_[k] += 1;
     events_.push_back({{"t", now()}, {"kind", k}, {"members", members_}, {"detail", reason}});
@@ -109,33 +125,37 @@ void Board::add_record(const json& r) {
     push_point();
   } else if (kind == "isgd_epoch") {
     isgd_ = true;
-    isgd_triggers_ += r.value("triggered", int64_t{0});
-    isgd_extra_ += r.value("extra_iterations", int64_t{0});
+    isgd_triggers_ += integer(r, "triggered", 0);
+    isgd_extra_ += integer(r, "extra_iterations", 0);
     push_point();
   } else if (kind == "ps_updates") {
     ps_ = true;
-    Shard& s = shards_[r.value("shard", int64_t{0})];
-    s.updates_per_second = r.value("updates_per_second", 0.0);
-    s.busy_fraction = r.value("busy_fraction", 0.0);
-    s.clock = r.value("clock", s.clock);
-    s.accepted = r.value("accepted", s.accepted);
-    s.dropped = r.value("dropped", s.dropped);
-    s.rejected = r.value("rejected", s.rejected);
-    s.learners = r.value("learners", s.learners);
+    const int64_t shard = integer(r, "shard", 0);
+    Shard& s = shards_[shard];
+    s.updates_per_second = real(r, "updates_per_second", 0.0);
+    s.busy_fraction = real(r, "busy_fraction", 0.0);
+    s.clock = integer(r, "clock", s.clock);
+    s.accepted = integer(r, "accepted", s.accepted);
+    s.dropped = integer(r, "dropped", s.dropped);
+    s.rejected = integer(r, "rejected", s.rejected);
+    s.learners = integer(r, "learners", s.learners);
     // Every shard sees every gradient: count staleness from shard 0 only.
-    if (r.value("shard", int64_t{0}) == 0 && r.contains("staleness_hist") && r["staleness_hist"].is_object())
-      for (const auto& [tau, n] : r["staleness_hist"].items())
-        if (n.is_number_integer()) staleness_[std::stoll(tau)] += n.get<int64_t>();
+    if (shard == 0 && r.contains("staleness_hist") && r["staleness_hist"].is_object())
+      for (const auto& [tau, n] : r["staleness_hist"].items()) {
+        char* end = nullptr;
+        const long long t = std::strtoll(tau.c_str(), &end, 10);
+        if (n.is_number_integer() && end && *end == '\0' && !tau.empty() && t >= 0) staleness_[t] += n.get<int64_t>();
+      }
     if (!launcher_members_) members_ = static_cast<int>(shards_.begin()->second.learners);
     push_point();
   } else if (kind == "learner") {
     ps_ = true;
-    Learner& l = learners_[r.value("learner", int64_t{0})];
-    l.steps = r.value("step", l.steps);
-    l.samples = r.value("samples", l.samples);
-    l.samples_per_second = r.value("samples_per_second", l.samples_per_second);
-    l.loss = r.value("loss", l.loss);
-    l.staleness_mean = r.value("staleness_mean", l.staleness_mean);
+    Learner& l = learners_[integer(r, "learner", 0)];
+    l.steps = integer(r, "step", l.steps);
+    l.samples = integer(r, "samples", l.samples);
+    l.samples_per_second = real(r, "samples_per_second", l.samples_per_second);
+    l.loss = real(r, "loss", l.loss);
+    l.staleness_mean = real(r, "staleness_mean", l.staleness_mean);
     double rate = 0, loss = 0;
     int64_t samples = 0;
     for (const auto& [id, x] : learners_) {
@@ -146,7 +166,7 @@ void Board::add_record(const json& r) {
     samples_per_second_ = rate;
     loss_ = loss / static_cast<double>(learners_.size());
     samples_total_ = std::max(samples_total_, samples);
-    epoch_ = r.value("epoch", epoch_);
+    epoch_ = real(r, "epoch", epoch_);
     push_point();
   }
 }

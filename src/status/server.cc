@@ -86,13 +86,22 @@ Server::Server(std::shared_ptr<Board> board, const std::string& host, int port)
   if (port_ <= 0)
     throw InvalidInput("--status: cannot serve on " + host + ":" + std::to_string(port) +
                        " (address not on this machine, or the port is taken)");
-  serve_ = std::thread([this] { http_->srv.listen_after_bind(); });
+  serve_ = std::thread([this] {
+    http_->srv.listen_after_bind();
+    served_ = true;
+  });
+  // httplib's stop() does nothing before the listening loop runs: wait for it,
+  // so that a server destroyed at once still stops.
+  while (!http_->srv.is_running() && !served_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   tail_ = std::thread([this] { tail_loop(); });
 }
 
 Server::~Server() {
   stop_ = true;
-  http_->srv.stop();
+  while (!served_) {
+    http_->srv.stop();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   if (serve_.joinable()) serve_.join();
   if (tail_.joinable()) tail_.join();
 }
@@ -143,7 +152,13 @@ void Server::tail_loop() {
         records.insert(records.end(), got.begin(), got.end());
       }
     }
-    for (const auto& r : records) board_->add_record(r);
+    for (const auto& r : records) {
+      try {
+        board_->add_record(r);
+      } catch (const std::exception& e) {  // a record of an unexpected shape: skipped, never fatal
+        log_warn(std::string("status page: skipped a metrics record (") + e.what() + ")");
+      }
+    }
     for (int i = 0; i < 10 && !stop_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
 }

@@ -55,6 +55,7 @@ class Server {
   std::unique_ptr<Http> http_;
   std::thread serve_, tail_;
   std::atomic<bool> stop_{false};
+  std::atomic<bool> served_{false};  // the listening loop has returned
   std::mutex mu_;
   std::vector<Tail> tails_;
   std::vector<std::pair<std::string, std::string>> dirs_;
