@@ -258,18 +258,9 @@ TEST(StatusTail, ReadsCompleteNewLinesOnly) {
 
 // ---------- the HTTP server ----------
 
-int raw_connect(int port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  return fd;
-}
 
 std::string raw_exchange(int port, const std::string& request) {
-  int fd = raw_connect(port);
+  int fd = limbo::testing::connect_loopback(port);
   timeval tv{5, 0};
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   ::send(fd, request.data(), request.size(), MSG_NOSIGNAL);
@@ -335,7 +326,7 @@ TEST(StatusServer, SurvivesGarbageHugeHeadersSlowClientsAndManyConnections) {
   // Slow clients: they send a byte now and then and hold their connection.
   std::vector<int> slow;
   for (int i = 0; i < 8; ++i) {
-    slow.push_back(raw_connect(port));
+    slow.push_back(limbo::testing::connect_loopback(port));
     ::send(slow.back(), "GE", 2, MSG_NOSIGNAL);
   }
   expect_serving(port);  // others are still served meanwhile
@@ -354,7 +345,7 @@ TEST(StatusServer, SurvivesGarbageHugeHeadersSlowClientsAndManyConnections) {
   for (auto& t : many) t.join();
   EXPECT_EQ(ok.load(), 100);
   // And connections opened and dropped without a request.
-  for (int i = 0; i < 200; ++i) ::close(raw_connect(port));
+  for (int i = 0; i < 200; ++i) ::close(limbo::testing::connect_loopback(port));
   expect_serving(port);
 }
 

@@ -14,6 +14,7 @@
 
 #include "comm/store.h"
 #include "common/error.h"
+#include "test_util.h"
 
 using namespace limbo;
 using namespace limbo::comm;
@@ -22,15 +23,6 @@ using namespace std::chrono_literals;
 namespace {
 
 // A raw TCP connection to the server, for clients that misbehave.
-int raw_connect(int port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-  return fd;
-}
 
 double seconds_of(const std::function<void()>& f) {
   auto t0 = std::chrono::steady_clock::now();
@@ -95,7 +87,7 @@ TEST(Store, AHalfSentRequestHoldsNoOtherClientUp) {
   StoreServer server("127.0.0.1", 0);
   StoreClient c("127.0.0.1", server.port(), 2s);
   c.set("x", "1");
-  int stalled = raw_connect(server.port());
+  int stalled = limbo::testing::connect_loopback(server.port());
   const char half[] = {20, 0, 0, 0, 1, 5, 0};  // 20 bytes announced, 3 sent
   ASSERT_EQ(::send(stalled, half, sizeof half, 0), static_cast<ssize_t>(sizeof half));
   std::this_thread::sleep_for(50ms);
@@ -111,7 +103,7 @@ TEST(Store, GarbageAndGreedyClientsAreDisconnectedAndTheServerGoesOn) {
   StoreServer server("127.0.0.1", 0);
   StoreClient c("127.0.0.1", server.port(), 2s);
   // A request announcing 2 GiB: the connection is closed.
-  int huge = raw_connect(server.port());
+  int huge = limbo::testing::connect_loopback(server.port());
   const unsigned char big[] = {0, 0, 0, 0x80, 1};
   ASSERT_EQ(::send(huge, big, sizeof big, 0), 5);
   char b;
@@ -119,7 +111,7 @@ TEST(Store, GarbageAndGreedyClientsAreDisconnectedAndTheServerGoesOn) {
   ::close(huge);
   // A well-framed request with an unknown op and fields that do not add up:
   // answered with an error, the connection stays.
-  int odd = raw_connect(server.port());
+  int odd = limbo::testing::connect_loopback(server.port());
   const char bad[] = {6, 0, 0, 0, 99, 9, 0, 0, 0, 0};
   ASSERT_EQ(::send(odd, bad, sizeof bad, 0), static_cast<ssize_t>(sizeof bad));
   char reply[64];
@@ -129,7 +121,7 @@ TEST(Store, GarbageAndGreedyClientsAreDisconnectedAndTheServerGoesOn) {
   // A client that sends requests but never reads the answers only fills its
   // own buffers.
   c.set("v", std::string(1 << 20, 'v'));
-  int greedy = raw_connect(server.port());
+  int greedy = limbo::testing::connect_loopback(server.port());
   std::string get = std::string("\x06\x00\x00\x00\x03\x01\x00\x00\x00v", 10);
   get[0] = 6;
   for (int i = 0; i < 200; ++i) ::send(greedy, get.data(), get.size(), MSG_DONTWAIT | MSG_NOSIGNAL);

@@ -1,6 +1,9 @@
 #include "test_util.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -97,6 +100,17 @@ ProcessResult wait_child(pid_t pid, const std::string& log, double timeout_s) {
   if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
   r.output = slurp(log);
   return r;
+}
+
+int connect_loopback(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
+    throw std::runtime_error("cannot connect to 127.0.0.1:" + std::to_string(port));
+  return fd;
 }
 
 KillOnExit::~KillOnExit() {

@@ -57,4 +57,7 @@ struct KillOnExit {
 
 std::string slurp(const std::string& path);
 
+// A plain TCP connection to 127.0.0.1:port (for clients that misbehave).
+int connect_loopback(int port);
+
 }  // namespace limbo::testing

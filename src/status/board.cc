@@ -233,19 +233,17 @@ std::string Board::prometheus() const {
   const json s = snapshot();
   std::string o;
   const std::string job = "job=\"" + job_ + "\"";
-  family(o, "limbo_members", "gauge", "Members of the job now (workers, or learners registered at shard 0).");
-  sample(o, "limbo_members", s["members"].get<double>(), job);
-  family(o, "limbo_samples_total", "counter", "Training samples processed.");
-  sample(o, "limbo_samples_total", s["samples_total"].get<double>(), job);
-  family(o, "limbo_steps_total", "counter", "Optimizer steps taken (data-parallel jobs).");
-  sample(o, "limbo_steps_total", s["step"].get<double>(), job);
-  family(o, "limbo_epoch", "gauge", "Training progress in epochs.");
-  sample(o, "limbo_epoch", s["epoch"].get<double>(), job);
-  auto gauge = [&](const char* name, const char* key, const char* help) {
-    if (s[key].is_null()) return;
-    family(o, name, "gauge", help);
-    sample(o, name, s[key].get<double>(), job);
+  // A family of one sample (left out when the value is not known yet).
+  auto single = [&](const char* name, const char* type, const json& v, const char* help) {
+    if (!v.is_number()) return;
+    family(o, name, type, help);
+    sample(o, name, v.get<double>(), job);
   };
+  auto gauge = [&](const char* name, const char* key, const char* help) { single(name, "gauge", s[key], help); };
+  single("limbo_members", "gauge", s["members"], "Members of the job now (workers, or learners registered at shard 0).");
+  single("limbo_samples_total", "counter", s["samples_total"], "Training samples processed.");
+  single("limbo_steps_total", "counter", s["step"], "Optimizer steps taken (data-parallel jobs).");
+  single("limbo_epoch", "gauge", s["epoch"], "Training progress in epochs.");
   gauge("limbo_samples_per_second", "samples_per_second", "Training throughput over the last logged window.");
   gauge("limbo_loss", "loss", "Training loss over the last logged window.");
   gauge("limbo_learning_rate", "lr", "Learning rate of the last logged step.");
@@ -255,10 +253,9 @@ std::string Board::prometheus() const {
   family(o, "limbo_membership_changes_total", "counter", "Membership events by kind.");
   for (const auto& [k, n] : s["membership_changes"].items())
     sample(o, "limbo_membership_changes_total", n.get<double>(), job + ",kind=\"" + k + "\"");
-  if (!s["isgd"].is_null()) {
-    family(o, "limbo_isgd_triggers_total", "counter", "ISGD batches found under-trained (extra updates given).");
-    sample(o, "limbo_isgd_triggers_total", s["isgd"]["triggers_total"].get<double>(), job);
-  }
+  if (!s["isgd"].is_null())
+    single("limbo_isgd_triggers_total", "counter", s["isgd"]["triggers_total"],
+           "ISGD batches found under-trained (extra updates given).");
   if (!s["ps"].is_null()) {
     const json& p = s["ps"];
     // Staleness: cumulative buckets at powers of two, as Prometheus expects.
@@ -277,20 +274,18 @@ std::string Board::prometheus() const {
     sample(o, "limbo_staleness_bucket", static_cast<double>(count), job + ",le=\"+Inf\"");
     sample(o, "limbo_staleness_sum", sum, job);
     sample(o, "limbo_staleness_count", static_cast<double>(count), job);
-    family(o, "limbo_ps_updates_total", "counter", "Model updates made by shard 0.");
-    sample(o, "limbo_ps_updates_total", p["updates_total"].get<double>(), job);
-    family(o, "limbo_ps_gradients_dropped_total", "counter", "Gradients dropped for exceeding the staleness bound.");
-    sample(o, "limbo_ps_gradients_dropped_total", p["gradients_dropped"].get<double>(), job);
-    family(o, "limbo_ps_gradients_rejected_total", "counter", "Malformed or non-finite gradients refused, all shards.");
-    sample(o, "limbo_ps_gradients_rejected_total", p["gradients_rejected"].get<double>(), job);
-    family(o, "limbo_ps_shard_updates_per_second", "gauge", "Updates per second by shard.");
-    for (const auto& sh : p["shards"])
-      sample(o, "limbo_ps_shard_updates_per_second", sh["updates_per_second"].get<double>(),
-             job + ",shard=\"" + std::to_string(sh["shard"].get<int64_t>()) + "\"");
-    family(o, "limbo_ps_shard_busy_ratio", "gauge", "Fraction of time each shard spent on messages.");
-    for (const auto& sh : p["shards"])
-      sample(o, "limbo_ps_shard_busy_ratio", sh["busy_fraction"].get<double>(),
-             job + ",shard=\"" + std::to_string(sh["shard"].get<int64_t>()) + "\"");
+    single("limbo_ps_updates_total", "counter", p["updates_total"], "Model updates made by shard 0.");
+    single("limbo_ps_gradients_dropped_total", "counter", p["gradients_dropped"],
+           "Gradients dropped for exceeding the staleness bound.");
+    single("limbo_ps_gradients_rejected_total", "counter", p["gradients_rejected"],
+           "Malformed or non-finite gradients refused, all shards.");
+    auto per_shard = [&](const char* name, const char* key, const char* help) {
+      family(o, name, "gauge", help);
+      for (const auto& sh : p["shards"])
+        sample(o, name, sh[key].get<double>(), job + ",shard=\"" + std::to_string(sh["shard"].get<int64_t>()) + "\"");
+    };
+    per_shard("limbo_ps_shard_updates_per_second", "updates_per_second", "Updates per second by shard.");
+    per_shard("limbo_ps_shard_busy_ratio", "busy_fraction", "Fraction of time each shard spent on messages.");
   }
   return o;
 }

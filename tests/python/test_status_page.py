@@ -65,6 +65,15 @@ def wait_until(what, pred, timeout):
     raise AssertionError("timed out waiting for " + what)
 
 
+def stop(proc, log):
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
 def check_prometheus(text, want):
     from prometheus_client.parser import text_string_to_metric_families
     fams = {f.name: f for f in text_string_to_metric_families(text)}
@@ -130,12 +139,7 @@ def main():
         assert members == [2.0], f"limbo_members = {members}"
         print("prometheus_client parsed", len(fams), "families from the elastic job")
     finally:
-        job.send_signal(signal.SIGTERM)
-        try:
-            job.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            job.kill()
-        log.close()
+        stop(job, log)
 
     # A parameter-server job: the staleness histogram.
     prun = os.path.join(tmp, "ps")
@@ -158,12 +162,7 @@ def main():
         assert int(attrs["charts"]) >= 8, f"parameter-server charts missing: {attrs}"
         print("parameter-server job: histogram of", int(count), "gradients;", attrs["charts"], "charts")
     finally:
-        ps.send_signal(signal.SIGTERM)
-        try:
-            ps.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            ps.kill()
-        plog.close()
+        stop(ps, plog)
     shutil.rmtree(tmp, ignore_errors=True)
     print("ok")
     return 0
