@@ -3,6 +3,8 @@
 // an odd number of workers, and a killed worker stops the job with an error
 // instead of a hang.
 #include <gtest/gtest.h>
+
+#include <map>
 #include <nlohmann/json.hpp>
 #include <signal.h>
 
@@ -69,6 +71,39 @@ TEST_P(LaunchEquivalence, MatchesOneProcessAtTheGlobalBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Workers, LaunchEquivalence, ::testing::Values(2, 3));
+
+// comm.compression: the gradient crosses the wire in 16 bits. Training
+// still matches the float32 job's accuracy on the same data (error
+// feedback), the weights differ from it (the rounding happened), and bad
+// settings are refused.
+TEST(Launch, CompressedGradientsTrainAsWellAsFloat32) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  std::map<std::string, std::pair<double, torch::Tensor>> got;
+  for (const std::string c : {"none", "bf16", "fp16"}) {
+    TempDir d;
+    std::vector<std::string> la = {"launch", "--nproc", "2", "--"};
+    auto j = job(d.path(), 16);
+    j[7] = "data.train_limit=6000";
+    la.insert(la.end(), j.begin(), j.end());
+    la.insert(la.end(), {"--set", "comm.compression=" + c});
+    auto r = run_limbo(la);
+    ASSERT_EQ(r.exit_code, 0) << c << ": " << r.output;
+    auto s = nlohmann::json::parse(slurp(d.file("summary.json")));
+    got[c] = {s["test_accuracy"].get<double>(), mlp_weights(d.file("checkpoint.pt"))};
+  }
+  for (const char* c : {"bf16", "fp16"}) {
+    EXPECT_NEAR(got[c].first, got["none"].first, 0.02) << c;
+    EXPECT_FALSE(torch::equal(got[c].second, got["none"].second)) << c << ": no rounding happened?";
+  }
+  TempDir d;
+  auto bad = run_limbo({"train", "--run-dir", d.file("x"), "--set", "comm.compression=fp8"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("comm.compression"), std::string::npos) << bad.output;
+  bad = run_limbo({"train", "--run-dir", d.file("y"), "--set", "comm.compression=bf16", "--set",
+                   "elastic.direct_allreduce=false"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("direct_allreduce"), std::string::npos) << bad.output;
+}
 
 TEST(Launch, IsgdDecidesOnTheGlobalLossAndMatchesOneProcess) {
   // Every worker must see the same (all-reduced) loss, trigger on the same

@@ -62,6 +62,10 @@ int run_train(const TrainArgs& a) {
     tc.loader.rank = a.dist_rank;
     if (a.dist_rank != 0) tc.run_dir.clear();  // member 0 writes the run directory
   }
+  const comm::Compression compression = comm::parse_compression(cfg.get_string("comm.compression"));
+  if (compression != comm::Compression::None && !cfg.get_bool("elastic.direct_allreduce"))
+    throw InvalidInput("comm.compression = " + cfg.get_string("comm.compression") +
+                       " needs elastic.direct_allreduce = true (the 16-bit all-reduce runs on the direct Gloo path)");
   // The status page binds before the run directory is set up (a bad or
   // taken address writes nothing) and tails the run's metrics once it is.
   std::unique_ptr<status::Server> page;
@@ -76,8 +80,10 @@ int run_train(const TrainArgs& a) {
     go.prefix = "limbo/static";
     go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
     auto group = comm::make_gloo_group(go, a.dist_rank, a.dist_world);
-    trainer.set_update_rule(std::make_unique<elastic::AllReduceUpdate>(
-        std::shared_ptr<comm::Collective>(std::move(group)), trainer.sgd_ptr()));
+    auto rule = std::make_unique<elastic::AllReduceUpdate>(std::shared_ptr<comm::Collective>(std::move(group)),
+                                                           trainer.sgd_ptr());
+    rule->set_compression(compression);
+    trainer.set_update_rule(std::move(rule));
   }
   if (a.elastic) {
     comm::GroupOptions go;
@@ -92,6 +98,7 @@ int run_train(const TrainArgs& a) {
     auto kv = comm::connect_kv_store(go.store_host, go.store_port, go.timeout);
     auto member = std::make_unique<elastic::Member>(std::move(kv), mo);
     auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.sgd_ptr());
+    rule->set_compression(compression);
     trainer.set_update_rule(rule);
     // SIGTERM and SIGINT (Ctrl-C reaches every process of the terminal's
     // group): finish the current step, leave at the next agreed boundary; the

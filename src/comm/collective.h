@@ -24,6 +24,11 @@ class Collective {
   // Element-wise sum across members, in place. Large tensors are reduced in
   // buckets of at most bucket_bytes.
   virtual void allreduce_sum(torch::Tensor& t) = 0;
+  // Element-wise sum of 16-bit values (a kHalf or kBFloat16 tensor, as from
+  // Compressor::encode), in place: pairs are added in float32 and rounded
+  // back, so the wire carries 2 bytes per element. Needs the direct Gloo
+  // path (elastic.direct_allreduce).
+  virtual void allreduce_sum_16(torch::Tensor& t) = 0;
   // Element-wise maximum across members, in place (no bucketing).
   virtual void allreduce_max(torch::Tensor& t) = 0;
   // Copies `t` from member `root` to everyone, in place.

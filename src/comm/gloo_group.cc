@@ -20,6 +20,7 @@
 #include <set>
 
 #include "comm/collective.h"
+#include "comm/compression.h"
 #include "comm/store.h"
 #include "common/error.h"
 
@@ -207,6 +208,26 @@ class GlooGroup : public Collective {
       for (auto& w : work) w->wait(opt_.timeout);
     } catch (const std::exception& e) {
       rethrow_classified(message_of(e), "all-reduce in group '" + opt_.prefix + "'");
+    }
+  }
+
+  void allreduce_sum_16(torch::Tensor& t) override {
+    if (size() == 1) return;
+    check_aborted();
+    const bool half = t.scalar_type() == torch::kHalf;
+    if ((!half && t.scalar_type() != torch::kBFloat16) || !t.is_contiguous())
+      throw InvalidInput("allreduce_sum_16 takes a contiguous kHalf or kBFloat16 tensor");
+    if (!ctx_)
+      throw InvalidInput("compressed all-reduce needs the direct Gloo path (elastic.direct_allreduce = true)");
+    try {
+      gloo::AllreduceOptions o(ctx_);
+      o.setOutput(static_cast<uint16_t*>(t.data_ptr()), static_cast<size_t>(t.numel()));
+      o.setReduceFunction(half ? &sum_fp16 : &sum_bf16);
+      o.setTag(tag_++);
+      o.setTimeout(opt_.timeout);
+      gloo::allreduce(o);
+    } catch (const std::exception& e) {
+      rethrow_classified(message_of(e), "compressed all-reduce in group '" + opt_.prefix + "'");
     }
   }
 

@@ -35,7 +35,20 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
     buf.narrow(0, 0, n).mul_(share_);
     buf[n].fill_(ctx.loss * share_);
     buf[n + 1].fill_(flag_source_ ? flag_source_() : 0.0);
-    group_->allreduce_sum(buf);
+    if (compressor_ && compressor_->kind() != comm::Compression::None) {
+      // The gradient travels in 16 bits (with this member's error feedback);
+      // the float buffers, the loss and the flag stay exact in a small
+      // float32 all-reduce behind it.
+      const int64_t g = ctx.grad.numel();
+      torch::Tensor wire = compressor_->encode(buf.narrow(0, 0, g));
+      group_->allreduce_sum_16(wire);
+      torch::Tensor tail = buf.narrow(0, g, buf.numel() - g);
+      group_->allreduce_sum(tail);
+      compressor_->commit();  // only a step that went through moves the residual
+      buf.narrow(0, 0, g).copy_(wire);
+    } else {
+      group_->allreduce_sum(buf);
+    }
     global_loss = buf[n].item<double>();
     flag_sum_ = buf[n + 1].item<double>();
   }

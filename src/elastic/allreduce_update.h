@@ -15,6 +15,7 @@
 #include <memory>
 
 #include "comm/collective.h"
+#include "comm/compression.h"
 #include "optim/sgd.h"
 #include "train/update_rule.h"
 
@@ -35,6 +36,11 @@ class AllReduceUpdate : public train::UpdateRule {
   // the request after the same step.
   void set_flag_source(std::function<double()> f) { flag_source_ = std::move(f); }
   double last_flag_sum() const { return flag_sum_; }
+  // comm.compression: the gradient all-reduce in 16 bits with error
+  // feedback (ISGD's extra all-reduces stay in float32).
+  void set_compression(comm::Compression c) {
+    compressor_ = c == comm::Compression::None ? nullptr : std::make_unique<comm::Compressor>(c);
+  }
 
  private:
   double weighted_sum(torch::Tensor* grad, double loss, double share);
@@ -44,6 +50,7 @@ class AllReduceUpdate : public train::UpdateRule {
   torch::Tensor loss_buf_;
   double share_ = 1.0;  // this member's fraction of the last global batch
   std::function<double()> flag_source_;
+  std::unique_ptr<comm::Compressor> compressor_;
   double flag_sum_ = 0;
 };
 
