@@ -84,6 +84,22 @@ TEST(Config, TomlFileOverridesAndRoundTrip) {
   EXPECT_THROW(c.load_toml_file(d.file("missing.toml")), InvalidInput);
 }
 
+// Found: a key of a new section declared between two keys of another
+// section wrote that table twice, and every checkpoint's stored config
+// failed to parse. Tables are grouped whatever the declaration order.
+TEST(Config, InterleavedSectionsStillWriteOneTableEach) {
+  auto schema = std::make_shared<Schema>();
+  schema->add({"a.x", ValueType::Int, int64_t{1}});
+  schema->add({"b.y", ValueType::String, std::string("s")});
+  schema->add({"a.z", ValueType::Bool, true});
+  Config c(schema);
+  const std::string toml = c.to_toml();
+  EXPECT_EQ(toml, "[a]\nx = 1\nz = true\n\n[b]\ny = \"s\"\n");
+  Config again(schema);
+  EXPECT_NO_THROW(again.load_toml_string(toml, "written"));
+  EXPECT_EQ(again.to_toml(), toml);
+}
+
 TEST(Config, CrossKeyChecks) {
   Config c(cli::train_schema());
   c.apply_override("optim.momentum=0");

@@ -135,9 +135,6 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(S("elastic.momentum", "keep", {"keep", "reset", "rescale"},
              "momentum buffer at a batch change: keep, zero, or rescale by the multiplier jump"));
 
-    s->add(S("comm.compression", "none", {"none", "fp16", "bf16"},
-             "data-parallel gradient all-reduce on the wire: none (float32), fp16 or bf16 (half the "
-             "bytes; sums in float32, error feedback keeps what rounding dropped; see docs/elastic.md)"));
     s->add(B("elastic.direct_allreduce", true,
              "gradient all-reduce on a raw Gloo context on the training thread (false: through "
              "c10d's ProcessGroupGloo worker thread, in 8 MiB buckets)"));
@@ -148,6 +145,9 @@ std::shared_ptr<const Schema> train_schema() {
              "seconds a worker waits for a membership round (e.g. below the minimum) before "
              "giving up"));
 
+    s->add(S("comm.compression", "none", {"none", "fp16", "bf16"},
+             "data-parallel gradient all-reduce on the wire: none (float32), fp16 or bf16 (half the "
+             "bytes; sums in float32, error feedback keeps what rounding dropped; see docs/elastic.md)"));
     s->add(S("ps.protocol", "softsync", {"hardsync", "softsync"},
              "parameter server: hardsync (one gradient from every learner per update) or "
              "n-softsync (update every floor(learners / n) gradients)"));

@@ -324,19 +324,22 @@ const std::string& Config::get_string(const std::string& key) const {
 bool Config::is_set(const std::string& key) const { return origins_.count(key) > 0; }
 
 std::string Config::to_toml() const {
-  std::ostringstream os;
-  std::string section = "\x01";
+  // One table per section, in the order sections first appear in the
+  // schema, whatever order their keys were declared in (TOML refuses a
+  // table defined twice).
+  std::vector<std::string> order;
+  std::map<std::string, std::string> body;
   for (const auto& s : schema_->keys()) {
-    if (section_of(s.key) != section) {
-      section = section_of(s.key);
-      os << (os.tellp() > 0 ? "\n" : "") << "[" << section << "]\n";
-    }
+    const std::string section = section_of(s.key);
+    if (!body.count(section)) order.push_back(section);
     const auto& v = values_.at(s.key);
     std::string text = to_string(v);
     if (auto d = std::get_if<double>(&v); d && std::isinf(*d))
       text = *d > 0 ? "inf" : "-inf";  // TOML spells infinity 'inf'
-    os << s.key.substr(section.size() + 1) << " = " << text << "\n";
+    body[section] += s.key.substr(section.size() + 1) + " = " + text + "\n";
   }
+  std::ostringstream os;
+  for (const auto& section : order) os << (os.tellp() > 0 ? "\n" : "") << "[" << section << "]\n" << body[section];
   return os.str();
 }
 
