@@ -3,14 +3,20 @@
 
 Two workers on this machine (one intra-op thread each), the same model, the
 same per-worker batch, the same number of steps and SGD settings, gloo on
-loopback for both. Prints samples/s (global) for each side and the ratio.
+loopback for both. Contenders run interleaved (DDP, DDP channels-last for
+conv nets, Limbo, Limbo with bf16 gradients), --repeats times; prints the
+median global samples/s of each and the ratios' medians with their range.
+Models: mlp (the default 784-256-256-10), lenet, mlp10m (784-2048-2048-2048-10,
+about 10M parameters, 40 MB of gradients).
 
-    bench/ddp_throughput.py [--limbo build/src/cli/limbo] [--steps 400] [--models mlp,lenet]
+    bench/ddp_throughput.py [--limbo build/src/cli/limbo] [--steps 400] [--repeats 3]
+                            [--models mlp,lenet,mlp10m]
 """
 import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,7 +37,7 @@ def ddp_worker(rank, world, port, name, batch, steps, channels_last):
                             world_size=world)
     x, y = load_fmnist()
     torch.manual_seed(1)
-    model = LeNet() if name == "lenet" else Mlp()
+    model = LeNet() if name == "lenet" else Mlp(width=2048, depth=3) if name == "mlp10m" else Mlp()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -57,11 +63,13 @@ def ddp_rate(name, batch, steps, channels_last, port):
     return json.loads(out.strip().splitlines()[-1])["samples_per_second"]
 
 
-def limbo_rate(limbo, name, batch, steps):
+def limbo_rate(limbo, name, batch, steps, compression="none"):
     d = tempfile.mkdtemp(prefix="limbo-ddp-bench-")
+    model = ["--set", "model.name=mlp", "--set", "model.width=2048", "--set", "model.depth=3"] \
+        if name == "mlp10m" else ["--set", f"model.name={name}"]
     try:
-        subprocess.run([limbo, "launch", "--nproc", "2", "--", "--run-dir", os.path.join(d, "r"),
-                        "--set", f"model.name={name}", "--set", f"data.batch_size={batch}",
+        subprocess.run([limbo, "launch", "--nproc", "2", "--", "--run-dir", os.path.join(d, "r")] + model +
+                       ["--set", f"data.batch_size={batch}", "--set", f"comm.compression={compression}",
                         "--set", f"train.max_steps={steps}", "--set", "train.threads=1",
                         "--set", "train.progress=false", "--set", "train.eval_every_epochs=0",
                         "--set", "train.checkpoint_every_epochs=0", "--set", "data.test_limit=500",
@@ -82,23 +90,33 @@ def main():
     ap.add_argument("--limbo", default="build/src/cli/limbo")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--models", default="mlp,lenet")
+    ap.add_argument("--models", default="mlp,lenet,mlp10m")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--big-steps", type=int, default=100, help="steps for mlp10m")
     args = ap.parse_args()
     port = 29650
-    print(f"2 workers x 1 thread, per-worker batch {args.batch}, {args.steps} steps, global samples/s")
+    print(f"2 workers x 1 thread, per-worker batch {args.batch}, {args.steps} steps "
+          f"({args.big_steps} for mlp10m), global samples/s, {args.repeats} interleaved repeats")
     for name in args.models.split(","):
-        port += 1
-        d = ddp_rate(name, args.batch, args.steps, False, port)
-        line = f"{name:6} DDP {d:9.0f}"
-        best = d
-        if name != "mlp":
-            port += 1
-            dc = ddp_rate(name, args.batch, args.steps, True, port)
-            line += f"  DDP channels-last {dc:9.0f}"
-            best = max(best, dc)
-        lr = limbo_rate(args.limbo, name, args.batch, args.steps)
-        print(f"{line}  limbo {lr:9.0f}  ratio limbo/DDP {lr / d:.2f}x (vs best DDP {lr / best:.2f}x)",
-              flush=True)
+        steps = args.big_steps if name == "mlp10m" else args.steps
+        runs = {"ddp": [], "ddp_cl": [], "limbo": [], "limbo_bf16": []}
+        for _ in range(args.repeats):
+            port += 2
+            runs["ddp"].append(ddp_rate(name, args.batch, steps, False, port))
+            if name == "lenet":
+                runs["ddp_cl"].append(ddp_rate(name, args.batch, steps, True, port + 1))
+            runs["limbo"].append(limbo_rate(args.limbo, name, args.batch, steps))
+            runs["limbo_bf16"].append(limbo_rate(args.limbo, name, args.batch, steps, "bf16"))
+        best = [max(a, b) for a, b in zip(runs["ddp"], runs["ddp_cl"])] if runs["ddp_cl"] else runs["ddp"]
+        def ratio(key):
+            r = [a / b for a, b in zip(runs[key], best)]
+            return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+        med = {k: statistics.median(v) for k, v in runs.items() if v}
+        line = f"{name:7} DDP {med['ddp']:8.0f}"
+        if "ddp_cl" in med:
+            line += f"  DDP channels-last {med['ddp_cl']:8.0f}"
+        print(f"{line}  limbo {med['limbo']:8.0f}  limbo bf16 {med['limbo_bf16']:8.0f}  "
+              f"limbo / best DDP {ratio('limbo')}  bf16 / best DDP {ratio('limbo_bf16')}", flush=True)
 
 
 if __name__ == "__main__":
