@@ -10,7 +10,11 @@ Models: mlp (the default 784-256-256-10), lenet, mlp10m (784-2048-2048-2048-10,
 about 10M parameters, 40 MB of gradients).
 
     bench/ddp_throughput.py [--limbo build/src/cli/limbo] [--steps 400] [--repeats 3]
-                            [--models mlp,lenet,mlp10m]
+                            [--models mlp,lenet,mlp10m] [--veth]
+
+--veth puts each worker in a network namespace of its own, joined by a veth
+pair (two "hosts"; needs root and iproute2): DDP's ranks and Limbo's two
+launchers (elastic, --min-workers 2) talk over 10.232.x.1/2.
 """
 import argparse
 import json
@@ -25,7 +29,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def ddp_worker(rank, world, port, name, batch, steps, channels_last):
+def ddp_worker(rank, world, port, name, batch, steps, channels_last, master="127.0.0.1"):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -33,7 +37,7 @@ def ddp_worker(rank, world, port, name, batch, steps, channels_last):
     from train_throughput import LeNet, Mlp, load_fmnist, timed_steps
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
                             world_size=world)
     x, y = load_fmnist()
     torch.manual_seed(1)
@@ -53,13 +57,52 @@ def ddp_worker(rank, world, port, name, batch, steps, channels_last):
     dist.destroy_process_group()
 
 
+class Veth:
+    """Two network namespaces joined by a veth pair: 10.232.T.1 and .2."""
+
+    def __init__(self):
+        t = os.getpid() % 200 + 20
+        self.ns = [f"limbo-bench-a{t}", f"limbo-bench-b{t}"]
+        self.ip = [f"10.232.{t}.1", f"10.232.{t}.2"]
+        va, vb = f"lba{t}", f"lbb{t}"
+        self.dev = [va, vb]
+        cmds = [f"ip netns add {self.ns[0]}", f"ip netns add {self.ns[1]}",
+                f"ip link add {va} type veth peer name {vb}",
+                f"ip link set {va} netns {self.ns[0]}", f"ip link set {vb} netns {self.ns[1]}",
+                f"ip -n {self.ns[0]} addr add {self.ip[0]}/24 dev {va}",
+                f"ip -n {self.ns[1]} addr add {self.ip[1]}/24 dev {vb}",
+                f"ip -n {self.ns[0]} link set {va} up", f"ip -n {self.ns[1]} link set {vb} up",
+                f"ip -n {self.ns[0]} link set lo up", f"ip -n {self.ns[1]} link set lo up"]
+        for c in cmds:
+            subprocess.run(c.split(), check=True)
+
+    def prefix(self, rank):
+        return ["ip", "netns", "exec", self.ns[rank]]
+
+    def close(self):
+        for n in self.ns:
+            subprocess.run(["ip", "netns", "del", n], stderr=subprocess.DEVNULL)
+
+
+VETH = None  # set by --veth
+
+
 def ddp_rate(name, batch, steps, channels_last, port):
-    procs = [subprocess.Popen([sys.executable, __file__, "--ddp-worker", str(r), str(port), name,
-                               str(batch), str(steps), str(int(channels_last))],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    master = VETH.ip[0] if VETH else "127.0.0.1"
+    def env(r):  # Gloo in a namespace must be told its interface
+        return dict(os.environ, GLOO_SOCKET_IFNAME=VETH.dev[r]) if VETH else None
+    procs = [subprocess.Popen((VETH.prefix(r) if VETH else []) +
+                              [sys.executable, __file__, "--ddp-worker", str(r), str(port), name,
+                               str(batch), str(steps), str(int(channels_last)), master],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(r))
              for r in range(2)]
-    out = procs[0].communicate()[0]
-    procs[1].wait()
+    try:
+        out = procs[0].communicate(timeout=900)[0]
+        procs[1].wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"DDP {name} did not finish within 15 minutes")
     return json.loads(out.strip().splitlines()[-1])["samples_per_second"]
 
 
@@ -68,13 +111,30 @@ def limbo_rate(limbo, name, batch, steps, compression="none"):
     model = ["--set", "model.name=mlp", "--set", "model.width=2048", "--set", "model.depth=3"] \
         if name == "mlp10m" else ["--set", f"model.name={name}"]
     try:
-        subprocess.run([limbo, "launch", "--nproc", "2", "--", "--run-dir", os.path.join(d, "r")] + model +
-                       ["--set", f"data.batch_size={batch}", "--set", f"comm.compression={compression}",
+        args = model + ["--set", f"data.batch_size={batch}", "--set", f"comm.compression={compression}",
                         "--set", f"train.max_steps={steps}", "--set", "train.threads=1",
                         "--set", "train.progress=false", "--set", "train.eval_every_epochs=0",
                         "--set", "train.checkpoint_every_epochs=0", "--set", "data.test_limit=500",
-                        "--set", "optim.lr=0.01", "--set", "optim.momentum=0.9"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        "--set", "optim.lr=0.01", "--set", "optim.momentum=0.9",
+                        "--set", "elastic.batch_policy=none"]
+        run = ["--run-dir", os.path.join(d, "r")]
+        if VETH:  # one launcher per "host", joined through the first one's store
+            rdzv = f"{VETH.ip[0]}:{29700 + os.getpid() % 200}"
+            procs = [subprocess.Popen(VETH.prefix(r) + [limbo, "launch", "--nproc", "1", "--min-workers", "2",
+                                                         "--rdzv", rdzv, "--"] + run + args,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     for r in range(2)]
+            try:
+                if r0 := procs[0].wait(timeout=900):
+                    raise RuntimeError(f"limbo launcher exited with {r0}")
+                procs[1].wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"limbo {name} did not finish within 15 minutes")
+        else:
+            subprocess.run([limbo, "launch", "--nproc", "2", "--"] + run + args, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(os.path.join(d, "r", "summary.json")) as f:
             return json.load(f)["samples_per_second"]
     finally:
@@ -83,8 +143,8 @@ def limbo_rate(limbo, name, batch, steps, compression="none"):
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
-        r, port, name, batch, steps, cl = sys.argv[2:8]
-        ddp_worker(int(r), 2, int(port), name, int(batch), int(steps), cl == "1")
+        r, port, name, batch, steps, cl, master = sys.argv[2:9]
+        ddp_worker(int(r), 2, int(port), name, int(batch), int(steps), cl == "1", master)
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limbo", default="build/src/cli/limbo")
@@ -93,9 +153,22 @@ def main():
     ap.add_argument("--models", default="mlp,lenet,mlp10m")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--big-steps", type=int, default=100, help="steps for mlp10m")
+    ap.add_argument("--veth", action="store_true", help="each worker in its own network namespace")
     args = ap.parse_args()
+    global VETH
+    if args.veth:
+        VETH = Veth()
+    try:
+        run_all(args)
+    finally:
+        if VETH:
+            VETH.close()
+
+
+def run_all(args):
     port = 29650
-    print(f"2 workers x 1 thread, per-worker batch {args.batch}, {args.steps} steps "
+    print(("two network namespaces joined by veth; " if VETH else "loopback; ") +
+          f"2 workers x 1 thread, per-worker batch {args.batch}, {args.steps} steps "
           f"({args.big_steps} for mlp10m), global samples/s, {args.repeats} interleaved repeats")
     for name in args.models.split(","):
         steps = args.big_steps if name == "mlp10m" else args.steps
