@@ -19,11 +19,9 @@
 
 namespace limbo::comm {
 
-enum class StoreClient::Op : uint8_t { Set = 1, Get, TryGet, Add, CompareSet, Erase, Check, NumKeys, Wait };
-
 namespace {
 
-// Request op codes (StoreClient::Op has the same values).
+// Request op codes, shared by the server and the client.
 using Code = uint8_t;
 constexpr Code kSet = 1, kGet = 2, kTryGet = 3, kAdd = 4, kCompareSet = 5, kErase = 6, kCheck = 7,
              kNumKeys = 8, kWait = 9;
@@ -400,12 +398,12 @@ void StoreClient::connect_locked(std::chrono::steady_clock::time_point deadline)
   throw PeerFailure("cannot reach the rendezvous store at " + address_ + " (" + why + ")");
 }
 
-std::pair<uint8_t, std::string> StoreClient::call(Op op, const std::vector<std::string>& fields,
+std::pair<uint8_t, std::string> StoreClient::call(uint8_t op, const std::vector<std::string>& fields,
                                                   std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   if (fd_ < 0) connect_locked(deadline);
-  const std::string req = frame(static_cast<uint8_t>(op), fields);
+  const std::string req = frame(op, fields);
   auto fail = [&](bool timed_out, const std::string& what) {
     drop_locked();
     if (timed_out)
@@ -456,17 +454,17 @@ std::pair<uint8_t, std::string> StoreClient::call(Op op, const std::vector<std::
   return {status, f.empty() ? std::string() : f[0]};
 }
 
-void StoreClient::set(const std::string& key, const std::string& value) { call(Op::Set, {key, value}, timeout_); }
+void StoreClient::set(const std::string& key, const std::string& value) { call(kSet, {key, value}, timeout_); }
 
 std::optional<std::string> StoreClient::try_get(const std::string& key) {
-  auto [status, v] = call(Op::TryGet, {key}, timeout_);
+  auto [status, v] = call(kTryGet, {key}, timeout_);
   if (status == kMissing) return std::nullopt;
   return v;
 }
 
 std::string StoreClient::get(const std::string& key, std::chrono::milliseconds timeout) {
   try {
-    return call(Op::Get, {key}, timeout).second;
+    return call(kGet, {key}, timeout).second;
   } catch (const Timeout&) {
     throw Timeout("rendezvous store at " + address_ + ": key '" + key + "' did not appear within " +
                   std::to_string(timeout.count()) + " ms");
@@ -474,24 +472,24 @@ std::string StoreClient::get(const std::string& key, std::chrono::milliseconds t
 }
 
 int64_t StoreClient::add(const std::string& key, int64_t delta) {
-  return std::stoll(call(Op::Add, {key, std::to_string(delta)}, timeout_).second);
+  return std::stoll(call(kAdd, {key, std::to_string(delta)}, timeout_).second);
 }
 
 std::string StoreClient::compare_set(const std::string& key, const std::string& expected,
                                      const std::string& desired) {
-  return call(Op::CompareSet, {key, expected, desired}, timeout_).second;
+  return call(kCompareSet, {key, expected, desired}, timeout_).second;
 }
 
-bool StoreClient::erase(const std::string& key) { return call(Op::Erase, {key}, timeout_).second == "1"; }
+bool StoreClient::erase(const std::string& key) { return call(kErase, {key}, timeout_).second == "1"; }
 
-bool StoreClient::check(const std::vector<std::string>& keys) { return call(Op::Check, keys, timeout_).second == "1"; }
+bool StoreClient::check(const std::vector<std::string>& keys) { return call(kCheck, keys, timeout_).second == "1"; }
 
-int64_t StoreClient::num_keys() { return std::stoll(call(Op::NumKeys, {}, timeout_).second); }
+int64_t StoreClient::num_keys() { return std::stoll(call(kNumKeys, {}, timeout_).second); }
 
 void StoreClient::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   if (keys.empty()) return;
   try {
-    call(Op::Wait, keys, timeout);
+    call(kWait, keys, timeout);
   } catch (const Timeout&) {
     std::string names;
     for (const auto& k : keys) names += (names.empty() ? "'" : ", '") + k + "'";

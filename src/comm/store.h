@@ -75,9 +75,9 @@ class StoreClient {
   const std::string& address() const { return address_; }
 
  private:
-  enum class Op : uint8_t;
-  // Sends one request and returns the answer's status byte and field.
-  std::pair<uint8_t, std::string> call(Op op, const std::vector<std::string>& fields,
+  // Sends one request (op code, store.cc) and returns the answer's status
+  // byte and field.
+  std::pair<uint8_t, std::string> call(uint8_t op, const std::vector<std::string>& fields,
                                        std::chrono::milliseconds timeout);
   void connect_locked(std::chrono::steady_clock::time_point deadline);
   void drop_locked();
