@@ -5,8 +5,16 @@
 // fallback path through c10d's ProcessGroupGloo (bucketed). Two ranks on
 // loopback, forked from this process.
 //
+// Then the training step with the all-reduce overlapped with backward
+// (elastic.overlap): per step, interleaved, compute alone (forward,
+// backward, SGD; no communication), the step with its buckets reduced after
+// backward, and the step with them reduced during backward. The exposed
+// communication is what a step takes beyond compute alone.
+//
 //   build/bench/limbo_bench_allreduce [--reps 20] [--sizes-mb 1,4,16,64]
 //                                     [--bucket-mb 8] [--threads 1]
+//                                     [--model-width 2048] [--model-depth 3] [--batch 64]
+//                                     [--overlap-bucket-mb 4] [--steps 30]
 #include <gloo/allreduce.h>
 #include <gloo/math.h>
 #include <gloo/rendezvous/context.h>
@@ -16,6 +24,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdio>
@@ -25,6 +34,10 @@
 #include <vector>
 
 #include "comm/collective.h"
+#include "elastic/allreduce_update.h"
+#include "models/net.h"
+#include "optim/flat_params.h"
+#include "train/step.h"
 
 namespace {
 
@@ -89,14 +102,85 @@ std::array<double, 3> measure(Contenders& c, int64_t floats, int reps) {
   return total;
 }
 
+struct OverlapResult {
+  double compute = 0, sequential = 0, overlapped = 0;  // median seconds per step
+  double waited_sequential = 0, waited_overlapped = 0;  // mean seconds in finish() per step
+  int64_t buckets = 0, started_in_backward = 0, steps = 0;
+};
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+OverlapResult measure_overlap(int rank, int port, int64_t width, int64_t depth, int64_t batch,
+                              int64_t bucket_bytes, int steps) {
+  torch::manual_seed(1);
+  limbo::models::ModelOptions mo;
+  mo.name = "mlp";
+  mo.width = width;
+  mo.depth = depth;
+  auto net = limbo::models::make_mlp(mo, {1, 28, 28, 10});
+  limbo::optim::FlatParams flat(*net);
+  limbo::train::TrainStep step(*net, flat, limbo::train::LossKind::CrossEntropy, false);
+  auto sgd = std::make_shared<limbo::optim::Sgd>(limbo::optim::SgdOptions{0.9, 0, 0, false});
+  limbo::comm::GroupOptions go;
+  go.store_port = port;
+  go.prefix = "bench/overlap";
+  std::shared_ptr<limbo::comm::Collective> group = limbo::comm::make_gloo_group(go, rank, 2);
+  limbo::elastic::ReduceOptions seq_opt{bucket_bytes, false, limbo::comm::Compression::None};
+  limbo::elastic::ReduceOptions ovl_opt{bucket_bytes, true, limbo::comm::Compression::None};
+  limbo::elastic::AllReduceUpdate seq(group, sgd, flat, seq_opt), ovl(group, sgd, flat, ovl_opt);
+  auto x = torch::randn({batch, 1, 28, 28});
+  auto y = torch::randint(0, 10, {batch});
+  auto run = [&](limbo::elastic::AllReduceUpdate* rule) {
+    auto t0 = Clock::now();
+    limbo::train::StepContext ctx{flat.data(), flat.grad(), flat.grad_with_slot(), 0.0, batch, 2 * batch,
+                                  0.01, 0, {}};
+    if (!rule) {
+      step.gradient(x, y);
+      sgd->step(flat.data(), flat.grad(), 0.01);
+      return seconds(t0);
+    }
+    ctx.loss = step.gradient(x, y, [&](double loss) {
+      ctx.loss = loss;
+      rule->backward_starts(ctx);
+    });
+    rule->apply(ctx);
+    return seconds(t0);
+  };
+  std::vector<double> a, b, c;
+  for (int i = -3; i < steps; ++i) {  // 3 warm-up rounds
+    double ta = run(nullptr), tb = run(&seq), tc = run(&ovl);
+    if (i >= 0) a.push_back(ta), b.push_back(tb), c.push_back(tc);
+  }
+  OverlapResult r;
+  r.compute = median_of(a);
+  r.sequential = median_of(b);
+  r.overlapped = median_of(c);
+  r.waited_sequential = seq.reducer().stats().exposed_seconds / seq.reducer().stats().steps;
+  r.waited_overlapped = ovl.reducer().stats().exposed_seconds / ovl.reducer().stats().steps;
+  r.buckets = static_cast<int64_t>(ovl.reducer().buckets().size());
+  r.started_in_backward = ovl.reducer().stats().buckets_started_in_backward;
+  r.steps = ovl.reducer().stats().steps;
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int reps = 20;
   std::vector<double> sizes_mb = {1, 4, 16, 64};
+  int64_t width = 2048, depth = 3, batch = 64, overlap_bucket = 4 << 20;
+  int steps = 30;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
     if (a == "--reps") reps = std::atoi(argv[i + 1]);
+    if (a == "--model-width") width = std::atol(argv[i + 1]);
+    if (a == "--model-depth") depth = std::atol(argv[i + 1]);
+    if (a == "--batch") batch = std::atol(argv[i + 1]);
+    if (a == "--steps") steps = std::atoi(argv[i + 1]);
+    if (a == "--overlap-bucket-mb") overlap_bucket = static_cast<int64_t>(std::stod(argv[i + 1]) * (1 << 20));
     if (a == "--bucket-mb") g_bucket_bytes = static_cast<int64_t>(std::stod(argv[i + 1]) * (1 << 20));
     if (a == "--threads") g_threads = std::atoi(argv[i + 1]);
     if (a == "--sizes-mb") {
@@ -134,5 +218,26 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   std::system(("rm -rf " + dir).c_str());
+
+  // The step with the all-reduce overlapped with backward.
+  pid_t child = ::fork();
+  if (child == 0) {
+    measure_overlap(1, port, width, depth, batch, overlap_bucket, steps);
+    ::_exit(0);
+  }
+  auto o = measure_overlap(0, port, width, depth, batch, overlap_bucket, steps);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  std::printf("\nMLP 784-%ldx%ld-10, batch %ld per rank, 2 ranks x 1 thread, buckets of %.1f MiB (%ld buckets), "
+              "median of %d interleaved steps:\n",
+              static_cast<long>(width), static_cast<long>(depth), static_cast<long>(batch),
+              overlap_bucket / double(1 << 20), static_cast<long>(o.buckets), steps);
+  std::printf("  compute alone (forward, backward, SGD)   %7.1f ms\n", 1e3 * o.compute);
+  std::printf("  all-reduce after backward                %7.1f ms   exposed %6.1f ms (waited %5.1f ms)\n",
+              1e3 * o.sequential, 1e3 * (o.sequential - o.compute), 1e3 * o.waited_sequential);
+  std::printf("  all-reduce overlapped with backward      %7.1f ms   exposed %6.1f ms (waited %5.1f ms)\n",
+              1e3 * o.overlapped, 1e3 * (o.overlapped - o.compute), 1e3 * o.waited_overlapped);
+  std::printf("  buckets started while backward ran: %ld of %ld\n", static_cast<long>(o.started_in_backward),
+              static_cast<long>(o.buckets * o.steps));
   return 0;
 }

@@ -7,7 +7,10 @@
 // echoes N floats back): as one message each way ("raw 1 msg"), and in
 // the same parts as Limbo ("raw parts"). All three are interleaved rep by rep
 // so machine noise hits them alike. GB/s counts the bytes moved both ways:
-// 2 * 4 * N per round trip.
+// 2 * 4 * N per round trip in float32. Each size is also run with bf16
+// pushes (comm.compression = bf16: 2 bytes a value, encoded with error
+// feedback as a learner does), and with bf16 pulls as well
+// (ps.pull_compression = bf16), against raw ZeroMQ moving the same bytes.
 //
 // The shard runs the default job's update: server momentum 0.9 (optim.momentum)
 // and weight decay 0 (optim.weight_decay); --momentum / --weight-decay change them.
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "common/files.h"
+#include "common/half.h"
 #include "common/log.h"
 #include "common/memory.h"
 #include "ps/server.h"
@@ -43,17 +47,21 @@ using json = nlohmann::json;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // ---- raw ZeroMQ echo ---------------------------------------------------------------
+// A DEALER sends `up` bytes in messages of at most `part_up` bytes, a ROUTER
+// answers with `down` bytes in messages of at most `part_down`, without copies.
 struct RawEcho {
-  size_t part;  // floats per message
+  size_t up, down, part_up, part_down;
   void* ctx = zmq_ctx_new();
   void* router = nullptr;
   void* dealer = nullptr;
-  std::vector<float> server_buf, client_buf;
+  std::vector<unsigned char> server_buf, client_buf;
   size_t received = 0;
   std::atomic<bool> stop{false};
   std::thread thread;
 
-  RawEcho(size_t n, size_t part_floats) : part(part_floats), server_buf(n, 1.f), client_buf(n, 2.f) {
+  RawEcho(size_t up_bytes, size_t down_bytes, size_t part_up_bytes, size_t part_down_bytes)
+      : up(up_bytes), down(down_bytes), part_up(part_up_bytes), part_down(part_down_bytes),
+        server_buf(down_bytes, 1), client_buf(up_bytes, 2) {
     router = zmq_socket(ctx, ZMQ_ROUTER);
     int zero = 0;
     zmq_setsockopt(router, ZMQ_LINGER, &zero, sizeof zero);
@@ -76,21 +84,21 @@ struct RawEcho {
         }
         zmq_msg_init(&body);
         zmq_msg_recv(&body, router, 0);
-        received += zmq_msg_size(&body) / 4;
+        received += zmq_msg_size(&body);
         zmq_msg_close(&body);
-        if (received < server_buf.size()) {
+        if (received < up) {
           zmq_msg_close(&id);
           continue;
         }
         received = 0;
-        for (size_t o = 0; o < server_buf.size(); o += part) {
-          const size_t k = std::min(part, server_buf.size() - o);
+        for (size_t o = 0; o < down; o += part_down) {
+          const size_t k = std::min(part_down, down - o);
           zmq_msg_t to;
           zmq_msg_init(&to);
           zmq_msg_copy(&to, &id);
           zmq_msg_send(&to, router, ZMQ_SNDMORE);
           zmq_msg_t out;
-          zmq_msg_init_data(&out, server_buf.data() + o, k * 4, nullptr, nullptr);
+          zmq_msg_init_data(&out, server_buf.data() + o, k, nullptr, nullptr);
           zmq_msg_send(&out, router, 0);
         }
         zmq_msg_close(&id);
@@ -106,17 +114,16 @@ struct RawEcho {
   }
   double round_trip() {
     auto t0 = Clock::now();
-    const size_t n = client_buf.size();
-    for (size_t o = 0; o < n; o += part) {
+    for (size_t o = 0; o < up; o += part_up) {
       zmq_msg_t out;
-      zmq_msg_init_data(&out, client_buf.data() + o, std::min(part, n - o) * 4, nullptr, nullptr);
+      zmq_msg_init_data(&out, client_buf.data() + o, std::min(part_up, up - o), nullptr, nullptr);
       zmq_msg_send(&out, dealer, 0);
     }
-    for (size_t got = 0; got < n;) {
+    for (size_t got = 0; got < down;) {
       zmq_msg_t in;
       zmq_msg_init(&in);
       zmq_msg_recv(&in, dealer, 0);
-      got += zmq_msg_size(&in) / 4;
+      got += zmq_msg_size(&in);
       zmq_msg_close(&in);
     }
     return since(t0);
@@ -135,8 +142,13 @@ struct LimboPair {
   uint64_t seq = 0, clock = 0;
 
   size_t part;
-  LimboPair(size_t n, size_t part_floats, double momentum, double weight_decay)
-      : grad(n, 1e-6f), weights(n, 0.f), part(part_floats) {
+  uint8_t push_enc, pull_enc;  // 0, or kBf16Values (comm.compression / ps.pull_compression = bf16)
+  std::vector<float> residual;
+  std::vector<uint16_t> wire;
+  LimboPair(size_t n, size_t part_floats, double momentum, double weight_decay, uint8_t push_encoding,
+            uint8_t pull_encoding)
+      : grad(n, 1e-6f), weights(n, 0.f), part(part_floats), push_enc(push_encoding), pull_enc(pull_encoding),
+        residual(push_encoding ? n : 0, 0.f), wire(push_encoding ? n : 0) {
     char tmpl[] = "/tmp/limbo-bench-ps-XXXXXX";
     dir = ::mkdtemp(tmpl);
     limbo::ps::ServerOptions o;
@@ -172,6 +184,7 @@ struct LimboPair {
     h.type = limbo::ps::MsgType::Pull;
     h.sender = 1;
     h.seq = ++seq;
+    h.flags = pull_enc;
     sock->send(nullptr, h, "", nullptr, 0);
   }
   // Receives the next message of type t; false when a weights part was not the last.
@@ -183,7 +196,11 @@ struct LimboPair {
       if (d.reject != limbo::ps::Reject::None) throw std::runtime_error(d.detail);
       if (d.msg.header.type != t) continue;
       if (t == limbo::ps::MsgType::Weights) {  // as a learner does: into its flat weights
-        limbo::ps::copy_floats(weights.data() + d.msg.header.offset, d.msg.payload.data, d.msg.payload.size);
+        if (d.msg.header.flags & limbo::ps::kValueEncoding)
+          limbo::halves_to_floats(limbo::HalfKind::Bf16, reinterpret_cast<const uint16_t*>(d.msg.payload.data),
+                                  weights.data() + d.msg.header.offset, d.msg.floats());
+        else
+          limbo::ps::copy_floats(weights.data() + d.msg.header.offset, d.msg.payload.data, d.msg.payload.size);
         clock = d.msg.header.clock;
         return !(d.msg.header.flags & limbo::ps::kMoreParts);
       }
@@ -204,11 +221,14 @@ struct LimboPair {
     h.aux = -1;
     auto keep = std::shared_ptr<void>(grad.data(), [](void*) {});
     const size_t n = grad.size();
+    if (push_enc)  // as a learner does: rounded with error feedback
+      limbo::encode_with_feedback(limbo::HalfKind::Bf16, grad.data(), residual.data(), wire.data(), n);
     for (size_t o = 0; o < n; o += part) {
       const size_t k = std::min(part, n - o);
       h.offset = o;
-      h.flags = o + k < n ? limbo::ps::kMoreParts : 0;
-      sock->send(nullptr, h, "", grad.data() + o, k * 4, keep);
+      h.flags = (o + k < n ? limbo::ps::kMoreParts : 0) | push_enc;
+      if (push_enc) sock->send(nullptr, h, "", wire.data() + o, k * 2, keep);
+      else sock->send(nullptr, h, "", grad.data() + o, k * 4, keep);
     }
     pull();
     expect(limbo::ps::MsgType::PushAck);
@@ -262,33 +282,45 @@ int main(int argc, char** argv) {
   limbo::set_log_level(limbo::LogLevel::Warn);
   limbo::keep_freed_memory();  // as the limbo binary does at start-up (applies to both sides)
   std::printf("push + pull round trip on loopback, median of %d interleaved reps, parts of %g MiB, "
-              "shard momentum %g, weight decay %g (GB/s = 2 x payload / time)\n",
+              "shard momentum %g, weight decay %g; raw ZeroMQ moves the same bytes each way "
+              "(GB/s = bytes both ways / time)\n",
               reps, part_mb, momentum, weight_decay);
-  std::printf("%10s %8s %11s %11s %9s %11s %12s %12s %14s\n", "floats", "MB", "raw 1 msg", "raw parts", "limbo",
-              "limbo GB/s", "vs 1 msg", "vs parts", "passes alone");
+  std::printf("%10s %-18s %8s %11s %11s %9s %11s %9s %9s %14s\n", "floats", "wire (push/pull)", "MB", "raw 1 msg",
+              "raw parts", "limbo", "limbo GB/s", "vs 1 msg", "vs parts", "passes alone");
+  struct Mode {
+    const char* name;
+    uint8_t push, pull;
+  };
+  const Mode modes[] = {{"f32 / f32", 0, 0},
+                        {"bf16 / f32", limbo::ps::kBf16Values, 0},
+                        {"bf16 / bf16", limbo::ps::kBf16Values, limbo::ps::kBf16Values}};
   for (size_t m : sizes_m) {
     const size_t n = m * 1000 * 1000;
     const size_t part = part_mb > 0 ? std::max<size_t>(1, static_cast<size_t>(part_mb * (1 << 20) / 4)) : n;
-    RawEcho raw(n, n), raw_parts(n, part);
-    Passes passes(n);
-    LimboPair limbo_pair(n, part, momentum, weight_decay);
-    std::vector<double> t1, tp, tl, tx;
-    for (int r = 0; r < reps + 3; ++r) {
-      double a = raw.round_trip();
-      double b = raw_parts.round_trip();
-      double c = limbo_pair.round_trip();
-      double x = passes.run();
-      if (r >= 3) {
-        t1.push_back(a);
-        tp.push_back(b);
-        tl.push_back(c);
-        tx.push_back(x);
+    for (const Mode& mode : modes) {
+      const size_t up = n * (mode.push ? 2 : 4), down = n * (mode.pull ? 2 : 4);
+      // Parts of the same number of values as Limbo's.
+      RawEcho raw(up, down, up, down), raw_parts(up, down, part * (mode.push ? 2 : 4), part * (mode.pull ? 2 : 4));
+      Passes passes(n);
+      LimboPair limbo_pair(n, part, momentum, weight_decay, mode.push, mode.pull);
+      std::vector<double> t1, tp, tl, tx;
+      for (int r = 0; r < reps + 3; ++r) {
+        double a = raw.round_trip();
+        double b = raw_parts.round_trip();
+        double c = limbo_pair.round_trip();
+        double x = passes.run();
+        if (r >= 3) {
+          t1.push_back(a);
+          tp.push_back(b);
+          tl.push_back(c);
+          tx.push_back(x);
+        }
       }
+      const double bytes = static_cast<double>(up + down);
+      double m1 = median(t1), mp = median(tp), ml = median(tl), mx = median(tx);
+      std::printf("%10zu %-18s %8.1f %8.2f ms %8.2f ms %6.2f ms %11.2f %8.2fx %8.2fx %11.2f ms\n", n, mode.name,
+                  bytes / 1e6, 1e3 * m1, 1e3 * mp, 1e3 * ml, bytes / ml / 1e9, m1 / ml, mp / ml, 1e3 * mx);
     }
-    const double bytes = 2.0 * 4 * n;
-    double m1 = median(t1), mp = median(tp), ml = median(tl), mx = median(tx);
-    std::printf("%10zu %8.1f %8.2f ms %8.2f ms %6.2f ms %11.2f %11.2fx %11.2fx %11.2f ms\n", n, 4.0 * n / 1e6, 1e3 * m1,
-                1e3 * mp, 1e3 * ml, bytes / ml / 1e9, m1 / ml, mp / ml, 1e3 * mx);
   }
   return 0;
 }

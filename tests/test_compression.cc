@@ -7,6 +7,7 @@
 
 #include "comm/compression.h"
 #include "common/error.h"
+#include "common/half.h"
 
 using namespace limbo;
 using namespace limbo::comm;
@@ -77,3 +78,64 @@ TEST(Compression, NamesAreParsedStrictly) {
 }
 
 }  // namespace
+
+// The plain-C++ conversions the parameter server uses agree with libtorch's
+// (c10::Half, c10::BFloat16: round to nearest even) bit for bit.
+TEST(Compression, SixteenBitConversionsMatchLibtorch) {
+  // Every fp16 and bf16 value to float.
+  std::vector<uint16_t> all(65536);
+  for (uint32_t i = 0; i < 65536; ++i) all[i] = static_cast<uint16_t>(i);
+  std::vector<float> wide(65536);
+  halves_to_floats(HalfKind::Fp16, all.data(), wide.data(), all.size());
+  auto want_h = torch::from_blob(all.data(), {65536}, torch::kInt16).view(torch::kHalf).to(torch::kFloat32);
+  auto got = torch::from_blob(wide.data(), {65536}, torch::kFloat32);
+  auto finite = want_h.isfinite() | want_h.isinf();  // NaN payloads may differ; NaN must stay NaN
+  EXPECT_TRUE(torch::equal(got.masked_select(finite), want_h.masked_select(finite)));
+  EXPECT_TRUE(got.masked_select(~finite).isnan().all().item<bool>());
+  halves_to_floats(HalfKind::Bf16, all.data(), wide.data(), all.size());
+  auto want_b = torch::from_blob(all.data(), {65536}, torch::kInt16).view(torch::kBFloat16).to(torch::kFloat32);
+  auto fin_b = want_b.isfinite() | want_b.isinf();
+  EXPECT_TRUE(torch::equal(got.masked_select(fin_b), want_b.masked_select(fin_b)));
+  // Floats to 16 bits: magnitudes from fp16's subnormals to past its
+  // overflow, exact ties included; the scalar tail and the vector path both.
+  torch::manual_seed(3);
+  auto f = torch::randn({100003}) * torch::pow(2.0, torch::randint(-30, 20, {100003}).to(torch::kFloat32));
+  f[0] = 65504.f;
+  f[1] = 65520.f;              // ties to infinity
+  f[2] = std::ldexp(1.f, -25);  // ties to zero
+  f[3] = std::ldexp(3.f, -26);  // rounds up to the smallest subnormal
+  f[4] = 1.f + std::ldexp(1.f, -11);  // a tie at 1: stays 1 (even)
+  f[5] = -0.f;
+  f[6] = std::numeric_limits<float>::infinity();
+  f = f.contiguous();
+  std::vector<uint16_t> h(f.numel());
+  floats_to_halves(HalfKind::Fp16, f.data_ptr<float>(), h.data(), h.size());
+  auto want16 = f.to(torch::kHalf).view(torch::kInt16);
+  EXPECT_TRUE(torch::equal(torch::from_blob(h.data(), {f.numel()}, torch::kInt16), want16));
+  for (size_t i = 0; i < h.size(); i += 997)  // the scalar path alone
+    ASSERT_EQ(float_to_fp16(f[i].item<float>()), h[i]) << f[i].item<float>();
+  floats_to_halves(HalfKind::Bf16, f.data_ptr<float>(), h.data(), h.size());
+  EXPECT_TRUE(torch::equal(torch::from_blob(h.data(), {f.numel()}, torch::kInt16),
+                           f.to(torch::kBFloat16).view(torch::kInt16)));
+}
+
+TEST(Compression, PushEncodingKeepsWhatRoundingDroppedForTheNextPush) {
+  for (auto kind : {HalfKind::Bf16, HalfKind::Fp16}) {
+    auto g = sample_values(5000) * 1e-3;
+    std::vector<float> residual(5000, 0.f);
+    std::vector<uint16_t> wire(5000);
+    std::vector<double> sent(5000, 0.0);
+    for (int step = 0; step < 100; ++step) {
+      encode_with_feedback(kind, g.data_ptr<float>(), residual.data(), wire.data(), wire.size());
+      for (size_t i = 0; i < wire.size(); ++i)
+        sent[i] += kind == HalfKind::Bf16 ? bf16_to_float(wire[i]) : fp16_to_float(wire[i]);
+    }
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < wire.size(); ++i) {
+      const double total = sent[i] + residual[i], want = 100.0 * g[i].item<float>();
+      worst = std::max(worst, std::fabs(total - want));
+      scale = std::max(scale, std::fabs(want));
+    }
+    EXPECT_LT(worst, 1e-4 * scale + 1e-6);
+  }
+}

@@ -426,6 +426,40 @@ TEST(Elastic, APeerLostDuringIsgdExtraIterationsReformsTheGroup) {
   expect_identical_finals(job.run, 2);
 }
 
+// A worker dies while gradient buckets are being all-reduced during
+// backward (elastic.overlap, one bucket per layer): the others' step
+// fails in the middle of its buckets, counts as a failed step, and is redone
+// after the group re-forms; no sample is lost or repeated.
+TEST(Elastic, AWorkerLostDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  const std::vector<std::string> buckets = {"--set", "elastic.overlap=true", "--set", "elastic.bucket_mb=0.001"};
+  job.start(2, 1, 3, {}, buckets);
+  ASSERT_TRUE(job.training()) << slurp(job.log);
+  std::smatch m;
+  std::string text = slurp(job.log);
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("store at ([0-9.]+:[0-9]+)")));
+  std::vector<std::string> a = {"train", "--elastic", "--dist-rdzv", m[1]};
+  auto t = train_args(job.run, 3);
+  a.insert(a.end(), t.begin(), t.end());
+  a.insert(a.end(), buckets.begin(), buckets.end());
+  a.insert(a.end(), {"--set", "train.testing_die_in_bucket=1"});
+  auto doomed = limbo::testing::run_limbo(a);
+  EXPECT_EQ(doomed.signal, SIGKILL) << doomed.output;
+  auto r = job.finish();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(std::regex_search(r.output, std::regex("step [0-9]+ failed"))) << r.output;
+  auto s = job.summary();
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_GE(s["membership_changes"].get<int64_t>(), 1);
+  EXPECT_EQ(s["samples"].get<int64_t>(), 3 * 3000);
+  EXPECT_TRUE(s["communication"]["overlap"].get<bool>());
+  EXPECT_EQ(s["communication"]["buckets"].get<int64_t>(), 3);  // one per layer
+  EXPECT_GT(s["communication"]["buckets_started_in_backward"].get<int64_t>(), 0);
+  expect_exactly_once(job.run, 3, 3000);
+  expect_identical_finals(job.run, 2);
+}
+
 TEST(Elastic, AWorkerStartedByHandJoinsARunningJob) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   Job job;

@@ -85,7 +85,10 @@ TEST(Launch, CompressedGradientsTrainAsWellAsFloat32) {
     auto j = job(d.path(), 16);
     j[7] = "data.train_limit=6000";
     la.insert(la.end(), j.begin(), j.end());
-    la.insert(la.end(), {"--set", "comm.compression=" + c});
+    // A learning rate and a test set at which seed-to-seed noise stays
+    // below a point (at lr 0.05 and 500 test images it was 17 points).
+    la.insert(la.end(), {"--set", "comm.compression=" + c, "--set", "optim.lr=0.01", "--set",
+                         "data.test_limit=2000"});
     auto r = run_limbo(la);
     ASSERT_EQ(r.exit_code, 0) << c << ": " << r.output;
     auto s = nlohmann::json::parse(slurp(d.file("summary.json")));

@@ -67,6 +67,39 @@ TEST(PsJob, FourLearnersSoftsyncReachRealAccuracy) {
   EXPECT_EQ(ev.exit_code, 0) << ev.output;
 }
 
+// comm.compression = bf16 and ps.pull_compression = bf16: every push and
+// every training pull carries 2 bytes a value (counted by the shard), and
+// the job learns as well as the float32 one on the same data.
+TEST(PsJob, SixteenBitPushesAndPullsHalveTheBytesAndStillLearn) {
+  std::map<std::string, json> shard, summary;
+  for (const std::string c : {"none", "bf16"}) {
+    TempDir d;
+    const std::string run = d.file("run");
+    auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2",
+                                            "--protocol", "softsync", "--run-dir", run, "--"},
+                                           cat(mlp_args(1), {"--set", "comm.compression=" + c, "--set",
+                                                             "ps.pull_compression=" + c, "--set", "optim.lr=0.02"})));
+    ASSERT_EQ(r.exit_code, 0) << c << ": " << r.output;
+    shard[c] = read_json(run + "/shard-0/summary.json");
+    summary[c] = read_json(run + "/summary.json");
+  }
+  const int64_t numel = shard["none"]["numel"].get<int64_t>();
+  for (const std::string c : {"none", "bf16"}) {
+    const int64_t width = c == "none" ? 4 : 2;
+    const auto& s = shard[c];
+    const int64_t pushes = s["gradients_accepted"].get<int64_t>() + s["gradients_dropped"].get<int64_t>();
+    ASSERT_GT(pushes, 100) << s.dump();
+    EXPECT_EQ(s["push_payload_bytes"].get<int64_t>(), pushes * numel * width) << c;
+    // Pulls: one per step and learner, plus the final float32 one.
+    const int64_t pulled = s["weights_payload_bytes"].get<int64_t>();
+    EXPECT_EQ(pulled % numel, 0) << c;
+    EXPECT_LT(pulled, (pushes + 20) * numel * width + 8 * numel) << c;
+    EXPECT_GE(pulled, pushes * numel * width) << c;
+  }
+  EXPECT_GT(summary["bf16"]["test_accuracy"].get<double>(), 0.75);
+  EXPECT_NEAR(summary["bf16"]["test_accuracy"].get<double>(), summary["none"]["test_accuracy"].get<double>(), 0.02);
+}
+
 // Learners send heartbeats from a thread of their own: a step longer than
 // ps.heartbeat_timeout (here 2.5 s against 1 s) is slow, not dead, and no
 // learner is dropped.

@@ -20,6 +20,7 @@
 #include <zmq.h>
 
 #include "common/files.h"
+#include "common/half.h"
 #include "ps/aggregator.h"
 #include "ps/protocol.h"
 #include "ps/server.h"
@@ -106,6 +107,72 @@ TEST(Shard, AppliesTheStalenessWeightedUpdateAndRejectsBadGradients) {
   EXPECT_EQ(s["gradients_rejected"], 5);
   EXPECT_EQ(s["rejected_by_reason"]["non_finite"], 2);
   EXPECT_EQ(s["staleness_max"], 1);
+}
+
+// comm.compression and ps.pull_compression: pushes of 16-bit values are
+// widened and applied like float32 ones; a pull flagged for 16 bits gets the
+// float32 weights rounded; malformed 16-bit payloads are refused.
+TEST(Shard, SixteenBitPushesAreWidenedAndPullsRounded) {
+  auto o = softsync(1);
+  o.alpha0 = 0.5;
+  LocalShard shard(o);
+  Client c(shard.endpoint);
+  ASSERT_EQ(c.hello(1, shard.fp).header.type, MsgType::Welcome);
+  auto w0 = c.call(pull_header(1, 1), "");
+  ASSERT_EQ(w0.header.type, MsgType::Weights);
+  std::vector<float> g(kTotal);
+  for (int64_t i = 0; i < kTotal; ++i) g[i] = 0.1f + 1e-3f * static_cast<float>(i);
+  std::vector<uint16_t> wire(kTotal);
+  floats_to_halves(HalfKind::Bf16, g.data(), wire.data(), wire.size());
+  // In two parts, as a learner sends them.
+  Header h = push_header(1, 2);
+  const size_t half = kTotal / 2;
+  h.flags = kMoreParts | kBf16Values;
+  c.s.send(nullptr, h, "", wire.data(), half * 2);
+  h.flags = kBf16Values;
+  h.offset = half;
+  c.s.send(nullptr, h, "", wire.data() + half, (kTotal - half) * 2);
+  auto ack = c.reply();
+  ASSERT_EQ(ack.header.type, MsgType::PushAck) << ack.meta;
+  EXPECT_EQ(json::parse(ack.meta)["status"], "accepted");
+  uint64_t clock = 0;
+  auto w = c.pull_parts(1, 3, &clock);
+  ASSERT_EQ(w.size(), static_cast<size_t>(kTotal));
+  int64_t rounded = 0;
+  for (int64_t i = 0; i < kTotal; ++i) {
+    const float sent = bf16_to_float(wire[i]);
+    ASSERT_FLOAT_EQ(w[i], 1.f - 0.5f * sent) << i;
+    rounded += std::fabs(w[i] - (1.f - 0.5f * g[i])) > 1e-5f;
+  }
+  EXPECT_GT(rounded, kTotal / 2) << "the shard applied float32 values, not the bf16 ones sent";
+  // Pulls in 16 bits: the same weights, rounded, in half the bytes.
+  for (uint8_t enc : {kBf16Values, kFp16Values}) {
+    Header p = pull_header(1, enc == kBf16Values ? 4 : 5);
+    p.flags = enc;
+    auto r = c.call(p, "");
+    ASSERT_EQ(r.header.type, MsgType::Weights);
+    EXPECT_EQ(r.header.flags & kValueEncoding, enc);
+    ASSERT_EQ(r.payload.size, static_cast<size_t>(kTotal) * 2);
+    ASSERT_EQ(r.floats(), static_cast<size_t>(kTotal));
+    std::vector<uint16_t> got(kTotal), want(kTotal);
+    std::memcpy(got.data(), r.payload.data, r.payload.size);
+    floats_to_halves(enc == kBf16Values ? HalfKind::Bf16 : HalfKind::Fp16, w.data(), want.data(), want.size());
+    EXPECT_EQ(got, want);
+  }
+  // Malformed: both encodings, an odd byte count, the wrong number of values.
+  Header bad = push_header(1, 6);
+  bad.flags = kBf16Values | kFp16Values;
+  c.s.send(nullptr, bad, "", wire.data(), kTotal * 2);
+  EXPECT_EQ(json::parse(c.reply().meta)["code"], "payload_size");
+  bad.flags = kFp16Values;
+  bad.seq = 7;
+  c.s.send(nullptr, bad, "", wire.data(), kTotal * 2 - 1);
+  EXPECT_EQ(json::parse(c.reply().meta)["code"], "payload_size");
+  bad.seq = 8;
+  c.s.send(nullptr, bad, "", wire.data(), (kTotal - 1) * 2);
+  EXPECT_EQ(json::parse(c.reply().meta)["code"], "shape");
+  auto s = shard.finish();
+  EXPECT_EQ(s["updates"], 1);
 }
 
 // A learner restarted with the same --learner-id is a new process whose

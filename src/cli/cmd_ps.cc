@@ -77,6 +77,14 @@ void check_async_config(const Config& cfg) {
 }  // namespace
 
 // ps.part_mb in floats (0 = whole slices).
+// none | fp16 | bf16 as the protocol's payload flag (0 = float32).
+static uint8_t wire_encoding(const std::string& s) {
+  if (s == "fp16") return ps::kFp16Values;
+  if (s == "bf16") return ps::kBf16Values;
+  if (s == "none") return 0;
+  throw InvalidInput("unknown 16-bit encoding '" + s + "'; allowed: none, fp16, bf16");
+}
+
 static int64_t part_floats(const Config& cfg) {
   return static_cast<int64_t>(std::llround(cfg.get_float("ps.part_mb") * (1 << 20) / 4));
 }
@@ -138,6 +146,8 @@ int run_worker_cmd(const WorkerArgs& a) {
   wo.run_dir = a.run_dir;
   wo.max_steps = tc.train.max_steps;
   wo.part_floats = part_floats(cfg);
+  wo.push_encoding = wire_encoding(cfg.get_string("comm.compression"));
+  wo.pull_encoding = wire_encoding(cfg.get_string("ps.pull_compression"));
   install_stop_handlers();
   auto summary = ps::run_worker(trainer, tc, wo, keys_of(a.keys_file), g_stop);
   std::printf("learner %u: %lld steps, %.0f samples/s\n", wo.learner_id,

@@ -74,16 +74,20 @@ int run_train(const TrainArgs& a) {
     page = std::make_unique<status::Server>(std::make_shared<status::Board>("train"), host, port);
   }
   train::Trainer trainer(tc);
+  elastic::ReduceOptions reduce_options;
+  reduce_options.compression = compression;
+  reduce_options.overlap = cfg.get_bool("elastic.overlap");
+  reduce_options.bucket_bytes = static_cast<int64_t>(cfg.get_float("elastic.bucket_mb") * (1 << 20));
+  reduce_options.testing_die_in_bucket = cfg.get_int("train.testing_die_in_bucket");
   if (distributed) {
     comm::GroupOptions go;
     std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
     go.prefix = "limbo/static";
     go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
     auto group = comm::make_gloo_group(go, a.dist_rank, a.dist_world);
-    auto rule = std::make_unique<elastic::AllReduceUpdate>(std::shared_ptr<comm::Collective>(std::move(group)),
-                                                           trainer.sgd_ptr());
-    rule->set_compression(compression);
-    trainer.set_update_rule(std::move(rule));
+    trainer.set_update_rule(std::make_shared<elastic::AllReduceUpdate>(
+        std::shared_ptr<comm::Collective>(std::move(group)), trainer.sgd_ptr(), trainer.params(),
+        reduce_options));
   }
   if (a.elastic) {
     comm::GroupOptions go;
@@ -97,8 +101,8 @@ int run_train(const TrainArgs& a) {
         static_cast<int64_t>(1000 * cfg.get_float("elastic.round_timeout")));
     auto kv = comm::connect_kv_store(go.store_host, go.store_port, go.timeout);
     auto member = std::make_unique<elastic::Member>(std::move(kv), mo);
-    auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.sgd_ptr());
-    rule->set_compression(compression);
+    auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.sgd_ptr(), trainer.params(),
+                                                           reduce_options);
     trainer.set_update_rule(rule);
     // SIGTERM and SIGINT (Ctrl-C reaches every process of the terminal's
     // group): finish the current step, leave at the next agreed boundary; the

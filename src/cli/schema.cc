@@ -138,6 +138,12 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(B("elastic.direct_allreduce", true,
              "gradient all-reduce on a raw Gloo context on the training thread (false: through "
              "c10d's ProcessGroupGloo worker thread, in 8 MiB buckets)"));
+    s->add(B("elastic.overlap", true,
+             "all-reduce gradient buckets while backward still runs (on a communication "
+             "thread; false: after backward, on the training thread)"));
+    s->add(F("elastic.bucket_mb", 4.0, 0.0, 4096.0,
+             "gradient bucket size in MiB: buckets end on parameter boundaries, in backward "
+             "order; 0 = the whole gradient in one bucket"));
     s->add(F("elastic.collective_timeout", 10.0, 0.1, 3600.0,
              "seconds a collective may wait for a peer before the peer counts as failed (a "
              "backstop: stopped workers are found by their heartbeats, launch --heartbeat-timeout)"));
@@ -146,8 +152,12 @@ std::shared_ptr<const Schema> train_schema() {
              "giving up"));
 
     s->add(S("comm.compression", "none", {"none", "fp16", "bf16"},
-             "data-parallel gradient all-reduce on the wire: none (float32), fp16 or bf16 (half the "
-             "bytes; sums in float32, error feedback keeps what rounding dropped; see docs/elastic.md)"));
+             "gradients on the wire (the data-parallel all-reduce and parameter-server pushes): none "
+             "(float32), fp16 or bf16 (half the bytes; sums in float32, error feedback keeps what "
+             "rounding dropped; see docs/elastic.md)"));
+    s->add(S("ps.pull_compression", "none", {"none", "fp16", "bf16"},
+             "parameter server: weights pulled during training in 16 bits (the shards keep float32; "
+             "final weights always come in float32)"));
     s->add(S("ps.protocol", "softsync", {"hardsync", "softsync"},
              "parameter server: hardsync (one gradient from every learner per update) or "
              "n-softsync (update every floor(learners / n) gradients)"));
@@ -212,6 +222,9 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(B("train.testing_die_in_isgd", false,
              "testing aid: the process kills itself (SIGKILL) when its group enters ISGD's extra "
              "iterations"));
+    s->add(I("train.testing_die_in_bucket", 0, 0, std::nullopt,
+             "testing aid: in its Nth step, the process kills itself (SIGKILL) as its "
+             "communication thread starts the second gradient bucket (0 = never)"));
     s->add(B("train.sample_log", false,
              "testing aid: append every committed global batch's sample ids to samples.txt"));
     return std::shared_ptr<const Schema>(s);

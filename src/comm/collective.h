@@ -57,6 +57,8 @@ struct GroupOptions {
 };
 
 // Connects to the job's rendezvous store and forms a Gloo group of `size` members.
+// Sets SIGPIPE to ignored if it had the default action (a write to a dead
+// peer must fail the collective, not kill the process).
 // Blocks until all members have joined or the timeout passes (Timeout).
 std::unique_ptr<Collective> make_gloo_group(const GroupOptions& opt, int rank, int size);
 

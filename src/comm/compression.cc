@@ -8,6 +8,7 @@
 #include <c10/util/Half.h>
 
 #include "common/error.h"
+#include "common/half.h"
 
 namespace limbo::comm {
 
@@ -27,22 +28,6 @@ const char* compression_name(Compression c) {
 }
 
 namespace {
-
-// bfloat16 <-> float by bits: the upper half of a float, rounded to nearest
-// even (NaN kept quiet). Plain integer code the compiler vectorizes.
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 #if defined(__x86_64__)
 __attribute__((target("avx,f16c"))) void sum_fp16_f16c(uint16_t* c, const uint16_t* a, const uint16_t* b, size_t n) {

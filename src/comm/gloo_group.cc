@@ -10,6 +10,7 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
+#include <signal.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -313,6 +314,12 @@ bool is_local_address(const std::string& host) {
 std::unique_ptr<Collective> make_gloo_group(const GroupOptions& opt, int rank, int size) {
   if (size < 1 || rank < 0 || rank >= size)
     throw InvalidInput("bad rank " + std::to_string(rank) + " for a group of " + std::to_string(size));
+  // Gloo writes to its sockets without MSG_NOSIGNAL: a peer that died (or
+  // abort() shutting the sockets down) would kill this process with SIGPIPE
+  // instead of failing the collective. Ignore it unless the program chose a
+  // handler of its own.
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
   return std::make_unique<GlooGroup>(opt, rank, size);
 }
 

@@ -3,8 +3,14 @@
 namespace limbo::elastic {
 
 AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
-                                 std::shared_ptr<optim::Sgd> sgd)
-    : group_(std::move(group)), sgd_(std::move(sgd)), loss_buf_(torch::zeros({1}, torch::kFloat64)) {}
+                                 std::shared_ptr<optim::Sgd> sgd, optim::FlatParams& flat,
+                                 const ReduceOptions& opt)
+    : group_(std::move(group)),
+      sgd_(std::move(sgd)),
+      reducer_(flat, opt.bucket_bytes, opt.overlap, opt.compression),
+      loss_buf_(torch::zeros({1}, torch::kFloat64)) {
+  reducer_.set_testing_death(opt.testing_die_in_bucket);
+}
 
 void AllReduceUpdate::start(torch::Tensor& weights, torch::Tensor& buffers) {
   if (!group_) return;  // elastic training syncs in establish()
@@ -12,8 +18,10 @@ void AllReduceUpdate::start(torch::Tensor& weights, torch::Tensor& buffers) {
   if (buffers.numel() > 0) group_->broadcast(buffers, 0);
 }
 
-double AllReduceUpdate::weighted_sum(torch::Tensor* grad, double loss, double share) {
+// ISGD's extra passes: not bucketed, not overlapped, float32.
+double AllReduceUpdate::reduce(torch::Tensor* grad, double loss) {
   torch::NoGradGuard no_grad;
+  const double share = share_;
   if (grad) {
     grad->mul_(share);
     group_->allreduce_sum(*grad);
@@ -23,42 +31,33 @@ double AllReduceUpdate::weighted_sum(torch::Tensor* grad, double loss, double sh
   return loss_buf_.item<double>();
 }
 
-train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
+void AllReduceUpdate::backward_starts(train::StepContext& ctx) {
   share_ = ctx.global_batch > 0 ? static_cast<double>(ctx.batch_size) / ctx.global_batch : 0.0;
-  // One collective for gradient and loss: the loss rides in the spare slot
-  // after the gradient (a separate tiny all-reduce costs a full round trip).
-  double global_loss;
-  {
-    torch::NoGradGuard no_grad;
-    auto& buf = ctx.grad_with_slot;
-    const int64_t n = buf.numel() - 2;  // gradient and buffers, then the two slots
-    buf.narrow(0, 0, n).mul_(share_);
-    buf[n].fill_(ctx.loss * share_);
-    buf[n + 1].fill_(flag_source_ ? flag_source_() : 0.0);
-    if (compressor_ && compressor_->kind() != comm::Compression::None) {
-      // The gradient travels in 16 bits (with this member's error feedback);
-      // the float buffers, the loss and the flag stay exact in a small
-      // float32 all-reduce behind it.
-      const int64_t g = ctx.grad.numel();
-      torch::Tensor wire = compressor_->encode(buf.narrow(0, 0, g));
-      group_->allreduce_sum_16(wire);
-      torch::Tensor tail = buf.narrow(0, g, buf.numel() - g);
-      group_->allreduce_sum(tail);
-      compressor_->commit();  // only a step that went through moves the residual
-      buf.narrow(0, 0, g).copy_(wire);
-    } else {
-      group_->allreduce_sum(buf);
-    }
-    global_loss = buf[n].item<double>();
-    flag_sum_ = buf[n + 1].item<double>();
-  }
+  reducer_.begin(group_, share_, ctx.loss, flag_source_ ? flag_source_() : 0.0);
+}
+
+train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
+  // Gradient, float buffers, loss and flag in one pass of buckets; the loss
+  // and flag ride in the spare slots after the gradient (a separate tiny
+  // all-reduce costs a full round trip).
+  if (!reducer_.armed()) backward_starts(ctx);
+  reducer_.finish();
+  auto& buf = ctx.grad_with_slot;
+  const int64_t n = buf.numel() - optim::FlatParams::kSlots;
+  const double global_loss = buf[n].item<double>();
+  flag_sum_ = buf[n + 1].item<double>();
   if (ctx.before_update) ctx.before_update(global_loss);
   sgd_->step(ctx.weights, ctx.grad, ctx.lr);
   return {global_loss, ctx.global_batch};
 }
 
-double AllReduceUpdate::reduce(torch::Tensor* grad, double loss) {
-  return weighted_sum(grad, loss, share_);
+nlohmann::json AllReduceUpdate::summary() const {
+  const auto& st = reducer_.stats();
+  const double steps = std::max<int64_t>(st.steps, 1);
+  return {{"buckets", reducer_.buckets().size()},
+          {"overlap", reducer_.overlapped()},
+          {"buckets_started_in_backward", st.buckets_started_in_backward},
+          {"exposed_communication_ms_per_step", 1000.0 * st.exposed_seconds / steps}};
 }
 
 }  // namespace limbo::elastic

@@ -16,19 +16,32 @@
 
 #include "comm/collective.h"
 #include "comm/compression.h"
+#include "elastic/bucket_reducer.h"
 #include "optim/sgd.h"
 #include "train/update_rule.h"
 
 namespace limbo::elastic {
 
+struct ReduceOptions {
+  int64_t bucket_bytes = 0;  // elastic.bucket_mb; 0 = one bucket
+  bool overlap = false;      // elastic.overlap: reduce buckets while backward runs
+  comm::Compression compression = comm::Compression::None;  // comm.compression
+  int64_t testing_die_in_bucket = 0;  // train.testing_die_in_bucket (see BucketReducer)
+};
+
 class AllReduceUpdate : public train::UpdateRule {
  public:
-  AllReduceUpdate(std::shared_ptr<comm::Collective> group, std::shared_ptr<optim::Sgd> sgd);
+  // `flat` (the trainer's flat parameters) must outlive the rule.
+  AllReduceUpdate(std::shared_ptr<comm::Collective> group, std::shared_ptr<optim::Sgd> sgd,
+                  optim::FlatParams& flat, const ReduceOptions& opt);
   // Broadcasts member 0's weights and buffers to everyone.
   void start(torch::Tensor& weights, torch::Tensor& buffers) override;
+  void backward_starts(train::StepContext& ctx) override;
   train::StepResult apply(train::StepContext& ctx) override;
   double reduce(torch::Tensor* grad, double loss) override;
   const char* name() const override { return "allreduce"; }
+  // Buckets, how many overlapped backward, the exposed communication.
+  nlohmann::json summary() const override;
   // Elastic training swaps the group when membership changes.
   void set_group(std::shared_ptr<comm::Collective> group) { group_ = std::move(group); }
   // A value each member contributes with every gradient (summed): elastic
@@ -36,21 +49,15 @@ class AllReduceUpdate : public train::UpdateRule {
   // the request after the same step.
   void set_flag_source(std::function<double()> f) { flag_source_ = std::move(f); }
   double last_flag_sum() const { return flag_sum_; }
-  // comm.compression: the gradient all-reduce in 16 bits with error
-  // feedback (ISGD's extra all-reduces stay in float32).
-  void set_compression(comm::Compression c) {
-    compressor_ = c == comm::Compression::None ? nullptr : std::make_unique<comm::Compressor>(c);
-  }
+  const BucketReducer& reducer() const { return reducer_; }
 
  private:
-  double weighted_sum(torch::Tensor* grad, double loss, double share);
-
   std::shared_ptr<comm::Collective> group_;
   std::shared_ptr<optim::Sgd> sgd_;
+  BucketReducer reducer_;
   torch::Tensor loss_buf_;
   double share_ = 1.0;  // this member's fraction of the last global batch
   std::function<double()> flag_source_;
-  std::unique_ptr<comm::Compressor> compressor_;
   double flag_sum_ = 0;
 };
 

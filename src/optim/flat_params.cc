@@ -53,6 +53,7 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
     view.copy_(p.value());
     p.value().set_data(view);
     p.value().mutable_grad() = shaped_view(grad_, e.offset, e.shape, channels_last);
+    params_.push_back(p.value());
   }
 }
 

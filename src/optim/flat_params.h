@@ -53,10 +53,14 @@ class FlatParams {
   };
   // Parameter names, shapes and offsets, in flat order.
   const std::vector<Entry>& entries() const { return entries_; }
+  // The module's parameters in the same order (autograd leaves whose data
+  // and gradient are views into the flat buffers).
+  const std::vector<torch::Tensor>& parameters() const { return params_; }
 
  private:
   torch::Tensor data_, grad_, grad_slot_, buffers_;
   std::vector<Entry> entries_;
+  std::vector<torch::Tensor> params_;
 };
 
 }  // namespace limbo::optim

@@ -134,9 +134,13 @@ Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes) {
   if (h.payload_bytes > max_payload_bytes)
     return fail(Reject::Oversized, "payload of " + std::to_string(h.payload_bytes) + " bytes exceeds the limit of " +
                                        std::to_string(max_payload_bytes));
-  if (pf.size != h.payload_bytes || pf.size % 4 != 0 || (pf.size > 0 && pf.data == nullptr))
+  if ((h.flags & kValueEncoding) == kValueEncoding)
+    return fail(Reject::PayloadSize, "payload flagged both fp16 and bf16");
+  const size_t width = value_bytes(h.flags);
+  if (pf.size != h.payload_bytes || pf.size % width != 0 || (pf.size > 0 && pf.data == nullptr))
     return fail(Reject::PayloadSize, "payload frame has " + std::to_string(pf.size) + " bytes, header says " +
-                                         std::to_string(h.payload_bytes) + " (must be a multiple of 4)");
+                                         std::to_string(h.payload_bytes) + " (must be a multiple of " +
+                                         std::to_string(width) + ")");
   d.msg.payload = pf;
   return d;
 }

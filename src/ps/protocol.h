@@ -3,8 +3,9 @@
 // Every message is a ZeroMQ multipart message of three frames:
 //   1. header  - exactly kHeaderBytes, little-endian, layout below;
 //   2. meta    - UTF-8 JSON object, at most kMaxMetaBytes (may be empty);
-//   3. payload - raw little-endian float32 values (may be empty); its size
-//                must equal header.payload_bytes.
+//   3. payload - raw little-endian float32 values, or 16-bit values where a
+//                flag says so (may be empty); its size must equal
+//                header.payload_bytes.
 // The server's ROUTER socket adds the peer identity in front; the codec never
 // sees it. See docs/parameter-server.md for the message types and fields.
 //
@@ -26,7 +27,7 @@
 namespace limbo::ps {
 
 constexpr uint32_t kMagic = 0x5350424cu;  // "LBPS" in little-endian byte order
-constexpr uint16_t kProtocolVersion = 2;
+constexpr uint16_t kProtocolVersion = 3;  // 3: 16-bit payloads
 constexpr size_t kHeaderBytes = 56;
 constexpr size_t kMaxMetaBytes = 64 * 1024;
 
@@ -50,6 +51,14 @@ constexpr uint8_t kObserver = 2;   // not a registered learner: just read the we
 constexpr uint8_t kFinal = 4;      // answer once no learner is registered (final weights)
 // Header flag of a Push or Weights part: more parts of this payload follow.
 constexpr uint8_t kMoreParts = 8;
+// Header flags of a Push or Weights part: its values are 16-bit, IEEE half
+// or bfloat16, instead of float32 (offsets still count values). On a Pull,
+// the same flag asks for the weights in that encoding (ps.pull_compression).
+constexpr uint8_t kFp16Values = 16;
+constexpr uint8_t kBf16Values = 32;
+constexpr uint8_t kValueEncoding = kFp16Values | kBf16Values;
+// Bytes per payload value under these flags: 2 or 4.
+inline size_t value_bytes(uint8_t flags) { return (flags & kValueEncoding) ? 2 : 4; }
 // Most parts one payload may come in (a shard refuses a push in more); a
 // sender makes its parts at least 1/kMaxParts of the slice.
 constexpr int64_t kMaxParts = 4096;
@@ -90,8 +99,8 @@ struct GradPart {
 struct Message {
   Header header;
   std::string meta;  // JSON text
-  Frame payload;     // float32 values, size == header.payload_bytes
-  size_t floats() const { return payload.size / 4; }
+  Frame payload;     // values (float32, or 16-bit per the flags), size == header.payload_bytes
+  size_t floats() const { return payload.size / value_bytes(header.flags); }  // values, whatever their width
 };
 
 enum class Reject {

@@ -2,6 +2,9 @@
 
 #include <cstring>
 #include <memory>
+#include <vector>
+
+#include "common/half.h"
 
 namespace limbo::ps {
 
@@ -50,9 +53,24 @@ PushAssembler::Result PushAssembler::add(const Message& m, uint64_t handled_seq)
     else p.ignore_rest = true;
     return r;
   }
-  // ZeroMQ may hand out payloads at any byte offset; copy the rare unaligned one.
   Frame f = m.payload;
-  if (reinterpret_cast<uintptr_t>(f.data) % alignof(float) != 0) {
+  if (h.flags & kValueEncoding) {
+    // 16-bit values (comm.compression): widened to float32 here, once.
+    const size_t count = static_cast<size_t>(n);
+    auto wide = std::shared_ptr<float>(new float[count], std::default_delete<float[]>());
+    std::vector<uint16_t> aligned;
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(f.data);
+    if (reinterpret_cast<uintptr_t>(f.data) % alignof(uint16_t) != 0) {
+      aligned.resize(count);
+      std::memcpy(aligned.data(), f.data, f.size);
+      src = aligned.data();
+    }
+    halves_to_floats((h.flags & kBf16Values) ? HalfKind::Bf16 : HalfKind::Fp16, src, wide.get(), count);
+    f.data = reinterpret_cast<const unsigned char*>(wide.get());
+    f.size = count * sizeof(float);
+    f.keep = wide;
+  } else if (reinterpret_cast<uintptr_t>(f.data) % alignof(float) != 0) {
+    // ZeroMQ may hand out payloads at any byte offset; copy the rare unaligned one.
     auto copy = std::shared_ptr<float>(new float[static_cast<size_t>(n)], std::default_delete<float[]>());
     std::memcpy(copy.get(), f.data, f.size);
     f.data = reinterpret_cast<const unsigned char*>(copy.get());

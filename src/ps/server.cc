@@ -1,5 +1,7 @@
 #include "ps/server.h"
 
+#include "common/half.h"
+
 #include "ps/push_parts.h"
 #include "ps/shard_checkpoint.h"
 #include "ps/shard_state.h"
@@ -75,6 +77,9 @@ struct Server::Impl {
   StreamedStep step;
 
   int64_t accepted = 0, dropped = 0, updates = 0, checkpoints = 0, learners_dropped = 0;
+  // Payload bytes of push parts taken in and of weights parts sent (16-bit
+  // values count 2 bytes: comm.compression, ps.pull_compression).
+  int64_t push_payload_bytes = 0, weights_payload_bytes = 0;
   std::array<int64_t, kRejectKinds> rejected{};
   StalenessHist hist_total, hist_window;
   int64_t window_updates = 0;
@@ -132,12 +137,24 @@ struct Server::Impl {
     const int64_t n = w->numel();
     const int64_t part = part_size(opt.part_floats, n);
     const float* data = w->data_ptr<float>();
+    const uint8_t encoding = flags & kValueEncoding;  // ps.pull_compression of the learner
+    if (encoding == kValueEncoding) return send_error(id, seq, "payload_size", "pull asks for both fp16 and bf16");
     for (int64_t o = 0; o < n; o += part) {
       const int64_t k = std::min(part, n - o);
       Header h = reply_header(MsgType::Weights, seq);
       h.offset = static_cast<uint64_t>(o);
-      if (o + k < n) h.flags = kMoreParts;
-      sock->send(&id, h, o == 0 && !meta.empty() ? meta.dump() : std::string(), data + o, static_cast<size_t>(k) * 4, w);
+      h.flags = (o + k < n ? kMoreParts : 0) | encoding;
+      const std::string m = o == 0 && !meta.empty() ? meta.dump() : std::string();
+      weights_payload_bytes += k * (encoding ? 2 : 4);
+      if (!encoding) {
+        sock->send(&id, h, m, data + o, static_cast<size_t>(k) * 4, w);
+        continue;
+      }
+      // Rounded to 16 bits for the wire; the shard keeps float32 weights.
+      auto halves = std::shared_ptr<uint16_t>(new uint16_t[static_cast<size_t>(k)], std::default_delete<uint16_t[]>());
+      floats_to_halves(encoding == kBf16Values ? HalfKind::Bf16 : HalfKind::Fp16, data + o, halves.get(),
+                       static_cast<size_t>(k));
+      sock->send(&id, h, m, halves.get(), static_cast<size_t>(k) * 2, halves);
     }
   }
 
@@ -326,6 +343,7 @@ struct Server::Impl {
     }
     auto seen = last_push_seq.find(h.sender);
     auto r = pushes->add(m, seen == last_push_seq.end() ? 0 : seen->second);
+    if (r.outcome == PushAssembler::Result::Outcome::Added) push_payload_bytes += static_cast<int64_t>(m.payload.size);
     using Outcome = PushAssembler::Result::Outcome;
     if (r.outcome == Outcome::Duplicate) return send_json(id, MsgType::PushAck, h.seq, {{"status", "duplicate"}});
     if (r.outcome == Outcome::Ignored) return;
@@ -446,7 +464,8 @@ struct Server::Impl {
               {"staleness_max", st.max}, {"staleness_hist", hist_to_json(hist_total)},
               {"updates_per_second", wall > 0 ? updates / wall : 0.0}, {"busy_fraction", wall > 0 ? busy / wall : 0.0},
               {"wall_seconds", wall}, {"gradients_per_learner", per}, {"learners_dropped", learners_dropped},
-              {"checkpoints", checkpoints}, {"held_pulls_peak", held_peak}};
+              {"checkpoints", checkpoints}, {"held_pulls_peak", held_peak},
+              {"push_payload_bytes", push_payload_bytes}, {"weights_payload_bytes", weights_payload_bytes}};
     if (transport && keys.enabled()) {
       s["curve_peers_accepted"] = transport->zap_accepted();
       s["curve_peers_refused"] = transport->zap_refused();

@@ -17,6 +17,7 @@
 #include "common/error.h"
 #include "common/timing.h"
 #include "common/files.h"
+#include "common/half.h"
 #include "common/log.h"
 #include "data/loader.h"
 #include "ps/shard_state.h"
@@ -42,7 +43,10 @@ struct Link {
   int64_t offset = 0, numel = 0;
   uint64_t clock = 0;  // clock of the weights last pulled from this shard
   uint64_t seq = 0;
+  std::vector<uint16_t> wire;  // this shard's gradient slice in 16 bits (comm.compression)
 };
+
+HalfKind half_kind(uint8_t encoding) { return (encoding & kBf16Values) ? HalfKind::Bf16 : HalfKind::Fp16; }
 
 class Learner {
  public:
@@ -194,7 +198,8 @@ class Learner {
 
   uint64_t send_pull(Link& l, uint8_t flags) {
     Header h = header(MsgType::Pull, l);
-    h.flags = flags;
+    // Training pulls may come in 16 bits; the final weights never do.
+    h.flags = (flags & kFinal) ? flags : flags | opt_.pull_encoding;
     l.sock->send(nullptr, h, "", nullptr, 0);
     return h.seq;
   }
@@ -221,7 +226,18 @@ class Learner {
                           std::to_string(m.header.offset) + ", " + std::to_string(m.header.offset + n) + ") at clock " +
                           std::to_string(m.header.clock) + " after " + std::to_string(got) + " of " +
                           std::to_string(l.numel) + " floats" + (got > 0 ? " at clock " + std::to_string(first.header.clock) : std::string()));
-      copy_floats(flat + got, m.payload.data, m.payload.size);
+      if (m.header.flags & kValueEncoding) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(m.payload.data);
+        std::vector<uint16_t> aligned;
+        if (reinterpret_cast<uintptr_t>(src) % alignof(uint16_t) != 0) {  // ZeroMQ may hand out any offset
+          aligned.resize(static_cast<size_t>(n));
+          std::memcpy(aligned.data(), m.payload.data, m.payload.size);
+          src = aligned.data();
+        }
+        halves_to_floats(half_kind(m.header.flags), src, flat + got, static_cast<size_t>(n));
+      } else {
+        copy_floats(flat + got, m.payload.data, m.payload.size);
+      }
       if (got == 0) {
         first = m;
         first.payload = Frame();
@@ -241,11 +257,22 @@ class Learner {
     h.clock = l.clock;
     h.aux = l.index == 0 ? lease_id : -1;
     const int64_t part = part_size(opt_.part_floats, l.numel);
+    const uint8_t enc = opt_.push_encoding;
+    if (enc) {
+      // 16 bits on the wire; what rounding dropped waits in the residual
+      // and goes out with the next gradient (error feedback).
+      if (residual_.empty()) residual_.assign(static_cast<size_t>(t_.params().numel()), 0.0f);
+      l.wire.resize(static_cast<size_t>(l.numel));
+      encode_with_feedback(half_kind(enc), g + l.offset, residual_.data() + l.offset, l.wire.data(),
+                           static_cast<size_t>(l.numel));
+    }
     for (int64_t o = 0; o < l.numel; o += part) {
       const int64_t k = std::min(part, l.numel - o);
       h.offset = static_cast<uint64_t>(o);
-      h.flags = o + k < l.numel ? kMoreParts : 0;
-      if (!l.sock->send(nullptr, h, "", g + l.offset + o, static_cast<size_t>(k) * 4, keep())) break;
+      h.flags = (o + k < l.numel ? kMoreParts : 0) | enc;
+      const bool sent = enc ? l.sock->send(nullptr, h, "", l.wire.data() + o, static_cast<size_t>(k) * 2, keep())
+                            : l.sock->send(nullptr, h, "", g + l.offset + o, static_cast<size_t>(k) * 4, keep());
+      if (!sent) break;
     }
     return h.seq;
   }
@@ -268,6 +295,7 @@ class Learner {
     return hex64((static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid()));
   }();
   std::vector<std::unique_ptr<Link>> links_;
+  std::vector<float> residual_;  // error feedback of 16-bit pushes, over the whole gradient
   std::unique_ptr<Heartbeats> heartbeats_;  // after transport_: stopped before it goes
 };
 

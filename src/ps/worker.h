@@ -42,6 +42,11 @@ struct WorkerOptions {
   std::string run_dir;              // learners/<id>.jsonl; the finisher's final.json, checkpoint.pt
   int64_t max_steps = 0;            // leave after this many steps (0 = until the data is done)
   int64_t part_floats = 1 << 18;    // pushes go out in parts of this many floats (0 = whole slices)
+  // Values on the wire (protocol flags kFp16Values / kBf16Values, 0 = float32):
+  // gradients pushed (comm.compression, with an error-feedback residual) and
+  // weights pulled during training (ps.pull_compression; the final weights
+  // always come in float32).
+  uint8_t push_encoding = 0, pull_encoding = 0;
 };
 
 // Trains as one learner until the data is done, `stop` is set or max_steps;

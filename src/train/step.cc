@@ -59,13 +59,15 @@ torch::Tensor TrainStep::loss(const torch::Tensor& x, const torch::Tensor& y) {
   throw Error("internal: unknown loss");
 }
 
-double TrainStep::gradient(torch::Tensor& x, const torch::Tensor& y) {
+double TrainStep::gradient(torch::Tensor& x, const torch::Tensor& y, const BeforeBackward& before_backward) {
   flat_.zero_grad();
   prepare(x);
   auto l = loss(x, y);
+  const double value = l.item<double>();
+  if (before_backward) before_backward(value);
   l.backward();
   if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
-  return l.item<double>();
+  return value;
 }
 
 double TrainStep::loss_only(const torch::Tensor& x, const torch::Tensor& y) {

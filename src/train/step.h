@@ -17,6 +17,7 @@
 // lines. Both run on the training thread only.
 #pragma once
 
+#include <functional>
 #include <string>
 
 #include "common/timing.h"
@@ -51,8 +52,14 @@ class TrainStep {
   // Zeroes the flat gradient, runs forward, loss and backward on the batch
   // (its x made channels-last first where configured): afterwards
   // flat.grad() holds the batch's mean gradient. Returns the mean loss.
-  double gradient(data::Batch& batch) { return gradient(batch.x, batch.y); }
-  double gradient(torch::Tensor& x, const torch::Tensor& y);
+  // before_backward (may be empty) is called between forward and backward
+  // with the batch's loss: a data-parallel rule starts reducing gradient
+  // buckets there while backward still runs (elastic.overlap).
+  using BeforeBackward = std::function<void(double loss)>;
+  double gradient(data::Batch& batch, const BeforeBackward& before_backward = {}) {
+    return gradient(batch.x, batch.y, before_backward);
+  }
+  double gradient(torch::Tensor& x, const torch::Tensor& y, const BeforeBackward& before_backward = {});
   // The batch's mean loss without a gradient (autograd off).
   double loss_only(const torch::Tensor& x, const torch::Tensor& y);
 

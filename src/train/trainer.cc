@@ -193,10 +193,20 @@ bool Trainer::train_step(Run& r) {
   if (r.policy.changed && r.policy.momentum_factor != 1.0) sgd_->scale_buffer(r.policy.momentum_factor);
   r.lr = schedule_->lr(r.epoch_progress, state_.step) * r.policy.multiplier;
 
-  const double loss = step_->gradient(batch);
-  StepContext ctx{flat_->data(), flat_->grad(), flat_->grad_with_slot(), loss,
+  // A step that fails in a distributed rule must leave no trace; forward
+  // moves the float buffers (BatchNorm statistics) and the all-reduce scales
+  // and sums them in place, so they are kept aside first (they are small).
+  torch::Tensor buffers_before;
+  if (r.elastic && flat_->buffer_numel() > 0) buffers_before = flat_->buffers().clone();
+  StepContext ctx{flat_->data(), flat_->grad(), flat_->grad_with_slot(), 0.0,
                   static_cast<int64_t>(batch.plan.ids.size()), batch.plan.global_size, r.lr,
                   state_.step, {}};
+  // Between forward and backward the rule may start reducing gradient
+  // buckets as backward produces them (elastic.overlap).
+  ctx.loss = step_->gradient(batch, [&](double loss) {
+    ctx.loss = loss;
+    rule_->backward_starts(ctx);
+  });
   optim::IsgdController::Decision decision;
   torch::Tensor anchor;
   if (isgd_) {
@@ -213,6 +223,10 @@ bool Trainer::train_step(Run& r) {
   } catch (const Error& e) {
     if (!r.elastic || !recoverable(e)) throw;
     // The step did not commit here: re-form, take the newest state, redo.
+    if (buffers_before.defined()) {
+      torch::NoGradGuard no_grad;
+      flat_->buffers().copy_(buffers_before);
+    }
     log_warn(std::string("step ") + std::to_string(state_.step + 1) + " failed: " + e.what());
     reform(r, std::string("failure: ") + e.what(), apply_start, seconds_since(apply_start));
     return false;
@@ -378,6 +392,7 @@ nlohmann::json Trainer::summary(Run& r) {
         r.plain_steps > 0 ? nlohmann::json(r.plain_step_seconds / r.plain_steps) : nlohmann::json();
   }
   s["algorithm"] = cfg_.algorithm;
+  if (auto rs = rule_->summary(); !rs.empty()) s["communication"] = rs;
   if (r.elastic) {
     s["membership_changes"] = r.membership_changes;
     s["recovery_seconds"] = r.recoveries;

@@ -9,6 +9,7 @@
 // propagate as exceptions (PeerFailure / Timeout for distributed rules).
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <functional>
@@ -44,12 +45,19 @@ class UpdateRule {
   // Called once before the first step: distributed rules make every member
   // start from the same weights and buffers here (a collective; blocks).
   virtual void start(torch::Tensor& weights, torch::Tensor& buffers) {}
+  // Called between forward and backward of a step's gradient, with the
+  // context filled in (ctx.loss is the batch's loss). A rule that
+  // communicates while backward runs (elastic.overlap) starts here; apply()
+  // then finishes what it started. Optional: apply() alone must also work.
+  virtual void backward_starts(StepContext& ctx) {}
   virtual StepResult apply(StepContext& ctx) = 0;
   // Averages an extra gradient (may be null: loss only) and loss across
   // workers, in place; returns the global loss. Used for additional passes
   // over the same batch (ISGD's subproblem). Identity for one process.
   virtual double reduce(torch::Tensor* grad, double loss) = 0;
   virtual const char* name() const = 0;
+  // Figures for the run's summary (merged into summary.json); none by default.
+  virtual nlohmann::json summary() const { return nlohmann::json::object(); }
 };
 
 // Single process: w <- SGD step with the local gradient.

@@ -1,0 +1,41 @@
+// 16-bit floats on the wire: IEEE half (fp16) and bfloat16, converted to and
+// from float32 with round-to-nearest-even (plain C++, no libtorch: the
+// parameter server's codec uses these too). fp16 overflows to infinity;
+// NaN stays NaN in both.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace limbo {
+
+enum class HalfKind { Fp16, Bf16 };
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float fp16_to_float(uint16_t h);
+uint16_t float_to_fp16(float f);
+
+// n values from src to dst (the buffers may not overlap).
+void halves_to_floats(HalfKind kind, const uint16_t* src, float* dst, size_t n);
+void floats_to_halves(HalfKind kind, const float* src, uint16_t* dst, size_t n);
+
+// Error feedback: v = g + residual is rounded into `out`, and the residual
+// becomes what the rounding dropped (v - out), to be sent with the next one.
+void encode_with_feedback(HalfKind kind, const float* g, float* residual, uint16_t* out, size_t n);
+
+}  // namespace limbo

@@ -1,0 +1,241 @@
+#include "elastic/bucket_reducer.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include "common/error.h"
+#include "common/timing.h"
+
+namespace limbo::elastic {
+
+std::vector<Bucket> plan_buckets(const optim::FlatParams& flat, int64_t bucket_bytes,
+                                 bool tail_in_first) {
+  const auto& entries = flat.entries();
+  const int64_t grad_n = flat.numel();
+  std::vector<Bucket> out;
+  Bucket cur;
+  cur.end = grad_n;
+  for (int i = static_cast<int>(entries.size()) - 1; i >= 0; --i) {
+    cur.params.push_back(i);
+    cur.begin = entries[i].offset;
+    const int64_t bytes = (cur.end - cur.begin) * static_cast<int64_t>(sizeof(float));
+    if (bucket_bytes > 0 && bytes >= bucket_bytes && i > 0) {
+      out.push_back(std::move(cur));
+      cur = Bucket{};
+      cur.end = entries[i].offset;
+    }
+  }
+  cur.begin = 0;
+  out.push_back(std::move(cur));
+  if (tail_in_first) out.front().end = const_cast<optim::FlatParams&>(flat).grad_with_slot().numel();
+  return out;
+}
+
+BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool overlap,
+                             comm::Compression compression)
+    : flat_(flat),
+      buckets_(plan_buckets(flat, bucket_bytes, compression == comm::Compression::None)),
+      overlap_(overlap),
+      compression_(compression) {
+  const size_t nb = buckets_.size();
+  bucket_of_.assign(flat.entries().size(), -1);
+  for (size_t b = 0; b < nb; ++b)
+    for (int p : buckets_[b].params) bucket_of_[p] = static_cast<int>(b);
+  expected_.assign(nb, 0);
+  prepared_.assign(nb, 0);
+  wire_.resize(nb);
+  if (compression_ != comm::Compression::None)
+    for (size_t b = 0; b < nb; ++b) compressors_.push_back(std::make_unique<comm::Compressor>(compression_));
+  // The views each collective works on, made once here so that the
+  // communication thread runs no torch operation.
+  auto& buf = flat.grad_with_slot();
+  const int64_t g = flat.numel();
+  if (compression_ != comm::Compression::None) views_.push_back(buf.narrow(0, g, buf.numel() - g));
+  for (const auto& b : buckets_) views_.push_back(buf.narrow(0, b.begin, b.end - b.begin));
+  ops_ = views_.size();
+  ready_.assign(ops_, 0);
+  next_ = ops_;
+  if (!overlap_) return;
+  const auto& params = flat.parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].requires_grad()) continue;
+    auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+    if (!acc) continue;
+    const int index = static_cast<int>(i);
+    const uintptr_t key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, index](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          on_parameter_ready(index);
+          return outputs;
+        }));
+    hooks_.push_back({acc, key});
+    expected_[bucket_of_[i]] += 1;
+  }
+}
+
+BucketReducer::~BucketReducer() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    // Only a step abandoned by an exception leaves a collective in flight:
+    // abort the group so that it returns instead of waiting for peers.
+    if (busy_ && group_) group_->abort();
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
+}
+
+size_t BucketReducer::op_of(size_t bucket) const {
+  return bucket + (compression_ != comm::Compression::None ? 1 : 0);
+}
+
+void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share, double loss,
+                          double flag) {
+  if (armed_) throw Error("internal: a step's gradient reduction began twice");
+  auto& buf = flat_.grad_with_slot();
+  const int64_t g = flat_.numel(), n = buf.numel() - optim::FlatParams::kSlots;
+  begun_ += 1;
+  {
+    torch::NoGradGuard no_grad;
+    buf.narrow(0, g, n - g).mul_(share);  // the float buffers' weighted mean
+    buf[n].fill_(loss * share);
+    buf[n + 1].fill_(flag);
+  }
+  group_ = std::move(group);
+  share_ = share;
+  threaded_ = overlap_ && group_ && group_->size() > 1;
+  pending_ = expected_;
+  std::fill(prepared_.begin(), prepared_.end(), 0);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::fill(ready_.begin(), ready_.end(), 0);
+    next_ = 0;
+    error_ = nullptr;
+    in_backward_ = threaded_;
+    started_in_backward_ = 0;
+  }
+  armed_ = true;
+  if (compression_ != comm::Compression::None) mark_ready(0);  // the float32 tail, known now
+  if (threaded_) {
+    if (!thread_.joinable()) thread_ = std::thread([this] { comm_loop(); });
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      if (expected_[b] == 0) {  // no parameter of it gets a gradient
+        prepare(b);
+        mark_ready(op_of(b));
+      }
+  }
+}
+
+void BucketReducer::on_parameter_ready(int param) {
+  if (!armed_ || !threaded_) return;  // ISGD's extra passes, or no overlap this step
+  const int b = bucket_of_[param];
+  if (--pending_[b] != 0) return;
+  prepare(b);
+  mark_ready(op_of(b));
+}
+
+void BucketReducer::prepare(size_t b) {
+  if (prepared_[b]) return;
+  prepared_[b] = 1;
+  torch::NoGradGuard no_grad;
+  const int64_t g = flat_.numel();
+  const Bucket& bk = buckets_[b];
+  auto grad = flat_.grad_with_slot().narrow(0, bk.begin, std::min(bk.end, g) - bk.begin);
+  grad.mul_(share_);
+  if (compression_ != comm::Compression::None) wire_[b] = compressors_[b]->encode(grad);
+}
+
+void BucketReducer::mark_ready(size_t op) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ready_[op] = 1;
+  }
+  cv_.notify_all();
+}
+
+void BucketReducer::run(size_t op) {
+  const bool tail = compression_ != comm::Compression::None && op == 0;
+  if (compression_ != comm::Compression::None && !tail) {
+    group_->allreduce_sum_16(wire_[op - 1]);
+    return;
+  }
+  if (views_[op].numel() > 0) group_->allreduce_sum(views_[op]);
+}
+
+void BucketReducer::comm_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stop_ || (next_ < ops_ && ready_[next_]); });
+    if (stop_) return;
+    const size_t op = next_;
+    busy_ = true;
+    if (die_at_step_ > 0 && begun_ == die_at_step_ && op == op_of(1)) ::kill(::getpid(), SIGKILL);
+    if (in_backward_) ++started_in_backward_;
+    lock.unlock();
+    std::exception_ptr err;
+    try {
+      run(op);
+    } catch (...) {
+      err = std::current_exception();
+    }
+    lock.lock();
+    busy_ = false;
+    if (err) {
+      error_ = err;
+      next_ = ops_;  // no later bucket of this step starts
+    } else {
+      ++next_;
+    }
+    cv_.notify_all();
+  }
+}
+
+void BucketReducer::finish() {
+  if (!armed_) throw Error("internal: finishing a gradient reduction that did not begin");
+  const auto t0 = Clock::now();
+  std::exception_ptr err;
+  // Buckets that backward did not complete (no overlap, or a parameter it
+  // never reached) are prepared here, in order.
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (prepared_[b]) continue;
+    prepare(b);
+    if (threaded_) mark_ready(op_of(b));
+  }
+  if (threaded_) {
+    std::unique_lock<std::mutex> lock(mu_);
+    in_backward_ = false;
+    cv_.wait(lock, [&] { return next_ >= ops_ && !busy_; });
+    err = error_;
+    error_ = nullptr;
+    stats_.buckets_started_in_backward += started_in_backward_;
+  } else {
+    try {
+      for (size_t op = 0; op < ops_; ++op) run(op);
+    } catch (...) {
+      err = std::current_exception();
+    }
+  }
+  armed_ = false;
+  group_.reset();
+  stats_.steps += 1;
+  stats_.buckets += static_cast<int64_t>(buckets_.size());
+  stats_.exposed_seconds += seconds_since(t0);
+  if (err) std::rethrow_exception(err);  // the step failed; residuals stay as they were
+  if (compression_ != comm::Compression::None) {
+    torch::NoGradGuard no_grad;
+    const int64_t g = flat_.numel();
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const Bucket& bk = buckets_[b];
+      flat_.grad_with_slot().narrow(0, bk.begin, std::min(bk.end, g) - bk.begin).copy_(wire_[b]);
+      compressors_[b]->commit();
+    }
+  }
+}
+
+}  // namespace limbo::elastic

@@ -1,0 +1,145 @@
+// The gradient all-reduce in buckets, overlapped with backward.
+//
+// The flat gradient buffer ([gradient | float buffers | loss | flag], see
+// optim::FlatParams) is cut into buckets: contiguous ranges that end on
+// parameter boundaries, taken from the end of the buffer towards its start,
+// because backward produces the last layers' gradients first. Bucket 0 is
+// the one backward finishes first; a bucket closes once it holds at least
+// elastic.bucket_mb (a larger parameter makes a bucket of its own; 0 = one
+// bucket for everything).
+//
+// With overlap, a post-hook on every parameter's gradient accumulator counts
+// the parameters of its bucket; when the last one has its gradient, the
+// training thread (inside backward) scales the bucket by this member's share
+// of the global batch (and rounds it to 16 bits with comm.compression), and
+// the communication thread all-reduces it while backward goes on. Buckets
+// are reduced strictly in index order on every member, so the sequence of
+// collectives is the same everywhere whatever order backward happens to
+// finish them in. A parameter that backward never reaches (an unused
+// branch) holds its bucket, and those after it, until backward ends.
+//
+// Without overlap the same buckets are scaled and reduced one after another
+// on the training thread after backward. Both paths run the same operations
+// on the same bytes, so for one bucket layout the results are bitwise equal.
+//
+// The float buffers, the loss and the flag travel in bucket 0 (in float32);
+// with compression they are a small float32 all-reduce of their own, issued
+// first (they are known before backward starts).
+//
+// A collective that fails (a peer gone, the group aborted) fails the step:
+// finish() throws it after the communication thread has stopped touching
+// the buffer, no later bucket is started, and no error-feedback residual
+// moves; the caller re-forms the group and redoes the step. The float
+// buffers were scaled and partly summed in place, and forward had already
+// moved them: the caller restores them from a copy taken before forward
+// (the trainer does; see FlatParams::buffers()).
+//
+// Threads: one communication thread per member, which does nothing but the
+// collectives (the network and gloo's summing loop; no torch operations, so
+// it never starts an intra-op thread pool of its own).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "comm/collective.h"
+#include "comm/compression.h"
+#include "optim/flat_params.h"
+
+namespace limbo::elastic {
+
+struct Bucket {
+  int64_t begin = 0, end = 0;  // range of grad_with_slot
+  std::vector<int> params;     // indices into FlatParams::entries()
+};
+
+// Buckets over `flat` (bucket 0 first in backward order). With
+// tail_in_first, bucket 0 extends to the end of grad_with_slot (buffers and
+// slots ride with it); otherwise buckets cover the gradient only.
+std::vector<Bucket> plan_buckets(const optim::FlatParams& flat, int64_t bucket_bytes,
+                                 bool tail_in_first);
+
+struct ReducerStats {
+  int64_t steps = 0;
+  // Buckets whose all-reduce started before backward ended, over all steps:
+  // 0 means nothing overlapped.
+  int64_t buckets_started_in_backward = 0;
+  int64_t buckets = 0;
+  // Seconds the training thread waited in finish() for communication after
+  // backward (the exposed communication), over all steps.
+  double exposed_seconds = 0;
+};
+
+class BucketReducer {
+ public:
+  BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool overlap,
+                comm::Compression compression);
+  ~BucketReducer();
+  BucketReducer(const BucketReducer&) = delete;
+  BucketReducer& operator=(const BucketReducer&) = delete;
+
+  // Before backward: the tail (buffers scaled by `share`, the loss times
+  // `share`, the flag) is filled in, and with overlap the hooks are armed.
+  void begin(std::shared_ptr<comm::Collective> group, double share, double loss, double flag);
+  bool armed() const { return armed_; }
+  // After backward: reduces what is left, waits for everything, and leaves
+  // grad_with_slot holding the sums. Throws the first failure (the step
+  // failed; residuals unchanged).
+  void finish();
+
+  const std::vector<Bucket>& buckets() const { return buckets_; }
+  bool overlapped() const { return overlap_; }
+  const ReducerStats& stats() const { return stats_; }
+  // Testing aid: in its Nth step (counting begin() calls from 1) this
+  // process SIGKILLs itself as the communication thread starts bucket 1.
+  void set_testing_death(int64_t step) { die_at_step_ = step; }
+
+ private:
+  void on_parameter_ready(int param);
+  void prepare(size_t bucket);  // scale (and encode) on the training thread
+  void mark_ready(size_t op);
+  size_t op_of(size_t bucket) const;
+  void run(size_t op);          // one collective; either thread
+  void comm_loop();
+
+  optim::FlatParams& flat_;
+  std::vector<Bucket> buckets_;
+  std::vector<int> bucket_of_;  // parameter -> bucket
+  std::vector<int> expected_;   // parameters with a gradient accumulator, per bucket
+  bool overlap_;
+  comm::Compression compression_;
+  std::vector<std::unique_ptr<comm::Compressor>> compressors_;  // per bucket
+  std::vector<torch::Tensor> wire_;                              // per bucket, 16-bit
+  std::vector<torch::Tensor> views_;  // per op: [float32 tail,] buckets
+  // Gradient accumulators with this reducer's hook (held: they keep it).
+  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
+
+  // Per step (training thread).
+  std::shared_ptr<comm::Collective> group_;
+  double share_ = 1.0;
+  bool armed_ = false;
+  bool threaded_ = false;  // this step's collectives run on the communication thread
+  std::vector<int> pending_;
+  std::vector<char> prepared_;
+  int64_t begun_ = 0, die_at_step_ = 0;
+
+  // Shared with the communication thread.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<char> ready_;  // per op
+  size_t next_ = 0, ops_ = 0;
+  bool in_backward_ = false, busy_ = false, stop_ = false;
+  std::exception_ptr error_;
+  int64_t started_in_backward_ = 0;
+  std::thread thread_;
+
+  ReducerStats stats_;
+};
+
+}  // namespace limbo::elastic
