@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <regex>
 
 #include "common/files.h"
@@ -269,3 +270,28 @@ TEST(TorchScript, BatchNormDataParallelEvaluatesLikeSingleProcess) {
   EXPECT_GT(a2, 0.78);
   EXPECT_NEAR(a1, a2, 0.03) << "single " << a1 << ", data-parallel " << a2;
 }
+
+// A user's TorchScript module (convolutions, BatchNorm, dropout) with its
+// gradient all-reduced in small buckets during backward: hooks on its
+// parameters fire like on a built-in model's, buckets start while backward
+// runs, and the run is the one the sequential path gives, to the last bit of
+// its losses.
+TEST(TorchScript, OverlappedBucketsTrainExactlyLikeTheSequentialPath) {
+  NEED_FIXTURES();
+  TempDir d;
+  std::map<std::string, nlohmann::json> s;
+  for (const std::string overlap : {"true", "false"}) {
+    auto r = run_limbo(cat({"launch", "--nproc", "2", "--", "--run-dir", d.file(overlap)},
+                           user_job(fx, "cnn_bn.pt", "fmnist_npy",
+                                    {"train.epochs=1", "data.batch_size=32", "train.threads=1",
+                                     "elastic.bucket_mb=0.001", "elastic.overlap=" + overlap})));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    s[overlap] = summary(d.file(overlap));
+  }
+  EXPECT_GT(s["true"]["communication"]["buckets"].get<int64_t>(), 2);
+  EXPECT_GT(s["true"]["communication"]["buckets_started_in_backward"].get<int64_t>(), 0);
+  EXPECT_EQ(s["false"]["communication"]["buckets_started_in_backward"].get<int64_t>(), 0);
+  EXPECT_EQ(s["true"]["train_loss"].get<double>(), s["false"]["train_loss"].get<double>());
+  EXPECT_EQ(s["true"]["test_loss"].get<double>(), s["false"]["test_loss"].get<double>());
+}
+

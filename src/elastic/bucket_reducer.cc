@@ -109,7 +109,9 @@ void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share,
   }
   group_ = std::move(group);
   share_ = share;
-  threaded_ = overlap_ && group_ && group_->size() > 1;
+  // One bucket is ready only when backward ends: nothing to overlap, and
+  // the hand-off to the communication thread would only cost.
+  threaded_ = overlap_ && buckets_.size() > 1 && group_ && group_->size() > 1;
   pending_ = expected_;
   std::fill(prepared_.begin(), prepared_.end(), 0);
   {

@@ -18,6 +18,9 @@
 // finish them in. A parameter that backward never reaches (an unused
 // branch) holds its bucket, and those after it, until backward ends.
 //
+// With a single bucket (a small model, or bucket_mb = 0) there is nothing to
+// overlap and the sequential path runs.
+//
 // Without overlap the same buckets are scaled and reduced one after another
 // on the training thread after backward. Both paths run the same operations
 // on the same bytes, so for one bucket layout the results are bitwise equal.
