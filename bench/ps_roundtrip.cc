@@ -221,10 +221,10 @@ struct LimboPair {
     h.aux = -1;
     auto keep = std::shared_ptr<void>(grad.data(), [](void*) {});
     const size_t n = grad.size();
-    if (push_enc)  // as a learner does: rounded with error feedback
-      limbo::encode_with_feedback(limbo::HalfKind::Bf16, grad.data(), residual.data(), wire.data(), n);
     for (size_t o = 0; o < n; o += part) {
       const size_t k = std::min(part, n - o);
+      if (push_enc)  // as a learner does: rounded with error feedback, part by part
+        limbo::encode_with_feedback(limbo::HalfKind::Bf16, grad.data() + o, residual.data() + o, wire.data() + o, k);
       h.offset = o;
       h.flags = (o + k < n ? limbo::ps::kMoreParts : 0) | push_enc;
       if (push_enc) sock->send(nullptr, h, "", wire.data() + o, k * 2, keep);

@@ -91,6 +91,15 @@ void floats_to_halves(HalfKind kind, const float* src, uint16_t* dst, size_t n) 
 }
 
 void encode_with_feedback(HalfKind kind, const float* g, float* residual, uint16_t* out, size_t n) {
+  if (kind == HalfKind::Bf16) {  // one pass
+    for (size_t i = 0; i < n; ++i) {
+      const float v = g[i] + residual[i];
+      const uint16_t h = float_to_bf16(v);
+      out[i] = h;
+      residual[i] = v - bf16_to_float(h);
+    }
+    return;
+  }
   constexpr size_t kChunk = 4096;  // stays in cache between the passes
   float v[kChunk], back[kChunk];
   for (size_t at = 0; at < n; at += kChunk) {

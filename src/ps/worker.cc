@@ -259,15 +259,17 @@ class Learner {
     const int64_t part = part_size(opt_.part_floats, l.numel);
     const uint8_t enc = opt_.push_encoding;
     if (enc) {
-      // 16 bits on the wire; what rounding dropped waits in the residual
-      // and goes out with the next gradient (error feedback).
       if (residual_.empty()) residual_.assign(static_cast<size_t>(t_.params().numel()), 0.0f);
       l.wire.resize(static_cast<size_t>(l.numel));
-      encode_with_feedback(half_kind(enc), g + l.offset, residual_.data() + l.offset, l.wire.data(),
-                           static_cast<size_t>(l.numel));
     }
     for (int64_t o = 0; o < l.numel; o += part) {
       const int64_t k = std::min(part, l.numel - o);
+      // 16 bits on the wire; what rounding dropped waits in the residual and
+      // goes out with the next gradient (error feedback). Part by part, so
+      // the next part is encoded while ZeroMQ sends this one.
+      if (enc)
+        encode_with_feedback(half_kind(enc), g + l.offset + o, residual_.data() + l.offset + o,
+                             l.wire.data() + o, static_cast<size_t>(k));
       h.offset = static_cast<uint64_t>(o);
       h.flags = (o + k < l.numel ? kMoreParts : 0) | enc;
       const bool sent = enc ? l.sock->send(nullptr, h, "", l.wire.data() + o, static_cast<size_t>(k) * 2, keep())
