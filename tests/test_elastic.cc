@@ -239,6 +239,24 @@ struct Job {
   bool training() { return limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60); }
   limbo::testing::ProcessResult finish() { return limbo::testing::wait_child(launcher, log); }
   nlohmann::json summary() { return nlohmann::json::parse(slurp(run + "/summary.json")); }
+  // Runs one more worker by hand (`limbo train --elastic` against the job's
+  // store) with the job's arguments plus `extra` and `aid`; waits for it
+  // (exit code -1 with a test failure when the store's address is not logged).
+  limbo::testing::ProcessResult join_by_hand(int epochs, const std::vector<std::string>& extra,
+                                             const std::vector<std::string>& aid) {
+    std::smatch m;
+    std::string text = slurp(log);
+    if (!std::regex_search(text, m, std::regex("store at ([0-9.]+:[0-9]+)"))) {
+      ADD_FAILURE() << "no store address in the launcher's log: " << text;
+      return {};
+    }
+    std::vector<std::string> a = {"train", "--elastic", "--dist-rdzv", m[1]};
+    auto t = train_args(run, epochs);
+    a.insert(a.end(), t.begin(), t.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    a.insert(a.end(), aid.begin(), aid.end());
+    return limbo::testing::run_limbo(a);
+  }
 };
 
 TEST(Elastic, SigkilledWorkerMidEpochSurvivorsGoOnWithEverySampleOnce) {
@@ -406,15 +424,7 @@ TEST(Elastic, APeerLostDuringIsgdExtraIterationsReformsTheGroup) {
   const std::vector<std::string> isgd = {"--set", "optim.algorithm=isgd", "--set", "isgd.k=0"};
   job.start(2, 1, 3, {}, isgd);
   ASSERT_TRUE(job.training()) << slurp(job.log);
-  std::smatch m;
-  std::string text = slurp(job.log);
-  ASSERT_TRUE(std::regex_search(text, m, std::regex("store at ([0-9.]+:[0-9]+)")));
-  std::vector<std::string> a = {"train", "--elastic", "--dist-rdzv", m[1]};
-  auto t = train_args(job.run, 3);
-  a.insert(a.end(), t.begin(), t.end());
-  a.insert(a.end(), isgd.begin(), isgd.end());
-  a.insert(a.end(), {"--set", "train.testing_die_in_isgd=true"});
-  auto doomed = limbo::testing::run_limbo(a);
+  auto doomed = job.join_by_hand(3, isgd, {"--set", "train.testing_die_in_isgd=true"});
   EXPECT_EQ(doomed.signal, SIGKILL) << doomed.output;
   auto r = job.finish();
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -436,15 +446,7 @@ TEST(Elastic, AWorkerLostDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
   const std::vector<std::string> buckets = {"--set", "elastic.overlap=true", "--set", "elastic.bucket_mb=0.001"};
   job.start(2, 1, 3, {}, buckets);
   ASSERT_TRUE(job.training()) << slurp(job.log);
-  std::smatch m;
-  std::string text = slurp(job.log);
-  ASSERT_TRUE(std::regex_search(text, m, std::regex("store at ([0-9.]+:[0-9]+)")));
-  std::vector<std::string> a = {"train", "--elastic", "--dist-rdzv", m[1]};
-  auto t = train_args(job.run, 3);
-  a.insert(a.end(), t.begin(), t.end());
-  a.insert(a.end(), buckets.begin(), buckets.end());
-  a.insert(a.end(), {"--set", "train.testing_die_in_bucket=1"});
-  auto doomed = limbo::testing::run_limbo(a);
+  auto doomed = job.join_by_hand(3, buckets, {"--set", "train.testing_die_in_bucket=1"});
   EXPECT_EQ(doomed.signal, SIGKILL) << doomed.output;
   auto r = job.finish();
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -465,13 +467,7 @@ TEST(Elastic, AWorkerStartedByHandJoinsARunningJob) {
   Job job;
   job.start(2, 1, 8);
   ASSERT_TRUE(job.training()) << slurp(job.log);
-  std::smatch m;
-  std::string text = slurp(job.log);
-  ASSERT_TRUE(std::regex_search(text, m, std::regex("store at ([0-9.]+:[0-9]+)")));
-  std::vector<std::string> a = {"train", "--elastic", "--dist-rdzv", m[1]};
-  auto t = train_args(job.run, 8);
-  a.insert(a.end(), t.begin(), t.end());
-  auto joiner = limbo::testing::run_limbo(a);
+  auto joiner = job.join_by_hand(8, {}, {});
   EXPECT_EQ(joiner.exit_code, 0) << joiner.output;
   auto r = job.finish();
   ASSERT_EQ(r.exit_code, 0) << r.output;
