@@ -3,6 +3,8 @@
 // keeps what rounding dropped, so over many steps nothing is lost.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <torch/torch.h>
 
 #include "comm/compression.h"
@@ -137,5 +139,36 @@ TEST(Compression, PushEncodingKeepsWhatRoundingDroppedForTheNextPush) {
       scale = std::max(scale, std::fabs(want));
     }
     EXPECT_LT(worst, 1e-4 * scale + 1e-6);
+  }
+}
+
+// A gradient beyond fp16's range (it rounds to infinity) or a NaN must not
+// leave a residual that poisons every later step.
+TEST(Compression, AnOverflowOrANanDoesNotPoisonLaterSteps) {
+  for (auto kind : {HalfKind::Fp16, HalfKind::Bf16}) {
+    std::vector<float> g = {1e6f, std::nanf(""), 0.25f, -3.0f}, residual(4, 0.f);
+    std::vector<uint16_t> wire(4);
+    encode_with_feedback(kind, g.data(), residual.data(), wire.data(), 4);
+    for (float r : residual) EXPECT_TRUE(std::isfinite(r));
+    std::vector<float> next = {0.5f, 0.5f, 0.5f, 0.5f};
+    encode_with_feedback(kind, next.data(), residual.data(), wire.data(), 4);
+    for (size_t i = 0; i < 4; ++i) {
+      const float sent = kind == HalfKind::Bf16 ? bf16_to_float(wire[i]) : fp16_to_float(wire[i]);
+      EXPECT_TRUE(std::isfinite(sent)) << i;
+      // bf16 holds 1e6 (its rounding error is a finite residual, carried
+      // over); fp16 overflowed, and the NaN's residual is dropped.
+      if (i > 0 || kind == HalfKind::Fp16) EXPECT_NEAR(sent, 0.5f, 1e-2) << i;
+    }
+  }
+  for (auto kind : {Compression::Fp16, Compression::Bf16}) {
+    Compressor c(kind);
+    c.encode(torch::tensor({1e6f, std::nanf(""), 0.25f}));
+    c.commit();
+    EXPECT_TRUE(c.residual().isfinite().all().item<bool>());
+    auto wire = c.encode(torch::full({3}, 0.5f)).to(torch::kFloat32);
+    EXPECT_TRUE(wire.isfinite().all().item<bool>());
+    EXPECT_NEAR(wire[1].item<float>(), 0.5f, 1e-2);
+    EXPECT_NEAR(wire[2].item<float>(), 0.5f, 1e-2);
+    if (kind == Compression::Fp16) EXPECT_NEAR(wire[0].item<float>(), 0.5f, 1e-2);
   }
 }

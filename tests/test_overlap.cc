@@ -45,9 +45,28 @@ struct BnMlp : models::Net {
   torch::nn::BatchNorm1d bn{nullptr};
 };
 
+// A model whose backward reads a float buffer (a fixed per-feature scale):
+// the gradients of the first layer go through it.
+struct ScaledMlp : models::Net {
+  ScaledMlp() {
+    fc1 = register_module("fc1", torch::nn::Linear(64, 96));
+    fc2 = register_module("fc2", torch::nn::Linear(96, 96));
+    fc3 = register_module("fc3", torch::nn::Linear(96, 10));
+    scale = register_buffer("scale", torch::linspace(0.5, 2.0, 96));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    return fc3(torch::relu(fc2(torch::relu(fc1(x) * scale))));
+  }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr};
+  torch::Tensor scale;
+};
+
+using NetFactory = std::function<std::shared_ptr<models::Net>()>;
+NetFactory g_factory = [] { return std::make_shared<BnMlp>(); };
+
 // One member: model, flat parameters, optimizer, its data.
 struct Member {
-  std::shared_ptr<BnMlp> net = std::make_shared<BnMlp>();
+  std::shared_ptr<models::Net> net = g_factory();
   optim::FlatParams flat{*net};
   std::shared_ptr<optim::Sgd> sgd = std::make_shared<optim::Sgd>(optim::SgdOptions{0.9, 0, 0, false});
   train::TrainStep step{*net, flat, train::LossKind::CrossEntropy, false};
@@ -186,6 +205,35 @@ TEST(Overlap, BitwiseEqualToTheSequentialPathForTheSameBuckets) {
     EXPECT_LT((one.weights[0] - seq.weights[0]).abs().max().item<double>(), tol);
     EXPECT_FALSE(torch::equal(one.weights[0], make_members(1, 1)[0]->flat.data()));  // it trained
   }
+}
+
+// Backward may read float buffers; they must keep their values until it
+// ends (they are scaled and summed in place only afterwards). Two members'
+// first step equals the weighted mean gradient computed by hand, for both
+// paths and with the buffers in several buckets' company.
+TEST(Overlap, BackwardSeesTheFloatBuffersUnchanged) {
+  g_factory = [] { return std::make_shared<ScaledMlp>(); };
+  for (bool overlap : {true, false}) {
+    SCOPED_TRACE(overlap ? "overlap" : "sequential");
+    auto got = run_members(2, 1, 4 << 10, overlap, comm::Compression::None, overlap ? "buf-o" : "buf-s");
+    // By hand: member 0's initial weights, each member's mean gradient
+    // weighted by its batch share, one SGD step (momentum buffer = gradient).
+    auto ms = make_members(2, 1);
+    Member& ref = *ms[0];
+    const double total = ms[0]->xs[0].size(0) + ms[1]->xs[0].size(0);
+    torch::Tensor g = torch::zeros_like(ref.flat.grad());
+    for (int r = 0; r < 2; ++r) {
+      ref.step.gradient(ms[r]->xs[0], ms[r]->ys[0]);
+      g += ref.flat.grad() * (ms[r]->xs[0].size(0) / total);
+    }
+    auto want = ref.flat.data() - 0.05 * g;
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(got.weights[r].defined());
+      EXPECT_TRUE(torch::allclose(got.weights[r], want, 1e-5, 1e-6))
+          << "member " << r << ": max difference " << (got.weights[r] - want).abs().max().item<double>();
+    }
+  }
+  g_factory = [] { return std::make_shared<BnMlp>(); };
 }
 
 // A peer lost while a bucket is in flight during backward: the step fails

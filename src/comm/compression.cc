@@ -70,7 +70,9 @@ torch::Tensor Compressor::encode(const torch::Tensor& g) {
   torch::NoGradGuard no_grad;
   torch::Tensor v = residual_.defined() && residual_.sizes() == g.sizes() ? g + residual_ : g.clone();
   torch::Tensor wire = v.to(kind_ == Compression::Fp16 ? torch::kHalf : torch::kBFloat16);
-  pending_ = v.sub_(wire.to(torch::kFloat32));
+  // Not-finite residuals (a NaN gradient, an fp16 overflow) would poison
+  // every later step: dropped.
+  pending_ = v.sub_(wire.to(torch::kFloat32)).nan_to_num_(0.0, 0.0, 0.0);
   return wire;
 }
 

@@ -90,13 +90,23 @@ void floats_to_halves(HalfKind kind, const float* src, uint16_t* dst, size_t n) 
   for (; i < n; ++i) dst[i] = float_to_fp16(src[i]);
 }
 
+namespace {
+// A residual that is not finite (a NaN gradient, or one beyond fp16's range
+// that rounded to infinity) would poison every later encoding: drop it.
+inline float finite_or_zero(float r) {
+  uint32_t u;
+  std::memcpy(&u, &r, 4);
+  return (u & 0x7f800000u) == 0x7f800000u ? 0.0f : r;
+}
+}  // namespace
+
 void encode_with_feedback(HalfKind kind, const float* g, float* residual, uint16_t* out, size_t n) {
   if (kind == HalfKind::Bf16) {  // one pass
     for (size_t i = 0; i < n; ++i) {
       const float v = g[i] + residual[i];
       const uint16_t h = float_to_bf16(v);
       out[i] = h;
-      residual[i] = v - bf16_to_float(h);
+      residual[i] = finite_or_zero(v - bf16_to_float(h));
     }
     return;
   }
@@ -107,7 +117,7 @@ void encode_with_feedback(HalfKind kind, const float* g, float* residual, uint16
     for (size_t i = 0; i < k; ++i) v[i] = g[at + i] + residual[at + i];
     floats_to_halves(kind, v, out + at, k);
     halves_to_floats(kind, out + at, back, k);
-    for (size_t i = 0; i < k; ++i) residual[at + i] = v[i] - back[i];
+    for (size_t i = 0; i < k; ++i) residual[at + i] = finite_or_zero(v[i] - back[i]);
   }
 }
 

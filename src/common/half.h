@@ -36,7 +36,8 @@ void halves_to_floats(HalfKind kind, const uint16_t* src, float* dst, size_t n);
 void floats_to_halves(HalfKind kind, const float* src, uint16_t* dst, size_t n);
 
 // Error feedback: v = g + residual is rounded into `out`, and the residual
-// becomes what the rounding dropped (v - out), to be sent with the next one.
+// becomes what the rounding dropped (v - out), to be sent with the next one
+// (0 where that is not finite: a NaN, or an fp16 overflow to infinity).
 void encode_with_feedback(HalfKind kind, const float* g, float* residual, uint16_t* out, size_t n);
 
 }  // namespace limbo

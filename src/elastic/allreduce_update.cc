@@ -33,7 +33,7 @@ double AllReduceUpdate::reduce(torch::Tensor* grad, double loss) {
 
 void AllReduceUpdate::backward_starts(train::StepContext& ctx) {
   share_ = ctx.global_batch > 0 ? static_cast<double>(ctx.batch_size) / ctx.global_batch : 0.0;
-  reducer_.begin(group_, share_, ctx.loss, flag_source_ ? flag_source_() : 0.0);
+  reducer_.begin(group_, share_, ctx.loss);
 }
 
 train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
@@ -41,7 +41,7 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   // and flag ride in the spare slots after the gradient (a separate tiny
   // all-reduce costs a full round trip).
   if (!reducer_.armed()) backward_starts(ctx);
-  reducer_.finish();
+  reducer_.finish(flag_source_ ? flag_source_() : 0.0);
   auto& buf = ctx.grad_with_slot;
   const int64_t n = buf.numel() - optim::FlatParams::kSlots;
   const double global_loss = buf[n].item<double>();

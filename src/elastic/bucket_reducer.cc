@@ -40,9 +40,14 @@ std::vector<Bucket> plan_buckets(const optim::FlatParams& flat, int64_t bucket_b
 BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool overlap,
                              comm::Compression compression)
     : flat_(flat),
-      buckets_(plan_buckets(flat, bucket_bytes, compression == comm::Compression::None)),
+      buckets_(plan_buckets(flat, bucket_bytes, false)),
       overlap_(overlap),
       compression_(compression) {
+  // The tail (float buffers, loss, flag) is written after backward, since
+  // backward may read the buffers: an all-reduce of its own, last, unless a
+  // single float32 bucket (reduced after backward anyway) can carry it.
+  tail_separate_ = compression_ != comm::Compression::None || buckets_.size() > 1;
+  if (!tail_separate_) buckets_.front().end = flat.grad_with_slot().numel();
   const size_t nb = buckets_.size();
   bucket_of_.assign(flat.entries().size(), -1);
   for (size_t b = 0; b < nb; ++b)
@@ -56,8 +61,8 @@ BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool
   // communication thread runs no torch operation.
   auto& buf = flat.grad_with_slot();
   const int64_t g = flat.numel();
-  if (compression_ != comm::Compression::None) views_.push_back(buf.narrow(0, g, buf.numel() - g));
   for (const auto& b : buckets_) views_.push_back(buf.narrow(0, b.begin, b.end - b.begin));
+  if (tail_separate_) views_.push_back(buf.narrow(0, g, buf.numel() - g));
   ops_ = views_.size();
   ready_.assign(ops_, 0);
   next_ = ops_;
@@ -91,24 +96,14 @@ BucketReducer::~BucketReducer() {
   for (auto& [acc, key] : hooks_) acc->del_post_hook(key);
 }
 
-size_t BucketReducer::op_of(size_t bucket) const {
-  return bucket + (compression_ != comm::Compression::None ? 1 : 0);
-}
+size_t BucketReducer::op_of(size_t bucket) const { return bucket; }
 
-void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share, double loss,
-                          double flag) {
+void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share, double loss) {
   if (armed_) throw Error("internal: a step's gradient reduction began twice");
-  auto& buf = flat_.grad_with_slot();
-  const int64_t g = flat_.numel(), n = buf.numel() - optim::FlatParams::kSlots;
   begun_ += 1;
-  {
-    torch::NoGradGuard no_grad;
-    buf.narrow(0, g, n - g).mul_(share);  // the float buffers' weighted mean
-    buf[n].fill_(loss * share);
-    buf[n + 1].fill_(flag);
-  }
   group_ = std::move(group);
   share_ = share;
+  loss_ = loss;
   // One bucket is ready only when backward ends: nothing to overlap, and
   // the hand-off to the communication thread would only cost.
   threaded_ = overlap_ && buckets_.size() > 1 && group_ && group_->size() > 1;
@@ -119,11 +114,11 @@ void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share,
     std::fill(ready_.begin(), ready_.end(), 0);
     next_ = 0;
     error_ = nullptr;
+    step_threaded_ = threaded_;
     in_backward_ = threaded_;
     started_in_backward_ = 0;
   }
   armed_ = true;
-  if (compression_ != comm::Compression::None) mark_ready(0);  // the float32 tail, known now
   if (threaded_) {
     if (!thread_.joinable()) thread_ = std::thread([this] { comm_loop(); });
     for (size_t b = 0; b < buckets_.size(); ++b)
@@ -162,18 +157,17 @@ void BucketReducer::mark_ready(size_t op) {
 }
 
 void BucketReducer::run(size_t op) {
-  const bool tail = compression_ != comm::Compression::None && op == 0;
-  if (compression_ != comm::Compression::None && !tail) {
-    group_->allreduce_sum_16(wire_[op - 1]);
+  if (compression_ != comm::Compression::None && op < buckets_.size()) {
+    group_->allreduce_sum_16(wire_[op]);
     return;
   }
-  if (views_[op].numel() > 0) group_->allreduce_sum(views_[op]);
+  if (views_[op].numel() > 0) group_->allreduce_sum(views_[op]);  // a float32 bucket, or the tail
 }
 
 void BucketReducer::comm_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return stop_ || (next_ < ops_ && ready_[next_]); });
+    cv_.wait(lock, [&] { return stop_ || (step_threaded_ && next_ < ops_ && ready_[next_]); });
     if (stop_) return;
     const size_t op = next_;
     busy_ = true;
@@ -198,10 +192,20 @@ void BucketReducer::comm_loop() {
   }
 }
 
-void BucketReducer::finish() {
+void BucketReducer::finish(double flag) {
   if (!armed_) throw Error("internal: finishing a gradient reduction that did not begin");
   const auto t0 = Clock::now();
   std::exception_ptr err;
+  // Backward is over: the tail can be written. The float buffers become
+  // their share of the weighted mean; the loss and the flag ride behind.
+  {
+    torch::NoGradGuard no_grad;
+    auto& buf = flat_.grad_with_slot();
+    const int64_t g = flat_.numel(), n = buf.numel() - optim::FlatParams::kSlots;
+    buf.narrow(0, g, n - g).mul_(share_);
+    buf[n].fill_(loss_ * share_);
+    buf[n + 1].fill_(flag);
+  }
   // Buckets that backward did not complete (no overlap, or a parameter it
   // never reached) are prepared here, in order.
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -210,9 +214,11 @@ void BucketReducer::finish() {
     if (threaded_) mark_ready(op_of(b));
   }
   if (threaded_) {
+    if (tail_separate_) mark_ready(ops_ - 1);
     std::unique_lock<std::mutex> lock(mu_);
     in_backward_ = false;
     cv_.wait(lock, [&] { return next_ >= ops_ && !busy_; });
+    step_threaded_ = false;  // the thread keeps off the group until the next overlapped step
     err = error_;
     error_ = nullptr;
     stats_.buckets_started_in_backward += started_in_backward_;

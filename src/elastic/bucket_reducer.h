@@ -25,9 +25,11 @@
 // on the training thread after backward. Both paths run the same operations
 // on the same bytes, so for one bucket layout the results are bitwise equal.
 //
-// The float buffers, the loss and the flag travel in bucket 0 (in float32);
-// with compression they are a small float32 all-reduce of their own, issued
-// first (they are known before backward starts).
+// The float buffers, the loss and the flag (the tail) are written only
+// after backward, which may read the buffers (a frozen BatchNorm, a mask):
+// they travel in a small float32 all-reduce of their own after the last
+// bucket, or, when the whole gradient is one float32 bucket reduced after
+// backward anyway, inside it.
 //
 // A collective that fails (a peer gone, the group aborted) fails the step:
 // finish() throws it after the communication thread has stopped touching
@@ -87,14 +89,15 @@ class BucketReducer {
   BucketReducer(const BucketReducer&) = delete;
   BucketReducer& operator=(const BucketReducer&) = delete;
 
-  // Before backward: the tail (buffers scaled by `share`, the loss times
-  // `share`, the flag) is filled in, and with overlap the hooks are armed.
-  void begin(std::shared_ptr<comm::Collective> group, double share, double loss, double flag);
+  // Between forward and backward: arms the hooks (with overlap) for a step
+  // whose member weight is `share` and whose batch loss is `loss`.
+  void begin(std::shared_ptr<comm::Collective> group, double share, double loss);
   bool armed() const { return armed_; }
-  // After backward: reduces what is left, waits for everything, and leaves
-  // grad_with_slot holding the sums. Throws the first failure (the step
-  // failed; residuals unchanged).
-  void finish();
+  // After backward: writes the tail (buffers scaled by the share, the loss
+  // times the share, `flag`), reduces what is left, waits for everything,
+  // and leaves grad_with_slot holding the sums. Throws the first failure
+  // (the step failed; residuals unchanged).
+  void finish(double flag);
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   bool overlapped() const { return overlap_; }
@@ -119,7 +122,7 @@ class BucketReducer {
   comm::Compression compression_;
   std::vector<std::unique_ptr<comm::Compressor>> compressors_;  // per bucket
   std::vector<torch::Tensor> wire_;                              // per bucket, 16-bit
-  std::vector<torch::Tensor> views_;  // per op: [float32 tail,] buckets
+  std::vector<torch::Tensor> views_;  // per op: the buckets, then the tail when separate
   // Gradient accumulators with this reducer's hook (held: they keep it).
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
 
@@ -128,6 +131,8 @@ class BucketReducer {
   double share_ = 1.0;
   bool armed_ = false;
   bool threaded_ = false;  // this step's collectives run on the communication thread
+  bool tail_separate_ = true;
+  double loss_ = 0;
   std::vector<int> pending_;
   std::vector<char> prepared_;
   int64_t begun_ = 0, die_at_step_ = 0;
@@ -137,7 +142,7 @@ class BucketReducer {
   std::condition_variable cv_;
   std::vector<char> ready_;  // per op
   size_t next_ = 0, ops_ = 0;
-  bool in_backward_ = false, busy_ = false, stop_ = false;
+  bool step_threaded_ = false, in_backward_ = false, busy_ = false, stop_ = false;
   std::exception_ptr error_;
   int64_t started_in_backward_ = 0;
   std::thread thread_;
