@@ -68,16 +68,27 @@ void sum_bf16(void* c, const void* a, const void* b, size_t n) {
 
 torch::Tensor Compressor::encode(const torch::Tensor& g) {
   torch::NoGradGuard no_grad;
-  torch::Tensor v = residual_.defined() && residual_.sizes() == g.sizes() ? g + residual_ : g.clone();
-  torch::Tensor wire = v.to(kind_ == Compression::Fp16 ? torch::kHalf : torch::kBFloat16);
-  // Not-finite residuals (a NaN gradient, an fp16 overflow) would poison
-  // every later step: dropped.
-  pending_ = v.sub_(wire.to(torch::kFloat32)).nan_to_num_(0.0, 0.0, 0.0);
+  if (g.scalar_type() != torch::kFloat32) throw InvalidInput("Compressor::encode takes float32 gradients");
+  const torch::Tensor gc = g.contiguous();
+  const int64_t n = gc.numel();
+  // One pass (common/half.h): wire = round16(g + residual), and the new
+  // residual (what rounding dropped; zero where not finite) goes to a buffer
+  // of its own until commit(). Buffers are reused from step to step.
+  if (!pending_.defined() || pending_.numel() != n) {
+    pending_ = spare_.defined() && spare_.numel() == n ? spare_ : torch::empty({n}, torch::kFloat32);
+    spare_ = torch::Tensor();
+  }
+  torch::Tensor wire = torch::empty(g.sizes(), kind_ == Compression::Fp16 ? torch::kHalf : torch::kBFloat16);
+  const float* old = residual_.defined() && residual_.numel() == n ? residual_.data_ptr<float>() : nullptr;
+  encode_with_feedback(kind_ == Compression::Fp16 ? HalfKind::Fp16 : HalfKind::Bf16, gc.data_ptr<float>(), old,
+                       pending_.data_ptr<float>(), static_cast<uint16_t*>(wire.data_ptr()), static_cast<size_t>(n));
   return wire;
 }
 
 void Compressor::commit() {
-  if (pending_.defined()) residual_ = std::move(pending_);
+  if (!pending_.defined()) return;
+  spare_ = std::move(residual_);
+  residual_ = std::move(pending_);
   pending_ = torch::Tensor();
 }
 

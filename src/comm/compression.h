@@ -33,12 +33,12 @@ class Compressor {
   // The step's all-reduce succeeded: the new residual replaces the old. A
   // failed step is redone from the old one (nothing is counted twice).
   void commit();
-  void reset() { residual_ = torch::Tensor(); pending_ = torch::Tensor(); }
+  void reset() { residual_ = pending_ = spare_ = torch::Tensor(); }
   const torch::Tensor& residual() const { return residual_; }
 
  private:
   Compression kind_;
-  torch::Tensor residual_, pending_;
+  torch::Tensor residual_, pending_, spare_;  // spare_: the residual before last, reused
 };
 
 }  // namespace limbo::comm

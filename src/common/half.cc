@@ -100,13 +100,14 @@ inline float finite_or_zero(float r) {
 }
 }  // namespace
 
-void encode_with_feedback(HalfKind kind, const float* g, float* residual, uint16_t* out, size_t n) {
+void encode_with_feedback(HalfKind kind, const float* g, const float* residual_in, float* residual_out,
+                          uint16_t* out, size_t n) {
   if (kind == HalfKind::Bf16) {  // one pass
     for (size_t i = 0; i < n; ++i) {
-      const float v = g[i] + residual[i];
+      const float v = residual_in ? g[i] + residual_in[i] : g[i];
       const uint16_t h = float_to_bf16(v);
       out[i] = h;
-      residual[i] = finite_or_zero(v - bf16_to_float(h));
+      residual_out[i] = finite_or_zero(v - bf16_to_float(h));
     }
     return;
   }
@@ -114,11 +115,15 @@ void encode_with_feedback(HalfKind kind, const float* g, float* residual, uint16
   float v[kChunk], back[kChunk];
   for (size_t at = 0; at < n; at += kChunk) {
     const size_t k = n - at < kChunk ? n - at : kChunk;
-    for (size_t i = 0; i < k; ++i) v[i] = g[at + i] + residual[at + i];
+    for (size_t i = 0; i < k; ++i) v[i] = residual_in ? g[at + i] + residual_in[at + i] : g[at + i];
     floats_to_halves(kind, v, out + at, k);
     halves_to_floats(kind, out + at, back, k);
-    for (size_t i = 0; i < k; ++i) residual[at + i] = finite_or_zero(v[i] - back[i]);
+    for (size_t i = 0; i < k; ++i) residual_out[at + i] = finite_or_zero(v[i] - back[i]);
   }
+}
+
+void encode_with_feedback(HalfKind kind, const float* g, float* residual, uint16_t* out, size_t n) {
+  encode_with_feedback(kind, g, residual, residual, out, n);
 }
 
 }  // namespace limbo

@@ -39,5 +39,10 @@ void floats_to_halves(HalfKind kind, const float* src, uint16_t* dst, size_t n);
 // becomes what the rounding dropped (v - out), to be sent with the next one
 // (0 where that is not finite: a NaN, or an fp16 overflow to infinity).
 void encode_with_feedback(HalfKind kind, const float* g, float* residual, uint16_t* out, size_t n);
+// The same with the old residual read from `residual_in` (null: zeros) and
+// the new one written to `residual_out` (one pass; the buffers may not
+// overlap), for a caller that keeps the old one until the step succeeds.
+void encode_with_feedback(HalfKind kind, const float* g, const float* residual_in, float* residual_out,
+                          uint16_t* out, size_t n);
 
 }  // namespace limbo
