@@ -230,7 +230,8 @@ TEST(TorchScript, ParameterServerTwoLearners) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto s = summary(run);
   // Chance is 0.10. Asynchronous staleness depends on the load: alone this
-  // job ends near 0.8, and one run under the full suite (ctest -j2) ended at 0.724.
+  // job ended at 0.76-0.79 in three runs, and one run under the full suite
+  // (ctest -j2) at 0.724.
   EXPECT_GT(s["test_accuracy"].get<double>(), 0.65) << s.dump();
 }
 
