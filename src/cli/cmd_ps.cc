@@ -11,6 +11,7 @@
 #include "cli/commands.h"
 #include "status/server.h"
 #include "cli/schema.h"
+#include "comm/compression.h"
 #include "common/error.h"
 #include "common/log.h"
 #include "ps/launch_async.h"
@@ -79,10 +80,11 @@ void check_async_config(const Config& cfg) {
 // ps.part_mb in floats (0 = whole slices).
 // none | fp16 | bf16 as the protocol's payload flag (0 = float32).
 static uint8_t wire_encoding(const std::string& s) {
-  if (s == "fp16") return ps::kFp16Values;
-  if (s == "bf16") return ps::kBf16Values;
-  if (s == "none") return 0;
-  throw InvalidInput("unknown 16-bit encoding '" + s + "'; allowed: none, fp16, bf16");
+  switch (comm::parse_compression(s)) {
+    case comm::Compression::Fp16: return ps::kFp16Values;
+    case comm::Compression::Bf16: return ps::kBf16Values;
+    default: return 0;
+  }
 }
 
 static int64_t part_floats(const Config& cfg) {

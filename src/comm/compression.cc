@@ -1,11 +1,9 @@
 #include "comm/compression.h"
 
-#include <c10/util/BFloat16.h>
 #include <cstring>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-#include <c10/util/Half.h>
 
 #include "common/error.h"
 #include "common/half.h"
@@ -37,9 +35,7 @@ __attribute__((target("avx,f16c"))) void sum_fp16_f16c(uint16_t* c, const uint16
     __m256 y = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + i)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm256_cvtps_ph(_mm256_add_ps(x, y), _MM_FROUND_TO_NEAREST_INT));
   }
-  for (; i < n; ++i)
-    c[i] = c10::Half(static_cast<float>(c10::Half(a[i], c10::Half::from_bits())) +
-                     static_cast<float>(c10::Half(b[i], c10::Half::from_bits()))).x;
+  for (; i < n; ++i) c[i] = float_to_fp16(fp16_to_float(a[i]) + fp16_to_float(b[i]));
 }
 const bool kHaveF16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
 #else
@@ -53,10 +49,10 @@ void sum_fp16(void* c, const void* a, const void* b, size_t n) {
   if (kHaveF16c)
     return sum_fp16_f16c(static_cast<uint16_t*>(c), static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), n);
 #endif
-  auto* out = static_cast<c10::Half*>(c);
-  const auto* x = static_cast<const c10::Half*>(a);
-  const auto* y = static_cast<const c10::Half*>(b);
-  for (size_t i = 0; i < n; ++i) out[i] = c10::Half(static_cast<float>(x[i]) + static_cast<float>(y[i]));
+  auto* out = static_cast<uint16_t*>(c);
+  const auto* x = static_cast<const uint16_t*>(a);
+  const auto* y = static_cast<const uint16_t*>(b);
+  for (size_t i = 0; i < n; ++i) out[i] = float_to_fp16(fp16_to_float(x[i]) + fp16_to_float(y[i]));
 }
 
 void sum_bf16(void* c, const void* a, const void* b, size_t n) {
