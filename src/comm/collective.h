@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -54,6 +55,11 @@ struct GroupOptions {
   // (false: through c10d's ProcessGroupGloo, in buckets of bucket_bytes).
   bool direct_allreduce = true;
   int worker_threads = 2;  // c10d's Gloo worker threads (its default; measured best at 16-64 MB)
+  std::string token;       // the job secret of the rendezvous store (comm/auth.h); empty = none
+  // Polled every few milliseconds while the group forms: when it returns
+  // true (the round being formed was replaced), formation stops at once
+  // with PeerFailure, in the store's waits and in Gloo's connection set-up.
+  std::function<bool()> cancelled;
 };
 
 // Connects to the job's rendezvous store and forms a Gloo group of `size` members.
@@ -71,9 +77,9 @@ std::string local_address_towards(const std::string& host);
 bool is_local_address(const std::string& host);
 
 // Hosts the job's rendezvous store (comm/store.h; the launcher does this, not
-// a worker). Returns an opaque handle; the store lives as long as the handle.
+// a worker), guarded by the job secret `token` when it is not empty.
+// Returns an opaque handle; the store lives as long as the handle.
 // port 0 picks a free port; the chosen port is returned in *port.
-std::shared_ptr<void> host_store(const std::string& host, int* port,
-                                 std::chrono::milliseconds timeout);
+std::shared_ptr<void> host_store(const std::string& host, int* port, const std::string& token = "");
 
 }  // namespace limbo::comm

@@ -17,7 +17,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 #include <set>
 
 #include "comm/collective.h"
@@ -123,12 +125,68 @@ int peer_port(int fd) {
   return -1;
 }
 
+// The TCP sockets opened since `before`, except connections to the store.
+std::vector<std::pair<int, ino_t>> new_sockets(const std::set<std::pair<int, ino_t>>& before, int store_port) {
+  std::vector<std::pair<int, ino_t>> out;
+  for (const auto& s : tcp_sockets())
+    if (!before.count(s) && peer_port(s.first) != store_port) out.push_back(s);
+  return out;
+}
+
+void shutdown_sockets(const std::vector<std::pair<int, ino_t>>& sockets) {
+  for (const auto& [fd, inode] : sockets) {
+    struct stat st {};
+    if (::fstat(fd, &st) == 0 && st.st_ino == inode) ::shutdown(fd, SHUT_RDWR);
+  }
+}
+
+// Polls GroupOptions::cancelled during formation (every 5 ms) and shuts
+// down the formation's sockets when it fires.
+class FormationWatch {
+ public:
+  FormationWatch(const GroupOptions& opt, const std::set<std::pair<int, ino_t>>& before) {
+    if (!opt.cancelled) return;
+    thread_ = std::thread([this, cancelled = opt.cancelled, before, port = opt.store_port] {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!done_) {
+        cv_.wait_for(lock, std::chrono::milliseconds(5));
+        if (done_) return;
+        if (cancelled()) {
+          shutdown_sockets(new_sockets(before, port));
+          return;
+        }
+      }
+    });
+  }
+  void finish() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  ~FormationWatch() { finish(); }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
 class GlooGroup : public Collective {
  public:
   GlooGroup(const GroupOptions& opt, int rank, int size) : opt_(opt) {
     const auto sockets_before = tcp_sockets();
+    // While the group forms, a watcher stops it when the round is replaced:
+    // the store's waits see `cancelled` themselves; Gloo's connection set-up
+    // (a peer that froze after publishing its address) is stopped by
+    // shutting down the sockets this formation opened.
+    FormationWatch watch(opt, sockets_before);
     try {
-      auto client = std::make_shared<StoreClient>(opt.store_host, opt.store_port, opt.timeout);
+      auto client = std::make_shared<StoreClient>(opt.store_host, opt.store_port, opt.timeout, opt.token);
+      if (opt.cancelled) client->set_cancel(opt.cancelled);
       auto tcp = c10::make_intrusive<C10dStore>(client);
       auto store = c10::make_intrusive<c10d::PrefixStore>(opt.prefix, tcp);
       auto go = c10d::ProcessGroupGloo::Options::create(opt.timeout);
@@ -148,13 +206,20 @@ class GlooGroup : public Collective {
         auto device = gloo::transport::tcp::CreateDevice(attr);
         ctx_->connectFullMesh(adapter, device);
       }
+      watch.finish();
+      if (opt.cancelled && opt.cancelled())
+        throw PeerFailure("forming the Gloo group '" + opt.prefix + "': the round was replaced by a newer one");
       // The sockets this group opened (its Gloo connections and listeners,
       // not its store connection), for abort().
-      for (const auto& s : tcp_sockets())
-        if (!sockets_before.count(s) && peer_port(s.first) != opt.store_port) sockets_.push_back(s);
+      sockets_ = new_sockets(sockets_before, opt.store_port);
+      client->set_cancel(nullptr);
     } catch (const limbo::Error&) {
       throw;
     } catch (const std::exception& e) {
+      watch.finish();
+      if (opt.cancelled && opt.cancelled())
+        throw PeerFailure("forming the Gloo group '" + opt.prefix + "': the round was replaced by a newer one (" +
+                          message_of(e).substr(0, 200) + ")");
       rethrow_classified(message_of(e), "forming the Gloo group '" + opt.prefix + "' (rank " +
                                        std::to_string(rank) + " of " + std::to_string(size) +
                                        ", store " + opt.store_host + ":" +
@@ -172,10 +237,7 @@ class GlooGroup : public Collective {
   void abort() override {
     std::lock_guard<std::mutex> lock(abort_mu_);
     aborted_ = true;
-    for (const auto& [fd, inode] : sockets_) {
-      struct stat st {};
-      if (::fstat(fd, &st) == 0 && st.st_ino == inode) ::shutdown(fd, SHUT_RDWR);
-    }
+    shutdown_sockets(sockets_);
   }
   int size() const override { return pg_->getSize(); }
 
@@ -323,9 +385,10 @@ std::unique_ptr<Collective> make_gloo_group(const GroupOptions& opt, int rank, i
   return std::make_unique<GlooGroup>(opt, rank, size);
 }
 
-std::shared_ptr<void> host_store(const std::string& host, int* port,
-                                 std::chrono::milliseconds /*timeout*/) {
-  auto server = std::make_shared<StoreServer>(host, *port);
+std::shared_ptr<void> host_store(const std::string& host, int* port, const std::string& token) {
+  StoreServerOptions so;
+  so.token = token;
+  auto server = std::make_shared<StoreServer>(host, *port, so);
   *port = server->port();
   return server;
 }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -22,20 +23,26 @@ class KvStore {
   virtual std::optional<std::string> try_get(const std::string& key) = 0;
   // Atomically adds `delta` to an integer key (created at 0); returns the sum.
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // Blocks until `key` exists (true) or `timeout` passes (false).
+  virtual bool wait_for(const std::string& key, std::chrono::milliseconds timeout) = 0;
 };
 
-// Connects a client to the rendezvous store at host:port.
+// Connects a client to the rendezvous store at host:port (with the job
+// secret `token`, if the store has one; comm/auth.h).
 std::unique_ptr<KvStore> connect_kv_store(const std::string& host, int port,
-                                          std::chrono::milliseconds timeout);
+                                          std::chrono::milliseconds timeout,
+                                          const std::string& token = "");
 
 class MemoryKvStore : public KvStore {
  public:
   void set(const std::string& key, const std::string& value) override;
   std::optional<std::string> try_get(const std::string& key) override;
   int64_t add(const std::string& key, int64_t delta) override;
+  bool wait_for(const std::string& key, std::chrono::milliseconds timeout) override;
 
  private:
   std::mutex mu_;
+  std::condition_variable cv_;
   std::map<std::string, std::string> kv_;
 };
 

@@ -13,11 +13,24 @@
 // then one op byte (requests) or status byte (answers), then the fields,
 // each a u32 length and its bytes. One request in flight per connection;
 // `get` with waiting and `wait` are parked on the server until their keys
-// exist. Requests and values are at most 64 MiB.
+// exist (`wait_for` also until its own deadline). Requests and values are
+// at most 64 MiB.
+//
+// Every connection starts with the server's hello; with a job secret the
+// client must pass the HMAC challenge of comm/auth.h before any request is
+// read, and a connection that fails it (or sends anything else first, or
+// nothing within a second) is logged and closed.
+//
+// The server's thread cannot be stalled by one client: pipelined requests
+// are parsed in linear time and served without recursion, parked requests
+// are woken through an index of the keys they wait for, connections beyond
+// StoreServerOptions::max_connections are closed at once, and when the
+// process runs out of descriptors accepting pauses instead of spinning.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -26,11 +39,17 @@
 
 namespace limbo::comm {
 
+struct StoreServerOptions {
+  std::string token;              // the job secret; empty = no handshake check
+  size_t max_connections = 4096;  // more are closed as soon as they arrive
+  std::chrono::milliseconds handshake_timeout{1000};
+};
+
 class StoreServer {
  public:
   // Binds host:port (0 = a free port) and serves on its own thread until
   // destroyed. Throws InvalidInput when the address cannot be bound.
-  StoreServer(const std::string& host, int port);
+  StoreServer(const std::string& host, int port, StoreServerOptions opt = {});
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
@@ -44,11 +63,13 @@ class StoreServer {
 // A connection to a StoreServer. Thread-safe (one request at a time). Each
 // call blocks for at most the timeout: Timeout when the server does not
 // answer in time (the connection is then dropped and made again on the next
-// call), PeerFailure when it cannot be reached.
+// call), PeerFailure when it cannot be reached. A wrong or missing job
+// secret is InvalidInput (not retried).
 class StoreClient {
  public:
   // Connects, retrying until `timeout` (the server may still be starting).
-  StoreClient(const std::string& host, int port, std::chrono::milliseconds timeout);
+  StoreClient(const std::string& host, int port, std::chrono::milliseconds timeout,
+              std::string token = "");
   ~StoreClient();
   StoreClient(const StoreClient&) = delete;
   StoreClient& operator=(const StoreClient&) = delete;
@@ -70,7 +91,13 @@ class StoreClient {
   int64_t num_keys();
   // Waits until every key exists (at most `timeout`, else Timeout).
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
-
+  // Waits on the server until every key exists (true) or `timeout` passes
+  // (false). The connection stays up either way.
+  bool wait_for(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
+  // Blocking get / wait / wait_for check `cancelled` every few milliseconds
+  // and throw PeerFailure when it returns true (e.g. the group being formed
+  // was replaced by a newer round). Set before the waits start.
+  void set_cancel(std::function<bool()> cancelled) { cancel_ = std::move(cancelled); }
   std::chrono::milliseconds timeout() const { return timeout_; }
   const std::string& address() const { return address_; }
 
@@ -80,12 +107,17 @@ class StoreClient {
   std::pair<uint8_t, std::string> call(uint8_t op, const std::vector<std::string>& fields,
                                        std::chrono::milliseconds timeout);
   void connect_locked(std::chrono::steady_clock::time_point deadline);
+  // Reads one whole frame; false on timeout. Throws PeerFailure on errors.
+  std::string read_frame_locked(std::chrono::steady_clock::time_point deadline, bool cancellable);
+  void handshake_locked(std::chrono::steady_clock::time_point deadline);
   void drop_locked();
 
   std::string host_;
   int port_;
   std::string address_;
   std::chrono::milliseconds timeout_;
+  std::string token_;
+  std::function<bool()> cancel_;
   std::mutex mu_;
   int fd_ = -1;
 };
