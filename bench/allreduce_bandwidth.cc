@@ -191,7 +191,7 @@ int main(int argc, char** argv) {
   }
   torch::set_num_threads(1);
   int port = 0;
-  auto store = limbo::comm::host_store("127.0.0.1", &port, std::chrono::seconds(60));
+  auto store = limbo::comm::host_store("127.0.0.1", &port);
   char tmpl[] = "/tmp/limbo-gloo-bench-XXXXXX";
   std::string dir = ::mkdtemp(tmpl);
   std::printf("2 ranks on loopback, %d repetitions; algorithm bandwidth = bytes / time\n", reps);

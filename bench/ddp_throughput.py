@@ -30,6 +30,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from limbo_run import Veth  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXPOSED = {}  # (model, compression, overlap) -> Limbo's exposed communication, ms per step
 
@@ -60,33 +63,6 @@ def ddp_worker(rank, world, port, name, batch, steps, channels_last, master="127
     if rank == 0:
         print(json.dumps({"samples_per_second": rate}), flush=True)
     dist.destroy_process_group()
-
-
-class Veth:
-    """Two network namespaces joined by a veth pair: 10.232.T.1 and .2."""
-
-    def __init__(self):
-        t = os.getpid() % 200 + 20
-        self.ns = [f"limbo-bench-a{t}", f"limbo-bench-b{t}"]
-        self.ip = [f"10.232.{t}.1", f"10.232.{t}.2"]
-        va, vb = f"lba{t}", f"lbb{t}"
-        self.dev = [va, vb]
-        cmds = [f"ip netns add {self.ns[0]}", f"ip netns add {self.ns[1]}",
-                f"ip link add {va} type veth peer name {vb}",
-                f"ip link set {va} netns {self.ns[0]}", f"ip link set {vb} netns {self.ns[1]}",
-                f"ip -n {self.ns[0]} addr add {self.ip[0]}/24 dev {va}",
-                f"ip -n {self.ns[1]} addr add {self.ip[1]}/24 dev {vb}",
-                f"ip -n {self.ns[0]} link set {va} up", f"ip -n {self.ns[1]} link set {vb} up",
-                f"ip -n {self.ns[0]} link set lo up", f"ip -n {self.ns[1]} link set lo up"]
-        for c in cmds:
-            subprocess.run(c.split(), check=True)
-
-    def prefix(self, rank):
-        return ["ip", "netns", "exec", self.ns[rank]]
-
-    def close(self):
-        for n in self.ns:
-            subprocess.run(["ip", "netns", "del", n], stderr=subprocess.DEVNULL)
 
 
 VETH = None  # set by --veth

@@ -6,6 +6,15 @@ step, split into its parts, over several trials. Then "slow is not dead":
 a fault-free job slowed about 3x by CPU hogs must lose no member.
 
     bench/recovery.py [--limbo build/src/cli/limbo] [--trials 5]
+    bench/recovery.py --hosts [--trials 5]     # across two network namespaces (root)
+
+--hosts: two "hosts" (network namespaces joined by a veth pair); host A runs
+`limbo launch --nproc 2` and hosts the rendezvous store, host B `limbo launch
+--nproc 1`, default heartbeat settings. Host B is lost four ways, 5 trials
+each, interleaved: every process killed (SIGKILL: peers see RST), every
+process frozen (SIGSTOP: silence), its link cut (a partition), or only its
+launcher killed (its worker is told by the kernel and leaves). Reported:
+event -> survivors' group re-formed, median and max.
 
 A stopped worker keeps its connections open, so only its missing heartbeats
 show it: the coordinator drops it after --heartbeat-timeout (0.4 s) and
@@ -29,7 +38,11 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from limbo_run import Veth  # noqa: E402
 
 
 def train_args(run_dir):
@@ -108,6 +121,89 @@ def trial(limbo, kind):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def host_trial(limbo, way):
+    """Loses host B of a two-host job one `way`; returns (seconds from the
+    event to the survivors' re-formed group, B's launcher exit code)."""
+    hosts = Veth()
+    d = tempfile.mkdtemp(prefix="limbo-recovery-")
+    run = os.path.join(d, "run")
+    rdzv = f"{hosts.ip[0]}:{29400 + os.getpid() % 300}"
+    logs = [open(os.path.join(d, f"host{h}.log"), "w") for h in range(2)]
+    launchers = []
+    try:
+        for h, nproc in ((0, 2), (1, 1)):
+            launchers.append(subprocess.Popen(
+                hosts.prefix(h) + [limbo, "launch", "--nproc", str(nproc), "--min-workers", "1",
+                                   "--rdzv", rdzv, "--rdzv-timeout", "10", "--"] + train_args(run),
+                stdout=logs[h], stderr=subprocess.STDOUT))
+            if h == 0 and not wait_for(logs[0].name, "store at", 30):
+                raise RuntimeError("host A did not start its store")
+        if not (wait_for(logs[0].name, "membership round 1: workers [1,2,3]", 60)
+                and wait_for(os.path.join(run, "metrics.jsonl"), '"kind":"train"', 60)):
+            raise RuntimeError("training did not start on three workers")
+        time.sleep(1.0)
+        t0 = time.time()
+        if way == "kill":
+            for p in hosts.pids(1):
+                os.kill(p, signal.SIGKILL)
+        elif way == "freeze":
+            for p in hosts.pids(1):
+                os.kill(p, signal.SIGSTOP)
+        elif way == "cut":
+            hosts.cut(1)
+        else:  # only the launcher
+            os.kill(launchers[1].pid, signal.SIGKILL)
+        end = time.time() + 60
+        recs = []
+        while not recs and time.time() < end:
+            time.sleep(0.05)
+            recs = [r for r in membership_records(run) if r["time"] > t0]
+        if not recs:
+            raise RuntimeError(f"no recovery recorded after losing host B ({way})")
+        b_code = None
+        if way == "cut":  # B's launcher must end on its own, with "lost the job"
+            try:
+                b_code = launchers[1].wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                b_code = "still running"
+        return recs[0]["time"] - t0, b_code
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in launchers:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        hosts.close()
+        for f in logs:
+            f.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def hosts_main(limbo, trials):
+    ways = ["kill", "freeze", "cut", "launcher"]
+    names = {"kill": "every process killed (SIGKILL)", "freeze": "every process frozen (SIGSTOP)",
+             "cut": "link cut (partition)", "launcher": "only its launcher killed"}
+    got = {w: [] for w in ways}
+    codes = []
+    for _ in range(trials):  # interleaved: kill, freeze, cut, launcher, kill, ...
+        for w in ways:
+            sec, code = host_trial(limbo, w)
+            got[w].append(sec)
+            if code is not None:
+                codes.append(code)
+    print("host B of a two-host job lost; event -> survivors' group re-formed "
+          f"({trials} trials each, default heartbeat settings):")
+    for w in ways:
+        xs = got[w]
+        print(f"  {names[w]:34s} median {statistics.median(xs):.3f} s, max {max(xs):.3f} s  "
+              f"[{', '.join(f'{x:.3f}' for x in xs)}]")
+    print(f"  cut-off launcher exit codes: {codes} (5 = lost the job)")
+
+
 def contention(limbo, hogs, seconds=12):
     """A fault-free 3-worker job for `seconds` beside `hogs` busy processes:
     (samples/s, membership changes)."""
@@ -143,7 +239,11 @@ def main():
     ap.add_argument("--limbo", default="build/src/cli/limbo")
     ap.add_argument("--trials", type=int, default=5, help="0: only the contention check")
     ap.add_argument("--hogs", type=int, default=6, help="busy processes for the contention run")
+    ap.add_argument("--hosts", action="store_true", help="cross-host recovery in network namespaces (root)")
     args = ap.parse_args()
+    if args.hosts:
+        hosts_main(args.limbo, args.trials)
+        return
     parts = ["detection_seconds", "rendezvous_seconds", "group_seconds", "sync_seconds",
              "first_step_seconds"]
     recs = {"kill": [], "stop": [], "join": []}

@@ -1,10 +1,12 @@
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 
 #include "cli/commands.h"
 #include "status/server.h"
 #include "cli/schema.h"
+#include "comm/auth.h"
 #include "comm/collective.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -46,6 +48,12 @@ std::pair<std::string, int> split_host_port(const std::string& s, const char* fl
 
 }  // namespace
 
+std::string job_token(const std::string& token_file) {
+  if (!token_file.empty()) return comm::load_token_file(token_file);
+  if (const char* t = std::getenv("LIMBO_JOB_TOKEN"); t && *t) return comm::check_token(t, "LIMBO_JOB_TOKEN");
+  return "";
+}
+
 int run_train(const TrainArgs& a) {
   Config cfg = resolve(a);
   auto tc = trainer_config(cfg);
@@ -83,6 +91,7 @@ int run_train(const TrainArgs& a) {
     comm::GroupOptions go;
     std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
     go.prefix = "limbo/static";
+    go.token = a.token;
     go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
     auto group = comm::make_gloo_group(go, a.dist_rank, a.dist_world);
     trainer.set_update_rule(std::make_shared<elastic::AllReduceUpdate>(
@@ -95,11 +104,12 @@ int run_train(const TrainArgs& a) {
     go.timeout = std::chrono::milliseconds(
         static_cast<int64_t>(1000 * cfg.get_float("elastic.collective_timeout")));
     go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
+    go.token = a.token;
     elastic::MemberOptions mo;
     mo.group = go;
     mo.round_timeout = std::chrono::milliseconds(
         static_cast<int64_t>(1000 * cfg.get_float("elastic.round_timeout")));
-    auto kv = comm::connect_kv_store(go.store_host, go.store_port, go.timeout);
+    auto kv = comm::connect_kv_store(go.store_host, go.store_port, go.timeout, go.token);
     auto member = std::make_unique<elastic::Member>(std::move(kv), mo);
     auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.sgd_ptr(), trainer.params(),
                                                            reduce_options);
@@ -157,10 +167,20 @@ int run_launch(const LaunchArgs& a) {
   lo.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.rdzv_timeout * 1000));
   lo.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000));
   lo.status = a.status;
-  // One run directory for the whole job (members and the status page).
-  bool has_run_dir = false;
-  for (size_t i = 0; i + 1 < lo.train_args.size(); ++i) has_run_dir |= lo.train_args[i] == "--run-dir";
-  if (!has_run_dir) lo.train_args.insert(lo.train_args.end(), {"--run-dir", timestamped_run_dir("launch")});
+  lo.token = a.token;
+  // Workers take the secret from their environment (not argv, which `ps` shows).
+  if (!a.token.empty()) ::setenv("LIMBO_JOB_TOKEN", a.token.c_str(), 1);
+  // One run directory for the whole job (members and the status page):
+  // `launch --run-dir D`, or `-- --run-dir D`, or runs/launch-<time>.
+  std::string given;
+  for (size_t i = 0; i + 1 < lo.train_args.size(); ++i)
+    if (lo.train_args[i] == "--run-dir") given = lo.train_args[i + 1];
+  if (!a.run_dir.empty() && !given.empty() && given != a.run_dir)
+    throw InvalidInput("launch --run-dir " + a.run_dir + " and the training arguments' --run-dir " + given +
+                       " differ; give one");
+  if (given.empty())
+    lo.train_args.insert(lo.train_args.end(),
+                         {"--run-dir", a.run_dir.empty() ? timestamped_run_dir("launch") : a.run_dir});
   if (!a.elastic_schedule.empty()) lo.schedule = elastic::parse_schedule(a.elastic_schedule);
   if (a.min_workers > 0) lo.min_workers = a.min_workers;
   if (a.max_workers > 0) lo.max_workers = a.max_workers;

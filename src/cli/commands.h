@@ -21,7 +21,12 @@ struct TrainArgs {
   int dist_world = 1;
   bool elastic = false;  // join the job's elastic membership instead of a fixed rank
   std::string status;    // ADDR:PORT of a status page (empty: none)
+  std::string token_file;  // the rendezvous store's job secret (--token-file)
+  std::string token;       // ... its contents, or $LIMBO_JOB_TOKEN
 };
+
+// The job secret from --token-file, else $LIMBO_JOB_TOKEN, else "" (none).
+std::string job_token(const std::string& token_file);
 int run_train(const TrainArgs& a);
 
 struct LaunchArgs {
@@ -42,6 +47,8 @@ struct LaunchArgs {
   std::string keys_file;
   bool resume = false;  // async: continue from the shards' checkpoints
   std::string status = "127.0.0.1:0";  // ADDR:PORT of the job's status page (port 0 = any free)
+  std::string token_file;
+  std::string token;
 };
 int run_launch(const LaunchArgs& a);
 int run_launch_async(const LaunchArgs& a);

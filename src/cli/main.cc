@@ -49,6 +49,8 @@ int main(int argc, char** argv) {
                     "serve a live status page on ADDR:PORT (port 0 = any free; see docs/status.md)");
   train->add_flag("--elastic", train_args.elastic,
                   "join the elastic job at --dist-rdzv (rank and world come from its rounds)");
+  train->add_option("--token-file", train_args.token_file,
+                    "file holding the job secret of the rendezvous store (default: $LIMBO_JOB_TOKEN)");
 
   cli::LaunchArgs launch_args;
   auto* launch = app.add_subcommand(
@@ -76,7 +78,11 @@ int main(int argc, char** argv) {
   launch->add_option("--protocol", launch_args.protocol, "async: hardsync or softsync")
       ->check(CLI::IsMember({"hardsync", "softsync"}));
   launch->add_option("--softsync-n", launch_args.softsync_n, "async: n of n-softsync (default: ps.softsync_n)");
-  launch->add_option("--run-dir", launch_args.run_dir, "async: job directory (default runs/async-<time>)");
+  launch->add_option("--run-dir", launch_args.run_dir,
+                     "the job's run directory (default runs/launch-<time>, async: runs/async-<time>)");
+  launch->add_option("--token-file", launch_args.token_file,
+                     "file holding the job secret that guards the rendezvous store; the same file on every "
+                     "launcher of the job (default: $LIMBO_JOB_TOKEN; none: no check)");
   launch->add_option("--keys", launch_args.keys_file, "async: CURVE key file from `limbo keygen`");
   launch->add_flag("--resume", launch_args.resume,
                    "async: continue an interrupted job from its shards' checkpoints in --run-dir");
@@ -163,7 +169,9 @@ int main(int argc, char** argv) {
                 : level == "error" ? LogLevel::Error
                                    : LogLevel::Info);
   try {
+    if (*train && !train_args.dist_rdzv.empty()) train_args.token = cli::job_token(train_args.token_file);
     if (*train) return cli::run_train(train_args);
+    if (*launch) launch_args.token = cli::job_token(launch_args.token_file);
     if (*launch) return launch_args.mode == "async" ? cli::run_launch_async(launch_args) : cli::run_launch(launch_args);
     if (*ps_server) return cli::run_ps_server(ps_args);
     if (*status) return cli::run_status(status_target, status_watch, status_interval);

@@ -37,5 +37,6 @@ constexpr int kExitFailure = 1;       // unexpected internal error
 constexpr int kExitInvalidInput = 2;  // user error: bad flag, config or data
 constexpr int kExitPeerFailure = 3;
 constexpr int kExitTimeout = 4;
+constexpr int kExitLostJob = 5;     // a launcher cut off from its job (docs/elastic.md, "How a job ends")
 
 }  // namespace limbo

@@ -1,6 +1,7 @@
 #include "common/process.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,12 +15,17 @@
 
 namespace limbo {
 
-pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args) {
+pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, int parent_death_signal) {
   std::vector<std::string> all = {exe};
   all.insert(all.end(), args.begin(), args.end());
+  const pid_t parent = ::getpid();
   pid_t pid = ::fork();
   if (pid < 0) throw Error("fork failed: " + std::string(std::strerror(errno)));
   if (pid == 0) {
+    if (parent_death_signal != 0) {
+      ::prctl(PR_SET_PDEATHSIG, parent_death_signal);
+      if (::getppid() != parent) ::raise(parent_death_signal);  // the parent died before prctl
+    }
     std::vector<char*> argv;
     for (auto& a : all) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -67,7 +73,7 @@ Supervisor::~Supervisor() {
 
 pid_t Supervisor::start(const std::string& exe, const std::vector<std::string>& args, const std::string& role,
                         int index) {
-  const pid_t pid = spawn_program(exe, args);
+  const pid_t pid = spawn_program(exe, args, SIGTERM);
   children_[pid] = Child{role, index};
   return pid;
 }

@@ -15,7 +15,9 @@ namespace limbo {
 
 // Starts `exe` with arguments `args` (argv[0] is `exe`); returns its pid.
 // Throws limbo::Error when fork fails; a failed exec exits the child with 127.
-pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args);
+// With `parent_death_signal`, the child gets that signal when the parent
+// dies (PR_SET_PDEATHSIG), however it dies.
+pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, int parent_death_signal = 0);
 
 // A waitpid() status as a shell would report it: the exit code, or 128 + signal.
 int exit_code_of(int status);
@@ -28,7 +30,9 @@ std::string describe_status(int status);
 // Signals: constructing a Supervisor installs handlers for SIGINT and
 // SIGTERM that only record the signal (take_signal()); the launcher decides
 // what its children get. The destructor SIGKILLs and reaps every child still
-// running, so no path out of a launcher leaves processes behind.
+// running, so no path out of a launcher leaves processes behind; and a
+// launcher that is itself killed leaves none either: its children get
+// SIGTERM from the kernel when it dies (a worker leaves the job cleanly).
 class Supervisor {
  public:
   struct Exit {

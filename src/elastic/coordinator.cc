@@ -23,6 +23,12 @@ Coordinator::Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOption
     : store_(std::move(store)), opt_(opt), clock_(std::move(clock)) {
   // Members beat four times per timeout (read once when they register).
   store_->set("elastic/heartbeat_interval_ms", std::to_string(std::max<int64_t>(10, opt_.heartbeat_timeout.count() / 4)));
+  store_->set("elastic/heartbeat_timeout_ms", std::to_string(opt_.heartbeat_timeout.count()));
+}
+
+void Coordinator::publish_event(const std::string& what) {
+  const int64_t n = store_->add("elastic/events", 1);
+  store_->set("elastic/event/" + std::to_string(n), what);
 }
 
 Coordinator::Result Coordinator::poll() {
@@ -59,6 +65,7 @@ Coordinator::Result Coordinator::poll() {
   if (!silent.empty() && aborted_round_ < current_.number) {
     aborted_round_ = current_.number;
     store_->set("elastic/abort", std::to_string(current_.number));
+    publish_event("abort " + std::to_string(current_.number));
     r.aborted = silent;
   }
   if (static_cast<int>(alive.size()) > opt_.max_workers) alive.resize(opt_.max_workers);
@@ -100,6 +107,7 @@ Coordinator::Result Coordinator::poll() {
     current_.members = alive;
     store_->set("elastic/round/" + std::to_string(current_.number), format_members(alive));
     store_->set("elastic/round", std::to_string(current_.number));
+    publish_event("round " + std::to_string(current_.number));
     r.new_round = true;
   }
   r.round = current_;

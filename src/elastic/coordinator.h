@@ -15,6 +15,10 @@
 // (`elastic/heartbeat_interval_ms`, written by the constructor).
 // Below min_workers no round is written; after rendezvous_timeout below the
 // minimum, poll() reports it so the launcher can stop the job.
+// Every round and abort is also appended to an event log (`events` = n,
+// `event/<n>` = "round k" | "abort k"), which members wait on in the store
+// (a parked wait answered the moment the key is written), so they learn of
+// a replaced round at once instead of at their next poll.
 #pragma once
 
 #include <chrono>
@@ -68,6 +72,7 @@ class Coordinator {
   void mark_dead(int64_t id) { dead_.insert(id); }
 
  private:
+  void publish_event(const std::string& what);
   std::shared_ptr<comm::KvStore> store_;
   CoordinatorOptions opt_;
   Clock clock_;

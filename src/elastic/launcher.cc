@@ -31,7 +31,7 @@ bool sets_threads(const std::vector<std::string>& args) {
   return false;
 }
 
-pid_t start_worker(Supervisor& sup, const LaunchOptions& opt, int rank, int threads, const std::string& rdzv) {
+pid_t spawn_worker(Supervisor& sup, const LaunchOptions& opt, int rank, int threads, const std::string& rdzv) {
   std::vector<std::string> args = {"train"};
   if (threads > 0) args.insert(args.end(), {"--set", "train.threads=" + std::to_string(threads)});
   if (rank > 0) args.insert(args.end(), {"--set", "train.progress=false"});
@@ -86,6 +86,413 @@ std::vector<std::pair<double, int>> parse_schedule(const std::string& text) {
   return out;
 }
 
+namespace {
+
+// One job as this launcher sees it: a state machine over the phases of
+// "How a job ends" (docs/elastic.md). Events (a signal, a worker's exit, a
+// coordinator poll, the store's answers) move it between phases; each exit
+// code is decided in one place.
+//
+//   Starting   workers started, no round yet
+//   Running    a round of at least --min-workers exists
+//   Reforming  fewer than --min-workers alive; waits up to --rdzv-timeout
+//   Completing training completed (elastic/done, or a fixed-membership
+//              worker ended with 0): stragglers are killed a second later;
+//              exits 0 once its own workers are gone (the hosting launcher
+//              also waits, at most 3 s, until every other launcher saw it)
+//   Stopping   a signal, the minimum timeout or a fixed-membership failure:
+//              workers get SIGTERM, then SIGKILL after the grace period
+//   Lost       (not hosting) no answer from the rendezvous store for longer
+//              than --rdzv-timeout: workers are stopped, exit 5
+enum class Phase { Starting, Running, Reforming, Completing, Stopping, Lost };
+
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::Starting: return "starting";
+    case Phase::Running: return "running";
+    case Phase::Reforming: return "re-forming";
+    case Phase::Completing: return "completing";
+    case Phase::Stopping: return "stopping";
+    case Phase::Lost: return "lost";
+  }
+  return "?";
+}
+
+constexpr double kStragglerGrace = 1.0;  // s after completion before a member that has not left is killed
+constexpr double kAckGrace = 3.0;        // s the hosting launcher waits for the others to see completion
+
+class Job {
+ public:
+  explicit Job(LaunchOptions opt);
+  int run();
+
+ private:
+  void on_signal(int sig);
+  void on_exit(const Supervisor::Exit& ex);
+  void on_all_gone();
+  void on_round(const Coordinator::Result& r);
+  void tick();
+  void poll_store();
+  void complete_tick();
+  void apply_schedule();
+  void enter(Phase p, const std::string& why);
+  void complete(const std::string& why);
+  void stop(int code, const std::string& why, int sig);
+  bool finished();
+  int finish();
+  // Runs a store call; false (and the loss clock running) when the store
+  // did not answer.
+  bool with_store(const std::function<void()>& f);
+  int64_t worker_id_of(pid_t pid);
+  void start_worker(int index, bool resume);
+
+  LaunchOptions opt_;
+  bool hosting_ = false;
+  int port_ = 0;
+  std::string rdzv_, run_dir_;
+  int threads_ = 0;
+  Supervisor sup_;
+  std::shared_ptr<void> store_;
+  std::shared_ptr<comm::KvStore> kv_;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::unique_ptr<status::Server> page_;
+  bool url_written_ = false;
+  Phase phase_ = Phase::Starting;
+  int result_ = 0;  // the exit code Stopping / an all-gone job ends with
+  std::string exit_reason_;
+  int user_signal_ = 0;
+  Clock::time_point done_at_{}, last_contact_ = Clock::now(), last_done_check_{};
+  std::string last_store_error_;
+  int64_t launcher_id_ = 0;
+  bool acked_ = false;
+  std::set<pid_t> terminating_, killed_after_done_, checked_after_done_;
+  int next_index_ = 0, restarts_ = 0;
+};
+
+Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
+  port_ = opt_.rdzv_port;
+  hosting_ = comm::is_local_address(opt_.rdzv_host);
+  if (hosting_) {
+    store_ = comm::host_store(opt_.rdzv_host, &port_, opt_.token);
+  } else {
+    if (!opt_.elastic || port_ == 0)
+      throw InvalidInput("--rdzv " + opt_.rdzv_host + " is not an address of this machine; to join "
+                         "a job hosted elsewhere give its port and run elastic (--min-workers)");
+    log_info("launch: joining the job whose rendezvous store is at " + opt_.rdzv_host + ":" +
+             std::to_string(port_));
+  }
+  if (hosting_ && opt_.token.empty() && opt_.rdzv_host != "127.0.0.1" && opt_.rdzv_host != "localhost")
+    log_warn("launch: the rendezvous store on " + opt_.rdzv_host + " takes anyone who reaches it; give every "
+             "launcher --token-file FILE (docs/elastic.md, \"Security\")");
+  rdzv_ = opt_.rdzv_host + ":" + std::to_string(port_);
+  const int cores = opt_.cores > 0 ? opt_.cores : static_cast<int>(std::thread::hardware_concurrency());
+  threads_ = sets_threads(opt_.train_args) ? 0 : std::max(1, cores / opt_.nproc);
+  log_info("launch: rendezvous store at " + rdzv_ + ", " + std::to_string(opt_.nproc) + " workers" +
+           (threads_ ? ", " + std::to_string(threads_) + " threads each" : ""));
+  for (size_t i = 0; i + 1 < opt_.train_args.size(); ++i)
+    if (opt_.train_args[i] == "--run-dir") run_dir_ = opt_.train_args[i + 1];
+  if (opt_.elastic) {
+    // Short calls: a store out of reach must not stall this loop; the
+    // loss clock (--rdzv-timeout) decides when it counts as lost.
+    const auto call_timeout = opt_.heartbeat_timeout;
+    // (The first connection only waits, up to --rdzv-timeout, for a store
+    // that is still starting on another host.)
+    comm::connect_kv_store(opt_.rdzv_host, port_, hosting_ ? call_timeout : opt_.rendezvous_timeout, opt_.token);
+    kv_ = comm::connect_kv_store(opt_.rdzv_host, port_, call_timeout, opt_.token);
+    launcher_id_ = kv_->add("elastic/launchers", 1);
+  }
+  if (opt_.elastic && hosting_) {
+    CoordinatorOptions co;
+    co.min_workers = opt_.min_workers;
+    co.max_workers = opt_.max_workers;
+    co.initial_workers = opt_.nproc;
+    co.heartbeat_timeout = opt_.heartbeat_timeout;
+    co.rendezvous_timeout = opt_.rendezvous_timeout;
+    coordinator_ = std::make_unique<Coordinator>(kv_, co);
+  }
+  if (!opt_.status.empty() && hosting_) {
+    auto [host, port] = status::parse_address(opt_.status, "--status");
+    page_ = std::make_unique<status::Server>(std::make_shared<status::Board>(opt_.elastic ? "elastic" : "sync"),
+                                             host, port);
+    if (!run_dir_.empty()) page_->watch(run_dir_ + "/metrics.jsonl");
+    if (!opt_.elastic) page_->board().member_event(opt_.nproc, "start", "fixed membership");
+    log_info("launch: status page at " + page_->url());
+  }
+}
+
+void Job::start_worker(int index, bool resume) {
+  LaunchOptions o = opt_;
+  if (resume) o.train_args.push_back("--resume");
+  spawn_worker(sup_, o, index, threads_, rdzv_);
+}
+
+int Job::run() {
+  for (next_index_ = 0; next_index_ < opt_.nproc; ++next_index_) start_worker(next_index_, false);
+  while (!finished()) {
+    if (int sig = sup_.take_signal()) on_signal(sig);
+    while (auto ex = sup_.poll()) on_exit(*ex);
+    if (sup_.count() == 0 && phase_ != Phase::Completing && phase_ != Phase::Stopping && phase_ != Phase::Lost)
+      on_all_gone();
+    if (!finished()) tick();
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return finish();
+}
+
+void Job::enter(Phase p, const std::string& why) {
+  if (p == phase_) return;
+  log_info(std::string("launch: ") + phase_name(phase_) + " -> " + phase_name(p) + " (" + why + ")");
+  phase_ = p;
+}
+
+bool Job::with_store(const std::function<void()>& f) {
+  if (!kv_) return false;
+  try {
+    f();
+    last_contact_ = Clock::now();
+    return true;
+  } catch (const PeerFailure& e) {
+    last_store_error_ = e.what();
+  } catch (const Timeout& e) {
+    last_store_error_ = e.what();
+  }
+  return false;
+}
+
+int64_t Job::worker_id_of(pid_t pid) {
+  char hostname[256] = {0};
+  ::gethostname(hostname, sizeof hostname - 1);
+  const std::string want = std::string(hostname) + ":" + std::to_string(pid);
+  int64_t found = 0;
+  with_store([&] {
+    const int64_t n = kv_->add("elastic/next_id", 0);
+    for (int64_t id = 1; id <= n && !found; ++id)
+      if (kv_->try_get("elastic/host_pid/" + std::to_string(id)) == want) found = id;
+  });
+  return found;
+}
+
+void Job::on_signal(int sig) {
+  // Elastic workers take SIGTERM as "leave cleanly" (the writer
+  // checkpoints); the job stops without a restart.
+  const int fwd = opt_.elastic ? SIGTERM : sig;
+  log_info("launch: got signal " + std::to_string(sig) + "; stopping the job (workers get signal " +
+           std::to_string(fwd) + ")");
+  if (!user_signal_) user_signal_ = sig;
+  if (phase_ == Phase::Stopping || phase_ == Phase::Lost) sup_.signal_all(fwd);
+  else if (phase_ != Phase::Completing) stop(128 + sig, "stopped by signal " + std::to_string(sig), fwd);
+}
+
+void Job::on_exit(const Supervisor::Exit& ex) {
+  const int code = ex.code();
+  terminating_.erase(ex.pid);
+  if (!opt_.elastic) {
+    if (code == 0 && phase_ != Phase::Stopping) return complete("worker rank " + std::to_string(ex.index) + " finished");
+    if (code != 0 && phase_ != Phase::Completing && phase_ != Phase::Stopping) {
+      log_warn("launch: worker rank " + std::to_string(ex.index) + " (pid " + std::to_string(ex.pid) +
+               ") failed with status " + std::to_string(code) + "; stopping the others");
+      stop(code, "worker rank " + std::to_string(ex.index) + " failed with status " + std::to_string(code) +
+                     " (fixed membership: the job stops)", SIGTERM);
+    }
+    return;
+  }
+  if (coordinator_)
+    if (int64_t id = worker_id_of(ex.pid)) coordinator_->mark_dead(id);
+  if (code != 0)
+    log_warn("launch: worker (first rank " + std::to_string(ex.index) + ", pid " + std::to_string(ex.pid) +
+             ") exited with status " + std::to_string(code) + "; the others go on");
+  if (code != 0 && !killed_after_done_.count(ex.pid) && result_ == 0) {
+    result_ = code;
+    exit_reason_ = "worker pid " + std::to_string(ex.pid) + " exited with status " + std::to_string(code);
+  }
+}
+
+// Every worker of this launcher is gone before training completed.
+void Job::on_all_gone() {
+  bool done = false;
+  if (opt_.elastic) with_store([&] { done = kv_->try_get("elastic/done").has_value(); });
+  if (done) return complete("training completed");
+  const std::string ckpt = run_dir_ + "/checkpoint.pt";
+  if (opt_.elastic && restarts_ < opt_.max_restarts && !run_dir_.empty() && ::access(ckpt.c_str(), R_OK) == 0) {
+    ++restarts_;
+    log_warn("launch: every worker is gone; restarting the job from " + ckpt + " (restart " +
+             std::to_string(restarts_) + " of at most " + std::to_string(opt_.max_restarts) + ")");
+    for (int r = 0; r < opt_.nproc; ++r) start_worker(next_index_++, true);
+    result_ = 0;
+    return enter(Phase::Starting, "restarted from the checkpoint");
+  }
+  if (result_ == 0) {
+    result_ = kExitFailure;
+    exit_reason_ = "every worker left before training completed";
+  }
+  stop(result_, exit_reason_, SIGTERM);
+}
+
+void Job::complete(const std::string& why) {
+  if (phase_ == Phase::Completing) return;
+  done_at_ = Clock::now();
+  log_info("launch: training completed");
+  enter(Phase::Completing, why);
+}
+
+void Job::stop(int code, const std::string& why, int sig) {
+  result_ = code;
+  exit_reason_ = why;
+  sup_.begin_stop(sig, opt_.kill_grace);  // SIGKILL after the grace period
+  enter(Phase::Stopping, why);
+}
+
+void Job::tick() {
+  if (page_ && !url_written_ && !run_dir_.empty() && file_exists(run_dir_ + "/metrics.jsonl")) {
+    page_->write_url(run_dir_);
+    url_written_ = true;
+  }
+  if (phase_ == Phase::Completing) return complete_tick();
+  if (!opt_.elastic || phase_ == Phase::Stopping || phase_ == Phase::Lost) return;
+  poll_store();
+  if (phase_ == Phase::Completing || phase_ == Phase::Lost) return;
+  if (coordinator_) {
+    apply_schedule();
+    on_round(coordinator_->poll());
+  }
+}
+
+// Completion, and contact with the store (a non-hosting launcher that
+// cannot reach it for --rdzv-timeout has lost the job).
+void Job::poll_store() {
+  if (seconds_since(last_done_check_) < 0.1) return;
+  last_done_check_ = Clock::now();
+  bool done = false;
+  if (with_store([&] { done = kv_->try_get("elastic/done").has_value(); })) {
+    if (done) complete("training completed (elastic/done)");
+    return;
+  }
+  // Lost after --rdzv-timeout in all: the workers get SIGTERM a grace
+  // period before it and SIGKILL at it.
+  const double silent = seconds_since(last_contact_);
+  const double limit = opt_.rendezvous_timeout.count() / 1000.0, grace = std::min(1.0, limit / 4);
+  if (!hosting_ && silent > limit - grace) {
+    result_ = kExitLostJob;
+    exit_reason_ = "lost the job: no answer from the rendezvous store at " + rdzv_ + " for " +
+                   std::to_string(static_cast<int>(silent)) + " s (" + last_store_error_ + ")";
+    log_warn("launch: " + exit_reason_ + "; stopping this host's workers");
+    sup_.begin_stop(SIGTERM, std::chrono::milliseconds(static_cast<int64_t>(grace * 1000)));
+    enter(Phase::Lost, "cut off from the job");
+  }
+}
+
+// A member that has not left a second after completion is stopped or hung:
+// it is killed (and recorded). Then this launcher tells the hosting one it
+// saw the completion, and waits for its own workers to exit.
+void Job::complete_tick() {
+  if (!opt_.elastic || seconds_since(done_at_) < kStragglerGrace) return;
+  for (const auto& [pid, idx] : sup_.children()) {
+    if (killed_after_done_.count(pid) || checked_after_done_.count(pid)) continue;
+    const int64_t id = worker_id_of(pid);
+    bool left = false;
+    if (id) with_store([&] { left = kv_->try_get("elastic/left/" + std::to_string(id)).has_value(); });
+    if (left) {
+      checked_after_done_.insert(pid);
+      continue;
+    }
+    log_warn("launch: worker pid " + std::to_string(pid) + " (id " + std::to_string(id) +
+             ") did not finish with the others (stopped or hung); killing it");
+    sup_.signal(pid, SIGKILL);
+    killed_after_done_.insert(pid);
+  }
+  if (!acked_ && !hosting_) acked_ = with_store([&] { kv_->set("elastic/launcher_done/" + std::to_string(launcher_id_), "1"); });
+}
+
+bool Job::finished() {
+  if (sup_.count() > 0) return false;
+  if (phase_ == Phase::Stopping || phase_ == Phase::Lost) return true;
+  if (phase_ != Phase::Completing) return false;
+  if (!hosting_ || !opt_.elastic || seconds_since(done_at_) > kAckGrace) return true;
+  // The hosting launcher keeps the store up until every other launcher
+  // has seen the completion (or the grace period ends).
+  bool all = true;
+  with_store([&] {
+    const int64_t n = kv_->add("elastic/launchers", 0);
+    for (int64_t l = 1; l <= n && all; ++l)
+      if (l != launcher_id_ && !kv_->try_get("elastic/launcher_done/" + std::to_string(l))) all = false;
+  });
+  return all;
+}
+
+int Job::finish() {
+  if (phase_ == Phase::Completing) {
+    if (!killed_after_done_.empty()) record_killed(run_dir_, killed_after_done_);
+    return 0;
+  }
+  if (user_signal_ && phase_ == Phase::Stopping) {
+    log_warn("launch: exit code " + std::to_string(128 + user_signal_) + ": stopped by signal " +
+             std::to_string(user_signal_) + " before training completed (resume with --resume)");
+    return 128 + user_signal_;
+  }
+  log_warn("launch: exit code " + std::to_string(result_) + ": " + exit_reason_);
+  return result_;
+}
+
+void Job::apply_schedule() {
+  if (opt_.schedule.empty()) return;
+  double progress = 0;
+  with_store([&] {
+    if (auto p = kv_->try_get("elastic/progress")) progress = std::stod(*p);
+  });
+  int target = opt_.nproc;
+  for (const auto& [e, c] : opt_.schedule)
+    if (progress >= e) target = c;
+  int active = static_cast<int>(sup_.count() - terminating_.size());
+  if (active != target)
+    log_info("launch: schedule at epoch " + std::to_string(progress) + ": " + std::to_string(active) + " -> " +
+             std::to_string(target) + " workers");
+  for (; active < target; ++active) start_worker(next_index_++, false);
+  while (active > target) {
+    // The newest workers leave first (SIGTERM: finish the step, leave cleanly).
+    pid_t newest = 0;
+    int best = -1;
+    for (const auto& [pid, idx] : sup_.children())
+      if (!terminating_.count(pid) && idx > best) best = idx, newest = pid;
+    if (!newest) break;
+    sup_.signal(newest, SIGTERM);
+    terminating_.insert(newest);
+    --active;
+  }
+}
+
+void Job::on_round(const Coordinator::Result& r) {
+  if (r.new_round) {
+    log_info("launch: membership round " + std::to_string(r.round.number) + ": workers [" +
+             format_members(r.round.members) + "] (" + r.reason + ")");
+    enter(Phase::Running, "round " + std::to_string(r.round.number));
+    if (page_) {
+      const std::string kind = r.round.number == 1                                ? "start"
+                               : !r.crashed.empty()                               ? "crash"
+                               : !r.lost.empty()                                  ? "hang"
+                               : r.reason.find("left") != std::string::npos       ? "leave"
+                               : r.reason.find("joined") != std::string::npos     ? "join"
+                                                                                  : "change";
+      page_->board().member_event(static_cast<int>(r.round.members.size()), kind, r.reason);
+    }
+  }
+  if (r.fell_below && r.round.number > 0) {
+    log_warn("launch: " + std::to_string(r.alive) + " workers alive, below the minimum of " +
+             std::to_string(opt_.min_workers) + "; waiting up to " +
+             std::to_string(opt_.rendezvous_timeout.count() / 1000) + " s for more to join");
+    enter(Phase::Reforming, "below the minimum");
+  }
+  if (r.below_minimum_timed_out) {
+    bool done = false;
+    with_store([&] { done = kv_->try_get("elastic/done").has_value(); });
+    if (done) return complete("training completed");
+    log_warn("launch: only " + std::to_string(r.alive) + " workers alive, below the minimum of " +
+             std::to_string(opt_.min_workers) + ", for longer than the rendezvous timeout; stopping the job");
+    stop(kExitTimeout, "fewer workers than --min-workers for longer than the rendezvous timeout", SIGTERM);
+  }
+}
+
+}  // namespace
+
 int launch(const LaunchOptions& opt_in) {
   LaunchOptions opt = opt_in;
   if (!opt.schedule.empty()) {
@@ -99,254 +506,8 @@ int launch(const LaunchOptions& opt_in) {
   }
   if (opt.nproc < 1) throw InvalidInput("--nproc must be >= 1, got " + std::to_string(opt.nproc));
   if (opt.self_exe.empty()) throw InvalidInput("launch: the limbo binary path is unknown");
-  int port = opt.rdzv_port;
-  // The launcher on the machine that owns the rendezvous address hosts the
-  // store and the coordinator; launchers on other machines (same --rdzv)
-  // only start workers, which join through that coordinator.
-  std::shared_ptr<void> store;
-  const bool hosting = comm::is_local_address(opt.rdzv_host);
-  if (hosting) {
-    store = comm::host_store(opt.rdzv_host, &port, opt.store_timeout);
-  } else {
-    if (!opt.elastic || port == 0)
-      throw InvalidInput("--rdzv " + opt.rdzv_host + " is not an address of this machine; to join "
-                         "a job hosted elsewhere give its port and run elastic (--min-workers)");
-    log_info("launch: joining the job whose rendezvous store is at " + opt.rdzv_host + ":" +
-             std::to_string(port));
-  }
-  const std::string rdzv = opt.rdzv_host + ":" + std::to_string(port);
-  int cores = opt.cores > 0 ? opt.cores : static_cast<int>(std::thread::hardware_concurrency());
-  int threads = sets_threads(opt.train_args) ? 0 : std::max(1, cores / opt.nproc);
-  log_info("launch: rendezvous store at " + rdzv + ", " + std::to_string(opt.nproc) +
-           " workers" + (threads ? ", " + std::to_string(threads) + " threads each" : ""));
-
-  Supervisor sup;  // records SIGINT / SIGTERM; the loop below decides what workers get
-
-  std::unique_ptr<Coordinator> coordinator;
-  std::shared_ptr<comm::KvStore> kv;
-  if (opt.elastic) kv = comm::connect_kv_store(opt.rdzv_host, port, opt.store_timeout);
-  if (opt.elastic && hosting) {
-    CoordinatorOptions co;
-    co.min_workers = opt.min_workers;
-    co.max_workers = opt.max_workers;
-    co.initial_workers = opt.nproc;
-    co.heartbeat_timeout = opt.heartbeat_timeout;
-    co.rendezvous_timeout = opt.rendezvous_timeout;
-    coordinator = std::make_unique<Coordinator>(kv, co);
-  }
-  char hostname[256] = {0};
-  ::gethostname(hostname, sizeof hostname - 1);
-  // The worker id of a child of this launcher, from the id's host:pid key.
-  auto worker_id_of = [&](pid_t pid) -> int64_t {
-    const std::string want = std::string(hostname) + ":" + std::to_string(pid);
-    int64_t n = kv->add("elastic/next_id", 0);
-    for (int64_t id = 1; id <= n; ++id)
-      if (kv->try_get("elastic/host_pid/" + std::to_string(id)) == want) return id;
-    return 0;
-  };
-  // How the job ends (each exit code other than 0 has one rule, logged):
-  //   training completed (elastic/done, or a fixed-membership worker ended
-  //   with 0)                                   -> 0, whatever else happened
-  //   the launcher got SIGINT / SIGTERM         -> 128 + signal, no restart
-  //   below the minimum past the timeout        -> 4 (timeout)
-  //   a fixed-membership worker failed          -> its exit code
-  //   every elastic worker gone before training completed: restart from the
-  //   checkpoint (at most max_restarts); then   -> the last failure's code
-  bool training_done = false;
-  Clock::time_point done_at;
-  std::set<pid_t> killed_after_done;
-  int user_signal = 0;
-  std::string exit_reason;
-  auto last_done_check = Clock::now() - std::chrono::seconds(1);
-
-  std::set<pid_t> terminating;   // SIGTERMed by the schedule
-  int next_index = opt.nproc;
-  for (int r = 0; r < opt.nproc; ++r) start_worker(sup, opt, r, threads, rdzv);
-
-  int result = 0;
-  bool stopping = false;
-  // Elastic: when every worker is gone without finishing, start the job again
-  // from the run directory's last checkpoint (a few times at most).
-  std::string run_dir;
-  for (size_t i = 0; i + 1 < opt.train_args.size(); ++i)
-    if (opt.train_args[i] == "--run-dir") run_dir = opt.train_args[i + 1];
-  // The job's status page (on the launcher that hosts the job). status.url
-  // is written once the run directory exists (a refused config writes nothing).
-  std::unique_ptr<status::Server> page;
-  bool url_written = false;
-  if (!opt.status.empty() && hosting) {
-    auto [host, port] = status::parse_address(opt.status, "--status");
-    page = std::make_unique<status::Server>(std::make_shared<status::Board>(opt.elastic ? "elastic" : "sync"), host,
-                                            port);
-    if (!run_dir.empty()) page->watch(run_dir + "/metrics.jsonl");
-    if (!opt.elastic) page->board().member_event(opt.nproc, "start", "fixed membership");
-    log_info("launch: status page at " + page->url());
-  }
-  int restarts = 0;
-  for (;;) {
-  while (sup.count() > 0) {
-    if (page && !url_written && !run_dir.empty() && file_exists(run_dir + "/metrics.jsonl")) {
-      page->write_url(run_dir);
-      url_written = true;
-    }
-    if (int sig = sup.take_signal()) {
-      // Elastic workers take SIGTERM as "leave cleanly" (the writer
-      // checkpoints); the job stops without a restart.
-      const int fwd = opt.elastic ? SIGTERM : sig;
-      log_info("launch: got signal " + std::to_string(sig) + "; stopping the job (workers get signal " +
-               std::to_string(fwd) + ")");
-      if (!user_signal) user_signal = sig;
-      if (!stopping) {
-        stopping = true;
-        sup.begin_stop(fwd, opt.kill_grace);  // SIGKILL after the grace period
-      } else {
-        sup.signal_all(fwd);
-      }
-    }
-    // Members set elastic/done before they leave the group, so a check made
-    // after the coordinator saw them leave never misses it.
-    auto check_done = [&] {
-      if (training_done || !opt.elastic) return training_done;
-      last_done_check = Clock::now();
-      if (kv->try_get("elastic/done")) {
-        training_done = true;
-        done_at = Clock::now();
-        log_info("launch: training completed");
-      }
-      return training_done;
-    };
-    if (seconds_since(last_done_check) > 0.1) check_done();
-    if (training_done && opt.elastic && seconds_since(done_at) > 1.0) {
-      // Members that completed left the group at once; one that has not
-      // left a second later is stopped or hung: it is declared failed.
-      for (const auto& [pid, idx] : sup.children()) {
-        if (killed_after_done.count(pid)) continue;
-        const int64_t id = worker_id_of(pid);
-        if (id && kv->try_get("elastic/left/" + std::to_string(id))) continue;
-        log_warn("launch: worker pid " + std::to_string(pid) + " (id " + std::to_string(id) +
-                 ") did not finish with the others (stopped or hung); killing it");
-        sup.signal(pid, SIGKILL);
-        killed_after_done.insert(pid);
-      }
-    }
-    if (auto ex = sup.poll()) {
-      const pid_t pid = ex->pid;
-      const int rank = ex->index;
-      const int code = ex->code();
-      if (!opt.elastic && code == 0 && !terminating.count(pid)) training_done = true;
-      if (opt.elastic) {
-        if (coordinator)
-          if (int64_t id = worker_id_of(pid)) coordinator->mark_dead(id);
-        if (code != 0)
-          log_warn("launch: worker (first rank " + std::to_string(rank) + ", pid " +
-                   std::to_string(pid) + ") exited with status " + std::to_string(code) +
-                   "; the others go on");
-        if (code != 0 && !killed_after_done.count(pid) && result == 0) {  // the first rule holds
-          result = code;
-          exit_reason = "worker pid " + std::to_string(pid) + " exited with status " + std::to_string(code);
-        }
-        terminating.erase(pid);
-        continue;
-      }
-      if (code != 0) {
-        log_warn("launch: worker rank " + std::to_string(rank) + " (pid " + std::to_string(pid) +
-                 ") failed with status " + std::to_string(code) + "; stopping the others");
-        if (result == 0) {
-          result = code;
-          exit_reason = "worker rank " + std::to_string(rank) + " failed with status " + std::to_string(code) +
-                        " (fixed membership: the job stops)";
-        }
-        if (!stopping) {
-          stopping = true;
-          sup.begin_stop(SIGTERM, opt.kill_grace);
-        }
-      }
-      continue;
-    }
-    if (coordinator && !stopping && !training_done && !opt.schedule.empty()) {
-      double progress = 0;
-      if (auto p = kv->try_get("elastic/progress")) progress = std::stod(*p);
-      int target = opt.nproc;
-      for (const auto& [e, c] : opt.schedule)
-        if (progress >= e) target = c;
-      int active = static_cast<int>(sup.count() - terminating.size());
-      if (active != target)
-        log_info("launch: schedule at epoch " + std::to_string(progress) + ": " +
-                 std::to_string(active) + " -> " + std::to_string(target) + " workers");
-      for (; active < target; ++active) start_worker(sup, opt, next_index++, threads, rdzv);
-      while (active > target) {
-        // The newest workers leave first (SIGTERM: finish the step, leave cleanly).
-        pid_t newest = 0;
-        int best = -1;
-        for (const auto& [pid, idx] : sup.children())
-          if (!terminating.count(pid) && idx > best) best = idx, newest = pid;
-        if (!newest) break;
-        sup.signal(newest, SIGTERM);
-        terminating.insert(newest);
-        --active;
-      }
-    }
-    if (coordinator && !stopping && !training_done) {
-      auto r = coordinator->poll();
-      if (r.new_round) {
-        log_info("launch: membership round " + std::to_string(r.round.number) + ": workers [" +
-                 format_members(r.round.members) + "] (" + r.reason + ")");
-        if (page) {
-          const std::string kind = r.round.number == 1                    ? "start"
-                                   : !r.crashed.empty()                   ? "crash"
-                                   : !r.lost.empty()                      ? "hang"
-                                   : r.reason.find("left") != std::string::npos   ? "leave"
-                                   : r.reason.find("joined") != std::string::npos ? "join"
-                                                                                  : "change";
-          page->board().member_event(static_cast<int>(r.round.members.size()), kind, r.reason);
-        }
-      }
-      if ((r.fell_below || r.below_minimum_timed_out) && check_done()) continue;
-      if (r.fell_below && r.round.number > 0)
-        log_warn("launch: " + std::to_string(r.alive) + " workers alive, below the minimum of " +
-                 std::to_string(opt.min_workers) + "; waiting up to " +
-                 std::to_string(opt.rendezvous_timeout.count() / 1000) + " s for more to join");
-      if (r.below_minimum_timed_out) {
-        log_warn("launch: only " + std::to_string(r.alive) + " workers alive, below the minimum of " +
-                 std::to_string(opt.min_workers) + ", for longer than the rendezvous timeout; "
-                 "stopping the job");
-        result = kExitTimeout;
-        exit_reason = "fewer workers than --min-workers for longer than the rendezvous timeout";
-        stopping = true;
-        sup.begin_stop(SIGTERM, opt.kill_grace);
-      }
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  const std::string ckpt = run_dir + "/checkpoint.pt";
-  if (opt.elastic && !training_done && !stopping && restarts < opt.max_restarts &&
-      !run_dir.empty() && ::access(ckpt.c_str(), R_OK) == 0) {
-    ++restarts;
-    log_warn("launch: every worker is gone; restarting the job from " + ckpt + " (restart " +
-             std::to_string(restarts) + " of at most " + std::to_string(opt.max_restarts) + ")");
-    LaunchOptions again = opt;
-    again.train_args.push_back("--resume");
-    for (int r = 0; r < opt.nproc; ++r) start_worker(sup, again, next_index++, threads, rdzv);
-    result = 0;
-    continue;
-  }
-  break;
-  }
-  if (training_done) {
-    if (!killed_after_done.empty()) record_killed(run_dir, killed_after_done);
-    return 0;
-  }
-  if (user_signal) {
-    log_warn("launch: exit code " + std::to_string(128 + user_signal) + ": stopped by signal " +
-             std::to_string(user_signal) + " before training completed (resume with --resume)");
-    return 128 + user_signal;
-  }
-  if (result == 0) {
-    result = kExitFailure;
-    exit_reason = "every worker left before training completed";
-  }
-  log_warn("launch: exit code " + std::to_string(result) + ": " + exit_reason);
-  return result;
+  Job job(std::move(opt));
+  return job.run();
 }
 
 }  // namespace limbo::elastic

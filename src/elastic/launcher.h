@@ -46,6 +46,9 @@ struct LaunchOptions {
   // ADDR:PORT of the job's status page (empty: none); the URL is logged and
   // written to the run directory as status.url.
   std::string status;
+  // The job secret guarding the rendezvous store (comm/auth.h); empty =
+  // none. Workers get it through LIMBO_JOB_TOKEN in their environment.
+  std::string token;
 };
 
 // Parses "0:1,5:4,10:2" (epoch:workers, ascending epochs, counts >= 1).

@@ -3,11 +3,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "common/error.h"
 #include "common/log.h"
 
 namespace limbo::elastic {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t to_int(const std::optional<std::string>& v) { return v ? std::stoll(*v) : 0; }
+
+}  // namespace
 
 Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
     : store_(std::move(store)), opt_(std::move(opt)) {
@@ -16,54 +24,117 @@ Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
   char host[256] = {0};
   ::gethostname(host, sizeof host - 1);
   store_->set("elastic/host_pid/" + std::to_string(id_), std::string(host) + ":" + std::to_string(::getpid()));
-  store_->set("elastic/join/" + std::to_string(id_), "1");
-  // The heartbeat has its own store connection so that a long store call on
-  // the training thread cannot delay it.
-  auto hb_store = comm::connect_kv_store(opt_.group.store_host, opt_.group.store_port,
-                                         opt_.group.timeout);
   if (auto ms = store_->try_get("elastic/heartbeat_interval_ms"))
     opt_.heartbeat_interval = std::chrono::milliseconds(std::max<int64_t>(1, std::stoll(*ms)));
-  heartbeat_ = std::thread([this, s = std::shared_ptr<comm::KvStore>(std::move(hb_store))] {
-    auto next = std::chrono::steady_clock::now();
+  heartbeat_timeout_ = 4 * opt_.heartbeat_interval;
+  if (auto ms = store_->try_get("elastic/heartbeat_timeout_ms"))
+    heartbeat_timeout_ = std::chrono::milliseconds(std::max<int64_t>(1, std::stoll(*ms)));
+  if (!opt_.connect) {
+    // No call of these threads may wait longer than the heartbeat timeout:
+    // past it the coordinator has counted this member gone anyway.
+    const auto g = opt_.group;
+    const auto t = heartbeat_timeout_;
+    opt_.connect = [g, t]() -> std::shared_ptr<comm::KvStore> {
+      return comm::connect_kv_store(g.store_host, g.store_port, t, g.token);
+    };
+  }
+  // The event log from here on: events before `seen` are summed up by the
+  // round and abort keys read after it.
+  const int64_t seen = store_->add("elastic/events", 0);
+  latest_round_ = to_int(store_->try_get("elastic/round"));
+  latest_abort_ = to_int(store_->try_get("elastic/abort"));
+  store_->set("elastic/join/" + std::to_string(id_), "1");
+  // Each thread has its own store connection, so that a long store call on
+  // the training thread cannot delay a heartbeat or an abort.
+  heartbeat_ = std::thread([this, s = opt_.connect()] { beat_loop(s); });
+  watch_ = std::thread([this, s = opt_.connect(), seen] {
+    int64_t n = seen;
     while (!stop_) {
       try {
-        beat_and_watch(*s);
+        const std::string key = "elastic/event/" + std::to_string(n + 1);
+        if (!s->wait_for(key, std::chrono::milliseconds(200))) continue;
+        if (auto ev = s->try_get(key)) on_event(*ev);
+        ++n;
       } catch (const std::exception& e) {
-        log_warn(std::string("heartbeat: ") + e.what());
+        sleep_while_running(std::chrono::milliseconds(20));  // the store is out of reach: try again
       }
-      next += opt_.heartbeat_interval;
-      const auto now = std::chrono::steady_clock::now();
-      if (next < now) next = now;  // late (e.g. the process was stopped): no burst of beats
-      while (!stop_ && std::chrono::steady_clock::now() < next)
-        std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
-            next - std::chrono::steady_clock::now(), std::chrono::milliseconds(50)));
     }
   });
 }
 
-void Member::beat_and_watch(comm::KvStore& s) {
-  s.add("elastic/hb/" + std::to_string(id_), 1);
-  auto abort_at = s.try_get("elastic/abort");
-  if (!abort_at) return;
-  const int64_t k = std::stoll(*abort_at);
-  std::shared_ptr<comm::Collective> g;
-  {
-    std::lock_guard<std::mutex> lock(group_mu_);
-    if (group_round_ > 0 && k >= group_round_) {
-      g = group_.lock();
-      group_.reset();
+Member::~Member() {
+  stop_ = true;
+  cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+  if (watch_.joinable()) watch_.join();
+}
+
+void Member::sleep_while_running(std::chrono::milliseconds d) {
+  const auto until = Clock::now() + d;
+  while (!stop_ && Clock::now() < until)
+    std::this_thread::sleep_for(std::min<Clock::duration>(until - Clock::now(), std::chrono::milliseconds(20)));
+}
+
+void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
+  auto next = Clock::now();
+  auto last_ok = Clock::now();
+  while (!stop_) {
+    try {
+      s->add("elastic/hb/" + std::to_string(id_), 1);
+      last_ok = Clock::now();
+      if (cut_off_.exchange(false))
+        log_info("worker " + std::to_string(id_) + ": reached the rendezvous store again");
+    } catch (const std::exception& e) {
+      if (Clock::now() - last_ok > heartbeat_timeout_ && !cut_off_.exchange(true)) {
+        // The coordinator has counted this member gone by now.
+        log_warn("worker " + std::to_string(id_) + ": no heartbeat reached the rendezvous store for " +
+                 std::to_string(heartbeat_timeout_.count()) + " ms (" + e.what() +
+                 "); this member is out of its round");
+        abort_group_upto(std::numeric_limits<int64_t>::max(), "this member is cut off from the store");
+        cv_.notify_all();
+      }
     }
-  }
-  if (g) {
-    log_warn("worker " + std::to_string(id_) + ": a member of round " + std::to_string(k) +
-             " went silent; aborting the round's collectives");
-    g->abort();
+    next += opt_.heartbeat_interval;
+    const auto now = Clock::now();
+    if (next < now) next = now;  // late (e.g. the process was stopped): no burst of beats
+    sleep_while_running(std::chrono::duration_cast<std::chrono::milliseconds>(next - now));
   }
 }
 
-Member::~Member() {
-  stop_ = true;
-  if (heartbeat_.joinable()) heartbeat_.join();
+void Member::on_event(const std::string& event) {
+  const auto space = event.find(' ');
+  if (space == std::string::npos) return;
+  const int64_t k = std::stoll(event.substr(space + 1));
+  if (event.compare(0, space, "round") == 0) {
+    int64_t cur = latest_round_.load();
+    while (cur < k && !latest_round_.compare_exchange_weak(cur, k)) {
+    }
+  } else if (event.compare(0, space, "abort") == 0) {
+    int64_t cur = latest_abort_.load();
+    while (cur < k && !latest_abort_.compare_exchange_weak(cur, k)) {
+    }
+    abort_group_upto(k, "a member of round " + std::to_string(k) + " went silent");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  cv_.notify_all();
+}
+
+void Member::abort_group_upto(int64_t k, const std::string& why) {
+  std::shared_ptr<comm::Collective> g;
+  int64_t round = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (group_round_ > 0 && k >= group_round_) {
+      g = group_.lock();
+      group_.reset();
+      round = group_round_;
+    }
+  }
+  if (g) {
+    log_warn("worker " + std::to_string(id_) + ": " + why + "; aborting the collectives of round " +
+             std::to_string(round));
+    g->abort();
+  }
 }
 
 int Member::rank_in(const Round& round) const {
@@ -72,26 +143,29 @@ int Member::rank_in(const Round& round) const {
 }
 
 Round Member::wait_round(int64_t after) {
-  auto deadline = std::chrono::steady_clock::now() + opt_.round_timeout;
+  const auto start = Clock::now();
+  const auto deadline = start + opt_.round_timeout;
   bool told = false;
-  while (std::chrono::steady_clock::now() < deadline) {
-    auto cur = store_->try_get("elastic/round");
-    if (cur) {
-      int64_t k = std::stoll(*cur);
-      if (k > after) {
+  while (Clock::now() < deadline) {
+    const int64_t k = latest_round_.load();
+    if (k > after) {
+      try {
         auto m = store_->try_get("elastic/round/" + std::to_string(k));
         Round r{k, m ? parse_members(*m) : std::vector<int64_t>{}};
         if (rank_in(r) >= 0) return r;
-        after = k;  // a round without us (e.g. over the maximum): wait for the next
+        after = k;  // a round without us (e.g. over the maximum, or cut off): wait for the next
+      } catch (const Error& e) {
+        sleep_while_running(std::chrono::milliseconds(20));  // the store is out of reach for now
       }
+      continue;
     }
-    if (!told && std::chrono::steady_clock::now() + opt_.round_timeout - deadline >
-                     std::chrono::seconds(5)) {
+    if (!told && Clock::now() - start > std::chrono::seconds(5)) {
       log_info("worker " + std::to_string(id_) + ": waiting for a membership round (too few "
-               "workers for the minimum?)");
+               "workers for the minimum, or the store out of reach?)");
       told = true;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return latest_round_.load() > after || stop_; });
   }
   throw Timeout("worker " + std::to_string(id_) + " waited " +
                 std::to_string(opt_.round_timeout.count() / 1000) +
@@ -99,31 +173,55 @@ Round Member::wait_round(int64_t after) {
                 "launcher is gone");
 }
 
-bool Member::newer_round(int64_t current) {
-  auto cur = store_->try_get("elastic/round");
-  return cur && std::stoll(*cur) > current;
+bool Member::best_effort(const std::string& what, const std::function<void()>& f) {
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    try {
+      f();
+      return true;
+    } catch (const Error& e) {
+      if (attempt == 2) log_warn("worker " + std::to_string(id_) + ": could not " + what + ": " + e.what());
+      else std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  return false;
 }
 
 void Member::request_round(int64_t current) {
-  store_->set("elastic/want/" + std::to_string(current), std::to_string(id_));
+  best_effort("ask for a new round", [&] {
+    store_->set("elastic/want/" + std::to_string(current), std::to_string(id_));
+  });
 }
 
 void Member::publish_progress(double epoch) {
-  store_->set("elastic/progress", std::to_string(epoch));
+  try {
+    store_->set("elastic/progress", std::to_string(epoch));
+  } catch (const Error&) {
+    // Progress only drives --elastic-schedule; the next step writes it again.
+  }
 }
 
-void Member::publish_done() { store_->set("elastic/done", "1"); }
+void Member::publish_done() {
+  best_effort("publish that training completed", [&] { store_->set("elastic/done", "1"); });
+}
 
-void Member::leave() { store_->set("elastic/left/" + std::to_string(id_), "1"); }
+void Member::leave() {
+  best_effort("leave", [&] { store_->set("elastic/left/" + std::to_string(id_), "1"); });
+}
 
 std::shared_ptr<comm::Collective> Member::form_group(const Round& round) {
   comm::GroupOptions go = opt_.group;
-  go.prefix = "elastic/round/" + std::to_string(round.number);
+  const int64_t k = round.number;
+  go.prefix = "elastic/round/" + std::to_string(k);
+  go.cancelled = [this, k] { return latest_round_.load() > k || latest_abort_.load() >= k || cut_off_.load(); };
   std::shared_ptr<comm::Collective> g =
       comm::make_gloo_group(go, rank_in(round), static_cast<int>(round.members.size()));
-  std::lock_guard<std::mutex> lock(group_mu_);
-  group_ = g;
-  group_round_ = round.number;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    group_ = g;
+    group_round_ = k;
+  }
+  // An abort that came between the end of formation and the line above.
+  if (latest_abort_.load() >= k) abort_group_upto(k, "round " + std::to_string(k) + " was aborted");
   return g;
 }
 

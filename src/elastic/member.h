@@ -1,21 +1,30 @@
 // One worker's side of elastic membership.
 //
-// Registers in the store (an id, `join/<id>`), bumps its heartbeat `hb/<id>`
-// from a background thread every `elastic/heartbeat_interval_ms` (set by the
-// coordinator; heartbeat_interval when absent), waits for rounds that list
-// it and forms a fresh Gloo group per round (prefix `elastic/round/<k>`;
-// reusing a prefix finds stale peer addresses). The caller owns the group;
-// destroying it closes its connections, which tells peers still blocked in
-// a collective of that round at once.
+// Registers in the store (an id, `join/<id>`), and runs two threads of its
+// own, each with its own store connection:
+// * the heartbeat thread bumps `hb/<id>` every `elastic/heartbeat_interval_ms`
+//   (set by the coordinator). When its beats have failed for longer than the
+//   heartbeat timeout, this member is cut off: the coordinator has dropped
+//   it, so it aborts its own group (its training thread stops waiting on
+//   peers it cannot rejoin) and waits for a round again.
+// * the watch thread waits in the store for the coordinator's next event
+//   (`event/<n>`: "round k" or "abort k"). A new round makes newer_round()
+//   true and wakes wait_round(); "abort k" aborts this member's group when it
+//   belongs to round k or an older one (Collective::abort), so a collective
+//   blocked on a silent peer fails at once; and either one stops the
+//   formation of a group whose round was replaced, in the store's waits
+//   and in Gloo's connection set-up (GroupOptions::cancelled).
 //
-// The same thread watches `elastic/abort`: when the coordinator aborts the
-// round of this member's group (a member went silent), it aborts the group
-// (Collective::abort), so a collective blocked on the silent member fails
-// within one heartbeat interval instead of at the collective timeout.
+// Groups are fresh per round (prefix `elastic/round/<k>`; reusing a prefix
+// finds stale peer addresses). The caller owns the group; destroying it
+// closes its connections, which tells peers still blocked in a collective
+// of that round at once.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -28,9 +37,13 @@
 namespace limbo::elastic {
 
 struct MemberOptions {
-  comm::GroupOptions group;  // store address, timeouts, bind host
-  std::chrono::milliseconds heartbeat_interval{100};
+  comm::GroupOptions group;  // store address, secret, timeouts, bind host
+  std::chrono::milliseconds heartbeat_interval{100};  // until the coordinator's value is read
   std::chrono::milliseconds round_timeout{120000};
+  // Opens another store connection (the heartbeat and watch threads');
+  // default: comm::connect_kv_store to the group's store, timing out
+  // after the heartbeat timeout.
+  std::function<std::shared_ptr<comm::KvStore>()> connect;
 };
 
 class Member {
@@ -39,35 +52,55 @@ class Member {
   ~Member();
 
   int64_t id() const { return id_; }
-  // Blocks until a round newer than `after` lists this member. Throws
-  // Timeout after round_timeout.
+  // Blocks until a round newer than `after` lists this member. Store errors
+  // are retried (the store may be out of reach for a while). Throws Timeout
+  // after round_timeout.
   Round wait_round(int64_t after);
-  // True when the store holds a round newer than `current` (cheap).
-  bool newer_round(int64_t current);
-  // Asks the coordinator for a round after `current`.
+  // True when the coordinator has written a round newer than `current` (no
+  // store call: the watch thread keeps it).
+  bool newer_round(int64_t current) const { return latest_round_.load() > current; }
+  // Asks the coordinator for a round after `current` (best effort: when the
+  // store is out of reach, the coordinator sees this member's silence).
   void request_round(int64_t current);
   void leave();
   // Sets `elastic/progress` (fractional epochs), read by the launcher's
-  // --elastic-schedule.
+  // --elastic-schedule. Best effort.
   void publish_progress(double epoch);
   // Sets `elastic/done`: training completed (every member reaches the same
   // last step). The launcher ends the job then, whatever else happened.
   void publish_done();
-  // Forms the Gloo group of `round` (blocks until every member joined).
+  // Forms the Gloo group of `round` (blocks until every member joined);
+  // PeerFailure when the round is replaced meanwhile.
   std::shared_ptr<comm::Collective> form_group(const Round& round);
   int rank_in(const Round& round) const;
+  // This member's heartbeats have failed for longer than the heartbeat timeout.
+  bool cut_off() const { return cut_off_.load(); }
 
  private:
+  void beat_loop(std::shared_ptr<comm::KvStore> s);
+  void watch_loop(std::shared_ptr<comm::KvStore> s);
+  void on_event(const std::string& event);
+  // Aborts the current group if it belongs to round `k` or older.
+  void abort_group_upto(int64_t k, const std::string& why);
+  // Runs `f` on the training thread's connection, retrying store errors a
+  // few times; false when it never went through.
+  bool best_effort(const std::string& what, const std::function<void()>& f);
+  void sleep_while_running(std::chrono::milliseconds d);
+
   std::shared_ptr<comm::KvStore> store_;
   MemberOptions opt_;
   int64_t id_ = 0;
-  void beat_and_watch(comm::KvStore& s);
+  std::chrono::milliseconds heartbeat_timeout_{400};
 
   std::atomic<bool> stop_{false};
-  std::mutex group_mu_;
+  std::atomic<int64_t> latest_round_{0};
+  std::atomic<int64_t> latest_abort_{0};
+  std::atomic<bool> cut_off_{false};
+  std::mutex mu_;  // guards group_, group_round_; with cv_, wakes wait_round
+  std::condition_variable cv_;
   std::weak_ptr<comm::Collective> group_;  // the last group formed, and its round
   int64_t group_round_ = 0;
-  std::thread heartbeat_;
+  std::thread heartbeat_, watch_;
 };
 
 }  // namespace limbo::elastic

@@ -1,0 +1,298 @@
+// Losing a host, every way a host is lost, across "hosts" that are network
+// namespaces joined by a bridge (tests/netns.h): all its processes killed,
+// frozen, cut off by the network, or only its launcher killed. And the job
+// secret that guards the rendezvous store, against rogue clients while a
+// job trains. Needs root and iproute2 (CI runs as root); skipped otherwise.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <regex>
+#include <thread>
+
+#include "comm/store.h"
+#include "common/error.h"
+#include "common/files.h"
+#include "job_checks.h"
+#include "netns.h"
+#include "test_util.h"
+
+using limbo::testing::ProcessResult;
+using limbo::testing::slurp;
+using limbo::testing::TempDir;
+using limbo::testing::VirtualHosts;
+using namespace std::chrono_literals;
+
+namespace {
+
+double wall_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+bool have_fmnist() { return limbo::file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"); }
+
+// One job over virtual hosts: a launcher per host, one run directory (the
+// hosts share this machine's disk).
+struct HostJob {
+  VirtualHosts& hosts;
+  int epochs;
+  int train_limit = 3000;
+  std::vector<std::string> launcher_extra;
+  TempDir d;
+  std::string run = d.file("run");
+  int port = 29500 + ::getpid() % 400;
+  std::map<int, pid_t> launchers;
+  std::map<int, double> exited_at;
+  std::map<int, ProcessResult> results;
+
+  std::string rdzv() const { return hosts.ip(0) + ":" + std::to_string(port); }
+  std::string log(int h) const { return d.file("host" + std::to_string(h) + ".log"); }
+
+  std::vector<std::string> train_args() const {
+    return {"--run-dir", run, "--set", "model.name=mlp", "--set", "model.width=64",
+            "--set", "data.train_limit=" + std::to_string(train_limit), "--set", "data.test_limit=300",
+            "--set", "data.batch_size=16", "--set", "train.epochs=" + std::to_string(epochs),
+            "--set", "train.threads=1", "--set", "train.progress=false", "--set", "train.sample_log=true",
+            "--set", "train.slow_step_ms=20", "--set", "elastic.collective_timeout=30"};
+  }
+  void launch(int h, int nproc, int min) {
+    std::vector<std::string> a = {LIMBO_BINARY, "launch", "--nproc", std::to_string(nproc), "--min-workers",
+                                  std::to_string(min), "--rdzv", rdzv()};
+    a.insert(a.end(), launcher_extra.begin(), launcher_extra.end());
+    a.push_back("--");
+    auto t = train_args();
+    a.insert(a.end(), t.begin(), t.end());
+    launchers[h] = limbo::testing::spawn_process(hosts.in(h, a), log(h));
+    if (h == 0) ASSERT_TRUE(limbo::testing::wait_for_text(log(0), "store at", 30)) << slurp(log(0));
+  }
+  // Waits until a round holds `members` workers and training has begun.
+  bool training(int members) {
+    std::string want = ": workers [";
+    for (int i = 1; i <= members; ++i) want += (i > 1 ? "," : "") + std::to_string(i);
+    return limbo::testing::wait_for_text(log(0), want + "]", 60) &&
+           limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60);
+  }
+  // Waits for every launcher still running (each at most `timeout_s`),
+  // recording when each exited.
+  void wait_all(double timeout_s = 120) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    while (results.size() < launchers.size() && std::chrono::steady_clock::now() < end) {
+      for (auto& [h, pid] : launchers) {
+        if (results.count(h)) continue;
+        int status = 0;
+        if (::waitpid(pid, &status, WNOHANG) == pid) {
+          ProcessResult r;
+          if (WIFEXITED(status)) r.exit_code = WEXITSTATUS(status);
+          if (WIFSIGNALED(status)) r.signal = WTERMSIG(status);
+          r.output = slurp(log(h));
+          results[h] = r;
+          exited_at[h] = wall_now();
+        }
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+    for (auto& [h, pid] : launchers)
+      if (!results.count(h)) {
+        ::kill(pid, SIGKILL);
+        results[h] = limbo::testing::wait_child(pid, log(h));
+        results[h].timed_out = true;
+      }
+  }
+  // The processes of host h other than its launcher (its workers).
+  std::vector<pid_t> workers(int h) const {
+    std::vector<pid_t> out;
+    for (pid_t p : hosts.pids(h))
+      if (p != launchers.at(h)) out.push_back(p);
+    return out;
+  }
+  // Seconds from `t0` until the survivors' group re-formed after it (the
+  // first membership record written after t0), or -1.
+  double reformed_after(double t0) const {
+    std::istringstream in(slurp(run + "/metrics.jsonl"));
+    for (std::string line; std::getline(in, line);) {
+      auto r = nlohmann::json::parse(line);
+      if (r.value("kind", "") == "membership" && r.value("reason", "") != "start" && r["time"].get<double>() > t0)
+        return r["time"].get<double>() - t0;
+    }
+    return -1;
+  }
+  std::string all_logs() const {
+    std::string s;
+    for (const auto& [h, pid] : launchers) s += "\n--- host " + std::to_string(h) + " ---\n" + slurp(log(h));
+    return s;
+  }
+};
+
+class LostHost : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+    hosts_ = std::make_unique<VirtualHosts>(2);
+    if (!hosts_->ok()) GTEST_SKIP() << hosts_->why();
+  }
+  std::unique_ptr<VirtualHosts> hosts_;
+};
+
+// Found: with B's launcher and worker SIGKILLed, the coordinator wrote a
+// round that still held B's worker (its heartbeat had not yet run out),
+// replaced it 0.4 s later, and the survivors waited for the replaced round
+// to form until the formation timeout (10 s then; 30 s here).
+TEST_F(LostHost, AKilledHostIsReplacedAtOnceNotAfterAFormationTimeout) {
+  HostJob job{*hosts_, 6};
+  job.launch(0, 2, 1);
+  job.launch(1, 1, 1);
+  ASSERT_TRUE(job.training(3)) << job.all_logs();
+  std::this_thread::sleep_for(1s);
+  const double t0 = wall_now();
+  hosts_->signal_host(1, SIGKILL);
+  job.wait_all();
+  ASSERT_EQ(job.results[0].exit_code, 0) << job.all_logs();
+  const double reformed = job.reformed_after(t0);
+  EXPECT_GT(reformed, 0) << job.all_logs();
+  EXPECT_LT(reformed, 3.0) << "the survivors re-formed " << reformed << " s after the host was killed";
+  limbo::testing::expect_exactly_once(job.run, 6, 3000);
+}
+
+// Found: B's worker SIGSTOPped, the job completed on A (exit 0), and B's
+// launcher logged "training completed", then a store error, and exited 3.
+TEST_F(LostHost, ANonHostingLauncherOfACompletedJobExitsZero) {
+  HostJob job{*hosts_, 5};
+  job.launch(0, 2, 1);
+  job.launch(1, 1, 1);
+  ASSERT_TRUE(job.training(3)) << job.all_logs();
+  std::this_thread::sleep_for(1s);
+  auto b_workers = job.workers(1);
+  ASSERT_EQ(b_workers.size(), 1u);
+  ::kill(b_workers[0], SIGSTOP);
+  job.wait_all();
+  EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();
+  EXPECT_EQ(job.results[1].exit_code, 0) << job.all_logs();
+  EXPECT_LT(job.exited_at[1] - job.exited_at[0], 5.0) << job.all_logs();
+  limbo::testing::expect_exactly_once(job.run, 5, 3000);
+}
+
+// Found: after a partition, B's launcher was still running 30 s after the
+// job had completed on A.
+TEST_F(LostHost, ALauncherCutOffFromItsJobStopsItsWorkersAndExitsWithItsOwnCode) {
+  HostJob job{*hosts_, 5};
+  job.launcher_extra = {"--rdzv-timeout", "4"};
+  job.launch(0, 2, 1);
+  job.launch(1, 1, 1);
+  ASSERT_TRUE(job.training(3)) << job.all_logs();
+  std::this_thread::sleep_for(1s);
+  const double t0 = wall_now();
+  ASSERT_TRUE(hosts_->cut(1));
+  job.wait_all();
+  EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();
+  EXPECT_EQ(job.results[1].exit_code, 5) << job.all_logs();  // lost the job
+  EXPECT_NE(job.results[1].output.find("lost the job"), std::string::npos) << job.results[1].output;
+  EXPECT_NE(job.results[1].output.find(job.rdzv()), std::string::npos) << job.results[1].output;
+  EXPECT_LT(job.exited_at[1] - t0, 4.0 + 1.5) << "within --rdzv-timeout";
+  EXPECT_TRUE(job.workers(1).empty()) << "B's worker outlived its launcher";
+  const double reformed = job.reformed_after(t0);
+  EXPECT_GT(reformed, 0);
+  EXPECT_LT(reformed, 3.0);
+  limbo::testing::expect_exactly_once(job.run, 5, 3000);
+}
+
+// Only B's launcher dies: its worker is told (SIGTERM from the kernel) and
+// leaves the job cleanly; the others go on without it.
+TEST_F(LostHost, OnlyTheLauncherDiesItsWorkerLeavesCleanly) {
+  HostJob job{*hosts_, 5};
+  job.launch(0, 2, 1);
+  job.launch(1, 1, 1);
+  ASSERT_TRUE(job.training(3)) << job.all_logs();
+  std::this_thread::sleep_for(1s);
+  auto b_workers = job.workers(1);
+  ASSERT_EQ(b_workers.size(), 1u);
+  const double t0 = wall_now();
+  ::kill(job.launchers[1], SIGKILL);
+  job.wait_all();
+  EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();
+  EXPECT_EQ(job.results[1].signal, SIGKILL);
+  EXPECT_NE(::kill(b_workers[0], 0), 0) << "B's worker still runs without its launcher";
+  EXPECT_NE(job.results[0].output.find("left 3"), std::string::npos) << job.results[0].output;
+  const double reformed = job.reformed_after(t0);
+  EXPECT_GT(reformed, 0);
+  EXPECT_LT(reformed, 3.0);
+  limbo::testing::expect_exactly_once(job.run, 5, 3000);
+}
+
+// Eight hosts, one worker each, at least four needed. Three are lost one
+// after another, each a different way: killed, frozen, cut off.
+TEST(EightHosts, ThreeHostsLostThreeWaysTheJobCompletesOnTheRest) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  VirtualHosts hosts(8);
+  if (!hosts.ok()) GTEST_SKIP() << hosts.why();
+  HostJob job{hosts, 5};
+  job.train_limit = 4000;
+  // Sixteen processes share two cores here: a longer heartbeat timeout
+  // keeps scheduling delays from counting as losses.
+  job.launcher_extra = {"--heartbeat-timeout", "1", "--rdzv-timeout", "6"};
+  job.launch(0, 1, 4);
+  for (int h = 1; h < 8; ++h) job.launch(h, 1, 4);
+  ASSERT_TRUE(job.training(8)) << job.all_logs();
+  std::this_thread::sleep_for(1s);
+  hosts.signal_host(7, SIGKILL);
+  std::this_thread::sleep_for(2s);
+  hosts.signal_host(6, SIGSTOP);
+  std::this_thread::sleep_for(2s);
+  ASSERT_TRUE(hosts.cut(5));
+  job.wait_all(180);
+  for (int h : {0, 1, 2, 3, 4}) EXPECT_EQ(job.results[h].exit_code, 0) << "host " << h << job.all_logs();
+  EXPECT_EQ(job.results[5].exit_code, 5) << job.results[5].output;
+  EXPECT_EQ(job.results[7].signal, SIGKILL);
+  auto s = nlohmann::json::parse(slurp(job.run + "/summary.json"));
+  EXPECT_EQ(s["workers"].get<int64_t>(), 5);
+  limbo::testing::expect_exactly_once(job.run, 5, 4000);
+}
+
+// A job guarded by a secret trains on while clients without it, with a
+// wrong one, with garbage, and a worker started without it are refused.
+TEST(JobSecret, RogueClientsAreRefusedAndLoggedWhileTheJobTrains) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::string token = d.file("job.token"), log = d.file("launch.log"), run = d.file("run");
+  std::ofstream(token) << "s3cret-of-this-job-0123456789abcdef\n";
+  ::chmod(token.c_str(), 0600);
+  pid_t launcher = limbo::testing::spawn_limbo(
+      {"launch", "--nproc", "2", "--min-workers", "2", "--token-file", token, "--run-dir", run, "--",
+       "--set", "model.name=mlp", "--set", "model.width=64", "--set", "data.train_limit=3000",
+       "--set", "data.test_limit=300", "--set", "data.batch_size=16", "--set", "train.epochs=4",
+       "--set", "train.threads=1", "--set", "train.progress=false", "--set", "train.slow_step_ms=10",
+       "--set", "train.sample_log=true"},
+      log);
+  limbo::testing::KillOnExit guard{{launcher}};
+  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60)) << slurp(log);
+  std::smatch m;
+  const std::string text = slurp(log);
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("store at 127.0.0.1:([0-9]+)"))) << text;
+  const int port = std::stoi(m[1]);
+  EXPECT_THROW(limbo::comm::StoreClient("127.0.0.1", port, 2s), limbo::InvalidInput);
+  EXPECT_THROW(limbo::comm::StoreClient("127.0.0.1", port, 2s, "a wrong secret of 32 bytes......"),
+               limbo::InvalidInput);
+  int raw = limbo::testing::connect_loopback(port);
+  const std::string junk = "\x10\x00\x00\x00\x01garbage-garbage";
+  ::send(raw, junk.data(), junk.size(), MSG_NOSIGNAL);
+  ::close(raw);
+  auto rogue = limbo::testing::run_limbo({"train", "--elastic", "--dist-rdzv", "127.0.0.1:" + m[1].str(),
+                                          "--run-dir", d.file("rogue"), "--set", "model.name=mlp"});
+  EXPECT_EQ(rogue.exit_code, 2) << rogue.output;
+  EXPECT_NE(rogue.output.find("needs the job's secret"), std::string::npos) << rogue.output;
+  auto r = limbo::testing::wait_child(launcher, log, 180);
+  guard.pids.clear();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("refused a connection"), std::string::npos) << r.output;
+  auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_EQ(s["membership_changes"].get<int64_t>(), 0) << "a rogue client changed the membership";
+  limbo::testing::expect_identical_finals(run, 2);
+}
+
+}  // namespace
