@@ -14,6 +14,7 @@
 #include <chrono>
 #include <fstream>
 #include <regex>
+#include <set>
 #include <thread>
 
 #include "comm/store.h"
@@ -44,6 +45,7 @@ struct HostJob {
   int epochs;
   int train_limit = 3000;
   std::vector<std::string> launcher_extra;
+  std::map<int, std::vector<std::string>> host_extra;  // more launcher arguments for one host
   TempDir d;
   std::string run = d.file("run");
   int port = 29500 + ::getpid() % 400;
@@ -65,11 +67,24 @@ struct HostJob {
     std::vector<std::string> a = {LIMBO_BINARY, "launch", "--nproc", std::to_string(nproc), "--min-workers",
                                   std::to_string(min), "--rdzv", rdzv()};
     a.insert(a.end(), launcher_extra.begin(), launcher_extra.end());
+    a.insert(a.end(), host_extra[h].begin(), host_extra[h].end());
     a.push_back("--");
     auto t = train_args();
     a.insert(a.end(), t.begin(), t.end());
     launchers[h] = limbo::testing::spawn_process(hosts.in(h, a), log(h));
     if (h == 0) ASSERT_TRUE(limbo::testing::wait_for_text(log(0), "store at", 30)) << slurp(log(0));
+  }
+  // Host A (hosting, 2 workers) and host B (1 worker), training together
+  // for a second; false (with a test failure) when they never did.
+  bool start_two_hosts() {
+    launch(0, 2, 1);
+    launch(1, 1, 1);
+    if (!training(3)) {
+      ADD_FAILURE() << "three workers never trained together" << all_logs();
+      return false;
+    }
+    std::this_thread::sleep_for(1s);
+    return true;
   }
   // Waits until a round holds `members` workers and training has begun.
   bool training(int members) {
@@ -78,13 +93,13 @@ struct HostJob {
     return limbo::testing::wait_for_text(log(0), want + "]", 60) &&
            limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60);
   }
-  // Waits for every launcher still running (each at most `timeout_s`),
-  // recording when each exited.
-  void wait_all(double timeout_s = 120) {
+  // Waits for every launcher still running except the `frozen` ones (all
+  // at most `timeout_s`), recording when each exited; then kills the rest.
+  void wait_all(double timeout_s = 120, const std::set<int>& frozen = {}) {
     const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
-    while (results.size() < launchers.size() && std::chrono::steady_clock::now() < end) {
+    while (results.size() + frozen.size() < launchers.size() && std::chrono::steady_clock::now() < end) {
       for (auto& [h, pid] : launchers) {
-        if (results.count(h)) continue;
+        if (results.count(h) || frozen.count(h)) continue;
         int status = 0;
         if (::waitpid(pid, &status, WNOHANG) == pid) {
           ProcessResult r;
@@ -101,7 +116,7 @@ struct HostJob {
       if (!results.count(h)) {
         ::kill(pid, SIGKILL);
         results[h] = limbo::testing::wait_child(pid, log(h));
-        results[h].timed_out = true;
+        results[h].timed_out = !frozen.count(h);
       }
   }
   // The processes of host h other than its launcher (its workers).
@@ -145,10 +160,7 @@ class LostHost : public ::testing::Test {
 // to form until the formation timeout (10 s then; 30 s here).
 TEST_F(LostHost, AKilledHostIsReplacedAtOnceNotAfterAFormationTimeout) {
   HostJob job{*hosts_, 6};
-  job.launch(0, 2, 1);
-  job.launch(1, 1, 1);
-  ASSERT_TRUE(job.training(3)) << job.all_logs();
-  std::this_thread::sleep_for(1s);
+  ASSERT_TRUE(job.start_two_hosts());
   const double t0 = wall_now();
   hosts_->signal_host(1, SIGKILL);
   job.wait_all();
@@ -163,10 +175,7 @@ TEST_F(LostHost, AKilledHostIsReplacedAtOnceNotAfterAFormationTimeout) {
 // launcher logged "training completed", then a store error, and exited 3.
 TEST_F(LostHost, ANonHostingLauncherOfACompletedJobExitsZero) {
   HostJob job{*hosts_, 5};
-  job.launch(0, 2, 1);
-  job.launch(1, 1, 1);
-  ASSERT_TRUE(job.training(3)) << job.all_logs();
-  std::this_thread::sleep_for(1s);
+  ASSERT_TRUE(job.start_two_hosts());
   auto b_workers = job.workers(1);
   ASSERT_EQ(b_workers.size(), 1u);
   ::kill(b_workers[0], SIGSTOP);
@@ -182,10 +191,7 @@ TEST_F(LostHost, ANonHostingLauncherOfACompletedJobExitsZero) {
 TEST_F(LostHost, ALauncherCutOffFromItsJobStopsItsWorkersAndExitsWithItsOwnCode) {
   HostJob job{*hosts_, 5};
   job.launcher_extra = {"--rdzv-timeout", "4"};
-  job.launch(0, 2, 1);
-  job.launch(1, 1, 1);
-  ASSERT_TRUE(job.training(3)) << job.all_logs();
-  std::this_thread::sleep_for(1s);
+  ASSERT_TRUE(job.start_two_hosts());
   const double t0 = wall_now();
   ASSERT_TRUE(hosts_->cut(1));
   job.wait_all();
@@ -205,10 +211,7 @@ TEST_F(LostHost, ALauncherCutOffFromItsJobStopsItsWorkersAndExitsWithItsOwnCode)
 // leaves the job cleanly; the others go on without it.
 TEST_F(LostHost, OnlyTheLauncherDiesItsWorkerLeavesCleanly) {
   HostJob job{*hosts_, 5};
-  job.launch(0, 2, 1);
-  job.launch(1, 1, 1);
-  ASSERT_TRUE(job.training(3)) << job.all_logs();
-  std::this_thread::sleep_for(1s);
+  ASSERT_TRUE(job.start_two_hosts());
   auto b_workers = job.workers(1);
   ASSERT_EQ(b_workers.size(), 1u);
   const double t0 = wall_now();
@@ -224,6 +227,23 @@ TEST_F(LostHost, OnlyTheLauncherDiesItsWorkerLeavesCleanly) {
   limbo::testing::expect_exactly_once(job.run, 5, 3000);
 }
 
+// A worker killed on another host (its launcher alive) is started again by
+// its launcher and rejoins the job that went on without it.
+TEST_F(LostHost, AWorkerKilledOnAnotherHostIsRestartedAndRejoins) {
+  HostJob job{*hosts_, 6};
+  ASSERT_TRUE(job.start_two_hosts());
+  auto b_workers = job.workers(1);
+  ASSERT_EQ(b_workers.size(), 1u);
+  ::kill(b_workers[0], SIGKILL);
+  job.wait_all();
+  EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();
+  EXPECT_EQ(job.results[1].exit_code, 0) << job.all_logs();
+  EXPECT_NE(job.results[1].output.find("restarting them to rejoin the job"), std::string::npos)
+      << job.results[1].output;
+  EXPECT_NE(job.results[0].output.find("(joined 4)"), std::string::npos) << job.results[0].output;
+  limbo::testing::expect_exactly_once(job.run, 6, 3000);
+}
+
 // Eight hosts, one worker each, at least four needed. Three are lost one
 // after another, each a different way: killed, frozen, cut off.
 TEST(EightHosts, ThreeHostsLostThreeWaysTheJobCompletesOnTheRest) {
@@ -234,7 +254,11 @@ TEST(EightHosts, ThreeHostsLostThreeWaysTheJobCompletesOnTheRest) {
   job.train_limit = 4000;
   // Sixteen processes share two cores here: a longer heartbeat timeout
   // keeps scheduling delays from counting as losses.
-  job.launcher_extra = {"--heartbeat-timeout", "1", "--rdzv-timeout", "6"};
+  // The hosting launcher waits longer for the first round (eight launchers
+  // start slowly on two cores); the others count a lost job after 6 s.
+  job.launcher_extra = {"--heartbeat-timeout", "1"};
+  job.host_extra[0] = {"--rdzv-timeout", "60"};
+  for (int h = 1; h < 8; ++h) job.host_extra[h] = {"--rdzv-timeout", "6"};
   job.launch(0, 1, 4);
   for (int h = 1; h < 8; ++h) job.launch(h, 1, 4);
   ASSERT_TRUE(job.training(8)) << job.all_logs();
@@ -244,7 +268,7 @@ TEST(EightHosts, ThreeHostsLostThreeWaysTheJobCompletesOnTheRest) {
   hosts.signal_host(6, SIGSTOP);
   std::this_thread::sleep_for(2s);
   ASSERT_TRUE(hosts.cut(5));
-  job.wait_all(180);
+  job.wait_all(120, {6});
   for (int h : {0, 1, 2, 3, 4}) EXPECT_EQ(job.results[h].exit_code, 0) << "host " << h << job.all_logs();
   EXPECT_EQ(job.results[5].exit_code, 5) << job.results[5].output;
   EXPECT_EQ(job.results[7].signal, SIGKILL);

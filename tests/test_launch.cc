@@ -161,4 +161,30 @@ TEST(Launch, AKilledWorkerStopsTheJobWithAnError) {
   EXPECT_NE(r.output.find("worker rank 1"), std::string::npos) << r.output;
 }
 
+// Found: `limbo launch --run-dir D` (before --) was taken by the
+// parameter-server launcher but silently ignored by the data-parallel one,
+// whose run went to runs/launch-<time>. Both launchers take it now; a
+// different --run-dir after -- is refused.
+TEST(Launch, RunDirBeforeTheDoubleDashIsTheJobsRunDirectory) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  for (const char* elastic : {"no", "yes"}) {
+    const std::string run = d.file(std::string("run-") + elastic);
+    std::vector<std::string> la = {"launch", "--nproc", "2", "--run-dir", run};
+    if (std::string(elastic) == "yes") la.insert(la.end(), {"--min-workers", "1"});
+    la.push_back("--");
+    auto j = job(run, 16);
+    la.insert(la.end(), j.begin() + 2, j.end());  // without the job's own --run-dir
+    auto r = run_limbo(la);
+    ASSERT_EQ(r.exit_code, 0) << elastic << ": " << r.output;
+    auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
+    EXPECT_EQ(s["samples"].get<int64_t>(), 2 * 1000) << elastic;
+  }
+  auto clash = run_limbo({"launch", "--nproc", "1", "--run-dir", d.file("a"), "--", "--run-dir", d.file("b")});
+  EXPECT_EQ(clash.exit_code, 2) << clash.output;
+  EXPECT_NE(clash.output.find("differ"), std::string::npos) << clash.output;
+  EXPECT_FALSE(file_exists(d.file("a"))) << "a refused launch wrote its run directory";
+  EXPECT_FALSE(file_exists(d.file("b")));
+}
+
 }  // namespace

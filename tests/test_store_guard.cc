@@ -281,6 +281,7 @@ TEST(StoreGuard, OnlyClientsWithTheJobSecretGetIn) {
   StoreServer open("127.0.0.1", 0);
   EXPECT_THROW(StoreClient("127.0.0.1", open.port(), 2s, kSecret), InvalidInput);
   EXPECT_EQ(*ok.try_get("elastic/round"), "3");
+  for (int i = 0; i < 200 && hb.beats() < 3; ++i) std::this_thread::sleep_for(10ms);
   hb.stop();
   EXPECT_GT(hb.beats(), 0);
   EXPECT_EQ(hb.failures(), 0);

@@ -128,6 +128,14 @@ std::string peer_name(int fd) {
 }
 
 constexpr size_t kMaxHandshake = 4096;  // bytes a connection may send before it is authenticated
+// Fairness: one connection's turn reads at most kReadBudget bytes and
+// answers at most kServeBudget requests; a connection with kBacklog bytes
+// of complete requests waiting is not read from until they are served (its
+// sender is held back by TCP). Every other connection gets its turn in
+// between, so a pipelining client cannot delay a heartbeat.
+constexpr size_t kReadBudget = size_t{256} << 10;
+constexpr int kServeBudget = 256;
+constexpr size_t kBacklog = size_t{1} << 20;
 
 }  // namespace
 
@@ -161,6 +169,7 @@ struct StoreServer::Impl {
   std::map<std::string, std::set<int>> waiters;
   std::vector<int> woken;      // connections whose key was written
   std::vector<int> to_serve;   // connections with requests left to parse
+  std::vector<int> busy;       // connections whose turn ended with requests left
   SteadyClock::time_point accept_paused_until{};
   Throttled over_cap_log, emfile_log, auth_log;
   std::thread thread;
@@ -174,8 +183,11 @@ struct StoreServer::Impl {
       fds.push_back({accepting ? listen_fd : -1, POLLIN, 0});
       fds.push_back({wake[0], POLLIN, 0});
       for (auto& [fd, c] : conns)
-        fds.push_back({fd, static_cast<short>(POLLIN | (c.out_sent < c.out.size() ? POLLOUT : 0)), 0});
-      if (::poll(fds.data(), fds.size(), poll_timeout_ms(now)) < 0) {
+        fds.push_back({fd, static_cast<short>((wants_input(c) ? POLLIN : 0) | POLLRDHUP |
+                                              (c.out_sent < c.out.size() ? POLLOUT : 0)), 0});
+      to_serve.swap(busy);  // their next turn
+      busy.clear();
+      if (::poll(fds.data(), fds.size(), to_serve.empty() ? poll_timeout_ms(now) : 0) < 0) {
         if (errno == EINTR) continue;
         log_warn(std::string("rendezvous store: poll failed: ") + std::strerror(errno));
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -188,7 +200,7 @@ struct StoreServer::Impl {
         if (it == conns.end()) continue;
         Conn& c = it->second;
         if (fds[i].revents & POLLIN) read_from(fds[i].fd, c);
-        else if (fds[i].revents & (POLLERR | POLLHUP | POLLNVAL)) c.closing = true;
+        else if (fds[i].revents & (POLLERR | POLLHUP | POLLNVAL | POLLRDHUP)) c.closing = true;
         if (!c.closing && (fds[i].revents & POLLOUT)) flush(fds[i].fd, c);
       }
       expire(SteadyClock::now());
@@ -203,6 +215,16 @@ struct StoreServer::Impl {
         }
       }
     }
+  }
+
+  // Reads only while the connection has no backlog of complete requests
+  // (or needs the rest of a large one).
+  static bool wants_input(const Conn& c) {
+    const size_t pending = c.in.size() - c.in_off;
+    if (pending < 4) return true;
+    const size_t len = get_u32(c.in.data() + c.in_off);
+    if (pending < 4 + static_cast<size_t>(std::min<size_t>(len, kMaxFrame))) return true;
+    return pending < kBacklog && !c.parked;
   }
 
   int poll_timeout_ms(SteadyClock::time_point now) const {
@@ -247,9 +269,10 @@ struct StoreServer::Impl {
 
   void read_from(int fd, Conn& c) {
     char buf[65536];
-    for (;;) {
+    for (size_t got = 0; got < kReadBudget;) {
       ssize_t n = ::recv(fd, buf, sizeof buf, 0);
       if (n > 0) {
+        got += static_cast<size_t>(n);
         c.in.append(buf, static_cast<size_t>(n));
         const size_t pending = c.in.size() - c.in_off;
         if (!c.authed && pending > kMaxHandshake) {
@@ -274,7 +297,11 @@ struct StoreServer::Impl {
   // request holds back the ones behind it). Never recurses: writes that
   // wake parked requests queue them for drain().
   void serve(int fd, Conn& c) {
-    while (!c.closing && !c.parked && c.in.size() - c.in_off >= 4) {
+    for (int served = 0; !c.closing && !c.parked && c.in.size() - c.in_off >= 4; ++served) {
+      if (served == kServeBudget) {
+        busy.push_back(fd);
+        break;
+      }
       const char* p = c.in.data() + c.in_off;
       const size_t len = get_u32(p);
       if (len == 0 || len > kMaxFrame || (!c.authed && len > kMaxHandshake)) {

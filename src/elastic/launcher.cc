@@ -167,6 +167,7 @@ class Job {
   bool acked_ = false;
   std::set<pid_t> terminating_, killed_after_done_, checked_after_done_;
   int next_index_ = 0, restarts_ = 0;
+  int alive_ = 0;  // workers alive in the job at the coordinator's last poll
 };
 
 Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
@@ -312,14 +313,24 @@ void Job::on_all_gone() {
   bool done = false;
   if (opt_.elastic) with_store([&] { done = kv_->try_get("elastic/done").has_value(); });
   if (done) return complete("training completed");
+  // While the job goes on elsewhere (another launcher's workers), new
+  // workers rejoin it (state sync gives them the newest state). When every
+  // worker of the job is gone, the job restarts from its last checkpoint.
   const std::string ckpt = run_dir_ + "/checkpoint.pt";
-  if (opt_.elastic && restarts_ < opt_.max_restarts && !run_dir_.empty() && ::access(ckpt.c_str(), R_OK) == 0) {
+  const bool have_ckpt = !run_dir_.empty() && ::access(ckpt.c_str(), R_OK) == 0;
+  if (coordinator_) on_round(coordinator_->poll());  // this launcher's workers are marked dead by now
+  if (phase_ == Phase::Stopping || phase_ == Phase::Completing) return;
+  const bool job_lives = opt_.elastic && (!hosting_ || alive_ > 0);
+  if (opt_.elastic && restarts_ < opt_.max_restarts && (have_ckpt || job_lives)) {
     ++restarts_;
-    log_warn("launch: every worker is gone; restarting the job from " + ckpt + " (restart " +
-             std::to_string(restarts_) + " of at most " + std::to_string(opt_.max_restarts) + ")");
-    for (int r = 0; r < opt_.nproc; ++r) start_worker(next_index_++, true);
+    const std::string what = !job_lives ? "every worker is gone; restarting the job from " + ckpt
+                                      : "every worker of this launcher is gone; restarting them to rejoin the job" +
+                                            (have_ckpt ? " (from " + ckpt + ")" : std::string());
+    log_warn("launch: " + what + " (restart " + std::to_string(restarts_) + " of at most " +
+             std::to_string(opt_.max_restarts) + ")");
+    for (int r = 0; r < opt_.nproc; ++r) start_worker(next_index_++, have_ckpt);
     result_ = 0;
-    return enter(Phase::Starting, "restarted from the checkpoint");
+    return enter(Phase::Starting, "workers restarted");
   }
   if (result_ == 0) {
     result_ = kExitFailure;
@@ -461,6 +472,7 @@ void Job::apply_schedule() {
 }
 
 void Job::on_round(const Coordinator::Result& r) {
+  alive_ = r.alive;
   if (r.new_round) {
     log_info("launch: membership round " + std::to_string(r.round.number) + ": workers [" +
              format_members(r.round.members) + "] (" + r.reason + ")");
@@ -475,6 +487,13 @@ void Job::on_round(const Coordinator::Result& r) {
       page_->board().member_event(static_cast<int>(r.round.members.size()), kind, r.reason);
     }
   }
+  if (r.fell_below || r.below_minimum_timed_out) {
+    // Members that completed leave the group: not a shortage. (They set
+    // elastic/done before they leave, so this check cannot miss it.)
+    bool done = false;
+    with_store([&] { done = kv_->try_get("elastic/done").has_value(); });
+    if (done) return complete("training completed");
+  }
   if (r.fell_below && r.round.number > 0) {
     log_warn("launch: " + std::to_string(r.alive) + " workers alive, below the minimum of " +
              std::to_string(opt_.min_workers) + "; waiting up to " +
@@ -482,9 +501,6 @@ void Job::on_round(const Coordinator::Result& r) {
     enter(Phase::Reforming, "below the minimum");
   }
   if (r.below_minimum_timed_out) {
-    bool done = false;
-    with_store([&] { done = kv_->try_get("elastic/done").has_value(); });
-    if (done) return complete("training completed");
     log_warn("launch: only " + std::to_string(r.alive) + " workers alive, below the minimum of " +
              std::to_string(opt_.min_workers) + ", for longer than the rendezvous timeout; stopping the job");
     stop(kExitTimeout, "fewer workers than --min-workers for longer than the rendezvous timeout", SIGTERM);
