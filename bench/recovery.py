@@ -138,7 +138,7 @@ def host_trial(limbo, way):
                 stdout=logs[h], stderr=subprocess.STDOUT))
             if h == 0 and not wait_for(logs[0].name, "store at", 30):
                 raise RuntimeError("host A did not start its store")
-        if not (wait_for(logs[0].name, "membership round 1: workers [1,2,3]", 60)
+        if not (wait_for(logs[0].name, ": workers [1,2,3]", 60)
                 and wait_for(os.path.join(run, "metrics.jsonl"), '"kind":"train"', 60)):
             raise RuntimeError("training did not start on three workers")
         time.sleep(1.0)

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "comm/kv_store.h"
+#include "common/error.h"
 #include "common/files.h"
 #include "elastic/coordinator.h"
 #include "job_checks.h"
@@ -122,6 +123,43 @@ TEST(Coordinator, ASilentMemberAbortsItsRoundALeavingOneDoesNot) {
   f.advance(0.5);
   f.beat(1);
   EXPECT_TRUE(f.coord->poll().aborted.empty());  // once per round
+}
+
+// A store call that fails in the middle of writing a round (a timeout on a
+// starved machine) leaves nothing half-done: the next poll writes the round
+// whole, so members are told of it (its event) and never wait for a round
+// the coordinator believes it wrote.
+class FlakyKvStore : public comm::MemoryKvStore {
+ public:
+  std::string fail_key;  // the next set() of this key throws
+  void set(const std::string& key, const std::string& value) override {
+    if (key == fail_key) {
+      fail_key.clear();
+      throw Timeout("store: no answer (test)");
+    }
+    MemoryKvStore::set(key, value);
+  }
+};
+
+TEST(Coordinator, AStoreErrorWhileWritingARoundIsRetriedWhole) {
+  auto kv = std::make_shared<FlakyKvStore>();
+  CoordinatorOptions opt;
+  opt.initial_workers = 2;
+  opt.heartbeat_timeout = std::chrono::seconds(3);
+  std::chrono::steady_clock::time_point now{};
+  Coordinator coord(kv, opt, [&] { return now; });
+  for (int i = 1; i <= 2; ++i) {
+    kv->add("elastic/next_id", 1);
+    kv->set("elastic/join/" + std::to_string(i), "1");
+  }
+  kv->fail_key = "elastic/round";
+  EXPECT_THROW(coord.poll(), Timeout);
+  auto r = coord.poll();
+  ASSERT_TRUE(r.new_round);
+  EXPECT_EQ(r.round.number, 1);
+  EXPECT_EQ(*kv->try_get("elastic/round"), "1");
+  EXPECT_EQ(*kv->try_get("elastic/event/" + *kv->try_get("elastic/events")), "round 1");
+  EXPECT_FALSE(coord.poll().new_round);
 }
 
 TEST(Coordinator, AnswersARequestForTheCurrentRoundOnce) {

@@ -20,6 +20,7 @@
 #include "comm/auth.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/throttled_log.h"
 
 namespace limbo::comm {
 
@@ -97,27 +98,6 @@ namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 
-// Logs at most one line a second for one kind of event, with the number of
-// lines left out since the last one (a flood must not flood the log).
-class Throttled {
- public:
-  void warn(const std::string& what) {
-    const auto now = SteadyClock::now();
-    if (now - last_ < std::chrono::seconds(1)) {
-      ++skipped_;
-      return;
-    }
-    log_warn("rendezvous store: " + what +
-             (skipped_ ? " (and " + std::to_string(skipped_) + " more like it in the last second)" : ""));
-    skipped_ = 0;
-    last_ = now;
-  }
-
- private:
-  SteadyClock::time_point last_{};
-  size_t skipped_ = 0;
-};
-
 std::string peer_name(int fd) {
   sockaddr_in a{};
   socklen_t len = sizeof a;
@@ -171,7 +151,8 @@ struct StoreServer::Impl {
   std::vector<int> to_serve;   // connections with requests left to parse
   std::vector<int> busy;       // connections whose turn ended with requests left
   SteadyClock::time_point accept_paused_until{};
-  Throttled over_cap_log, emfile_log, auth_log;
+  ThrottledLog over_cap_log{"rendezvous store: "}, emfile_log{"rendezvous store: "},
+      auth_log{"rendezvous store: "};
   std::thread thread;
 
   void run() {

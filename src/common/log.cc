@@ -1,4 +1,5 @@
 #include "common/log.h"
+#include "common/throttled_log.h"
 
 #include <atomic>
 #include <chrono>
@@ -34,6 +35,18 @@ void log(LogLevel level, const std::string& message) {
   std::lock_guard<std::mutex> lock(g_mu);
   std::fprintf(stderr, "[%s %s] %s\n", stamp, name(level), message.c_str());
   std::fflush(stderr);
+}
+
+void ThrottledLog::warn(const std::string& what) {
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_ < std::chrono::seconds(1)) {
+    ++skipped_;
+    return;
+  }
+  log_warn(prefix_ + what +
+           (skipped_ ? " (and " + std::to_string(skipped_) + " more like it in the last second)" : ""));
+  skipped_ = 0;
+  last_ = now;
 }
 
 }  // namespace limbo

@@ -63,9 +63,11 @@ Coordinator::Result Coordinator::poll() {
   for (auto id : current_.members)
     if (!left.count(id) && !std::binary_search(alive.begin(), alive.end(), id)) silent.push_back(id);
   if (!silent.empty() && aborted_round_ < current_.number) {
-    aborted_round_ = current_.number;
+    // Written before it is remembered: a store error here is retried by
+    // the next poll.
     store_->set("elastic/abort", std::to_string(current_.number));
     publish_event("abort " + std::to_string(current_.number));
+    aborted_round_ = current_.number;
     r.aborted = silent;
   }
   if (static_cast<int>(alive.size()) > opt_.max_workers) alive.resize(opt_.max_workers);
@@ -103,11 +105,12 @@ Coordinator::Result Coordinator::poll() {
     if (!gone.empty()) r.reason += std::string(r.reason.empty() ? "" : "; ") + "left " + format_members(gone);
     if (!lost.empty()) r.reason += std::string(r.reason.empty() ? "" : "; ") + "lost " + format_members(lost);
     if (r.reason.empty()) r.reason = "requested by a member";
-    current_.number += 1;
+    const int64_t next = current_.number + 1;
+    store_->set("elastic/round/" + std::to_string(next), format_members(alive));
+    store_->set("elastic/round", std::to_string(next));
+    publish_event("round " + std::to_string(next));
+    current_.number = next;  // only once every key is written (a store error: the next poll writes it again)
     current_.members = alive;
-    store_->set("elastic/round/" + std::to_string(current_.number), format_members(alive));
-    store_->set("elastic/round", std::to_string(current_.number));
-    publish_event("round " + std::to_string(current_.number));
     r.new_round = true;
   }
   r.round = current_;

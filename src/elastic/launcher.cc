@@ -18,6 +18,7 @@
 #include "status/server.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/throttled_log.h"
 #include "common/files.h"
 #include "common/process.h"
 #include "common/timing.h"
@@ -168,6 +169,7 @@ class Job {
   std::set<pid_t> terminating_, killed_after_done_, checked_after_done_;
   int next_index_ = 0, restarts_ = 0;
   int alive_ = 0;  // workers alive in the job at the coordinator's last poll
+  ThrottledLog poll_errors_;
 };
 
 Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
@@ -318,7 +320,7 @@ void Job::on_all_gone() {
   // worker of the job is gone, the job restarts from its last checkpoint.
   const std::string ckpt = run_dir_ + "/checkpoint.pt";
   const bool have_ckpt = !run_dir_.empty() && ::access(ckpt.c_str(), R_OK) == 0;
-  if (coordinator_) on_round(coordinator_->poll());  // this launcher's workers are marked dead by now
+  if (coordinator_) with_store([&] { on_round(coordinator_->poll()); });  // its workers are marked dead by now
   if (phase_ == Phase::Stopping || phase_ == Phase::Completing) return;
   const bool job_lives = opt_.elastic && (!hosting_ || alive_ > 0);
   if (opt_.elastic && restarts_ < opt_.max_restarts && (have_ckpt || job_lives)) {
@@ -363,8 +365,14 @@ void Job::tick() {
   poll_store();
   if (phase_ == Phase::Completing || phase_ == Phase::Lost) return;
   if (coordinator_) {
-    apply_schedule();
-    on_round(coordinator_->poll());
+    try {
+      apply_schedule();
+      on_round(coordinator_->poll());
+    } catch (const Error& e) {
+      // A store call that timed out (a starved machine): the next poll, 20 ms
+      // later, takes it up again; the coordinator commits nothing half-written.
+      poll_errors_.warn(std::string("launch: the coordinator's poll failed (") + e.what() + "); retrying");
+    }
   }
 }
 

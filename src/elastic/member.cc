@@ -103,8 +103,14 @@ void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
 
 void Member::on_event(const std::string& event) {
   const auto space = event.find(' ');
-  if (space == std::string::npos) return;
-  const int64_t k = std::stoll(event.substr(space + 1));
+  int64_t k = 0;
+  try {
+    if (space == std::string::npos) throw std::invalid_argument("no round");
+    k = std::stoll(event.substr(space + 1));
+  } catch (const std::exception&) {
+    log_warn("worker " + std::to_string(id_) + ": ignored a malformed membership event '" + event + "'");
+    return;
+  }
   if (event.compare(0, space, "round") == 0) {
     int64_t cur = latest_round_.load();
     while (cur < k && !latest_round_.compare_exchange_weak(cur, k)) {
