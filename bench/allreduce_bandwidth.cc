@@ -15,6 +15,8 @@
 //                                     [--bucket-mb 8] [--threads 1]
 //                                     [--model-width 2048] [--model-depth 3] [--batch 64]
 //                                     [--overlap-bucket-mb 4] [--steps 30]
+#include "bench_args.h"
+
 #include <gloo/allreduce.h>
 #include <gloo/math.h>
 #include <gloo/rendezvous/context.h>
@@ -169,26 +171,20 @@ OverlapResult measure_overlap(int rank, int port, int64_t width, int64_t depth, 
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 20;
-  std::vector<double> sizes_mb = {1, 4, 16, 64};
-  int64_t width = 2048, depth = 3, batch = 64, overlap_bucket = 4 << 20;
-  int steps = 30;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string a = argv[i];
-    if (a == "--reps") reps = std::atoi(argv[i + 1]);
-    if (a == "--model-width") width = std::atol(argv[i + 1]);
-    if (a == "--model-depth") depth = std::atol(argv[i + 1]);
-    if (a == "--batch") batch = std::atol(argv[i + 1]);
-    if (a == "--steps") steps = std::atoi(argv[i + 1]);
-    if (a == "--overlap-bucket-mb") overlap_bucket = static_cast<int64_t>(std::stod(argv[i + 1]) * (1 << 20));
-    if (a == "--bucket-mb") g_bucket_bytes = static_cast<int64_t>(std::stod(argv[i + 1]) * (1 << 20));
-    if (a == "--threads") g_threads = std::atoi(argv[i + 1]);
-    if (a == "--sizes-mb") {
-      sizes_mb.clear();
-      std::stringstream ss(argv[i + 1]);
-      for (std::string s; std::getline(ss, s, ',');) sizes_mb.push_back(std::stod(s));
-    }
-  }
+  const limbo::bench::BenchArgs args(
+      argc, argv,
+      "[--reps 20] [--sizes-mb 1,4,16,64] [--threads 2] [--bucket-mb 8] [--model-width 2048] "
+      "[--model-depth 3] [--batch 64] [--steps 30] [--overlap-bucket-mb 4]",
+      {"--reps", "--sizes-mb", "--threads", "--bucket-mb", "--model-width", "--model-depth", "--batch", "--steps",
+       "--overlap-bucket-mb"});
+  const int reps = static_cast<int>(args.integer("--reps", 20));
+  const std::vector<double> sizes_mb = args.numbers("--sizes-mb", {1, 4, 16, 64});
+  const int64_t width = args.integer("--model-width", 2048), depth = args.integer("--model-depth", 3),
+                batch = args.integer("--batch", 64);
+  const int64_t overlap_bucket = static_cast<int64_t>(args.number("--overlap-bucket-mb", 4) * (1 << 20));
+  const int steps = static_cast<int>(args.integer("--steps", 30));
+  g_bucket_bytes = static_cast<int64_t>(args.number("--bucket-mb", g_bucket_bytes / double(1 << 20)) * (1 << 20));
+  g_threads = static_cast<int>(args.integer("--threads", g_threads));
   torch::set_num_threads(1);
   int port = 0;
   auto store = limbo::comm::host_store("127.0.0.1", &port);

@@ -17,6 +17,8 @@
 //
 //   build/bench/limbo_bench_ps_roundtrip [--reps 20] [--sizes-m 1,10] [--part-mb 1]
 //                                        [--momentum 0.9] [--weight-decay 0]
+#include "bench_args.h"
+
 #include <zmq.h>
 
 #include <nlohmann/json.hpp>
@@ -260,25 +262,14 @@ double median(std::vector<double> v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 20;
-  std::vector<size_t> sizes_m = {1, 10};
-  double part_mb = 1.0, momentum = 0.9, weight_decay = 0.0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    std::string a = argv[i];
-    if (a == "--reps") reps = std::atoi(argv[i + 1]);
-    else if (a == "--part-mb") part_mb = std::atof(argv[i + 1]);
-    else if (a == "--momentum") momentum = std::atof(argv[i + 1]);
-    else if (a == "--weight-decay") weight_decay = std::atof(argv[i + 1]);
-    else if (a == "--sizes-m") {
-      sizes_m.clear();
-      std::stringstream ss(argv[i + 1]);
-      std::string item;
-      while (std::getline(ss, item, ',')) sizes_m.push_back(std::stoul(item));
-    } else {
-      std::fprintf(stderr, "usage: %s [--reps N] [--sizes-m 1,10] [--part-mb 1] [--momentum 0.9] [--weight-decay 0]\n", argv[0]);
-      return 2;
-    }
-  }
+  const limbo::bench::BenchArgs args(
+      argc, argv, "[--reps 20] [--sizes-m 1,10] [--part-mb 1] [--momentum 0.9] [--weight-decay 0]",
+      {"--reps", "--sizes-m", "--part-mb", "--momentum", "--weight-decay"});
+  const int reps = static_cast<int>(args.integer("--reps", 20));
+  std::vector<size_t> sizes_m;
+  for (double m : args.numbers("--sizes-m", {1, 10})) sizes_m.push_back(static_cast<size_t>(m));
+  const double part_mb = args.number("--part-mb", 1.0), momentum = args.number("--momentum", 0.9),
+               weight_decay = args.number("--weight-decay", 0.0);
   limbo::set_log_level(limbo::LogLevel::Warn);
   limbo::keep_freed_memory();  // as the limbo binary does at start-up (applies to both sides)
   std::printf("push + pull round trip on loopback, median of %d interleaved reps, parts of %g MiB, "

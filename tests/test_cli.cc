@@ -197,11 +197,40 @@ TEST(Cli, StatusOfARunningJobAndItsErrors) {
   r = run_limbo({"status", d.path()});  // no status.url there
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("status.url"), std::string::npos) << r.output;
-  for (const std::string& bad : {"localhost", "127.0.0.1:99999", "203.0.113.7:0"}) {
+  for (const std::string bad : {"localhost", "127.0.0.1:99999", "203.0.113.7:0"}) {
     r = run_limbo({"train", "--run-dir", d.file("bad"), "--status", bad, "--set", "data.dataset=synthetic"});
     EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.output;
     EXPECT_NE(r.output.find("--status"), std::string::npos) << r.output;
     EXPECT_FALSE(file_exists(d.file("bad"))) << "a refused --status wrote the run directory";
+  }
+}
+
+// Found: the C++ benchmarks read their arguments in pairs, so a lone flag
+// (`--help`, or `--reps` without a value) was silently ignored and the whole
+// benchmark ran. Now --help prints the usage and a bad flag stops them with
+// exit code 2 before anything runs.
+TEST(BenchTools, HelpPrintsUsageAndBadFlagsStopBeforeAnythingRuns) {
+  limbo::testing::TempDir d;
+  for (const std::string bench : {"limbo_bench_ps_roundtrip", "limbo_bench_allreduce"}) {
+    const std::string exe = std::string(LIMBO_BENCH_DIR) + "/" + bench;
+    auto run = [&](const std::vector<std::string>& rest) {
+      std::vector<std::string> args = {exe};
+      args.insert(args.end(), rest.begin(), rest.end());
+      const std::string log = d.file(bench + ".log");
+      return limbo::testing::wait_child(limbo::testing::spawn_process(args, log), log, 60);
+    };
+    auto help = run(std::vector<std::string>(1, "--help"));
+    EXPECT_EQ(help.exit_code, 0) << bench << ": " << help.output;
+    EXPECT_NE(help.output.find("usage: "), std::string::npos) << help.output;
+    EXPECT_NE(help.output.find("--reps"), std::string::npos) << help.output;
+    EXPECT_EQ(help.output.find("GB/s"), std::string::npos) << bench << " ran the benchmark: " << help.output;
+    const std::vector<std::vector<std::string>> bads = {{"--reps"}, {"--bogus", "1"}, {"--reps", "many"}, {"--reps", "2.5"}};
+    for (const auto& bad : bads) {
+      auto r = run(bad);
+      EXPECT_EQ(r.exit_code, 2) << bench << " " << bad[0] << ": " << r.output;
+      EXPECT_NE(r.output.find("usage: "), std::string::npos) << r.output;
+      EXPECT_EQ(r.output.find("GB/s"), std::string::npos) << bench << " ran the benchmark: " << r.output;
+    }
   }
 }
 

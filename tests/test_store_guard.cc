@@ -364,4 +364,46 @@ TEST(StoreGuard, WaitForAnswersAtItsDeadlineAndCanBeCancelled) {
   EXPECT_EQ(*c.try_get("x"), "1");
 }
 
+// Found by review: a client that reconnected to a store that failed the
+// handshake (here: another job's store, without a secret, on the same port)
+// kept that connection, and its next call was served by the wrong store.
+TEST(StoreGuard, AClientNeverUsesAStoreThatFailedTheHandshake) {
+  StoreServerOptions opt;
+  opt.token = kSecret;
+  auto ours = std::make_unique<StoreServer>("127.0.0.1", 0, opt);
+  const int port = ours->port();
+  StoreClient c("127.0.0.1", port, 1s, kSecret);
+  c.set("a", "1");
+  ours.reset();
+  StoreServer other("127.0.0.1", port);  // no secret: not this job's
+  EXPECT_THROW(c.set("a", "2"), PeerFailure);   // the old connection closed
+  EXPECT_THROW(c.set("a", "3"), InvalidInput);  // reconnecting finds a store that asks for no secret
+  EXPECT_THROW(c.set("a", "4"), InvalidInput);  // and again: that connection was not kept
+  StoreClient look("127.0.0.1", port, 1s);
+  EXPECT_FALSE(look.try_get("a").has_value());
+}
+
+// Connections that never finish the handshake are capped (256 at once), so
+// a flood without the secret cannot take every connection slot.
+TEST(StoreGuard, ConnectionsInTheirHandshakeAreCapped) {
+  StoreServerOptions opt;
+  opt.token = kSecret;
+  opt.handshake_timeout = 1500ms;
+  StoreServer server("127.0.0.1", 0, opt);
+  std::vector<int> flood;
+  int greeted = 0;
+  for (int i = 0; i < 300; ++i) {
+    int fd = limbo::testing::connect_loopback(server.port());
+    timeval tv{2, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    greeted += read_frame(fd).status == kHello;
+    flood.push_back(fd);
+  }
+  EXPECT_EQ(greeted, 256);
+  // Once they time out, a member gets in.
+  StoreClient ok("127.0.0.1", server.port(), 5s, kSecret);
+  ok.set("x", "1");
+  for (int fd : flood) ::close(fd);
+}
+
 }  // namespace

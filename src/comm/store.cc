@@ -108,6 +108,9 @@ std::string peer_name(int fd) {
 }
 
 constexpr size_t kMaxHandshake = 4096;  // bytes a connection may send before it is authenticated
+// Connections in their handshake at once: a flood without the secret
+// cannot fill the connection cap and keep members out.
+constexpr size_t kMaxPendingHandshakes = 256;
 // Fairness: one connection's turn reads at most kReadBudget bytes and
 // answers at most kServeBudget requests; a connection with kBacklog bytes
 // of complete requests waiting is not read from until they are served (its
@@ -208,6 +211,12 @@ struct StoreServer::Impl {
     return pending < kBacklog && !c.parked;
   }
 
+  size_t pending_handshakes() const {
+    size_t n = 0;
+    for (const auto& [fd, c] : conns) n += !c.authed;
+    return n;
+  }
+
   int poll_timeout_ms(SteadyClock::time_point now) const {
     auto next = SteadyClock::time_point::max();
     if (now < accept_paused_until) next = accept_paused_until;
@@ -217,7 +226,7 @@ struct StoreServer::Impl {
   }
 
   void accept_all() {
-    for (;;) {
+    for (int accepted = 0; accepted < 256; ++accepted) {  // then the other connections get their turn
       int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
@@ -228,6 +237,12 @@ struct StoreServer::Impl {
                           "; pausing accepts for 100 ms");
         }
         return;  // EAGAIN, or an error to try again on the next poll
+      }
+      if (!opt.token.empty() && pending_handshakes() >= kMaxPendingHandshakes) {
+        over_cap_log.warn("closed a connection from " + peer_name(fd) + ": " +
+                          std::to_string(kMaxPendingHandshakes) + " connections are in their handshake already");
+        ::close(fd);
+        continue;
       }
       if (conns.size() >= opt.max_connections) {
         over_cap_log.warn("closed a connection from " + peer_name(fd) + ": " + std::to_string(conns.size()) +
@@ -388,7 +403,8 @@ struct StoreServer::Impl {
         } catch (const std::exception&) {
           return answer(fd, c, kBad, {"key '" + f[0] + "' does not hold an integer"});
         }
-        v += delta;
+        if (__builtin_add_overflow(v, delta, &v))
+          return answer(fd, c, kBad, {"key '" + f[0] + "' would overflow"});
         kv[f[0]] = std::to_string(v);
         answer(fd, c, kOk, {std::to_string(v)});
         return wrote(f[0]);
@@ -610,13 +626,16 @@ void StoreClient::connect_locked(std::chrono::steady_clock::time_point deadline)
     }
     if (rc == 0) {
       set_nodelay(fd);
-      fd_ = fd;
+      fd_ = fd;  // used by the handshake; dropped again unless it succeeds
       try {
         handshake_locked(deadline);
         return;
       } catch (const PeerFailure& e) {  // e.g. the server closed a connection over its cap: try again
         drop_locked();
         why = e.what();
+      } catch (...) {  // a store that is not ours, or refused us: never used
+        drop_locked();
+        throw;
       }
     } else {
       why = std::strerror(errno);
@@ -637,7 +656,9 @@ void StoreClient::handshake_locked(std::chrono::steady_clock::time_point deadlin
     return f;
   };
   uint8_t status = 0;
-  auto hello = fields(read_frame_locked(deadline, false), &status);
+  const std::string hello_frame = read_frame_locked(deadline, false);
+  if (hello_frame.empty()) throw PeerFailure("rendezvous store at " + address_ + ": no hello in time");
+  auto hello = fields(hello_frame, &status);
   if (status != kHello || hello.size() != 2 || hello[0] != kProtocol)
     throw InvalidInput("the rendezvous store at " + address_ + " does not speak " + kProtocol +
                        " (another program, or another Limbo version, on that port?)");
@@ -663,12 +684,11 @@ void StoreClient::handshake_locked(std::chrono::steady_clock::time_point deadlin
       throw PeerFailure("rendezvous store at " + address_ + ": " + std::strerror(errno));
     }
   }
-  std::string fr;
-  try {
-    fr = read_frame_locked(deadline, false);
-  } catch (const PeerFailure&) {
-    throw InvalidInput("the rendezvous store at " + address_ + " refused this process's job secret");
-  }
+  // (A connection closed here is a PeerFailure, retried: the server may
+  // have timed the handshake out on a starved machine. Only an explicit
+  // "denied" is a wrong secret.)
+  const std::string fr = read_frame_locked(deadline, false);
+  if (fr.empty()) throw PeerFailure("rendezvous store at " + address_ + ": handshake timed out");
   auto ok = fields(fr, &status);
   if (status == kDenied)
     throw InvalidInput("the rendezvous store at " + address_ + " refused this process's job secret (a "

@@ -24,11 +24,18 @@ Coordinator::Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOption
   // Members beat four times per timeout (read once when they register).
   store_->set("elastic/heartbeat_interval_ms", std::to_string(std::max<int64_t>(10, opt_.heartbeat_timeout.count() / 4)));
   store_->set("elastic/heartbeat_timeout_ms", std::to_string(opt_.heartbeat_timeout.count()));
+  events_ = store_->add("elastic/events", 0);
 }
 
+// The coordinator is the log's only writer and numbers it itself: a store
+// error before event n is written leaves n free for the retry, so members
+// waiting for event n never face a gap. The count `events` is only where
+// new members start reading.
 void Coordinator::publish_event(const std::string& what) {
-  const int64_t n = store_->add("elastic/events", 1);
+  const int64_t n = events_ + 1;
   store_->set("elastic/event/" + std::to_string(n), what);
+  events_ = n;
+  store_->set("elastic/events", std::to_string(n));
 }
 
 Coordinator::Result Coordinator::poll() {

@@ -80,6 +80,7 @@ class Coordinator {
   std::map<int64_t, std::pair<int64_t, std::chrono::steady_clock::time_point>> heartbeats_;
   std::set<int64_t> dead_;
   int64_t aborted_round_ = 0;
+  int64_t events_ = 0;  // the last event written
   std::chrono::steady_clock::time_point below_since_{};
   bool below_ = false;
 };

@@ -283,7 +283,8 @@ void Job::on_signal(int sig) {
            std::to_string(fwd) + ")");
   if (!user_signal_) user_signal_ = sig;
   if (phase_ == Phase::Stopping || phase_ == Phase::Lost) sup_.signal_all(fwd);
-  else if (phase_ != Phase::Completing) stop(128 + sig, "stopped by signal " + std::to_string(sig), fwd);
+  else if (phase_ == Phase::Completing) sup_.begin_stop(fwd, opt_.kill_grace);  // training completed: still 0
+  else stop(128 + sig, "stopped by signal " + std::to_string(sig), fwd);
 }
 
 void Job::on_exit(const Supervisor::Exit& ex) {
@@ -368,7 +369,7 @@ void Job::tick() {
     try {
       apply_schedule();
       on_round(coordinator_->poll());
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       // A store call that timed out (a starved machine): the next poll, 20 ms
       // later, takes it up again; the coordinator commits nothing half-written.
       poll_errors_.warn(std::string("launch: the coordinator's poll failed (") + e.what() + "); retrying");

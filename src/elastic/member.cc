@@ -46,20 +46,12 @@ Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
   store_->set("elastic/join/" + std::to_string(id_), "1");
   // Each thread has its own store connection, so that a long store call on
   // the training thread cannot delay a heartbeat or an abort.
-  heartbeat_ = std::thread([this, s = opt_.connect()] { beat_loop(s); });
-  watch_ = std::thread([this, s = opt_.connect(), seen] {
-    int64_t n = seen;
-    while (!stop_) {
-      try {
-        const std::string key = "elastic/event/" + std::to_string(n + 1);
-        if (!s->wait_for(key, std::chrono::milliseconds(200))) continue;
-        if (auto ev = s->try_get(key)) on_event(*ev);
-        ++n;
-      } catch (const std::exception& e) {
-        sleep_while_running(std::chrono::milliseconds(20));  // the store is out of reach: try again
-      }
-    }
-  });
+  // (Both connections are made before either thread starts: a failed
+  // connect must not leave a running thread behind.)
+  auto beat_store = opt_.connect();
+  auto watch_store = opt_.connect();
+  heartbeat_ = std::thread([this, s = std::move(beat_store)] { beat_loop(s); });
+  watch_ = std::thread([this, s = std::move(watch_store), seen] { watch_loop(s, seen); });
 }
 
 Member::~Member() {
@@ -98,6 +90,29 @@ void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
     const auto now = Clock::now();
     if (next < now) next = now;  // late (e.g. the process was stopped): no burst of beats
     sleep_while_running(std::chrono::duration_cast<std::chrono::milliseconds>(next - now));
+  }
+}
+
+// Waits for the coordinator's events in order. Once a second without one it
+// also reads the current round and abort, a safety net should an event
+// ever be missing.
+void Member::watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen) {
+  int64_t n = seen;
+  int quiet = 0;
+  while (!stop_) {
+    try {
+      const std::string key = "elastic/event/" + std::to_string(n + 1);
+      if (s->wait_for(key, std::chrono::milliseconds(200))) {
+        if (auto ev = s->try_get(key)) on_event(*ev);
+        ++n;
+        quiet = 0;
+      } else if (++quiet % 5 == 0) {
+        if (auto k = s->try_get("elastic/round")) on_event("round " + *k);
+        if (auto k = s->try_get("elastic/abort")) on_event("abort " + *k);
+      }
+    } catch (const std::exception& e) {
+      sleep_while_running(std::chrono::milliseconds(20));  // the store is out of reach: try again
+    }
   }
 }
 

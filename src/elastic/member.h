@@ -78,7 +78,7 @@ class Member {
 
  private:
   void beat_loop(std::shared_ptr<comm::KvStore> s);
-  void watch_loop(std::shared_ptr<comm::KvStore> s);
+  void watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen);
   void on_event(const std::string& event);
   // Aborts the current group if it belongs to round `k` or older.
   void abort_group_upto(int64_t k, const std::string& why);
