@@ -6,9 +6,12 @@
 //                     empty when the store runs without a secret)
 //   client -> server  auth: client nonce, HMAC(secret, "client" sn cn)
 //   server -> client  ok: HMAC(secret, "server" cn sn)   (or "denied", then close)
-// The client checks the server's answer too, so a process that only
-// pretends to be the store learns nothing and is not believed. A replayed
-// auth frame fails: the server's nonce is new for every connection.
+// The client checks the server's answer too, so a process that pretends to
+// be the store without knowing the secret is not believed. A replayed auth
+// frame fails: the server's nonce is new for every connection. The
+// handshake is not bound to the channel: a relay that a client connects to
+// could pass it through to the real store, so jobs run on a network only
+// their machines reach (docs/elastic.md, "Security").
 #pragma once
 
 #include <string>
