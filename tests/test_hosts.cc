@@ -319,6 +319,11 @@ TEST(JobSecret, RogueClientsAreRefusedAndLoggedWhileTheJobTrains) {
                                           "--run-dir", d.file("rogue"), "--set", "model.name=mlp"});
   EXPECT_EQ(rogue.exit_code, 2) << rogue.output;
   EXPECT_NE(rogue.output.find("needs the job's secret"), std::string::npos) << rogue.output;
+  // The parameter-server launcher has no store to guard: the flag is refused.
+  auto ps = limbo::testing::run_limbo({"launch", "--mode", "async", "--token-file", token, "--run-dir",
+                                       d.file("ps")});
+  EXPECT_EQ(ps.exit_code, 2) << ps.output;
+  EXPECT_NE(ps.output.find("--keys"), std::string::npos) << ps.output;
   auto r = limbo::testing::wait_child(launcher, log, 180);
   guard.pids.clear();
   ASSERT_EQ(r.exit_code, 0) << r.output;

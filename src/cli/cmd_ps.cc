@@ -219,6 +219,9 @@ int run_sim(const SimArgs& a) {
 }
 
 int run_launch_async(const LaunchArgs& a) {
+  if (!a.token_file.empty())
+    throw InvalidInput("--token-file guards the rendezvous store of a data-parallel job; a parameter-server job "
+                       "is secured with CURVE keys: --keys FILE from `limbo keygen`");
   ps::AsyncLaunchOptions o;
   o.servers = a.servers;
   o.workers = a.workers;
