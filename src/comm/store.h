@@ -102,7 +102,7 @@ class StoreClient {
   const std::string& address() const { return address_; }
 
  private:
-  // Sends one request (op code, store.cc) and returns the answer's status
+  // Sends one request (op code, store_wire.h) and returns the answer's status
   // byte and field.
   std::pair<uint8_t, std::string> call(uint8_t op, const std::vector<std::string>& fields,
                                        std::chrono::milliseconds timeout);
