@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -62,10 +63,11 @@ pid_t spawn_limbo(const std::vector<std::string>& args, const std::string& log) 
   return spawn_process(argv, log);
 }
 
-pid_t spawn_process(const std::vector<std::string>& args, const std::string& log) {
+pid_t spawn_process(const std::vector<std::string>& args, const std::string& log, bool die_with_test) {
   pid_t pid = ::fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
+    if (die_with_test) ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     ::dup2(fd, 1);
     ::dup2(fd, 2);

@@ -38,7 +38,9 @@ struct ProcessResult {
 ProcessResult run_limbo(const std::vector<std::string>& args);
 
 // Starts any program (argv[0] is a path); combined output goes to `log`.
-pid_t spawn_process(const std::vector<std::string>& argv, const std::string& log);
+// With die_with_test, it is killed when the thread that started it ends
+// (PR_SET_PDEATHSIG), so a test killed by its timeout leaves no daemon.
+pid_t spawn_process(const std::vector<std::string>& argv, const std::string& log, bool die_with_test = false);
 
 // Starts the limbo binary; returns its pid; its combined output goes to `log`.
 pid_t spawn_limbo(const std::vector<std::string>& args, const std::string& log);

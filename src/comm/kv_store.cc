@@ -17,6 +17,14 @@ class TcpKvStore : public KvStore {
   bool wait_for(const std::string& key, std::chrono::milliseconds timeout) override {
     return client_.wait_for({key}, timeout);
   }
+  std::vector<std::pair<std::string, std::string>> list(const std::string& prefix) override {
+    return client_.list(prefix);
+  }
+  std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override {
+    return client_.compare_set(key, expected, desired);
+  }
+  bool erase(const std::string& key) override { return client_.erase(key); }
+  std::string describe() const override { return client_.address(); }
 
  private:
   StoreClient client_;  // thread-safe: one request at a time
@@ -45,6 +53,34 @@ std::optional<std::string> MemoryKvStore::try_get(const std::string& key) {
   auto it = kv_.find(key);
   if (it == kv_.end()) return std::nullopt;
   return it->second;
+}
+
+std::vector<std::pair<std::string, std::string>> MemoryKvStore::list(const std::string& prefix) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<std::string, std::string>> out;
+  for (auto it = kv_.lower_bound(prefix); it != kv_.end() && it->first.compare(0, prefix.size(), prefix) == 0; ++it)
+    out.emplace_back(it->first, it->second);
+  return out;
+}
+
+std::string MemoryKvStore::compare_set(const std::string& key, const std::string& expected,
+                                       const std::string& desired) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = kv_.find(key);
+  if (it == kv_.end()) {
+    if (!expected.empty()) return expected;
+    kv_[key] = desired;
+    cv_.notify_all();
+    return desired;
+  }
+  if (it->second == expected) it->second = desired;
+  cv_.notify_all();
+  return it->second;
+}
+
+bool MemoryKvStore::erase(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return kv_.erase(key) > 0;
 }
 
 int64_t MemoryKvStore::add(const std::string& key, int64_t delta) {

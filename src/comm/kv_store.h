@@ -1,8 +1,11 @@
-// A small key-value store interface over the job's rendezvous store, for
-// membership bookkeeping (heartbeats, rounds). TcpKvStore wraps a
-// StoreClient (comm/store.h); MemoryKvStore is an in-process fake for tests. All calls
-// are thread-safe and block for at most the store's timeout (Timeout) or
-// throw PeerFailure when the store is unreachable.
+// The rendezvous interface: a small key-value store over the job's
+// rendezvous, for membership (heartbeats, rounds, the event log, done and
+// abort) and for Gloo's address exchange. Two implementations: the embedded
+// store (comm/store.h, through connect_kv_store) and etcd (comm/etcd.h,
+// through connect_etcd); MemoryKvStore is an in-process fake for tests. The
+// coordinator's rule (elastic/coordinator.h) is written once, above it.
+// All calls are thread-safe and block for at most the store's timeout
+// (Timeout) or throw PeerFailure when the store is unreachable.
 #pragma once
 
 #include <chrono>
@@ -12,6 +15,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace limbo::comm {
 
@@ -25,6 +30,16 @@ class KvStore {
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
   // Blocks until `key` exists (true) or `timeout` passes (false).
   virtual bool wait_for(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // Every key starting with `prefix` and its value, in key order (one call).
+  virtual std::vector<std::pair<std::string, std::string>> list(const std::string& prefix) = 0;
+  // When `key` holds `expected` (or is missing and `expected` is empty) it
+  // becomes `desired`. Returns the value it holds afterwards (c10d's rule).
+  virtual std::string compare_set(const std::string& key, const std::string& expected,
+                                  const std::string& desired) = 0;
+  // Deletes `key`; false when it did not exist.
+  virtual bool erase(const std::string& key) = 0;
+  // Where the store is, for messages ("HOST:PORT", "etcd://...").
+  virtual std::string describe() const { return "the rendezvous store"; }
 };
 
 // Connects a client to the rendezvous store at host:port (with the job
@@ -39,6 +54,9 @@ class MemoryKvStore : public KvStore {
   std::optional<std::string> try_get(const std::string& key) override;
   int64_t add(const std::string& key, int64_t delta) override;
   bool wait_for(const std::string& key, std::chrono::milliseconds timeout) override;
+  std::vector<std::pair<std::string, std::string>> list(const std::string& prefix) override;
+  std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override;
+  bool erase(const std::string& key) override;
 
  private:
   std::mutex mu_;

@@ -87,6 +87,8 @@ class StoreClient {
   std::string compare_set(const std::string& key, const std::string& expected,
                           const std::string& desired);
   bool erase(const std::string& key);
+  // Every key starting with `prefix` and its value, in key order.
+  std::vector<std::pair<std::string, std::string>> list(const std::string& prefix);
   bool check(const std::vector<std::string>& keys);
   int64_t num_keys();
   // Waits until every key exists (at most `timeout`, else Timeout).

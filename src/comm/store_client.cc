@@ -252,6 +252,16 @@ bool StoreClient::erase(const std::string& key) { return call(kErase, {key}, tim
 
 bool StoreClient::check(const std::vector<std::string>& keys) { return call(kCheck, keys, timeout_).second == "1"; }
 
+std::vector<std::pair<std::string, std::string>> StoreClient::list(const std::string& prefix) {
+  const std::string packed = call(kList, {prefix}, timeout_).second;
+  std::vector<std::string> f;
+  if (!parse_fields(packed.data(), packed.size(), &f) || f.size() % 2 != 0)
+    throw PeerFailure("rendezvous store at " + address_ + ": a malformed list answer");
+  std::vector<std::pair<std::string, std::string>> out;
+  for (size_t i = 0; i < f.size(); i += 2) out.emplace_back(std::move(f[i]), std::move(f[i + 1]));
+  return out;
+}
+
 int64_t StoreClient::num_keys() { return std::stoll(call(kNumKeys, {}, timeout_).second); }
 
 void StoreClient::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {

@@ -371,6 +371,19 @@ struct StoreServer::Impl {
       }
       case kNumKeys:
         return answer(fd, c, kOk, {std::to_string(kv.size())});
+      case kList: {  // every key under a prefix, with its value, as fields in one answer
+        if (!need(1)) return;
+        std::string out;
+        for (auto it = kv.lower_bound(f[0]); it != kv.end() && it->first.compare(0, f[0].size(), f[0]) == 0; ++it) {
+          if (out.size() + it->first.size() + it->second.size() > kMaxFrame / 2)
+            return answer(fd, c, kBad, {"the keys under '" + f[0] + "' exceed one answer"});
+          put_u32(out, static_cast<uint32_t>(it->first.size()));
+          out += it->first;
+          put_u32(out, static_cast<uint32_t>(it->second.size()));
+          out += it->second;
+        }
+        return answer(fd, c, kOk, {out});
+      }
       default:
         return answer(fd, c, kBad, {"unknown op " + std::to_string(op)});
     }

@@ -1,0 +1,552 @@
+#include "comm/etcd.h"
+
+#include <httplib.h>
+#include <nlohmann/json.hpp>
+
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "common/log.h"
+
+namespace limbo::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+constexpr char kB64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+// gRPC status codes as the gateway reports them.
+constexpr int kCancelled = 1, kUnknown = 2, kInvalidArgument = 3, kDeadline = 4, kNotFound = 5, kFailedPrecondition = 9,
+              kPermissionDenied = 7, kResourceExhausted = 8, kAborted = 10, kInternal = 13, kUnavailable = 14,
+              kUnauthenticated = 16;
+
+// An answer of etcd that is not a transient failure (retrying elsewhere
+// cannot help).
+struct EtcdError : PeerFailure {
+  EtcdError(int c, const std::string& m) : PeerFailure("etcd: " + m), code(c), message(m) {}
+  int code;
+  std::string message;
+};
+
+bool transient(int code) {
+  return code == kCancelled || code == kUnknown || code == kDeadline || code == kResourceExhausted ||
+         code == kAborted || code == kInternal || code == kUnavailable;
+}
+
+int64_t num(const json& j, const char* field) {
+  if (!j.contains(field)) return 0;  // proto3's JSON leaves zero values out
+  const auto& v = j[field];
+  return v.is_string() ? std::stoll(v.get<std::string>()) : v.get<int64_t>();
+}
+
+// The first key after every key that starts with `prefix` (etcd's range_end).
+std::string prefix_end(std::string p) {
+  while (!p.empty()) {
+    auto& c = p.back();
+    if (static_cast<unsigned char>(c) < 0xff) {
+      ++c;
+      return p;
+    }
+    p.pop_back();
+  }
+  return std::string(1, '\0');
+}
+
+EtcdClient::KeyValue to_kv(const json& j) {
+  EtcdClient::KeyValue kv;
+  kv.key = base64_decode(j.value("key", ""));
+  kv.value = base64_decode(j.value("value", ""));
+  kv.create_revision = num(j, "create_revision");
+  kv.mod_revision = num(j, "mod_revision");
+  kv.lease = num(j, "lease");
+  return kv;
+}
+
+int64_t header_revision(const json& j) { return j.contains("header") ? num(j["header"], "revision") : 0; }
+
+}  // namespace
+
+std::string base64_encode(const std::string& s) {
+  std::string out;
+  out.reserve((s.size() + 2) / 3 * 4);
+  size_t i = 0;
+  for (; i + 2 < s.size(); i += 3) {
+    const uint32_t v = (uint8_t(s[i]) << 16) | (uint8_t(s[i + 1]) << 8) | uint8_t(s[i + 2]);
+    for (int k = 3; k >= 0; --k) out.push_back(kB64[(v >> (6 * k)) & 63]);
+  }
+  if (i < s.size()) {
+    uint32_t v = uint8_t(s[i]) << 16;
+    if (i + 1 < s.size()) v |= uint8_t(s[i + 1]) << 8;
+    out.push_back(kB64[(v >> 18) & 63]);
+    out.push_back(kB64[(v >> 12) & 63]);
+    out.push_back(i + 1 < s.size() ? kB64[(v >> 6) & 63] : '=');
+    out.push_back('=');
+  }
+  return out;
+}
+
+std::string base64_decode(const std::string& s) {
+  std::string out;
+  uint32_t v = 0;
+  int bits = 0;
+  for (char c : s) {
+    const char* p = c ? std::strchr(kB64, c) : nullptr;
+    if (!p) continue;  // padding
+    v = (v << 6) | static_cast<uint32_t>(p - kB64);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(static_cast<char>((v >> bits) & 0xff));
+    }
+  }
+  return out;
+}
+
+std::string EtcdOptions::url() const {
+  std::string s = tls ? "etcds://" : "etcd://";
+  for (size_t i = 0; i < endpoints.size(); ++i) s += (i ? "," : "") + endpoints[i];
+  return s + "/" + job;
+}
+
+bool is_etcd_url(const std::string& s) { return s.rfind("etcd://", 0) == 0 || s.rfind("etcds://", 0) == 0; }
+
+EtcdOptions parse_etcd_url(const std::string& url, const std::string& flag) {
+  auto bad = [&](const std::string& why) {
+    return InvalidInput(flag + " " + url + ": " + why +
+                        " (expected etcd://HOST:PORT[,HOST:PORT...]/JOB, or etcds:// for TLS)");
+  };
+  if (!is_etcd_url(url)) throw bad("not an etcd address");
+  EtcdOptions o;
+  o.tls = url.rfind("etcds://", 0) == 0;
+  const std::string rest = url.substr(o.tls ? 8 : 7);
+  const auto slash = rest.find('/');
+  if (slash == std::string::npos || slash + 1 >= rest.size()) throw bad("no job name after the endpoints");
+  o.job = rest.substr(slash + 1);
+  for (char c : o.job)
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.'))
+      throw bad("the job name may hold letters, digits, '-', '_' and '.'");
+  std::stringstream ss(rest.substr(0, slash));
+  for (std::string ep; std::getline(ss, ep, ',');) {
+    const auto colon = ep.rfind(':');
+    int port = 0;
+    try {
+      size_t used = 0;
+      if (colon == std::string::npos || colon == 0) throw std::invalid_argument("");
+      port = std::stoi(ep.substr(colon + 1), &used);
+      if (used != ep.size() - colon - 1) throw std::invalid_argument("");
+    } catch (const std::exception&) {
+      throw bad("endpoint '" + ep + "' is not HOST:PORT");
+    }
+    if (port < 1 || port > 65535) throw bad("port " + std::to_string(port) + " is out of range");
+    o.endpoints.push_back(ep);
+  }
+  if (o.endpoints.empty()) throw bad("no endpoint");
+  return o;
+}
+
+void etcd_from_env(EtcdOptions* o) {
+  auto take = [](const char* name, std::string* into) {
+    if (const char* v = std::getenv(name); v && *v && into->empty()) *into = v;
+  };
+  take("LIMBO_ETCD_USER", &o->user);
+  take("LIMBO_ETCD_PASSWORD", &o->password);
+  take("LIMBO_ETCD_CACERT", &o->ca_file);
+  take("LIMBO_ETCD_CERT", &o->cert_file);
+  take("LIMBO_ETCD_KEY", &o->key_file);
+}
+
+void etcd_to_env(const EtcdOptions& o) {
+  auto put = [](const char* name, const std::string& v) {
+    if (!v.empty()) ::setenv(name, v.c_str(), 1);
+  };
+  put("LIMBO_ETCD_USER", o.user);
+  put("LIMBO_ETCD_PASSWORD", o.password);
+  put("LIMBO_ETCD_CACERT", o.ca_file);
+  put("LIMBO_ETCD_CERT", o.cert_file);
+  put("LIMBO_ETCD_KEY", o.key_file);
+}
+
+// One endpoint's HTTP client (keep-alive), made when first used.
+struct EtcdClient::Conn {
+  std::string endpoint;
+  std::unique_ptr<httplib::Client> http;
+};
+
+namespace {
+
+std::unique_ptr<httplib::Client> make_http(const EtcdOptions& o, const std::string& endpoint) {
+  std::unique_ptr<httplib::Client> c;
+  if (o.tls) {
+    c = o.cert_file.empty() ? std::make_unique<httplib::Client>("https://" + endpoint)
+                            : std::make_unique<httplib::Client>("https://" + endpoint, o.cert_file, o.key_file);
+    if (!o.ca_file.empty()) c->set_ca_cert_path(o.ca_file);
+    c->enable_server_certificate_verification(true);
+  } else {
+    c = std::make_unique<httplib::Client>("http://" + endpoint);
+  }
+  c->set_keep_alive(true);
+  return c;
+}
+
+void set_timeouts(httplib::Client& c, Clock::duration d) {
+  const auto us = std::max<int64_t>(1000, std::chrono::duration_cast<std::chrono::microseconds>(d).count());
+  c.set_connection_timeout(us / 1000000, us % 1000000);
+  c.set_read_timeout(us / 1000000, us % 1000000);
+  c.set_write_timeout(us / 1000000, us % 1000000);
+}
+
+bool tls_error(httplib::Error e) {
+  return e == httplib::Error::SSLConnection || e == httplib::Error::SSLLoadingCerts ||
+         e == httplib::Error::SSLServerVerification;
+}
+
+}  // namespace
+
+EtcdClient::EtcdClient(EtcdOptions opt, std::chrono::milliseconds timeout)
+    : opt_(std::move(opt)), timeout_(timeout) {
+  if (opt_.endpoints.empty()) throw InvalidInput("etcd: no endpoint given");
+  if (opt_.tls && opt_.cert_file.empty() != opt_.key_file.empty())
+    throw InvalidInput("etcd: a client certificate needs its key (give both, or neither)");
+  for (const auto& ep : opt_.endpoints) conns_.push_back(std::make_unique<Conn>(Conn{ep, nullptr}));
+  // OpenSSL writes without MSG_NOSIGNAL: a member that closed a TLS
+  // connection would kill this process with SIGPIPE instead of failing
+  // the call. Ignore it unless the program chose a handler of its own.
+  struct sigaction old {};
+  if (::sigaction(SIGPIPE, nullptr, &old) == 0 && old.sa_handler == SIG_DFL) ::signal(SIGPIPE, SIG_IGN);
+}
+
+EtcdClient::~EtcdClient() = default;
+
+std::string EtcdClient::call(const std::string& path, const std::string& body) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!opt_.user.empty() && auth_token_.empty()) authenticate_locked();
+  return call_locked(path, body, false);
+}
+
+void EtcdClient::authenticate_locked() {
+  const json req = {{"name", opt_.user}, {"password", opt_.password}};
+  const auto answer = json::parse(call_locked("/v3/auth/authenticate", req.dump(), true));
+  auth_token_ = answer.value("token", "");
+  if (auth_token_.empty()) throw InvalidInput("etcd at " + opt_.url() + " gave no token for user " + opt_.user);
+}
+
+// Tries the endpoints in turn until one answers or the call's time is up.
+// A silent endpoint gets half of what is left, so that another can still
+// answer in time.
+std::string EtcdClient::call_locked(const std::string& path, const std::string& body, bool authenticating) {
+  const auto deadline = Clock::now() + timeout_;
+  std::string last = "no attempt";
+  bool reached = false;
+  bool reauthenticated = false;
+  for (int attempt = 0; Clock::now() < deadline; ++attempt) {
+    Conn& c = *conns_[current_];
+    if (!c.http) c.http = make_http(opt_, c.endpoint);
+    const auto left = deadline - Clock::now();
+    set_timeouts(*c.http, conns_.size() > 1 && attempt < static_cast<int>(conns_.size()) ? left / 2 : left);
+    // etcd's gateway ends an error answer with an HTTP trailer that
+    // cpp-httplib does not read; the answer itself is in by then, so the
+    // body is taken as it arrives.
+    httplib::Request req;
+    req.method = "POST";
+    req.path = path;
+    req.body = body;
+    req.set_header("Content-Type", "application/json");
+    if (!auth_token_.empty() && !authenticating) req.set_header("Authorization", auth_token_);
+    int status = 0;
+    std::string answer;
+    req.response_handler = [&](const httplib::Response& r) {
+      status = r.status;
+      return true;
+    };
+    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      answer.append(data, n);
+      return true;
+    };
+    httplib::Response res;
+    httplib::Error err = httplib::Error::Success;
+    const bool sent = c.http->send(req, res, err);
+    if (!sent && (status == 0 || answer.empty() || status == 200)) {
+      if (tls_error(err))
+        throw InvalidInput("etcd at " + c.endpoint + ": TLS failed (" + httplib::to_string(err) +
+                           "); check --etcd-cacert, --etcd-cert and --etcd-key");
+      last = c.endpoint + ": " + httplib::to_string(err);
+      c.http.reset();  // a fresh connection next time
+      current_ = (current_ + 1) % conns_.size();
+      continue;
+    }
+    if (!sent) c.http.reset();  // the trailer left the connection unusable
+    reached = true;
+    if (status == 200) return answer;
+    int code = kUnknown;
+    std::string message = answer;
+    try {
+      const auto j = json::parse(answer);
+      code = static_cast<int>(j.value("code", kUnknown));
+      message = j.value("message", j.value("error", answer));
+    } catch (const std::exception&) {
+    }
+    if (code == kUnauthenticated && !authenticating && !opt_.user.empty() && !reauthenticated &&
+        message.find("invalid auth token") != std::string::npos) {
+      reauthenticated = true;  // the token expired: log in again, once per call
+      authenticate_locked();
+      continue;
+    }
+    if (!transient(code)) {
+      if (code == kUnauthenticated || code == kPermissionDenied || code == kInvalidArgument ||
+          code == kFailedPrecondition)
+        throw InvalidInput("etcd at " + c.endpoint + " refused " + path + ": " + message);
+      throw EtcdError(code, message);
+    }
+    last = c.endpoint + ": " + message;
+    current_ = (current_ + 1) % conns_.size();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  const std::string what = "etcd at " + opt_.url() + " did not answer " + path + " within " +
+                           std::to_string(timeout_.count()) + " ms (last: " + last + ")";
+  if (reached) throw Timeout(what);
+  throw PeerFailure(what);
+}
+
+void EtcdClient::put(const std::string& key, const std::string& value, int64_t lease, int64_t* revision) {
+  json req = {{"key", base64_encode(key)}, {"value", base64_encode(value)}};
+  if (lease) req["lease"] = std::to_string(lease);
+  const auto j = json::parse(call("/v3/kv/put", req.dump()));
+  if (revision) *revision = header_revision(j);
+}
+
+std::optional<EtcdClient::KeyValue> EtcdClient::get(const std::string& key, int64_t* revision) {
+  const auto j = json::parse(call("/v3/kv/range", json{{"key", base64_encode(key)}}.dump()));
+  if (revision) *revision = header_revision(j);
+  if (!j.contains("kvs") || j["kvs"].empty()) return std::nullopt;
+  return to_kv(j["kvs"][0]);
+}
+
+std::vector<EtcdClient::KeyValue> EtcdClient::list(const std::string& prefix, int64_t* revision) {
+  const json req = {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}};
+  const auto j = json::parse(call("/v3/kv/range", req.dump()));
+  if (revision) *revision = header_revision(j);
+  std::vector<KeyValue> out;
+  if (j.contains("kvs"))
+    for (const auto& kv : j["kvs"]) out.push_back(to_kv(kv));
+  return out;
+}
+
+int64_t EtcdClient::erase(const std::string& key, bool whole_prefix) {
+  json req = {{"key", base64_encode(key)}};
+  if (whole_prefix) req["range_end"] = base64_encode(prefix_end(key));
+  return num(json::parse(call("/v3/kv/deleterange", req.dump())), "deleted");
+}
+
+bool EtcdClient::txn(const std::vector<Compare>& when, const std::vector<std::pair<std::string, std::string>>& puts,
+                     int64_t lease, int64_t* revision) {
+  json compare = json::array();
+  for (const auto& c : when) {
+    json x = {{"key", base64_encode(c.key)}, {"result", "EQUAL"}};
+    if (c.target == Compare::Value) {
+      x["target"] = "VALUE";
+      x["value"] = base64_encode(c.value);
+    } else if (c.target == Compare::ModRevision) {
+      x["target"] = "MOD";
+      x["mod_revision"] = std::to_string(c.revision);
+    } else {
+      x["target"] = "CREATE";
+      x["create_revision"] = std::to_string(c.revision);
+    }
+    compare.push_back(x);
+  }
+  json success = json::array();
+  for (const auto& [k, v] : puts) {
+    json p = {{"key", base64_encode(k)}, {"value", base64_encode(v)}};
+    if (lease) p["lease"] = std::to_string(lease);
+    success.push_back({{"request_put", p}});
+  }
+  const auto j = json::parse(call("/v3/kv/txn", json{{"compare", compare}, {"success", success}}.dump()));
+  if (revision) *revision = header_revision(j);
+  return j.value("succeeded", false);
+}
+
+int64_t EtcdClient::grant_lease(int ttl_seconds) {
+  const auto j = json::parse(call("/v3/lease/grant", json{{"TTL", std::to_string(ttl_seconds)}}.dump()));
+  const int64_t id = num(j, "ID");
+  if (!id) throw PeerFailure("etcd at " + opt_.url() + " granted no lease: " + j.value("error", j.dump()));
+  return id;
+}
+
+bool EtcdClient::keep_alive(int64_t lease) {
+  const auto j = json::parse(call("/v3/lease/keepalive", json{{"ID", std::to_string(lease)}}.dump()));
+  // A lease that no longer exists is renewed with TTL 0 (left out of the JSON).
+  return j.contains("result") && num(j["result"], "TTL") > 0;
+}
+
+void EtcdClient::revoke_lease(int64_t lease) {
+  try {
+    call("/v3/lease/revoke", json{{"ID", std::to_string(lease)}}.dump());
+  } catch (const EtcdError& e) {
+    if (e.code != kNotFound) throw PeerFailure("etcd: revoking lease " + std::to_string(lease) + ": " + e.message);
+  }
+}
+
+// A watch from revision `after + 1` on its own connection (it is dropped
+// when the wait ends). An event, or the watch being cancelled or compacted,
+// ends the wait with true: the caller reads the key again.
+bool EtcdClient::watch(const std::string& key, int64_t after, std::chrono::milliseconds timeout) {
+  std::string endpoint, token;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!opt_.user.empty() && auth_token_.empty()) authenticate_locked();
+    endpoint = conns_[current_]->endpoint;
+    token = auth_token_;
+  }
+  auto http = make_http(opt_, endpoint);
+  http->set_keep_alive(false);
+  set_timeouts(*http, timeout);
+  const json create = {{"create_request", {{"key", base64_encode(key)}, {"start_revision", std::to_string(after + 1)}}}};
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v3/watch";
+  req.body = create.dump();
+  req.set_header("Content-Type", "application/json");
+  if (!token.empty()) req.set_header("Authorization", token);
+  std::string pending;
+  bool changed = false;
+  std::string failure;
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    pending.append(data, n);
+    for (size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
+      const std::string line = pending.substr(0, nl);
+      pending.erase(0, nl + 1);
+      try {
+        const auto j = json::parse(line);
+        if (j.contains("error")) {
+          failure = j["error"].value("message", j.dump());
+          return false;
+        }
+        const auto& r = j.value("result", json::object());
+        if ((r.contains("events") && !r["events"].empty()) || r.value("canceled", false) ||
+            num(r, "compact_revision") > 0) {
+          changed = true;
+          return false;
+        }
+      } catch (const std::exception&) {
+        // a partial line: wait for the rest
+      }
+    }
+    return true;
+  };
+  httplib::Response res;
+  httplib::Error err = httplib::Error::Success;
+  http->send(req, res, err);
+  if (changed) return true;
+  if (!failure.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    current_ = (current_ + 1) % conns_.size();  // this endpoint could not watch: use another next time
+    return false;
+  }
+  if (err == httplib::Error::Connection || err == httplib::Error::ConnectionTimeout) {
+    std::lock_guard<std::mutex> lock(mu_);
+    current_ = (current_ + 1) % conns_.size();
+    throw PeerFailure("etcd at " + endpoint + ": cannot watch " + key + " (" + httplib::to_string(err) + ")");
+  }
+  return false;  // timed out (or the stream ended) without a change
+}
+
+namespace {
+
+class EtcdKvStore : public KvStore {
+ public:
+  EtcdKvStore(const EtcdOptions& o, std::chrono::milliseconds timeout,
+              std::optional<std::pair<std::string, std::string>> fence)
+      : c_(o, timeout), prefix_(o.prefix()), fence_(std::move(fence)) {}
+
+  void set(const std::string& key, const std::string& value) override {
+    if (!fence_) return c_.put(prefix_ + key, value);
+    if (!c_.txn({fence_cond()}, {{prefix_ + key, value}})) fenced_out();
+  }
+  std::optional<std::string> try_get(const std::string& key) override {
+    auto kv = c_.get(prefix_ + key);
+    if (!kv) return std::nullopt;
+    return kv->value;
+  }
+  // A compare-and-swap on the key's revision, retried while others write it.
+  int64_t add(const std::string& key, int64_t delta) override {
+    const auto deadline = Clock::now() + c_.timeout();
+    while (true) {
+      auto kv = c_.get(prefix_ + key);
+      int64_t v = 0;
+      try {
+        v = kv ? std::stoll(kv->value) : 0;
+      } catch (const std::exception&) {
+        throw InvalidInput("etcd key '" + key + "' does not hold an integer");
+      }
+      v += delta;
+      std::vector<EtcdClient::Compare> when = {{EtcdClient::Compare::ModRevision, prefix_ + key, "",
+                                                kv ? kv->mod_revision : 0}};
+      if (fence_) when.push_back(fence_cond());
+      if (c_.txn(when, {{prefix_ + key, std::to_string(v)}})) return v;
+      check_fence();
+      if (Clock::now() > deadline)
+        throw Timeout("etcd at " + c_.describe() + ": adding to '" + key + "' lost every race for " +
+                      std::to_string(c_.timeout().count()) + " ms");
+    }
+  }
+  bool wait_for(const std::string& key, std::chrono::milliseconds timeout) override {
+    const auto deadline = Clock::now() + timeout;
+    while (true) {
+      int64_t revision = 0;
+      if (c_.get(prefix_ + key, &revision)) return true;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      if (left.count() <= 0) return false;
+      if (!c_.watch(prefix_ + key, revision, left) && Clock::now() >= deadline) return c_.get(prefix_ + key).has_value();
+    }
+  }
+  std::vector<std::pair<std::string, std::string>> list(const std::string& prefix) override {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (auto& kv : c_.list(prefix_ + prefix)) out.emplace_back(kv.key.substr(prefix_.size()), std::move(kv.value));
+    return out;
+  }
+  std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override {
+    std::vector<EtcdClient::Compare> when;
+    if (expected.empty()) when.push_back({EtcdClient::Compare::CreateRevision, prefix_ + key, "", 0});
+    else when.push_back({EtcdClient::Compare::Value, prefix_ + key, expected, 0});
+    if (fence_) when.push_back(fence_cond());
+    if (c_.txn(when, {{prefix_ + key, desired}})) return desired;
+    check_fence();
+    auto kv = c_.get(prefix_ + key);
+    return kv ? kv->value : expected;
+  }
+  bool erase(const std::string& key) override { return c_.erase(prefix_ + key) > 0; }
+  std::string describe() const override { return c_.describe(); }
+
+ private:
+  EtcdClient::Compare fence_cond() const {
+    return {EtcdClient::Compare::Value, prefix_ + fence_->first, fence_->second, 0};
+  }
+  void check_fence() {
+    if (!fence_) return;
+    auto kv = c_.get(prefix_ + fence_->first);
+    if (!kv || kv->value != fence_->second) fenced_out();
+  }
+  [[noreturn]] void fenced_out() {
+    throw FencedOut("etcd key '" + fence_->first + "' no longer holds '" + fence_->second +
+                    "': another launcher coordinates the job now");
+  }
+
+  EtcdClient c_;
+  std::string prefix_;
+  std::optional<std::pair<std::string, std::string>> fence_;
+};
+
+}  // namespace
+
+std::unique_ptr<KvStore> connect_etcd(const EtcdOptions& o, std::chrono::milliseconds timeout,
+                                      std::optional<std::pair<std::string, std::string>> fence) {
+  return std::make_unique<EtcdKvStore>(o, timeout, std::move(fence));
+}
+
+}  // namespace limbo::comm

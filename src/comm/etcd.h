@@ -1,0 +1,124 @@
+// etcd as the job's rendezvous: a client of etcd's v3 API through its JSON
+// gateway (POST /v3/kv/range, /v3/kv/put, /v3/kv/txn, /v3/lease/*,
+// /v3/watch), over cpp-httplib, with TLS (client certificates) and
+// user/password authentication; and EtcdKvStore, the rendezvous interface
+// (comm/kv_store.h) over it.
+//
+// One client talks to one endpoint at a time and moves on to the next when
+// that one fails (refused, silent past the call's share of the timeout, or
+// answering "unavailable": no leader, leader changed), so a killed or
+// stopped etcd member costs a retry, not the call. Reads are linearizable
+// (served through the leader), so a lagging member never shows old state.
+//
+// Every key of a job lives under "limbo/<job>/", so several jobs share one
+// etcd cluster.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/kv_store.h"
+#include "common/error.h"
+
+namespace limbo::comm {
+
+struct EtcdOptions {
+  std::vector<std::string> endpoints;  // HOST:PORT of each cluster member
+  std::string job;                     // the job's name: its keys live under limbo/<job>/
+  bool tls = false;                    // https (etcds://)
+  std::string ca_file, cert_file, key_file;  // TLS: the CA to trust, this client's certificate and key
+  std::string user, password;                // etcd's user/password authentication (empty: none)
+  std::string prefix() const { return "limbo/" + job + "/"; }
+  std::string url() const;  // etcd[s]://HOST:PORT,.../JOB
+};
+
+// True for "etcd://..." and "etcds://...".
+bool is_etcd_url(const std::string& s);
+// Parses "etcd://HOST:PORT[,HOST:PORT...]/JOB" ("etcds://" for TLS).
+// Throws InvalidInput naming `flag` on anything else.
+EtcdOptions parse_etcd_url(const std::string& url, const std::string& flag);
+// The credentials and TLS files travel to workers in their environment
+// (LIMBO_ETCD_USER, LIMBO_ETCD_PASSWORD, LIMBO_ETCD_CACERT, LIMBO_ETCD_CERT,
+// LIMBO_ETCD_KEY), not on their command line, which `ps` shows.
+void etcd_from_env(EtcdOptions* o);
+void etcd_to_env(const EtcdOptions& o);
+
+// A write of a fenced store (connect_etcd(..., fence)) found the fence key no
+// longer holding its value: another launcher is coordinator now.
+class FencedOut : public Error {
+ public:
+  using Error::Error;
+};
+
+class EtcdClient {
+ public:
+  struct KeyValue {
+    std::string key, value;
+    int64_t create_revision = 0, mod_revision = 0, lease = 0;
+  };
+  // One condition of a transaction.
+  struct Compare {
+    enum Target { Value, ModRevision, CreateRevision } target = Value;
+    std::string key;
+    std::string value;     // Value
+    int64_t revision = 0;  // ModRevision / CreateRevision (0 = the key does not exist)
+  };
+
+  // Every call gives up after `timeout` (Timeout; PeerFailure when no
+  // endpoint could be reached at all). Wrong credentials, a refused TLS
+  // handshake or a missing permission are InvalidInput.
+  EtcdClient(EtcdOptions opt, std::chrono::milliseconds timeout);
+  ~EtcdClient();
+  EtcdClient(const EtcdClient&) = delete;
+  EtcdClient& operator=(const EtcdClient&) = delete;
+
+  // `revision` (when given) receives the cluster's revision of the answer.
+  void put(const std::string& key, const std::string& value, int64_t lease = 0, int64_t* revision = nullptr);
+  std::optional<KeyValue> get(const std::string& key, int64_t* revision = nullptr);
+  std::vector<KeyValue> list(const std::string& prefix, int64_t* revision = nullptr);
+  int64_t erase(const std::string& key, bool whole_prefix = false);
+  // Writes `puts` (with `lease`) when every condition holds; true when it did.
+  bool txn(const std::vector<Compare>& when, const std::vector<std::pair<std::string, std::string>>& puts,
+           int64_t lease = 0, int64_t* revision = nullptr);
+  int64_t grant_lease(int ttl_seconds);
+  // Renews the lease; false when it no longer exists (expired or revoked).
+  bool keep_alive(int64_t lease);
+  void revoke_lease(int64_t lease);
+  // Waits until `key` is written or deleted at a revision after `after`:
+  // true; false when `timeout` passes first.
+  bool watch(const std::string& key, int64_t after, std::chrono::milliseconds timeout);
+
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  std::string describe() const { return opt_.url(); }
+
+ private:
+  struct Conn;
+  std::string call(const std::string& path, const std::string& body);
+  std::string call_locked(const std::string& path, const std::string& body, bool authenticating);
+  void authenticate_locked();
+
+  EtcdOptions opt_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  size_t current_ = 0;  // the endpoint in use
+  std::vector<std::unique_ptr<Conn>> conns_;
+  std::string auth_token_;
+};
+
+// The rendezvous interface over etcd, every key under the job's prefix.
+// With a fence (key, value), every write is a transaction that holds only
+// while the fence key holds that value, and throws FencedOut otherwise.
+std::unique_ptr<KvStore> connect_etcd(const EtcdOptions& o, std::chrono::milliseconds timeout,
+                                      std::optional<std::pair<std::string, std::string>> fence = std::nullopt);
+
+// base64 (RFC 4648), as etcd's JSON gateway carries keys and values.
+std::string base64_encode(const std::string& s);
+std::string base64_decode(const std::string& s);
+
+}  // namespace limbo::comm
