@@ -51,6 +51,7 @@ class EtcdCluster {
   void start(const std::string& dir, const std::vector<EtcdMemberSpec>& members,
              const std::vector<std::string>& extra);
   std::string dir_;
+  std::string data_;  // the members' data directories
   bool tls_ = false;
   std::vector<EtcdMemberSpec> members_;
   std::vector<int> client_ports_;

@@ -6,6 +6,8 @@
 #include "cli/commands.h"
 #include "status/server.h"
 #include "cli/schema.h"
+#include "comm/etcd.h"
+#include "common/files.h"
 #include "comm/auth.h"
 #include "comm/collective.h"
 #include "common/error.h"
@@ -62,6 +64,9 @@ int run_train(const TrainArgs& a) {
   const bool distributed = !a.dist_rdzv.empty() && !a.elastic;
   if (a.elastic && a.dist_rdzv.empty())
     throw InvalidInput("--elastic needs --dist-rdzv HOST:PORT (the job's rendezvous store)");
+  if (distributed && comm::is_etcd_url(a.dist_rdzv))
+    throw InvalidInput("--dist-rdzv " + a.dist_rdzv + ": an etcd rendezvous is for elastic jobs (add --elastic; "
+                       "`limbo launch --rdzv etcd://...` needs --min-workers)");
   if (distributed) {
     if (a.dist_world < 1 || a.dist_rank < 0 || a.dist_rank >= a.dist_world)
       throw InvalidInput("--dist-rank " + std::to_string(a.dist_rank) + " is not in [0, " +
@@ -100,16 +105,35 @@ int run_train(const TrainArgs& a) {
   }
   if (a.elastic) {
     comm::GroupOptions go;
-    std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
     go.timeout = std::chrono::milliseconds(
         static_cast<int64_t>(1000 * cfg.get_float("elastic.collective_timeout")));
     go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
     go.token = a.token;
     elastic::MemberOptions mo;
-    mo.group = go;
     mo.round_timeout = std::chrono::milliseconds(
         static_cast<int64_t>(1000 * cfg.get_float("elastic.round_timeout")));
-    auto kv = comm::connect_kv_store(go.store_host, go.store_port, go.timeout, go.token);
+    std::shared_ptr<comm::KvStore> kv;
+    if (comm::is_etcd_url(a.dist_rdzv)) {
+      // Every store call of this worker goes to etcd; its credentials come
+      // from the environment the launcher set.
+      auto eo = comm::parse_etcd_url(a.dist_rdzv, "--dist-rdzv");
+      comm::etcd_from_env(&eo);
+      std::tie(go.store_host, go.store_port) = split_host_port(eo.endpoints[0], "--dist-rdzv");
+      for (const auto& ep : eo.endpoints) go.control_ports.push_back(split_host_port(ep, "--dist-rdzv").second);
+      const auto call_timeout = go.timeout;
+      go.connect_store = [eo, call_timeout]() -> std::shared_ptr<comm::KvStore> {
+        return comm::connect_etcd(eo, call_timeout);
+      };
+      mo.connect = [eo]() -> std::shared_ptr<comm::KvStore> {
+        return comm::connect_etcd(eo, std::chrono::milliseconds(1000));
+      };
+      mo.cut_off_after = std::chrono::seconds(10);
+      kv = comm::connect_etcd(eo, go.timeout);
+    } else {
+      std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
+      kv = comm::connect_kv_store(go.store_host, go.store_port, go.timeout, go.token);
+    }
+    mo.group = go;
     auto member = std::make_unique<elastic::Member>(std::move(kv), mo);
     auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.sgd_ptr(), trainer.params(),
                                                            reduce_options);
@@ -161,7 +185,26 @@ int run_launch(const LaunchArgs& a) {
                        "`-- --resume` (passed to limbo train)");
   elastic::LaunchOptions lo;
   lo.nproc = a.nproc;
-  std::tie(lo.rdzv_host, lo.rdzv_port) = split_host_port(a.rdzv, "--rdzv");
+  if (comm::is_etcd_url(a.rdzv)) {
+    comm::EtcdOptions eo = comm::parse_etcd_url(a.rdzv, "--rdzv");
+    eo.user = a.etcd_user;
+    if (!a.etcd_password_file.empty()) {
+      eo.password = read_file(a.etcd_password_file);
+      while (!eo.password.empty() && (eo.password.back() == '\n' || eo.password.back() == '\r')) eo.password.pop_back();
+    }
+    eo.ca_file = a.etcd_cacert;
+    eo.cert_file = a.etcd_cert;
+    eo.key_file = a.etcd_key;
+    comm::etcd_from_env(&eo);
+    if (!eo.user.empty() && eo.password.empty())
+      throw InvalidInput("--etcd-user " + eo.user + " needs --etcd-password-file FILE (or $LIMBO_ETCD_PASSWORD)");
+    if (!eo.tls && (!eo.ca_file.empty() || !eo.cert_file.empty()))
+      throw InvalidInput("--etcd-cacert/--etcd-cert are for TLS: write the address as etcds://...");
+    comm::etcd_to_env(eo);  // workers take the credentials from their environment
+    lo.etcd = eo;
+  } else {
+    std::tie(lo.rdzv_host, lo.rdzv_port) = split_host_port(a.rdzv, "--rdzv");
+  }
   lo.train_args = a.train_args;
   lo.elastic = a.min_workers > 0 || a.max_workers > 0;
   lo.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.rdzv_timeout * 1000));

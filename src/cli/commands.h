@@ -49,6 +49,8 @@ struct LaunchArgs {
   std::string status = "127.0.0.1:0";  // ADDR:PORT of the job's status page (port 0 = any free)
   std::string token_file;
   std::string token;
+  // --rdzv etcd://...: etcd's user/password and TLS files.
+  std::string etcd_user, etcd_password_file, etcd_cacert, etcd_cert, etcd_key;
 };
 int run_launch(const LaunchArgs& a);
 int run_launch_async(const LaunchArgs& a);

@@ -57,7 +57,19 @@ int main(int argc, char** argv) {
       "launch", "start N local data-parallel workers: limbo launch --nproc N -- <train args>");
   launch->add_option("--nproc", launch_args.nproc, "sync: number of workers");
   launch->add_option("--rdzv", launch_args.rdzv,
-                     "HOST:PORT where the launcher hosts the rendezvous store (port 0 = any free)");
+                     "HOST:PORT where the launcher hosts the rendezvous store (port 0 = any free), or "
+                     "etcd://HOST:PORT[,HOST:PORT...]/JOB to meet through etcd (etcds:// for TLS; elastic only; "
+                     "docs/elastic.md)");
+  launch->add_option("--etcd-user", launch_args.etcd_user, "etcd: user name (with --etcd-password-file)");
+  launch->add_option("--etcd-password-file", launch_args.etcd_password_file,
+                     "etcd: file holding the user's password (default: $LIMBO_ETCD_PASSWORD)")
+      ->check(CLI::ExistingFile);
+  launch->add_option("--etcd-cacert", launch_args.etcd_cacert, "etcds: CA certificate to trust")
+      ->check(CLI::ExistingFile);
+  launch->add_option("--etcd-cert", launch_args.etcd_cert, "etcds: this client's certificate")
+      ->check(CLI::ExistingFile);
+  launch->add_option("--etcd-key", launch_args.etcd_key, "etcds: this client's private key")
+      ->check(CLI::ExistingFile);
   launch->add_option("--min-workers", launch_args.min_workers,
                      "elastic: keep going while at least this many workers remain");
   launch->add_option("--max-workers", launch_args.max_workers,

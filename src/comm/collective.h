@@ -8,6 +8,8 @@
 // the group's timeout. Not thread-safe: one training thread per member.
 #pragma once
 
+#include "comm/kv_store.h"
+
 #include <torch/torch.h>
 
 #include <chrono>
@@ -60,6 +62,12 @@ struct GroupOptions {
   // true (the round being formed was replaced), formation stops at once
   // with PeerFailure, in the store's waits and in Gloo's connection set-up.
   std::function<bool()> cancelled;
+  // The group's rendezvous through another store than the embedded one
+  // (etcd): makes a connection for Gloo's address exchange. store_host then
+  // only picks the local address towards the peers, and control_ports are
+  // that store's ports (its connections are not the group's).
+  std::function<std::shared_ptr<KvStore>()> connect_store;
+  std::vector<int> control_ports;
 };
 
 // Connects to the job's rendezvous store and forms a Gloo group of `size` members.

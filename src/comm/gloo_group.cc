@@ -93,6 +93,55 @@ class C10dStore : public c10d::Store {
   std::shared_ptr<StoreClient> c_;
 };
 
+// c10d's Store interface over the rendezvous interface (comm/kv_store.h),
+// for a group formed through etcd. Blocking reads wait in slices so that
+// `cancelled` stops them within a tenth of a second.
+class KvC10dStore : public c10d::Store {
+ public:
+  KvC10dStore(std::shared_ptr<KvStore> s, std::chrono::milliseconds timeout, std::function<bool()> cancelled)
+      : c10d::Store(timeout), s_(std::move(s)), cancelled_(std::move(cancelled)) {}
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    s_->set(key, std::string(value.begin(), value.end()));
+  }
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override {
+    return bytes(s_->compare_set(key, std::string(expected.begin(), expected.end()),
+                                 std::string(desired.begin(), desired.end())));
+  }
+  std::vector<uint8_t> get(const std::string& key) override {
+    wait({key}, timeout_);
+    auto v = s_->try_get(key);
+    if (!v) throw PeerFailure(s_->describe() + ": key '" + key + "' vanished");
+    return bytes(*v);
+  }
+  int64_t add(const std::string& key, int64_t value) override { return s_->add(key, value); }
+  bool deleteKey(const std::string& key) override { return s_->erase(key); }
+  bool check(const std::vector<std::string>& keys) override {
+    for (const auto& k : keys)
+      if (!s_->try_get(k)) return false;
+    return true;
+  }
+  int64_t getNumKeys() override { return static_cast<int64_t>(s_->list("").size()); }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& t) override {
+    const auto deadline = std::chrono::steady_clock::now() + t;
+    for (const auto& k : keys) {
+      while (true) {
+        if (cancelled_ && cancelled_()) throw PeerFailure("waiting for '" + k + "': the round was replaced");
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0)
+          throw Timeout(s_->describe() + ": key '" + k + "' did not appear within " + std::to_string(t.count()) + " ms");
+        if (s_->wait_for(k, std::min(left, std::chrono::milliseconds(100)))) break;
+      }
+    }
+  }
+
+ private:
+  static std::vector<uint8_t> bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+  std::shared_ptr<KvStore> s_;
+  std::function<bool()> cancelled_;
+};
+
 // This process's TCP sockets: (fd, inode), so that a descriptor closed and
 // reused by something else is told apart.
 std::set<std::pair<int, ino_t>> tcp_sockets() {
@@ -125,12 +174,20 @@ int peer_port(int fd) {
   return -1;
 }
 
-// The TCP sockets opened since `before`, except connections to the store.
-std::vector<std::pair<int, ino_t>> new_sockets(const std::set<std::pair<int, ino_t>>& before, int store_port) {
+// The TCP sockets opened since `before`, except connections to the store
+// (whose ports are `store_ports`).
+std::vector<std::pair<int, ino_t>> new_sockets(const std::set<std::pair<int, ino_t>>& before,
+                                               const std::set<int>& store_ports) {
   std::vector<std::pair<int, ino_t>> out;
   for (const auto& s : tcp_sockets())
-    if (!before.count(s) && peer_port(s.first) != store_port) out.push_back(s);
+    if (!before.count(s) && !store_ports.count(peer_port(s.first))) out.push_back(s);
   return out;
+}
+
+std::set<int> store_ports(const GroupOptions& opt) {
+  std::set<int> ports(opt.control_ports.begin(), opt.control_ports.end());
+  if (!opt.connect_store) ports.insert(opt.store_port);
+  return ports;
 }
 
 void shutdown_sockets(const std::vector<std::pair<int, ino_t>>& sockets) {
@@ -146,13 +203,13 @@ class FormationWatch {
  public:
   FormationWatch(const GroupOptions& opt, const std::set<std::pair<int, ino_t>>& before) {
     if (!opt.cancelled) return;
-    thread_ = std::thread([this, cancelled = opt.cancelled, before, port = opt.store_port] {
+    thread_ = std::thread([this, cancelled = opt.cancelled, before, ports = store_ports(opt)] {
       std::unique_lock<std::mutex> lock(mu_);
       while (!done_) {
         cv_.wait_for(lock, std::chrono::milliseconds(5));
         if (done_) return;
         if (cancelled()) {
-          shutdown_sockets(new_sockets(before, port));
+          shutdown_sockets(new_sockets(before, ports));
           return;
         }
       }
@@ -185,9 +242,15 @@ class GlooGroup : public Collective {
     // shutting down the sockets this formation opened.
     FormationWatch watch(opt, sockets_before);
     try {
-      auto client = std::make_shared<StoreClient>(opt.store_host, opt.store_port, opt.timeout, opt.token);
-      if (opt.cancelled) client->set_cancel(opt.cancelled);
-      auto tcp = c10::make_intrusive<C10dStore>(client);
+      std::shared_ptr<StoreClient> client;
+      c10::intrusive_ptr<c10d::Store> tcp;
+      if (opt.connect_store) {
+        tcp = c10::make_intrusive<KvC10dStore>(opt.connect_store(), opt.timeout, opt.cancelled);
+      } else {
+        client = std::make_shared<StoreClient>(opt.store_host, opt.store_port, opt.timeout, opt.token);
+        if (opt.cancelled) client->set_cancel(opt.cancelled);
+        tcp = c10::make_intrusive<C10dStore>(client);
+      }
       auto store = c10::make_intrusive<c10d::PrefixStore>(opt.prefix, tcp);
       auto go = c10d::ProcessGroupGloo::Options::create(opt.timeout);
       const std::string bind =
@@ -211,8 +274,8 @@ class GlooGroup : public Collective {
         throw PeerFailure("forming the Gloo group '" + opt.prefix + "': the round was replaced by a newer one");
       // The sockets this group opened (its Gloo connections and listeners,
       // not its store connection), for abort().
-      sockets_ = new_sockets(sockets_before, opt.store_port);
-      client->set_cancel(nullptr);
+      sockets_ = new_sockets(sockets_before, store_ports(opt));
+      if (client) client->set_cancel(nullptr);
     } catch (const limbo::Error&) {
       throw;
     } catch (const std::exception& e) {

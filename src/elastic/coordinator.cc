@@ -24,7 +24,40 @@ Coordinator::Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOption
   // Members beat four times per timeout (read once when they register).
   store_->set("elastic/heartbeat_interval_ms", std::to_string(std::max<int64_t>(10, opt_.heartbeat_timeout.count() / 4)));
   store_->set("elastic/heartbeat_timeout_ms", std::to_string(opt_.heartbeat_timeout.count()));
+  resume();
+}
+
+// Picks up where a previous coordinator (on a launcher since lost) left
+// off: its last round and abort, and the end of its event log. A round or
+// event it wrote without the counter that follows (it died between the
+// two writes) is found by probing, so numbers are never reused.
+void Coordinator::resume() {
   events_ = store_->add("elastic/events", 0);
+  while (store_->try_get("elastic/event/" + std::to_string(events_ + 1))) ++events_;
+  int64_t k = 0;
+  if (auto v = store_->try_get("elastic/round")) k = std::stoll(*v);
+  while (store_->try_get("elastic/round/" + std::to_string(k + 1))) ++k;
+  if (k > 0) {
+    current_.number = k;
+    if (auto m = store_->try_get("elastic/round/" + std::to_string(k))) current_.members = parse_members(*m);
+  }
+  if (auto a = store_->try_get("elastic/abort")) aborted_round_ = std::stoll(*a);
+}
+
+// The ids under `prefix` ("elastic/hb/" -> {id: value}).
+std::map<int64_t, std::string> Coordinator::ids_under(const std::string& prefix) {
+  std::map<int64_t, std::string> out;
+  for (auto& [key, value] : store_->list(prefix)) {
+    try {
+      size_t used = 0;
+      const std::string tail = key.substr(prefix.size());
+      const int64_t id = std::stoll(tail, &used);
+      if (used == tail.size()) out[id] = std::move(value);
+    } catch (const std::exception&) {
+      // not a member's key (e.g. a Gloo key under a round's prefix)
+    }
+  }
+  return out;
 }
 
 // The coordinator is the log's only writer and numbers it itself: a store
@@ -39,28 +72,51 @@ void Coordinator::publish_event(const std::string& what) {
 }
 
 Coordinator::Result Coordinator::poll() {
+  try {
+    return poll_once();
+  } catch (...) {
+    failed_ = true;
+    throw;
+  }
+}
+
+Coordinator::Result Coordinator::poll_once() {
   const auto now = clock_();
   Result r;
-  const int64_t registered = store_->add("elastic/next_id", 0);
+  // Four reads, however many members: who joined, left, died, and beat.
+  const auto joined = ids_under("elastic/join/");
+  const auto left_keys = ids_under("elastic/left/");
+  const auto dead_keys = ids_under("elastic/dead/");
+  const auto beats = ids_under("elastic/hb/");
+  // Silence is measured only over time this coordinator could see the
+  // store: after polls that failed for a while (the store out of reach)
+  // every member starts a fresh timeout, so an outage of the store is not
+  // taken for the loss of every member.
+  const bool gap = failed_ && now - last_poll_ > opt_.heartbeat_timeout / 2;
   std::vector<int64_t> alive;
   std::set<int64_t> left;
-  for (int64_t id = 1; id <= registered; ++id) {
-    if (!store_->try_get("elastic/join/" + std::to_string(id))) continue;
-    if (dead_.count(id)) continue;
-    if (store_->try_get("elastic/left/" + std::to_string(id))) {
+  for (const auto& [id, unused] : joined) {
+    if (dead_.count(id) || dead_keys.count(id)) continue;
+    if (left_keys.count(id)) {
       left.insert(id);
       continue;
     }
-    auto hb = store_->try_get("elastic/hb/" + std::to_string(id));
-    int64_t beat = hb ? std::stoll(*hb) : 0;
+    auto hb = beats.find(id);
+    int64_t beat = 0;
+    try {
+      beat = hb == beats.end() ? 0 : std::stoll(hb->second);
+    } catch (const std::exception&) {
+    }
     auto it = heartbeats_.find(id);
-    if (it == heartbeats_.end() || it->second.first != beat) {
+    if (it == heartbeats_.end() || it->second.first != beat || gap) {
       heartbeats_[id] = {beat, now};
     } else if (now - it->second.second > opt_.heartbeat_timeout) {
       continue;  // silent for too long (crashed, stopped or cut off)
     }
     alive.push_back(id);
   }
+  failed_ = false;
+  last_poll_ = now;
   r.alive = static_cast<int>(alive.size());
 
   // A member of the current round that went silent without leaving may

@@ -1,7 +1,9 @@
 // The membership coordinator of an elastic job (a thread of the launcher).
 //
 // Workers register in the store (an id from `next_id`, a heartbeat counter
-// `hb/<id>` they bump every 0.5 s, `join/<id>`), may leave (`left/<id>`) and
+// `hb/<id>` they bump every heartbeat interval, `join/<id>`), may leave
+// (`left/<id>`), are marked dead by their launcher when their process
+// exits (`dead/<id>`), and
 // may ask for a new round (`want/<k>`: a member of round k failed or wants a
 // change). poll() looks at the store and writes
 // a new round `round/<k>` (sorted member ids) and `round` = k when the alive
@@ -19,6 +21,9 @@
 // `event/<n>` = "round k" | "abort k"), which members wait on in the store
 // (a parked wait answered the moment the key is written), so they learn of
 // a replaced round at once instead of at their next poll.
+// A coordinator started while a job runs (a launcher that took over from
+// one that was lost) resumes from the store's round, abort and event log;
+// it gives every member a full heartbeat timeout from its first poll.
 #pragma once
 
 #include <chrono>
@@ -70,8 +75,12 @@ class Coordinator {
   Result poll();
   // The launcher saw worker `id`'s process exit.
   void mark_dead(int64_t id) { dead_.insert(id); }
+  const Round& current() const { return current_; }
 
  private:
+  void resume();
+  Result poll_once();
+  std::map<int64_t, std::string> ids_under(const std::string& prefix);
   void publish_event(const std::string& what);
   std::shared_ptr<comm::KvStore> store_;
   CoordinatorOptions opt_;
@@ -83,6 +92,8 @@ class Coordinator {
   int64_t events_ = 0;  // the last event written
   std::chrono::steady_clock::time_point below_since_{};
   bool below_ = false;
+  bool failed_ = false;  // a poll failed since the last one that went through
+  std::chrono::steady_clock::time_point last_poll_{};
 };
 
 }  // namespace limbo::elastic

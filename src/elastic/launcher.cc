@@ -15,6 +15,7 @@
 #include "comm/collective.h"
 #include "comm/kv_store.h"
 #include "elastic/coordinator.h"
+#include "elastic/election.h"
 #include "status/server.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -146,6 +147,12 @@ class Job {
   bool with_store(const std::function<void()>& f);
   int64_t worker_id_of(pid_t pid);
   void start_worker(int index, bool resume);
+  // etcd: runs the election and starts or drops this launcher's coordinator.
+  void elect();
+  // Keeps the store up at the end until the other launchers saw completion:
+  // the hosting launcher, or (etcd) the one coordinating.
+  bool keeper() const { return hosting_ || (election_ && election_->leading()); }
+  void make_coordinator();
 
   LaunchOptions opt_;
   bool hosting_ = false;
@@ -156,6 +163,7 @@ class Job {
   std::shared_ptr<void> store_;
   std::shared_ptr<comm::KvStore> kv_;
   std::unique_ptr<Coordinator> coordinator_;
+  std::unique_ptr<Election> election_;
   std::unique_ptr<status::Server> page_;
   bool url_written_ = false;
   Phase phase_ = Phase::Starting;
@@ -174,8 +182,12 @@ class Job {
 
 Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
   port_ = opt_.rdzv_port;
-  hosting_ = comm::is_local_address(opt_.rdzv_host);
-  if (hosting_) {
+  hosting_ = !opt_.etcd && comm::is_local_address(opt_.rdzv_host);
+  if (opt_.etcd) {
+    if (!opt_.elastic)
+      throw InvalidInput("--rdzv " + opt_.etcd->url() + ": an etcd rendezvous is for elastic jobs (add --min-workers)");
+    log_info("launch: joining job '" + opt_.etcd->job + "' through etcd at " + opt_.etcd->url());
+  } else if (hosting_) {
     store_ = comm::host_store(opt_.rdzv_host, &port_, opt_.token);
   } else {
     if (!opt_.elastic || port_ == 0)
@@ -187,7 +199,7 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
   if (hosting_ && opt_.token.empty() && opt_.rdzv_host != "127.0.0.1" && opt_.rdzv_host != "localhost")
     log_warn("launch: the rendezvous store on " + opt_.rdzv_host + " takes anyone who reaches it; give every "
              "launcher --token-file FILE (docs/elastic.md, \"Security\")");
-  rdzv_ = opt_.rdzv_host + ":" + std::to_string(port_);
+  rdzv_ = opt_.etcd ? opt_.etcd->url() : opt_.rdzv_host + ":" + std::to_string(port_);
   const int cores = opt_.cores > 0 ? opt_.cores : static_cast<int>(std::thread::hardware_concurrency());
   threads_ = sets_threads(opt_.train_args) ? 0 : std::max(1, cores / opt_.nproc);
   log_info("launch: rendezvous store at " + rdzv_ + ", " + std::to_string(opt_.nproc) + " workers" +
@@ -200,26 +212,69 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
     const auto call_timeout = opt_.heartbeat_timeout;
     // (The first connection only waits, up to --rdzv-timeout, for a store
     // that is still starting on another host.)
-    comm::connect_kv_store(opt_.rdzv_host, port_, hosting_ ? call_timeout : opt_.rendezvous_timeout, opt_.token);
-    kv_ = comm::connect_kv_store(opt_.rdzv_host, port_, call_timeout, opt_.token);
-    launcher_id_ = kv_->add("elastic/launchers", 1);
+    if (opt_.etcd) {
+      // The first call may wait for etcd (a cluster still starting), up to
+      // --rdzv-timeout; the later ones are short.
+      auto first = comm::connect_etcd(*opt_.etcd, opt_.rendezvous_timeout);
+      if (first->try_get("elastic/done"))
+        throw InvalidInput("job '" + opt_.etcd->job + "' in etcd at " + opt_.etcd->url() +
+                           " has already completed; give this job another name, or delete the old one's keys "
+                           "(etcdctl del --prefix " + opt_.etcd->prefix() + ")");
+      kv_ = comm::connect_etcd(*opt_.etcd, call_timeout);
+      launcher_id_ = first->add("elastic/launchers", 1);
+      char host[256] = {0};
+      ::gethostname(host, sizeof host - 1);
+      election_ = std::make_unique<Election>(*opt_.etcd, "launcher " + std::to_string(launcher_id_) + " on " + host,
+                                             opt_.heartbeat_timeout);
+    } else {
+      comm::connect_kv_store(opt_.rdzv_host, port_, hosting_ ? call_timeout : opt_.rendezvous_timeout, opt_.token);
+      kv_ = comm::connect_kv_store(opt_.rdzv_host, port_, call_timeout, opt_.token);
+      launcher_id_ = kv_->add("elastic/launchers", 1);
+    }
   }
-  if (opt_.elastic && hosting_) {
-    CoordinatorOptions co;
-    co.min_workers = opt_.min_workers;
-    co.max_workers = opt_.max_workers;
-    co.initial_workers = opt_.nproc;
-    co.heartbeat_timeout = opt_.heartbeat_timeout;
-    co.rendezvous_timeout = opt_.rendezvous_timeout;
-    coordinator_ = std::make_unique<Coordinator>(kv_, co);
-  }
-  if (!opt_.status.empty() && hosting_) {
+  if (opt_.elastic && hosting_) make_coordinator();
+  if (!opt_.status.empty() && (hosting_ || opt_.etcd)) {
     auto [host, port] = status::parse_address(opt_.status, "--status");
     page_ = std::make_unique<status::Server>(std::make_shared<status::Board>(opt_.elastic ? "elastic" : "sync"),
                                              host, port);
     if (!run_dir_.empty()) page_->watch(run_dir_ + "/metrics.jsonl");
     if (!opt_.elastic) page_->board().member_event(opt_.nproc, "start", "fixed membership");
     log_info("launch: status page at " + page_->url());
+  }
+}
+
+void Job::make_coordinator() {
+  CoordinatorOptions co;
+  co.min_workers = opt_.min_workers;
+  co.max_workers = opt_.max_workers;
+  co.initial_workers = opt_.nproc;
+  co.heartbeat_timeout = opt_.heartbeat_timeout;
+  co.rendezvous_timeout = opt_.rendezvous_timeout;
+  std::shared_ptr<comm::KvStore> store = kv_;
+  if (election_)  // every write holds only while this launcher holds the election's key
+    store = comm::connect_etcd(*opt_.etcd, opt_.heartbeat_timeout,
+                               std::make_pair(std::string(Election::kKey), election_->fence_value()));
+  coordinator_ = std::make_unique<Coordinator>(store, co);
+}
+
+void Job::elect() {
+  if (!election_) return;
+  const bool lead = election_->leading();
+  if (!lead && coordinator_) {
+    coordinator_.reset();
+    log_warn("launch: stopped coordinating (another launcher took over)");
+  }
+  if (lead && !coordinator_ && phase_ != Phase::Completing) {
+    try {
+      make_coordinator();
+      const auto& r = coordinator_->current();
+      log_info("launch: coordinating from round " + std::to_string(r.number) + " (workers [" +
+               format_members(r.members) + "])");
+    } catch (const comm::FencedOut& e) {
+      election_->step_down(e.what());
+    } catch (const Error& e) {
+      poll_errors_.warn(std::string("launch: could not start coordinating (") + e.what() + "); retrying");
+    }
   }
 }
 
@@ -268,9 +323,8 @@ int64_t Job::worker_id_of(pid_t pid) {
   const std::string want = std::string(hostname) + ":" + std::to_string(pid);
   int64_t found = 0;
   with_store([&] {
-    const int64_t n = kv_->add("elastic/next_id", 0);
-    for (int64_t id = 1; id <= n && !found; ++id)
-      if (kv_->try_get("elastic/host_pid/" + std::to_string(id)) == want) found = id;
+    for (const auto& [key, value] : kv_->list("elastic/host_pid/"))
+      if (value == want) found = std::stoll(key.substr(std::string("elastic/host_pid/").size()));
   });
   return found;
 }
@@ -300,8 +354,11 @@ void Job::on_exit(const Supervisor::Exit& ex) {
     }
     return;
   }
-  if (coordinator_)
-    if (int64_t id = worker_id_of(ex.pid)) coordinator_->mark_dead(id);
+  // Any launcher's dead worker is known to whichever launcher coordinates.
+  if (const int64_t id = worker_id_of(ex.pid)) {
+    if (coordinator_) coordinator_->mark_dead(id);
+    with_store([&] { kv_->set("elastic/dead/" + std::to_string(id), "1"); });
+  }
   if (code != 0)
     log_warn("launch: worker (first rank " + std::to_string(ex.index) + ", pid " + std::to_string(ex.pid) +
              ") exited with status " + std::to_string(code) + "; the others go on");
@@ -357,6 +414,7 @@ void Job::stop(int code, const std::string& why, int sig) {
 }
 
 void Job::tick() {
+  elect();
   if (page_ && !url_written_ && !run_dir_.empty() && file_exists(run_dir_ + "/metrics.jsonl")) {
     page_->write_url(run_dir_);
     url_written_ = true;
@@ -369,6 +427,9 @@ void Job::tick() {
     try {
       apply_schedule();
       on_round(coordinator_->poll());
+    } catch (const comm::FencedOut& e) {
+      election_->step_down(e.what());
+      coordinator_.reset();
     } catch (const std::exception& e) {
       // A store call that timed out (a starved machine): the next poll, 20 ms
       // later, takes it up again; the coordinator commits nothing half-written.
@@ -420,16 +481,16 @@ void Job::complete_tick() {
     sup_.signal(pid, SIGKILL);
     killed_after_done_.insert(pid);
   }
-  if (!acked_ && !hosting_) acked_ = with_store([&] { kv_->set("elastic/launcher_done/" + std::to_string(launcher_id_), "1"); });
+  if (!acked_ && !keeper()) acked_ = with_store([&] { kv_->set("elastic/launcher_done/" + std::to_string(launcher_id_), "1"); });
 }
 
 bool Job::finished() {
   if (sup_.count() > 0) return false;
   if (phase_ == Phase::Stopping || phase_ == Phase::Lost) return true;
   if (phase_ != Phase::Completing) return false;
-  if (!hosting_ || !opt_.elastic || seconds_since(done_at_) > kAckGrace) return true;
-  // The hosting launcher keeps the store up until every other launcher
-  // has seen the completion (or the grace period ends).
+  if (!keeper() || !opt_.elastic || seconds_since(done_at_) > kAckGrace) return true;
+  // The hosting (etcd: coordinating) launcher keeps the store up until
+  // every other launcher has seen the completion (or the grace period ends).
   bool all = true;
   with_store([&] {
     const int64_t n = kv_->add("elastic/launchers", 0);
@@ -442,6 +503,15 @@ bool Job::finished() {
 int Job::finish() {
   if (phase_ == Phase::Completing) {
     if (!killed_after_done_.empty()) record_killed(run_dir_, killed_after_done_);
+    if (election_ && election_->leading()) {
+      // The job's keys go with it, so that its name can be used again.
+      try {
+        comm::EtcdClient(*opt_.etcd, std::chrono::seconds(2)).erase(opt_.etcd->prefix(), true);
+        election_->resign();
+      } catch (const Error& e) {
+        log_warn(std::string("launch: could not delete the job's keys in etcd: ") + e.what());
+      }
+    }
     return 0;
   }
   if (user_signal_ && phase_ == Phase::Stopping) {

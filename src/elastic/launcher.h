@@ -17,8 +17,11 @@
 #pragma once
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "comm/etcd.h"
 
 namespace limbo::elastic {
 
@@ -49,6 +52,10 @@ struct LaunchOptions {
   // The job secret guarding the rendezvous store (comm/auth.h); empty =
   // none. Workers get it through LIMBO_JOB_TOKEN in their environment.
   std::string token;
+  // The job's rendezvous in etcd instead of a store hosted by the launcher
+  // at rdzv_host:rdzv_port (elastic only): no launcher hosts anything, any
+  // can coordinate (elastic/election.h), and workers talk to etcd.
+  std::optional<comm::EtcdOptions> etcd;
 };
 
 // Parses "0:1,5:4,10:2" (epoch:workers, ascending epochs, counts >= 1).

@@ -20,7 +20,7 @@ int64_t to_int(const std::optional<std::string>& v) { return v ? std::stoll(*v) 
 Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
     : store_(std::move(store)), opt_(std::move(opt)) {
   id_ = store_->add("elastic/next_id", 1);
-  store_->add("elastic/hb/" + std::to_string(id_), 1);
+  store_->set("elastic/hb/" + std::to_string(id_), "1");
   char host[256] = {0};
   ::gethostname(host, sizeof host - 1);
   store_->set("elastic/host_pid/" + std::to_string(id_), std::string(host) + ":" + std::to_string(::getpid()));
@@ -29,6 +29,7 @@ Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
   heartbeat_timeout_ = 4 * opt_.heartbeat_interval;
   if (auto ms = store_->try_get("elastic/heartbeat_timeout_ms"))
     heartbeat_timeout_ = std::chrono::milliseconds(std::max<int64_t>(1, std::stoll(*ms)));
+  cut_off_after_ = opt_.cut_off_after.count() > 0 ? opt_.cut_off_after : heartbeat_timeout_;
   if (!opt_.connect) {
     // No call of these threads may wait longer than the heartbeat timeout:
     // past it the coordinator has counted this member gone anyway.
@@ -67,20 +68,23 @@ void Member::sleep_while_running(std::chrono::milliseconds d) {
     std::this_thread::sleep_for(std::min<Clock::duration>(until - Clock::now(), std::chrono::milliseconds(20)));
 }
 
+// A beat writes the next value of this member's counter (one write, no
+// read: the coordinator only looks for a change).
 void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
   auto next = Clock::now();
   auto last_ok = Clock::now();
+  int64_t beats = 1;
   while (!stop_) {
     try {
-      s->add("elastic/hb/" + std::to_string(id_), 1);
+      s->set("elastic/hb/" + std::to_string(id_), std::to_string(++beats));
       last_ok = Clock::now();
       if (cut_off_.exchange(false))
         log_info("worker " + std::to_string(id_) + ": reached the rendezvous store again");
     } catch (const std::exception& e) {
-      if (Clock::now() - last_ok > heartbeat_timeout_ && !cut_off_.exchange(true)) {
+      if (Clock::now() - last_ok > cut_off_after_ && !cut_off_.exchange(true)) {
         // The coordinator has counted this member gone by now.
         log_warn("worker " + std::to_string(id_) + ": no heartbeat reached the rendezvous store for " +
-                 std::to_string(heartbeat_timeout_.count()) + " ms (" + e.what() +
+                 std::to_string(cut_off_after_.count()) + " ms (" + e.what() +
                  "); this member is out of its round");
         abort_group_upto(std::numeric_limits<int64_t>::max(), "this member is cut off from the store");
         cv_.notify_all();

@@ -3,8 +3,8 @@
 // Registers in the store (an id, `join/<id>`), and runs two threads of its
 // own, each with its own store connection:
 // * the heartbeat thread bumps `hb/<id>` every `elastic/heartbeat_interval_ms`
-//   (set by the coordinator). When its beats have failed for longer than the
-//   heartbeat timeout, this member is cut off: the coordinator has dropped
+//   (set by the coordinator). When its beats have failed for longer than
+//   MemberOptions::cut_off_after, this member is cut off: the coordinator has dropped
 //   it, so it aborts its own group (its training thread stops waiting on
 //   peers it cannot rejoin) and waits for a round again.
 // * the watch thread waits in the store for the coordinator's next event
@@ -44,6 +44,11 @@ struct MemberOptions {
   // default: comm::connect_kv_store to the group's store, timing out
   // after the heartbeat timeout.
   std::function<std::shared_ptr<comm::KvStore>()> connect;
+  // Heartbeats failing this long mean this member is cut off (0: the
+  // heartbeat timeout). With a replicated store (etcd) an outage of the
+  // store reaches every member alike and the coordinator drops no one, so
+  // the wait is longer there: training goes on through it.
+  std::chrono::milliseconds cut_off_after{0};
 };
 
 class Member {
@@ -91,6 +96,7 @@ class Member {
   MemberOptions opt_;
   int64_t id_ = 0;
   std::chrono::milliseconds heartbeat_timeout_{400};
+  std::chrono::milliseconds cut_off_after_{400};
 
   std::atomic<bool> stop_{false};
   std::atomic<int64_t> latest_round_{0};
