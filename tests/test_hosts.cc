@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <regex>
 #include <set>
@@ -22,6 +23,7 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "job_checks.h"
+#include "etcd_cluster.h"
 #include "netns.h"
 #include "test_util.h"
 
@@ -54,7 +56,8 @@ struct HostJob {
   std::map<int, double> exited_at;
   std::map<int, ProcessResult> results;
 
-  std::string rdzv() const { return hosts.ip(0) + ":" + std::to_string(port); }
+  std::string etcd;  // etcd://... when the job meets through etcd
+  std::string rdzv() const { return etcd.empty() ? hosts.ip(0) + ":" + std::to_string(port) : etcd; }
   std::string log(int h) const { return d.file("host" + std::to_string(h) + ".log"); }
 
   std::vector<std::string> train_args() const {
@@ -89,7 +92,7 @@ struct HostJob {
   }
   // Waits until a round holds `members` workers and training has begun.
   bool training(int members) {
-    std::string want = ": workers [";
+    std::string want = "workers [";
     for (int i = 1; i <= members; ++i) want += (i > 1 ? "," : "") + std::to_string(i);
     return limbo::testing::wait_for_text(log(0), want + "]", 60) &&
            limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60);
@@ -332,6 +335,100 @@ TEST(JobSecret, RogueClientsAreRefusedAndLoggedWhileTheJobTrains) {
   EXPECT_EQ(s["workers"].get<int64_t>(), 2);
   EXPECT_EQ(s["membership_changes"].get<int64_t>(), 0) << "a rogue client changed the membership";
   limbo::testing::expect_identical_finals(run, 2);
+}
+
+// ---- No single point of failure: the job meets through a 3-member etcd
+// cluster whose members run on the job's own three hosts. ----
+
+class EtcdJob : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+    hosts_ = std::make_unique<VirtualHosts>(3);
+    if (!hosts_->ok()) GTEST_SKIP() << hosts_->why();
+    std::vector<limbo::testing::EtcdMemberSpec> members;
+    for (int h = 0; h < 3; ++h)
+      members.push_back({hosts_->ip(h), [this, h](const std::vector<std::string>& argv) { return hosts_->in(h, argv); }});
+    etcd_ = std::make_unique<limbo::testing::EtcdCluster>(dir_.path(), members);
+    if (!etcd_->ok()) GTEST_SKIP() << etcd_->why();
+  }
+  // Three hosts, one worker each, at least two needed; host 0 starts the
+  // job (and so coordinates it first). False when they never trained together.
+  bool start(HostJob& job) {
+    job.etcd = "etcd://" + etcd_->endpoints() + "/job-" + std::to_string(::getpid());
+    job.launch(0, 1, 2);
+    job.launch(1, 1, 2);
+    job.launch(2, 1, 2);
+    if (!job.training(3)) {
+      ADD_FAILURE() << "three workers never trained together" << job.all_logs();
+      return false;
+    }
+    std::this_thread::sleep_for(1s);
+    return true;
+  }
+  TempDir dir_;
+  std::unique_ptr<VirtualHosts> hosts_;
+  std::unique_ptr<limbo::testing::EtcdCluster> etcd_;
+};
+
+// The host that started the job, which coordinates it and runs rank 0 and
+// an etcd member, is killed: another launcher takes over, the survivors
+// re-form within 2 s, and rank 0 moves to another host's worker.
+TEST_F(EtcdJob, TheHostThatStartedTheJobIsKilledTheOthersTrainOn) {
+  HostJob job{*hosts_, 6};
+  ASSERT_TRUE(start(job));
+  const double t0 = wall_now();
+  hosts_->signal_host(0, SIGKILL);
+  job.wait_all(120, {});
+  EXPECT_EQ(job.results[0].signal, SIGKILL);
+  EXPECT_EQ(job.results[1].exit_code, 0) << job.all_logs();
+  EXPECT_EQ(job.results[2].exit_code, 0) << job.all_logs();
+  const std::string others = job.results[1].output + job.results[2].output;
+  EXPECT_NE(others.find("coordinates the job now"), std::string::npos) << others;
+  const double reformed = job.reformed_after(t0);
+  std::printf("re-formed %.3f s after the starting host was killed\n", reformed);
+  EXPECT_GT(reformed, 0) << job.all_logs();
+  EXPECT_LT(reformed, 2.0) << "the survivors re-formed " << reformed << " s after the starting host was killed"
+                           << job.all_logs();
+  limbo::testing::expect_exactly_once(job.run, 6, 3000);
+}
+
+// The etcd leader is killed mid-training: the cluster elects another and
+// the job completes.
+TEST_F(EtcdJob, TheEtcdLeaderKilledMidTrainingTheJobCompletes) {
+  HostJob job{*hosts_, 6};
+  ASSERT_TRUE(start(job));
+  const int leader = etcd_->leader();
+  ASSERT_GE(leader, 0);
+  etcd_->kill(leader);
+  job.wait_all();
+  for (int h = 0; h < 3; ++h) EXPECT_EQ(job.results[h].exit_code, 0) << "host " << h << job.all_logs();
+  limbo::testing::expect_exactly_once(job.run, 6, 3000);
+}
+
+// etcd is out of reach for three seconds (every member stopped): training
+// goes on meanwhile, no member is dropped for it, and the job completes.
+TEST_F(EtcdJob, EtcdUnavailableForSecondsTrainingGoesOn) {
+  HostJob job{*hosts_, 7};
+  ASSERT_TRUE(start(job));
+  auto samples_logged = [&] {
+    uintmax_t n = 0;
+    for (const auto& f : std::filesystem::directory_iterator(job.run))
+      if (f.path().filename().string().rfind("samples-", 0) == 0) n += std::filesystem::file_size(f.path());
+    return n;
+  };
+  for (int i = 0; i < 3; ++i) etcd_->signal(i, SIGSTOP);
+  std::this_thread::sleep_for(300ms);
+  const auto before = samples_logged();
+  std::this_thread::sleep_for(2700ms);
+  const auto after = samples_logged();
+  for (int i = 0; i < 3; ++i) etcd_->signal(i, SIGCONT);
+  EXPECT_GT(after, before) << "no step was taken while etcd was out of reach";
+  job.wait_all();
+  for (int h = 0; h < 3; ++h) EXPECT_EQ(job.results[h].exit_code, 0) << "host " << h << job.all_logs();
+  auto s = nlohmann::json::parse(slurp(job.run + "/summary.json"));
+  EXPECT_EQ(s["workers"].get<int64_t>(), 3) << job.all_logs();
+  limbo::testing::expect_exactly_once(job.run, 7, 3000);
 }
 
 }  // namespace

@@ -77,6 +77,11 @@ void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
   while (!stop_) {
     try {
       s->set("elastic/hb/" + std::to_string(id_), std::to_string(++beats));
+      const double progress = progress_.load();
+      if (progress != published_progress_) {
+        s->set("elastic/progress", std::to_string(progress));
+        published_progress_ = progress;
+      }
       last_ok = Clock::now();
       if (cut_off_.exchange(false))
         log_info("worker " + std::to_string(id_) + ": reached the rendezvous store again");
@@ -217,13 +222,9 @@ void Member::request_round(int64_t current) {
   });
 }
 
-void Member::publish_progress(double epoch) {
-  try {
-    store_->set("elastic/progress", std::to_string(epoch));
-  } catch (const Error&) {
-    // Progress only drives --elastic-schedule; the next step writes it again.
-  }
-}
+// Handed to the heartbeat thread: a store out of reach must not hold up a
+// training step (progress only drives --elastic-schedule).
+void Member::publish_progress(double epoch) { progress_.store(epoch); }
 
 void Member::publish_done() {
   best_effort("publish that training completed", [&] { store_->set("elastic/done", "1"); });

@@ -69,7 +69,8 @@ class Member {
   void request_round(int64_t current);
   void leave();
   // Sets `elastic/progress` (fractional epochs), read by the launcher's
-  // --elastic-schedule. Best effort.
+  // --elastic-schedule: written by the heartbeat thread with its next beat,
+  // so it never blocks the caller. Best effort.
   void publish_progress(double epoch);
   // Sets `elastic/done`: training completed (every member reaches the same
   // last step). The launcher ends the job then, whatever else happened.
@@ -102,6 +103,8 @@ class Member {
   std::atomic<int64_t> latest_round_{0};
   std::atomic<int64_t> latest_abort_{0};
   std::atomic<bool> cut_off_{false};
+  std::atomic<double> progress_{-1};
+  double published_progress_ = -1;  // (heartbeat thread only)
   std::mutex mu_;  // guards group_, group_round_; with cv_, wakes wait_round
   std::condition_variable cv_;
   std::weak_ptr<comm::Collective> group_;  // the last group formed, and its round
