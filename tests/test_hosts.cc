@@ -389,7 +389,7 @@ TEST_F(EtcdJob, TheHostThatStartedTheJobIsKilledTheOthersTrainOn) {
   std::printf("re-formed %.3f s after the starting host was killed\n", reformed);
   EXPECT_GT(reformed, 0) << job.all_logs();
   EXPECT_LT(reformed, 2.0) << "the survivors re-formed " << reformed << " s after the starting host was killed"
-                           << job.all_logs();
+                           << job.all_logs() << "\n--- metrics ---\n" << slurp(job.run + "/metrics.jsonl");
   limbo::testing::expect_exactly_once(job.run, 6, 3000);
 }
 

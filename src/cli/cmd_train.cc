@@ -128,6 +128,7 @@ int run_train(const TrainArgs& a) {
         return comm::connect_etcd(eo, std::chrono::milliseconds(1000));
       };
       mo.cut_off_after = std::chrono::seconds(10);
+      mo.watch_wait = std::chrono::milliseconds(1000);
       kv = comm::connect_etcd(eo, go.timeout);
     } else {
       std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");

@@ -240,8 +240,8 @@ void EtcdClient::authenticate_locked() {
 }
 
 // Tries the endpoints in turn until one answers or the call's time is up.
-// A silent endpoint gets half of what is left, so that another can still
-// answer in time.
+// A silent endpoint gets half of what is left (at most a second), so that
+// another can still answer in time.
 std::string EtcdClient::call_locked(const std::string& path, const std::string& body, bool authenticating) {
   const auto deadline = Clock::now() + timeout_;
   std::string last = "no attempt";
@@ -250,8 +250,14 @@ std::string EtcdClient::call_locked(const std::string& path, const std::string& 
   for (int attempt = 0; Clock::now() < deadline; ++attempt) {
     Conn& c = *conns_[current_];
     if (!c.http) c.http = make_http(opt_, c.endpoint);
+    // One attempt lasts at most a second: a request proposed while the
+    // cluster had no leader is otherwise held by etcd for its own request
+    // timeout (7 s with default settings) even after a new leader is up.
+    // Retrying is safe: puts are idempotent, and adds and fenced writes are
+    // transactions on what they read.
     const auto left = deadline - Clock::now();
-    set_timeouts(*c.http, conns_.size() > 1 && attempt < static_cast<int>(conns_.size()) ? left / 2 : left);
+    auto slot = conns_.size() > 1 && attempt < static_cast<int>(conns_.size()) ? left / 2 : left;
+    set_timeouts(*c.http, std::min<Clock::duration>(slot, std::chrono::seconds(1)));
     // etcd's gateway ends an error answer with an HTTP trailer that
     // cpp-httplib does not read; the answer itself is in by then, so the
     // body is taken as it arrives.

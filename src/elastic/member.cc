@@ -102,8 +102,8 @@ void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
   }
 }
 
-// Waits for the coordinator's events in order. Once a second without one it
-// also reads the current round and abort, a safety net should an event
+// Waits for the coordinator's events in order. After five waits without one
+// it also reads the current round and abort, a safety net should an event
 // ever be missing.
 void Member::watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen) {
   int64_t n = seen;
@@ -111,7 +111,7 @@ void Member::watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen) {
   while (!stop_) {
     try {
       const std::string key = "elastic/event/" + std::to_string(n + 1);
-      if (s->wait_for(key, std::chrono::milliseconds(200))) {
+      if (s->wait_for(key, opt_.watch_wait)) {
         if (auto ev = s->try_get(key)) on_event(*ev);
         ++n;
         quiet = 0;

@@ -49,6 +49,10 @@ struct MemberOptions {
   // store reaches every member alike and the coordinator drops no one, so
   // the wait is longer there: training goes on through it.
   std::chrono::milliseconds cut_off_after{0};
+  // How long one wait of the watch thread lasts (events end it at once;
+  // this bounds how soon a destroyed Member's thread ends, and each wait
+  // is a new watch on etcd).
+  std::chrono::milliseconds watch_wait{200};
 };
 
 class Member {
