@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PACKAGES=(
-  build-essential cmake ccache pkg-config libssl-dev iproute2
+  build-essential cmake ccache pkg-config libssl-dev iproute2 openssl etcd-server etcd-client
   libtorch-dev libgloo-dev libzmq3-dev cppzmq-dev
   libopenblas0-openmp
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev zlib1g-dev
