@@ -137,6 +137,8 @@ struct Row {
   double loss_to_round = NAN, round_to_all = NAN, loss_to_all = NAN;
 };
 
+void write_json(const std::string& out, const std::vector<Row>& rows);
+
 Row run(const std::string& store, int n, int losses, double window, std::chrono::milliseconds hb,
         std::function<std::shared_ptr<comm::KvStore>(std::chrono::milliseconds)> connect, pid_t server_pid) {
   Row row;
@@ -178,15 +180,27 @@ Row run(const std::string& store, int n, int losses, double window, std::chrono:
   });
 
   auto shared = count(std::chrono::seconds(30));
-  std::vector<std::unique_ptr<elastic::Member>> members;
+  // Members start concurrently, as a job's workers do (16 at a time).
+  std::vector<std::unique_ptr<elastic::Member>> members(n);
   const auto t_join = Clock::now();
-  for (int i = 0; i < n; ++i) {
-    elastic::MemberOptions mo;
-    mo.connect = [&, hb]() -> std::shared_ptr<comm::KvStore> { return count(std::max(hb, std::chrono::milliseconds(1000))); };
-    mo.watch_wait = store == "etcd" ? std::chrono::milliseconds(1000) : std::chrono::milliseconds(200);
-    if (store == "etcd") mo.cut_off_after = std::chrono::seconds(10);
-    members.push_back(std::make_unique<elastic::Member>(shared, mo));
-  }
+  std::atomic<int> next{0}, made{0};
+  std::vector<std::thread> starters;
+  for (int t = 0; t < std::min(n, 16); ++t)
+    starters.emplace_back([&] {
+      for (int i; (i = next++) < n;) {
+        elastic::MemberOptions mo;
+        mo.connect = [&, hb]() -> std::shared_ptr<comm::KvStore> {
+          return count(std::max(hb, std::chrono::milliseconds(1000)));
+        };
+        mo.watch_wait = store == "etcd" ? std::chrono::milliseconds(1000) : std::chrono::milliseconds(200);
+        if (store == "etcd") mo.cut_off_after = std::chrono::seconds(10);
+        members[i] = std::make_unique<elastic::Member>(shared, mo);
+        if (++made % 100 == 0)
+          std::fprintf(stderr, "%s: %d of %d members registered (%.1f s)\n", store.c_str(), made.load(), n,
+                       seconds(Clock::now() - t_join));
+      }
+    });
+  for (auto& t : starters) t.join();
   // Until the first round holds everyone.
   while (true) {
     {
@@ -287,7 +301,9 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   std::printf("%-9s %7s %8s %10s %8s %9s %10s %10s %10s %10s\n", "store", "members", "join s", "calls/s",
               "poll ms", "coord cpu", "store cpu", "loss>round", "round>all", "loss>all");
-  auto print = [](const Row& x) {
+  const std::string out = args.text("--json", "");
+  auto print = [&](const Row& x) {
+    write_json(out, rows);  // after every row: a long run that is stopped keeps what it measured
     std::printf("%-9s %7d %8.2f %10.0f %8.2f %8.1f%% %9.1f%% %9.3fs %9.3fs %9.3fs\n", x.store.c_str(), x.members,
                 x.join_s, x.calls_per_s, x.poll_ms, 100 * x.coord_cpu, 100 * x.server_cpu, x.loss_to_round,
                 x.round_to_all, x.loss_to_all);
@@ -319,7 +335,11 @@ int main(int argc, char** argv) {
       print(rows.back());
     }
   }
-  const std::string out = args.text("--json", "");
+  return 0;
+}
+
+namespace {
+void write_json(const std::string& out, const std::vector<Row>& rows) {
   if (!out.empty()) {
     nlohmann::json j = nlohmann::json::array();
     for (const auto& x : rows)
@@ -330,5 +350,5 @@ int main(int argc, char** argv) {
                    {"loss_to_all_s", x.loss_to_all}});
     std::ofstream(out) << j.dump(2) << "\n";
   }
-  return 0;
 }
+}  // namespace

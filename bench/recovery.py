@@ -7,6 +7,11 @@ a fault-free job slowed about 3x by CPU hogs must lose no member.
 
     bench/recovery.py [--limbo build/src/cli/limbo] [--trials 5]
     bench/recovery.py --hosts [--trials 5]     # across two network namespaces (root)
+    bench/recovery.py --etcd [--trials 5]      # embedded store vs etcd, side by side
+
+--etcd: the SIGSTOP and SIGKILL trials on the embedded store and on an etcd
+(a single member started here on loopback, data on /dev/shm), interleaved:
+member-loss detection and re-forming under etcd against the embedded store.
 
 --hosts: two "hosts" (network namespaces joined by a veth pair); host A runs
 `limbo launch --nproc 2` and hosts the rendezvous store, host B `limbo launch
@@ -72,12 +77,13 @@ def membership_records(run_dir):
     return out
 
 
-def trial(limbo, kind):
+def trial(limbo, kind, etcd=None):
     d = tempfile.mkdtemp(prefix="limbo-recovery-")
     run = os.path.join(d, "run")
     log = open(os.path.join(d, "launch.log"), "w")
     nproc = 2 if kind == "join" else 3
-    launcher = subprocess.Popen([limbo, "launch", "--nproc", str(nproc), "--min-workers", "1", "--"]
+    rdzv = ["--rdzv", f"etcd://{etcd}/recovery-{os.getpid()}-{time.time_ns()}"] if etcd else []
+    launcher = subprocess.Popen([limbo, "launch", "--nproc", str(nproc), "--min-workers", "1"] + rdzv + ["--"]
                                 + train_args(run), stdout=log, stderr=subprocess.STDOUT)
     victim = joiner = None
     try:
@@ -90,7 +96,7 @@ def trial(limbo, kind):
             t0 = time.time()
             os.kill(victim, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
         else:
-            rdzv = re.search(r"store at ([0-9.]+:\d+)", text).group(1)
+            rdzv = re.search(r"store at (\S+?),? ", text).group(1)
             t0 = time.time()
             joiner = subprocess.Popen([limbo, "train", "--elastic", "--dist-rdzv", rdzv]
                                       + train_args(run), stdout=subprocess.DEVNULL,
@@ -234,13 +240,54 @@ def contention(limbo, hogs, seconds=12):
         shutil.rmtree(d, ignore_errors=True)
 
 
+class LocalEtcd:
+    """One etcd member on loopback, data on tmpfs, for --etcd."""
+
+    def __init__(self):
+        port = 41000 + os.getpid() % 5000
+        self.dir = tempfile.mkdtemp(prefix="limbo-etcd-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.endpoint = f"127.0.0.1:{port}"
+        client, peer = f"http://{self.endpoint}", f"http://127.0.0.1:{port + 1}"
+        self.proc = subprocess.Popen(["etcd", "--data-dir", self.dir + "/data", "--listen-client-urls", client,
+                                      "--advertise-client-urls", client, "--listen-peer-urls", peer,
+                                      "--initial-advertise-peer-urls", peer, "--initial-cluster",
+                                      f"default={peer}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(2)
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def etcd_main(limbo, trials):
+    etcd = LocalEtcd()
+    try:
+        got = {}
+        for _ in range(trials):  # interleaved: embedded, etcd, embedded, ...
+            for kind in ("stop", "kill"):
+                for store in ("embedded", "etcd"):
+                    rec = trial(limbo, kind, etcd.endpoint if store == "etcd" else None)
+                    got.setdefault((kind, store), []).append(rec["to_reformed"])
+        for (kind, store), xs in sorted(got.items()):
+            what = {"kill": "SIGKILL", "stop": "SIGSTOP"}[kind]
+            print(f"{store:8s} {what} -> group re-formed: median {statistics.median(xs):.3f} s, "
+                  f"min {min(xs):.3f} s, max {max(xs):.3f} s ({len(xs)} trials)")
+    finally:
+        etcd.close()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limbo", default="build/src/cli/limbo")
     ap.add_argument("--trials", type=int, default=5, help="0: only the contention check")
     ap.add_argument("--hogs", type=int, default=6, help="busy processes for the contention run")
     ap.add_argument("--hosts", action="store_true", help="cross-host recovery in network namespaces (root)")
+    ap.add_argument("--etcd", action="store_true", help="embedded store vs etcd, side by side")
     args = ap.parse_args()
+    if args.etcd:
+        etcd_main(args.limbo, args.trials)
+        return
     if args.hosts:
         hosts_main(args.limbo, args.trials)
         return

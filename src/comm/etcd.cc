@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <random>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -485,6 +486,7 @@ class EtcdKvStore : public KvStore {
   // A compare-and-swap on the key's revision, retried while others write it.
   int64_t add(const std::string& key, int64_t delta) override {
     const auto deadline = Clock::now() + c_.timeout();
+    int lost = 0;
     while (true) {
       auto kv = c_.get(prefix_ + key);
       int64_t v = 0;
@@ -499,6 +501,11 @@ class EtcdKvStore : public KvStore {
       if (fence_) when.push_back(fence_cond());
       if (c_.txn(when, {{prefix_ + key, std::to_string(v)}})) return v;
       check_fence();
+      // Lost the race to another writer: back off a random while (growing
+      // to 50 ms) so that many contenders do not keep colliding.
+      ++lost;
+      std::this_thread::sleep_for(std::chrono::microseconds(
+          std::uniform_int_distribution<int64_t>(0, std::min<int64_t>(50000, 1000LL << std::min(lost, 6)))(rng_)));
       if (Clock::now() > deadline)
         throw Timeout("etcd at " + c_.describe() + ": adding to '" + key + "' lost every race for " +
                       std::to_string(c_.timeout().count()) + " ms");
@@ -549,6 +556,7 @@ class EtcdKvStore : public KvStore {
   EtcdClient c_;
   std::string prefix_;
   std::optional<std::pair<std::string, std::string>> fence_;
+  std::minstd_rand rng_{std::random_device{}()};
 };
 
 }  // namespace

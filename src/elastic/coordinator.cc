@@ -42,6 +42,7 @@ void Coordinator::resume() {
     if (auto m = store_->try_get("elastic/round/" + std::to_string(k))) current_.members = parse_members(*m);
   }
   if (auto a = store_->try_get("elastic/abort")) aborted_round_ = std::stoll(*a);
+  resumed_ = current_.number > 0;
 }
 
 // The ids under `prefix` ("elastic/hb/" -> {id: value}).
@@ -108,6 +109,7 @@ Coordinator::Result Coordinator::poll_once() {
     } catch (const std::exception&) {
     }
     auto it = heartbeats_.find(id);
+    if (it != heartbeats_.end() && it->second.first != beat) beat_since_resume_.insert(id);
     if (it == heartbeats_.end() || it->second.first != beat || gap) {
       heartbeats_[id] = {beat, now};
     } else if (now - it->second.second > opt_.heartbeat_timeout) {
@@ -117,6 +119,7 @@ Coordinator::Result Coordinator::poll_once() {
   }
   failed_ = false;
   last_poll_ = now;
+  if (resumed_ && resumed_at_ == std::chrono::steady_clock::time_point{}) resumed_at_ = now;
   r.alive = static_cast<int>(alive.size());
 
   // A member of the current round that went silent without leaving may
@@ -153,6 +156,20 @@ Coordinator::Result Coordinator::poll_once() {
     return r;
   }
   below_ = false;
+  // Taken over from a lost coordinator: until every member of the current
+  // round has beaten once or a heartbeat timeout has passed, who is alive
+  // is not known yet; a round written now could list members lost with
+  // the old coordinator's host, and fail.
+  if (resumed_) {
+    bool all_beat = true;
+    for (auto id : current_.members)  // (one that left or died is known)
+      all_beat = all_beat && (beat_since_resume_.count(id) || !std::binary_search(alive.begin(), alive.end(), id));
+    if (!all_beat && now - resumed_at_ <= opt_.heartbeat_timeout) {
+      r.round = current_;
+      return r;
+    }
+    resumed_ = false;
+  }
   if (differs || asked) {
     std::vector<int64_t> added, removed;
     std::set_difference(alive.begin(), alive.end(), current_.members.begin(),

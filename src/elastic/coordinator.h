@@ -23,7 +23,10 @@
 // a replaced round at once instead of at their next poll.
 // A coordinator started while a job runs (a launcher that took over from
 // one that was lost) resumes from the store's round, abort and event log;
-// it gives every member a full heartbeat timeout from its first poll.
+// it gives every member a full heartbeat timeout from its first poll, and
+// writes no round until each member of the current round has beaten or
+// that timeout has passed (so its first round does not list members lost
+// with the old coordinator's host).
 #pragma once
 
 #include <chrono>
@@ -93,6 +96,9 @@ class Coordinator {
   std::chrono::steady_clock::time_point below_since_{};
   bool below_ = false;
   bool failed_ = false;  // a poll failed since the last one that went through
+  bool resumed_ = false;  // took over a running job; settling (see poll)
+  std::chrono::steady_clock::time_point resumed_at_{};
+  std::set<int64_t> beat_since_resume_;
   std::chrono::steady_clock::time_point last_poll_{};
 };
 

@@ -28,6 +28,7 @@ class ElasticMembership : public train::Membership {
   void leave() override { member_->leave(); }
   void publish_progress(double epoch) override { member_->publish_progress(epoch); }
   void publish_done() override { member_->publish_done(); }
+  void publish_record(const nlohmann::json& record) override { member_->publish_record(record.dump()); }
   int64_t id() const { return member_->id(); }
 
  private:

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <map>
 #include <set>
@@ -153,6 +154,9 @@ class Job {
   // the hosting launcher, or (etcd) the one coordinating.
   bool keeper() const { return hosting_ || (election_ && election_->leading()); }
   void make_coordinator();
+  void read_records();
+  int64_t records_seen_ = 0;
+  Clock::time_point last_records_{};
 
   LaunchOptions opt_;
   bool hosting_ = false;
@@ -233,11 +237,14 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
     }
   }
   if (opt_.elastic && hosting_) make_coordinator();
-  if (!opt_.status.empty() && (hosting_ || opt_.etcd)) {
+  // Every launcher of an elastic job serves the whole job's page: rank 0
+  // publishes its metrics records in the rendezvous (a ring the launchers
+  // read), so no page depends on which host holds the run directory.
+  if (!opt_.status.empty() && (hosting_ || opt_.elastic)) {
     auto [host, port] = status::parse_address(opt_.status, "--status");
     page_ = std::make_unique<status::Server>(std::make_shared<status::Board>(opt_.elastic ? "elastic" : "sync"),
                                              host, port);
-    if (!run_dir_.empty()) page_->watch(run_dir_ + "/metrics.jsonl");
+    if (!run_dir_.empty() && !opt_.elastic) page_->watch(run_dir_ + "/metrics.jsonl");
     if (!opt_.elastic) page_->board().member_event(opt_.nproc, "start", "fixed membership");
     log_info("launch: status page at " + page_->url());
   }
@@ -413,9 +420,40 @@ void Job::stop(int code, const std::string& why, int sig) {
   enter(Phase::Stopping, why);
 }
 
+// Feeds this launcher's page with the records rank 0 published since the
+// last read (twice a second; one list call).
+void Job::read_records() {
+  if (!page_ || !opt_.elastic || seconds_since(last_records_) < 0.5) return;
+  last_records_ = Clock::now();
+  std::vector<std::pair<int64_t, std::string>> fresh;
+  with_store([&] {
+    for (const auto& [key, value] : kv_->list("elastic/record/")) {
+      const auto space = value.find(' ');
+      if (space == std::string::npos) continue;
+      try {
+        const int64_t n = std::stoll(value.substr(0, space));
+        if (n > records_seen_) fresh.emplace_back(n, value.substr(space + 1));
+      } catch (const std::exception&) {
+      }
+    }
+  });
+  std::sort(fresh.begin(), fresh.end());
+  for (const auto& [n, text] : fresh) {
+    try {
+      page_->board().add_record(nlohmann::json::parse(text));
+    } catch (const std::exception&) {
+      // not a record (a stray key): skipped
+    }
+    records_seen_ = n;
+  }
+}
+
 void Job::tick() {
   elect();
-  if (page_ && !url_written_ && !run_dir_.empty() && file_exists(run_dir_ + "/metrics.jsonl")) {
+  read_records();
+  // The launcher that hosts (etcd: coordinates) names its page in the run
+  // directory (`limbo status RUN_DIR`); any launcher's page shows the job.
+  if (page_ && !url_written_ && keeper() && !run_dir_.empty() && file_exists(run_dir_ + "/metrics.jsonl")) {
     page_->write_url(run_dir_);
     url_written_ = true;
   }

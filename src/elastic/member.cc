@@ -82,6 +82,7 @@ void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
         s->set("elastic/progress", std::to_string(progress));
         published_progress_ = progress;
       }
+      publish_records(*s);
       last_ok = Clock::now();
       if (cut_off_.exchange(false))
         log_info("worker " + std::to_string(id_) + ": reached the rendezvous store again");
@@ -122,6 +123,23 @@ void Member::watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen) {
     } catch (const std::exception& e) {
       sleep_while_running(std::chrono::milliseconds(20));  // the store is out of reach: try again
     }
+  }
+}
+
+// The status records queued by publish_record, each under the next number
+// of the job's record ring; a store error keeps the rest for the next beat.
+void Member::publish_records(comm::KvStore& s) {
+  while (true) {
+    std::string rec;
+    {
+      std::lock_guard<std::mutex> lock(records_mu_);
+      if (records_.empty()) return;
+      rec = records_.front();
+    }
+    const int64_t n = s.add("elastic/records", 1);
+    s.set("elastic/record/" + std::to_string(n % kRecordRing), std::to_string(n) + " " + rec);
+    std::lock_guard<std::mutex> lock(records_mu_);
+    if (!records_.empty()) records_.pop_front();
   }
 }
 
@@ -220,6 +238,12 @@ void Member::request_round(int64_t current) {
   best_effort("ask for a new round", [&] {
     store_->set("elastic/want/" + std::to_string(current), std::to_string(id_));
   });
+}
+
+void Member::publish_record(std::string record) {
+  std::lock_guard<std::mutex> lock(records_mu_);
+  records_.push_back(std::move(record));
+  while (records_.size() > 64) records_.pop_front();
 }
 
 // Handed to the heartbeat thread: a store out of reach must not hold up a

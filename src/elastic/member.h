@@ -24,6 +24,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -55,6 +56,10 @@ struct MemberOptions {
   std::chrono::milliseconds watch_wait{200};
 };
 
+// The ring of status records in the store: record n is `elastic/record/<n % kRecordRing>`,
+// its value "<n> <json>".
+constexpr int64_t kRecordRing = 256;
+
 class Member {
  public:
   Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt);
@@ -76,6 +81,11 @@ class Member {
   // --elastic-schedule: written by the heartbeat thread with its next beat,
   // so it never blocks the caller. Best effort.
   void publish_progress(double epoch);
+  // Queues one metrics record (JSON) for the job's status pages; the
+  // heartbeat thread writes it to `elastic/record/<n mod 256>` with its next
+  // beat (n from `elastic/records`). Never blocks; at most 64 wait, the
+  // oldest are dropped beyond that.
+  void publish_record(std::string record);
   // Sets `elastic/done`: training completed (every member reaches the same
   // last step). The launcher ends the job then, whatever else happened.
   void publish_done();
@@ -90,6 +100,7 @@ class Member {
   void beat_loop(std::shared_ptr<comm::KvStore> s);
   void watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen);
   void on_event(const std::string& event);
+  void publish_records(comm::KvStore& s);
   // Aborts the current group if it belongs to round `k` or older.
   void abort_group_upto(int64_t k, const std::string& why);
   // Runs `f` on the training thread's connection, retrying store errors a
@@ -109,6 +120,8 @@ class Member {
   std::atomic<bool> cut_off_{false};
   std::atomic<double> progress_{-1};
   double published_progress_ = -1;  // (heartbeat thread only)
+  std::mutex records_mu_;
+  std::deque<std::string> records_;
   std::mutex mu_;  // guards group_, group_round_; with cv_, wakes wait_round
   std::condition_variable cv_;
   std::weak_ptr<comm::Collective> group_;  // the last group formed, and its round

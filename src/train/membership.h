@@ -43,6 +43,9 @@ struct Membership {
   virtual void publish_progress(double epoch) {}
   // Training completed (after the last step, before the final evaluation).
   virtual void publish_done() {}
+  // A metrics record of the current writer (train, eval, membership, ...),
+  // for the job's status pages. Must not block.
+  virtual void publish_record(const nlohmann::json& record) {}
 };
 
 }  // namespace limbo::train

@@ -18,6 +18,7 @@ void RunDir::write_config(const std::string& toml) const {
 }
 
 void RunDir::append_metrics(const nlohmann::json& record) {
+  if (writer_ && mirror_) mirror_(record);
   if (!enabled()) return;
   append_line(metrics_, record.dump());
 }

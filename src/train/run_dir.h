@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <functional>
 #include <string>
 
 namespace limbo::train {
@@ -28,12 +29,16 @@ class RunDir {
 
   void write_config(const std::string& toml) const;
   void append_metrics(const nlohmann::json& record);
+  // Also hands each record the writer appends to `mirror` (an elastic job
+  // publishes them in its rendezvous, for every launcher's status page).
+  void set_mirror(std::function<void(const nlohmann::json&)> mirror) { mirror_ = std::move(mirror); }
   void write_summary(const nlohmann::json& summary) const;
 
  private:
   std::string path_;
   std::string metrics_;
   bool writer_ = true;
+  std::function<void(const nlohmann::json&)> mirror_;
 };
 
 }  // namespace limbo::train

@@ -144,6 +144,7 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
   r.world = est.world;
   writer_ = est.rank == 0;
   r.run_dir.set_writer(writer_);
+  r.run_dir.set_mirror([m = membership_.get()](const nlohmann::json& rec) { m->publish_record(rec); });
   r.loader->restart(state_.cursor, r.world, est.rank);
   if (isgd_)  // the control window holds one epoch of the new global batches
     isgd_->set_batches_per_epoch(data::batches_per_epoch(
