@@ -155,6 +155,9 @@ class Job {
   bool keeper() const { return hosting_ || (election_ && election_->leading()); }
   void make_coordinator();
   void read_records();
+  // No store call has gone through for a second: calls that can wait are
+  // skipped, so that the loop keeps its pace while the loss clock runs.
+  bool store_down() const { return seconds_since(last_contact_) > 1.0; }
   int64_t records_seen_ = 0;
   Clock::time_point last_records_{};
 
@@ -362,7 +365,9 @@ void Job::on_exit(const Supervisor::Exit& ex) {
     return;
   }
   // Any launcher's dead worker is known to whichever launcher coordinates.
-  if (const int64_t id = worker_id_of(ex.pid)) {
+  // (Not while the store is out of reach: each call would hold this loop
+  // for its timeout, and the job is being lost anyway.)
+  if (const int64_t id = store_down() ? 0 : worker_id_of(ex.pid)) {
     if (coordinator_) coordinator_->mark_dead(id);
     with_store([&] { kv_->set("elastic/dead/" + std::to_string(id), "1"); });
   }
@@ -423,7 +428,7 @@ void Job::stop(int code, const std::string& why, int sig) {
 // Feeds this launcher's page with the records rank 0 published since the
 // last read (twice a second; one list call).
 void Job::read_records() {
-  if (!page_ || !opt_.elastic || seconds_since(last_records_) < 0.5) return;
+  if (!page_ || !opt_.elastic || store_down() || seconds_since(last_records_) < 0.5) return;
   last_records_ = Clock::now();
   std::vector<std::pair<int64_t, std::string>> fresh;
   with_store([&] {
