@@ -454,8 +454,11 @@ bool EtcdClient::watch(const std::string& key, int64_t after, std::chrono::milli
   http->send(req, res, err);
   if (changed) return true;
   if (!failure.empty()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    current_ = (current_ + 1) % conns_.size();  // this endpoint could not watch: use another next time
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      current_ = (current_ + 1) % conns_.size();  // this endpoint could not watch: use another next time
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));  // no hot loop of failing watches
     return false;
   }
   if (err == httplib::Error::Connection || err == httplib::Error::ConnectionTimeout) {
