@@ -14,6 +14,7 @@
 // usage: limbo_bench_coordination [--members 10,100,1000] [--store both|embedded|etcd]
 //        [--losses 3] [--window 3] [--heartbeat-timeout 0.4] [--etcd-data DIR] [--json FILE]
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -107,6 +108,7 @@ struct LocalEtcd {
     endpoint = "127.0.0.1:" + std::to_string(port);
     pid = ::fork();
     if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no etcd left behind if the benchmark dies
       const std::string log = dir + ".log";
       FILE* f = std::fopen(log.c_str(), "w");
       if (f) {

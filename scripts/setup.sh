@@ -28,7 +28,17 @@ done
 if [ "${#missing[@]}" -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   $SUDO apt-get update -qq
+  # Packages with a service (etcd-server) must not start it: the tests start
+  # their own etcd members on their own ports. A policy-rc.d that denies
+  # starts, only for this install and only if the machine has none.
+  policy_added=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d > /dev/null
+    $SUDO chmod 755 /usr/sbin/policy-rc.d
+    policy_added=1
+  fi
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  if [ "$policy_added" = 1 ]; then $SUDO rm -f /usr/sbin/policy-rc.d; fi
 fi
 
 # libtorch's linear layers call the system libblas.so.3. Debian's default is
