@@ -291,6 +291,10 @@ int main(int argc, char** argv) {
   std::vector<int> sizes;
   for (double m : args.numbers("--members", {10, 100, 1000})) sizes.push_back(static_cast<int>(m));
   const std::string which = args.text("--store", "both");
+  if (which != "both" && which != "embedded" && which != "etcd") {
+    std::fprintf(stderr, "--store must be both, embedded or etcd, not '%s'\n", which.c_str());
+    return 2;
+  }
   const int losses = static_cast<int>(args.integer("--losses", 3));
   const double window = args.number("--window", 3);
   const auto hb = std::chrono::milliseconds(static_cast<int64_t>(1000 * args.number("--heartbeat-timeout", 0.4)));
