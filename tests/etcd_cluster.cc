@@ -1,6 +1,9 @@
 #include "etcd_cluster.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,6 +25,21 @@ bool have_etcd() { return ::access("/usr/bin/etcd", X_OK) == 0; }
 int base_port() {
   static int clusters = 0;
   return 32000 + (::getpid() % 1000) * 24 + 8 * (clusters++ % 3);
+}
+
+// A loopback port nobody holds now (bound to port 0, then released).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  int port = 0;
+  if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0)
+    port = ntohs(a.sin_port);
+  if (fd >= 0) ::close(fd);
+  return port;
 }
 
 }  // namespace
@@ -51,16 +69,22 @@ void EtcdCluster::start(const std::string& dir, const std::vector<EtcdMemberSpec
                                                 std::to_string(base)
                                           : dir + "/data";
   std::string cluster;
+  std::vector<int> peer_ports;
   for (size_t i = 0; i < members.size(); ++i) {
-    client_ports_.push_back(base + 2 * static_cast<int>(i));
+    // On this machine's loopback, ports the kernel says are free (a fixed
+    // formula collided with other tests' ports); inside a namespace of its
+    // own every port is free.
+    const bool here = !members[i].wrap;
+    client_ports_.push_back(here ? free_port() : base + 2 * static_cast<int>(i));
+    peer_ports.push_back(here ? free_port() : base + 2 * static_cast<int>(i) + 1);
     cluster += (i ? "," : "") + std::string("m") + std::to_string(i) + "=http://" + members[i].ip + ":" +
-               std::to_string(base + 2 * static_cast<int>(i) + 1);
+               std::to_string(peer_ports[i]);
   }
   const std::string scheme = tls_ ? "https://" : "http://";
   for (size_t i = 0; i < members.size(); ++i) {
     const std::string ip = members[i].ip;
     const std::string client = scheme + ip + ":" + std::to_string(client_ports_[i]);
-    const std::string peer = "http://" + ip + ":" + std::to_string(client_ports_[i] + 1);
+    const std::string peer = "http://" + ip + ":" + std::to_string(peer_ports[i]);
     std::vector<std::string> argv = {"/usr/bin/etcd", "--name", "m" + std::to_string(i), "--data-dir",
                                      data_ + "/m" + std::to_string(i), "--listen-client-urls", client,
                                      "--advertise-client-urls", client, "--listen-peer-urls", peer,
