@@ -7,9 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <random>
 #include <cstring>
-#include <sstream>
 #include <thread>
 
 #include "common/log.h"
@@ -107,70 +105,6 @@ std::string base64_decode(const std::string& s) {
     }
   }
   return out;
-}
-
-std::string EtcdOptions::url() const {
-  std::string s = tls ? "etcds://" : "etcd://";
-  for (size_t i = 0; i < endpoints.size(); ++i) s += (i ? "," : "") + endpoints[i];
-  return s + "/" + job;
-}
-
-bool is_etcd_url(const std::string& s) { return s.rfind("etcd://", 0) == 0 || s.rfind("etcds://", 0) == 0; }
-
-EtcdOptions parse_etcd_url(const std::string& url, const std::string& flag) {
-  auto bad = [&](const std::string& why) {
-    return InvalidInput(flag + " " + url + ": " + why +
-                        " (expected etcd://HOST:PORT[,HOST:PORT...]/JOB, or etcds:// for TLS)");
-  };
-  if (!is_etcd_url(url)) throw bad("not an etcd address");
-  EtcdOptions o;
-  o.tls = url.rfind("etcds://", 0) == 0;
-  const std::string rest = url.substr(o.tls ? 8 : 7);
-  const auto slash = rest.find('/');
-  if (slash == std::string::npos || slash + 1 >= rest.size()) throw bad("no job name after the endpoints");
-  o.job = rest.substr(slash + 1);
-  for (char c : o.job)
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.'))
-      throw bad("the job name may hold letters, digits, '-', '_' and '.'");
-  std::stringstream ss(rest.substr(0, slash));
-  for (std::string ep; std::getline(ss, ep, ',');) {
-    const auto colon = ep.rfind(':');
-    int port = 0;
-    try {
-      size_t used = 0;
-      if (colon == std::string::npos || colon == 0) throw std::invalid_argument("");
-      port = std::stoi(ep.substr(colon + 1), &used);
-      if (used != ep.size() - colon - 1) throw std::invalid_argument("");
-    } catch (const std::exception&) {
-      throw bad("endpoint '" + ep + "' is not HOST:PORT");
-    }
-    if (port < 1 || port > 65535) throw bad("port " + std::to_string(port) + " is out of range");
-    o.endpoints.push_back(ep);
-  }
-  if (o.endpoints.empty()) throw bad("no endpoint");
-  return o;
-}
-
-void etcd_from_env(EtcdOptions* o) {
-  auto take = [](const char* name, std::string* into) {
-    if (const char* v = std::getenv(name); v && *v && into->empty()) *into = v;
-  };
-  take("LIMBO_ETCD_USER", &o->user);
-  take("LIMBO_ETCD_PASSWORD", &o->password);
-  take("LIMBO_ETCD_CACERT", &o->ca_file);
-  take("LIMBO_ETCD_CERT", &o->cert_file);
-  take("LIMBO_ETCD_KEY", &o->key_file);
-}
-
-void etcd_to_env(const EtcdOptions& o) {
-  auto put = [](const char* name, const std::string& v) {
-    if (!v.empty()) ::setenv(name, v.c_str(), 1);
-  };
-  put("LIMBO_ETCD_USER", o.user);
-  put("LIMBO_ETCD_PASSWORD", o.password);
-  put("LIMBO_ETCD_CACERT", o.ca_file);
-  put("LIMBO_ETCD_CERT", o.cert_file);
-  put("LIMBO_ETCD_KEY", o.key_file);
 }
 
 // One endpoint's HTTP client (keep-alive), made when first used.
@@ -467,106 +401,6 @@ bool EtcdClient::watch(const std::string& key, int64_t after, std::chrono::milli
     throw PeerFailure("etcd at " + endpoint + ": cannot watch " + key + " (" + httplib::to_string(err) + ")");
   }
   return false;  // timed out (or the stream ended) without a change
-}
-
-namespace {
-
-class EtcdKvStore : public KvStore {
- public:
-  EtcdKvStore(const EtcdOptions& o, std::chrono::milliseconds timeout,
-              std::optional<std::pair<std::string, std::string>> fence)
-      : c_(o, timeout), prefix_(o.prefix()), fence_(std::move(fence)) {}
-
-  void set(const std::string& key, const std::string& value) override {
-    if (!fence_) return c_.put(prefix_ + key, value);
-    if (!c_.txn({fence_cond()}, {{prefix_ + key, value}})) fenced_out();
-  }
-  std::optional<std::string> try_get(const std::string& key) override {
-    auto kv = c_.get(prefix_ + key);
-    if (!kv) return std::nullopt;
-    return kv->value;
-  }
-  // A compare-and-swap on the key's revision, retried while others write it.
-  int64_t add(const std::string& key, int64_t delta) override {
-    const auto deadline = Clock::now() + c_.timeout();
-    int lost = 0;
-    while (true) {
-      auto kv = c_.get(prefix_ + key);
-      int64_t v = 0;
-      try {
-        v = kv ? std::stoll(kv->value) : 0;
-      } catch (const std::exception&) {
-        throw InvalidInput("etcd key '" + key + "' does not hold an integer");
-      }
-      v += delta;
-      std::vector<EtcdClient::Compare> when = {{EtcdClient::Compare::ModRevision, prefix_ + key, "",
-                                                kv ? kv->mod_revision : 0}};
-      if (fence_) when.push_back(fence_cond());
-      if (c_.txn(when, {{prefix_ + key, std::to_string(v)}})) return v;
-      check_fence();
-      // Lost the race to another writer: back off a random while (growing
-      // to 50 ms) so that many contenders do not keep colliding.
-      ++lost;
-      std::this_thread::sleep_for(std::chrono::microseconds(
-          std::uniform_int_distribution<int64_t>(0, std::min<int64_t>(50000, 1000LL << std::min(lost, 6)))(rng_)));
-      if (Clock::now() > deadline)
-        throw Timeout("etcd at " + c_.describe() + ": adding to '" + key + "' lost every race for " +
-                      std::to_string(c_.timeout().count()) + " ms");
-    }
-  }
-  bool wait_for(const std::string& key, std::chrono::milliseconds timeout) override {
-    const auto deadline = Clock::now() + timeout;
-    while (true) {
-      int64_t revision = 0;
-      if (c_.get(prefix_ + key, &revision)) return true;
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      if (left.count() <= 0) return false;
-      if (!c_.watch(prefix_ + key, revision, left) && Clock::now() >= deadline) return c_.get(prefix_ + key).has_value();
-    }
-  }
-  std::vector<std::pair<std::string, std::string>> list(const std::string& prefix) override {
-    std::vector<std::pair<std::string, std::string>> out;
-    for (auto& kv : c_.list(prefix_ + prefix)) out.emplace_back(kv.key.substr(prefix_.size()), std::move(kv.value));
-    return out;
-  }
-  std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override {
-    std::vector<EtcdClient::Compare> when;
-    if (expected.empty()) when.push_back({EtcdClient::Compare::CreateRevision, prefix_ + key, "", 0});
-    else when.push_back({EtcdClient::Compare::Value, prefix_ + key, expected, 0});
-    if (fence_) when.push_back(fence_cond());
-    if (c_.txn(when, {{prefix_ + key, desired}})) return desired;
-    check_fence();
-    auto kv = c_.get(prefix_ + key);
-    return kv ? kv->value : expected;
-  }
-  bool erase(const std::string& key) override { return c_.erase(prefix_ + key) > 0; }
-  std::string describe() const override { return c_.describe(); }
-
- private:
-  EtcdClient::Compare fence_cond() const {
-    return {EtcdClient::Compare::Value, prefix_ + fence_->first, fence_->second, 0};
-  }
-  void check_fence() {
-    if (!fence_) return;
-    auto kv = c_.get(prefix_ + fence_->first);
-    if (!kv || kv->value != fence_->second) fenced_out();
-  }
-  [[noreturn]] void fenced_out() {
-    throw FencedOut("etcd key '" + fence_->first + "' no longer holds '" + fence_->second +
-                    "': another launcher coordinates the job now");
-  }
-
-  EtcdClient c_;
-  std::string prefix_;
-  std::optional<std::pair<std::string, std::string>> fence_;
-  std::minstd_rand rng_{std::random_device{}()};
-};
-
-}  // namespace
-
-std::unique_ptr<KvStore> connect_etcd(const EtcdOptions& o, std::chrono::milliseconds timeout,
-                                      std::optional<std::pair<std::string, std::string>> fence) {
-  return std::make_unique<EtcdKvStore>(o, timeout, std::move(fence));
 }
 
 }  // namespace limbo::comm

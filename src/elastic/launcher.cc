@@ -333,8 +333,9 @@ int64_t Job::worker_id_of(pid_t pid) {
   const std::string want = std::string(hostname) + ":" + std::to_string(pid);
   int64_t found = 0;
   with_store([&] {
-    for (const auto& [key, value] : kv_->list("elastic/host_pid/"))
-      if (value == want) found = std::stoll(key.substr(std::string("elastic/host_pid/").size()));
+    const std::string prefix = "elastic/host_pid/";
+    for (const auto& [key, value] : kv_->list(prefix))
+      if (value == want) found = std::strtoll(key.c_str() + prefix.size(), nullptr, 10);  // 0 when not a number
   });
   return found;
 }
