@@ -18,17 +18,20 @@ namespace limbo::testing {
 // Every sample id appears exactly once in every epoch of the committed
 // steps. Members log each step they commit; a step committed by several
 // members must carry the same samples everywhere.
-inline void expect_exactly_once(const std::string& dir, int epochs, int n) {
+// `dirs`: the run directories the members wrote to (one per host, or one).
+inline void expect_exactly_once(const std::vector<std::string>& dirs, int epochs, int n) {
   std::map<int64_t, std::string> steps;  // step -> "epoch ids..."
-  for (const auto& f : std::filesystem::directory_iterator(dir)) {
-    if (f.path().filename().string().rfind("samples-", 0) != 0) continue;
-    std::istringstream in(slurp(f.path()));
-    for (std::string line; std::getline(in, line);) {
-      auto sp = line.find(' ');
-      int64_t step = std::stoll(line.substr(0, sp));
-      auto [it, fresh] = steps.emplace(step, line.substr(sp + 1));
-      if (!fresh) {
-        EXPECT_EQ(it->second, line.substr(sp + 1)) << "step " << step << " differs";
+  for (const auto& dir : dirs) {
+    for (const auto& f : std::filesystem::directory_iterator(dir)) {
+      if (f.path().filename().string().rfind("samples-", 0) != 0) continue;
+      std::istringstream in(slurp(f.path()));
+      for (std::string line; std::getline(in, line);) {
+        auto sp = line.find(' ');
+        int64_t step = std::stoll(line.substr(0, sp));
+        auto [it, fresh] = steps.emplace(step, line.substr(sp + 1));
+        if (!fresh) {
+          EXPECT_EQ(it->second, line.substr(sp + 1)) << "step " << step << " differs";
+        }
       }
     }
   }
@@ -44,6 +47,10 @@ inline void expect_exactly_once(const std::string& dir, int epochs, int n) {
   for (const auto& [k, c] : count) dup += c != 1;
   EXPECT_EQ(dup, 0) << "samples used more than once";
   EXPECT_EQ(steps.rbegin()->first, static_cast<int64_t>(steps.size())) << "a step is missing";
+}
+
+inline void expect_exactly_once(const std::string& dir, int epochs, int n) {
+  expect_exactly_once(std::vector<std::string>{dir}, epochs, n);
 }
 
 // The final-weight fingerprints of every member that finished agree.

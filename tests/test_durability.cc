@@ -5,9 +5,13 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <set>
+#include <sstream>
+#include <vector>
 
 #include "common/error.h"
 #include "common/files.h"
@@ -124,4 +128,35 @@ TEST(Durability, MetricsThatCannotBeWrittenAreReported) {
   EXPECT_EQ(read_file(d.file("learner.jsonl")), "{}\n") << "a torn line was left behind";
   const std::string metrics = read_file(d.file("metrics.jsonl"));
   EXPECT_EQ(metrics, "{\"kind\":\"train\",\"step\":1}\n") << "a torn line was left behind";
+}
+
+// The id of the storage a run directory is on: one per directory, the
+// same for every process that opens it, also when they race to make it.
+TEST(RunDirStorage, OneIdPerDirectoryAgreedByRacingProcesses) {
+  TempDir d;
+  const std::string a = d.file("a"), b = d.file("b");
+  std::vector<pid_t> kids;
+  for (int i = 0; i < 6; ++i) {
+    pid_t p = ::fork();
+    if (p == 0) {
+      train::RunDir run(a, true);
+      append_line(d.file("ids"), std::to_string(run.storage_id()));
+      ::_exit(0);
+    }
+    kids.push_back(p);
+  }
+  for (pid_t p : kids) ::waitpid(p, nullptr, 0);
+  std::istringstream in(read_file(d.file("ids")));
+  std::set<std::string> ids;
+  int n = 0;
+  for (std::string line; std::getline(in, line); ++n) ids.insert(line);
+  EXPECT_EQ(n, 6);
+  ASSERT_EQ(ids.size(), 1u) << read_file(d.file("ids"));
+  EXPECT_EQ(std::to_string(train::RunDir(a, true).storage_id()), *ids.begin());
+  const int64_t other = train::RunDir(b, true).storage_id();
+  EXPECT_GT(other, 0);
+  EXPECT_NE(std::to_string(other), *ids.begin());
+  EXPECT_EQ(train::RunDir("", false).storage_id(), 0);
+  write_file_atomic(b + "/.storage", "garbage\n");
+  EXPECT_THROW(train::RunDir(b, true).storage_id(), InvalidInput);
 }

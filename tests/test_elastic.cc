@@ -15,7 +15,9 @@
 #include "comm/kv_store.h"
 #include "common/error.h"
 #include "common/files.h"
+#include "comm/store.h"
 #include "elastic/coordinator.h"
+#include "elastic/elastic_membership.h"
 #include "job_checks.h"
 #include "test_util.h"
 
@@ -259,6 +261,78 @@ struct Job {
     return limbo::testing::run_limbo(a);
   }
 };
+
+// ---------- run records, one copy per storage ----------
+
+// Runs `f(group, rank)` on `world` threads of this process, each a member
+// of one Gloo group on a shared store.
+void with_members(int world, const std::function<void(comm::Collective&, int)>& f) {
+  comm::StoreServer store("127.0.0.1", 0);
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(world);
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        comm::GroupOptions go;
+        go.store_port = store.port();
+        go.prefix = "records";
+        go.timeout = std::chrono::milliseconds(20000);
+        auto group = comm::make_gloo_group(go, r, world);
+        f(*group, r);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "member " << r;
+}
+
+// Members 0 and 2 share a run directory's storage, member 1 has its own,
+// member 3 none: 0 and 1 write, 2 keeps quiet, and there are two copies.
+TEST(RunRecords, TheLowestRankOfEachStorageWrites) {
+  const std::vector<int64_t> storage = {7, 9, 7, 0};
+  std::vector<int> writes(4, -1), copies(4, -1);
+  with_members(4, [&](comm::Collective& g, int r) {
+    auto [w, c] = storage_writer(g, storage[r]);
+    writes[r] = w;
+    copies[r] = c;
+  });
+  EXPECT_EQ(writes, (std::vector<int>{1, 1, 0, 0}));
+  EXPECT_EQ(copies, (std::vector<int>{2, 2, 2, 2}));
+}
+
+// A writer whose storage holds no records yet (a host that joined late)
+// receives rank 0's; writers that have some, and non-writers, get none.
+TEST(RunRecords, AWriterOnAStorageWithoutRecordsReceivesRankZeros) {
+  const std::vector<std::string> held = {"{\"step\":5}\n{\"step\":10}\n", "{\"step\":10}\n", "", ""};
+  const std::vector<bool> writer = {true, true, true, false};
+  std::vector<std::string> got(4, "unset");
+  with_members(4, [&](comm::Collective& g, int r) {
+    torch::Tensor w, b;
+    optim::Sgd sgd(optim::SgdOptions{});
+    train::TrainState st;
+    optim::BatchSizePolicy policy(optim::BatchPolicyOptions{});
+    train::SyncTargets s{w, b, sgd, st, policy, nullptr, 0, [&, r] { return held[r]; },
+                         [&, r] { return held[r].empty(); }};
+    got[r] = share_records(g, s, writer[r]);
+  });
+  EXPECT_EQ(got[0], "");
+  EXPECT_EQ(got[1], "");
+  EXPECT_EQ(got[2], held[0]);
+  EXPECT_EQ(got[3], "") << "a member that does not write received records";
+  // Nobody missing: nothing is sent.
+  std::vector<std::string> none(2, "unset");
+  with_members(2, [&](comm::Collective& g, int r) {
+    torch::Tensor w, b;
+    optim::Sgd sgd(optim::SgdOptions{});
+    train::TrainState st;
+    optim::BatchSizePolicy policy(optim::BatchPolicyOptions{});
+    train::SyncTargets s{w, b, sgd, st, policy, nullptr, 0, [] { return std::string("x\n"); },
+                         [] { return false; }};
+    none[r] = share_records(g, s, true);
+  });
+  EXPECT_EQ(none, (std::vector<std::string>{"", ""}));
+}
 
 TEST(Elastic, SigkilledWorkerMidEpochSurvivorsGoOnWithEverySampleOnce) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";

@@ -35,6 +35,22 @@ using namespace std::chrono_literals;
 
 namespace {
 
+// The records of a run directory's metrics.jsonl.
+std::vector<nlohmann::json> records(const std::string& dir) {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(slurp(dir + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+// The steps of the "train" records, in file order.
+std::vector<int64_t> train_steps(const std::string& dir) {
+  std::vector<int64_t> out;
+  for (const auto& r : records(dir))
+    if (r.value("kind", "") == "train") out.push_back(r["step"].get<int64_t>());
+  return out;
+}
+
 double wall_now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -50,6 +66,7 @@ struct HostJob {
   std::vector<std::string> launcher_extra;
   std::map<int, std::vector<std::string>> host_extra;  // more launcher arguments for one host
   std::map<int, std::string> host_run;  // a run directory of one host's own (default: the shared one)
+  std::vector<std::string> train_extra;  // more training arguments (every host)
   TempDir d;
   std::string run = d.file("run");
   int port = 29500 + ::getpid() % 400;
@@ -61,12 +78,16 @@ struct HostJob {
   std::string rdzv() const { return etcd.empty() ? hosts.ip(0) + ":" + std::to_string(port) : etcd; }
   std::string log(int h) const { return d.file("host" + std::to_string(h) + ".log"); }
 
+  std::string run_of(int h) const { return host_run.count(h) ? host_run.at(h) : run; }
   std::vector<std::string> train_args(int h = 0) const {
-    return {"--run-dir", host_run.count(h) ? host_run.at(h) : run, "--set", "model.name=mlp", "--set", "model.width=64",
-            "--set", "data.train_limit=" + std::to_string(train_limit), "--set", "data.test_limit=300",
-            "--set", "data.batch_size=16", "--set", "train.epochs=" + std::to_string(epochs),
-            "--set", "train.threads=1", "--set", "train.progress=false", "--set", "train.sample_log=true",
-            "--set", "train.slow_step_ms=20", "--set", "elastic.collective_timeout=30"};
+    std::vector<std::string> a = {
+        "--run-dir", run_of(h), "--set", "model.name=mlp", "--set", "model.width=64",
+        "--set", "data.train_limit=" + std::to_string(train_limit), "--set", "data.test_limit=300",
+        "--set", "data.batch_size=16", "--set", "train.epochs=" + std::to_string(epochs),
+        "--set", "train.threads=1", "--set", "train.progress=false", "--set", "train.sample_log=true",
+        "--set", "train.slow_step_ms=20", "--set", "elastic.collective_timeout=30"};
+    a.insert(a.end(), train_extra.begin(), train_extra.end());
+    return a;
   }
   void launch(int h, int nproc, int min) {
     std::vector<std::string> a = {LIMBO_BINARY, "launch", "--nproc", std::to_string(nproc), "--min-workers",
@@ -92,11 +113,15 @@ struct HostJob {
     return true;
   }
   // Waits until a round holds `members` workers and training has begun.
+  // (Any ids: a worker lost while rounds are replaced in quick succession
+  // is restarted under a new id.)
   bool training(int members) {
-    std::string want = "workers [";
-    for (int i = 1; i <= members; ++i) want += (i > 1 ? "," : "") + std::to_string(i);
-    return limbo::testing::wait_for_text(log(0), want + "]", 60) &&
-           limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60);
+    const std::regex round("workers \\[[0-9]+(,[0-9]+){" + std::to_string(members - 1) + "}\\]");
+    const auto end = std::chrono::steady_clock::now() + 60s;
+    while (!std::regex_search(slurp(log(0)), round))
+      if (std::chrono::steady_clock::now() > end) return false;
+      else std::this_thread::sleep_for(50ms);
+    return limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60);
   }
   // Waits for every launcher still running except the `frozen` ones (all
   // at most `timeout_s`), recording when each exited; then kills the rest.
@@ -256,8 +281,8 @@ TEST_F(LostHost, AWorkerKilledOnAnotherHostIsRestartedAndRejoins) {
 }
 
 // Host B's launcher neither hosts the store nor runs rank 0, and its run
-// directory is its own (no metrics in it): its status page still shows the
-// whole job (rank 0 publishes its records in the store), and `limbo
+// directory is its own: its status page still shows the whole job (rank
+// 0 publishes its records in the store), and `limbo
 // status` run on host A reads it across the network.
 TEST_F(LostHost, EveryLaunchersPageShowsTheWholeJob) {
   HostJob job{*hosts_, 5};
@@ -277,7 +302,8 @@ TEST_F(LostHost, EveryLaunchersPageShowsTheWholeJob) {
   ASSERT_TRUE(std::regex_search(r.output, step, std::regex("step ([0-9]+)"))) << r.output;
   EXPECT_GT(std::stoll(step[1]), 0) << r.output;
   EXPECT_NE(r.output.find("loss 0."), std::string::npos) << r.output;
-  EXPECT_TRUE(slurp(job.host_run[1] + "/metrics.jsonl").empty()) << "host B's run directory has metrics";
+  // Host B's worker keeps the run's records in B's own run directory too.
+  EXPECT_FALSE(train_steps(job.host_run[1]).empty()) << "host B's run directory has no metrics";
   job.wait_all();
   EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();
   EXPECT_EQ(job.results[1].exit_code, 0) << job.all_logs();
@@ -428,6 +454,120 @@ TEST_F(EtcdJob, TheHostThatStartedTheJobIsKilledTheOthersTrainOn) {
   EXPECT_LT(reformed, 5.0) << "the survivors re-formed " << reformed << " s after the starting host was killed"
                            << job.all_logs() << "\n--- metrics ---\n" << slurp(job.run + "/metrics.jsonl");
   limbo::testing::expect_exactly_once(job.run, 6, 3000);
+  // The hosts share one run directory: one member writes it (one record
+  // per step), rank 0 before the loss and after it.
+  const auto steps = train_steps(job.run);
+  EXPECT_EQ(std::set<int64_t>(steps.begin(), steps.end()).size(), steps.size()) << "a step recorded twice";
+  for (const auto& r : records(job.run))
+    if (r.value("kind", "") == "membership") EXPECT_EQ(r["record_copies"].get<int>(), 1) << r.dump();
+}
+
+// Every host keeps the run's records in its own run directory (hosts 1
+// and 2 here; host 0 the default one). The starting host, which runs rank
+// 0, is killed: each survivor's directory holds the whole run (metrics
+// from the first step to the last, the newest checkpoint, the summary),
+// `limbo status` reads the job through it, and `limbo plot` draws it.
+TEST_F(EtcdJob, EachHostKeepsTheRunsRecordsAndTheyOutliveRankZerosHost) {
+  HostJob job{*hosts_, 8};
+  for (int h : {1, 2}) job.host_run[h] = job.d.file("run-" + std::to_string(h));
+  for (int h = 0; h < 3; ++h) job.host_extra[h] = {"--status", hosts_->ip(h) + ":0"};
+  job.train_extra = {"--set", "train.log_every=5"};
+  ASSERT_TRUE(start(job));
+  EXPECT_TRUE(limbo::testing::wait_for_text(job.run + "/metrics.jsonl", "\"record_copies\":3", 10))
+      << slurp(job.run + "/metrics.jsonl");
+  const double t0 = wall_now();
+  hosts_->signal_host(0, SIGKILL);
+  const std::string b = job.run_of(1), c = job.run_of(2);
+  ASSERT_TRUE(limbo::testing::wait_for_text(b + "/metrics.jsonl", "\"record_copies\":2", 30)) << job.all_logs();
+  std::this_thread::sleep_for(1s);  // the pages read the new round's record
+  {
+    const std::string out = job.d.file("status.out");
+    const pid_t p = limbo::testing::spawn_process(hosts_->in(2, {LIMBO_BINARY, "status", b}), out);
+    const auto r = limbo::testing::wait_child(p, out, 30);
+    EXPECT_EQ(r.exit_code, 0) << r.output << slurp(b + "/status.url");
+    EXPECT_NE(r.output.find("2 members"), std::string::npos) << r.output;
+  }
+  job.wait_all();
+  EXPECT_EQ(job.results[0].signal, SIGKILL);
+  EXPECT_EQ(job.results[1].exit_code, 0) << job.all_logs();
+  EXPECT_EQ(job.results[2].exit_code, 0) << job.all_logs();
+  int64_t last = -1;
+  for (const std::string& dir : {b, c}) {
+    SCOPED_TRACE(dir);
+    const auto s = nlohmann::json::parse(slurp(dir + "/summary.json"));
+    if (last < 0) last = s["steps"].get<int64_t>();
+    EXPECT_EQ(s["steps"].get<int64_t>(), last);
+    EXPECT_DOUBLE_EQ(s["epochs"].get<double>(), 8.0);
+    // The whole run, from its first step to its last, with no gap.
+    const auto steps = train_steps(dir);
+    ASSERT_FALSE(steps.empty());
+    EXPECT_LE(steps.front(), 5);
+    EXPECT_EQ(steps.back(), last);
+    for (size_t i = 1; i < steps.size(); ++i) {
+      EXPECT_GT(steps[i], steps[i - 1]) << "step " << steps[i] << " recorded twice or out of order";
+      EXPECT_LE(steps[i] - steps[i - 1], 5) << "steps " << steps[i - 1] << " to " << steps[i] << " not recorded";
+    }
+    std::set<int64_t> evals;
+    bool moved = false;
+    for (const auto& r : records(dir)) {
+      if (r.value("kind", "") == "eval") evals.insert(std::llround(r["epoch"].get<double>()));
+      if (r.value("kind", "") == "membership" && r["time"].get<double>() > t0) moved = true;
+    }
+    EXPECT_EQ(evals.size(), 8u) << "an epoch's evaluation is missing";
+    EXPECT_TRUE(moved) << "the re-formed round is not recorded";
+    const std::string plot_out = job.d.file("plot.out");
+    const auto plot = limbo::testing::wait_child(
+        limbo::testing::spawn_process({LIMBO_BINARY, "plot", dir}, plot_out), plot_out, 60);
+    EXPECT_EQ(plot.exit_code, 0) << plot.output;
+    EXPECT_TRUE(limbo::file_exists(dir + "/curves.png"));
+    // The checkpoint there is the final one: resumed, the run has nothing left to train.
+    auto args = job.train_args(dir == b ? 1 : 2);
+    args.insert(args.begin(), {LIMBO_BINARY, "train"});
+    args.push_back("--resume");
+    const std::string resume_out = job.d.file("resume.out");
+    const auto resumed = limbo::testing::wait_child(limbo::testing::spawn_process(args, resume_out), resume_out, 60);
+    EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_EQ(nlohmann::json::parse(slurp(dir + "/summary.json"))["resumed_from_step"].get<int64_t>(), last);
+  }
+  limbo::testing::expect_exactly_once({job.run, b, c}, 8, 3000);
+}
+
+// Rank 0's host is lost, then every other host (etcd with them): the job
+// is gone everywhere. `limbo launch --resume` on one surviving disk's run
+// directory (host 2's, which never ran rank 0) continues the job from its
+// newest checkpoint, alone, and completes it.
+TEST_F(EtcdJob, LostEverywhereTheJobResumesFromAnyHostsRunDirectory) {
+  HostJob job{*hosts_, 8};
+  for (int h : {1, 2}) job.host_run[h] = job.d.file("run-" + std::to_string(h));
+  job.train_extra = {"--set", "train.log_every=5", "--set", "train.checkpoint_every_steps=10"};
+  ASSERT_TRUE(start(job));
+  hosts_->signal_host(0, SIGKILL);
+  const std::string c = job.run_of(2);
+  ASSERT_TRUE(limbo::testing::wait_for_text(c + "/metrics.jsonl", "\"record_copies\":2", 30)) << job.all_logs();
+  std::this_thread::sleep_for(1s);
+  hosts_->signal_host(1, SIGKILL);
+  hosts_->signal_host(2, SIGKILL);
+  job.wait_all(30, {});
+  const auto before = train_steps(c);
+  ASSERT_FALSE(before.empty());
+  ASSERT_FALSE(limbo::file_exists(c + "/summary.json")) << "the job completed before it was lost";
+  std::vector<std::string> a = {LIMBO_BINARY, "launch", "--nproc", "1", "--min-workers", "1", "--rdzv",
+                                hosts_->ip(2) + ":" + std::to_string(job.port), "--resume", "--"};
+  const auto t = job.train_args(2);
+  a.insert(a.end(), t.begin(), t.end());
+  const std::string out = job.d.file("resumed.log");
+  const auto r = limbo::testing::wait_child(limbo::testing::spawn_process(hosts_->in(2, a), out), out, 180);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto s = nlohmann::json::parse(slurp(c + "/summary.json"));
+  EXPECT_DOUBLE_EQ(s["epochs"].get<double>(), 8.0);
+  // At most the steps since the last checkpoint (every 10) are trained again.
+  EXPECT_GE(s["resumed_from_step"].get<int64_t>(), before.back() - 10) << r.output;
+  const auto steps = train_steps(c);
+  EXPECT_EQ(steps.back(), s["steps"].get<int64_t>());
+  const std::string plot_out = job.d.file("plot.out");
+  const auto plot = limbo::testing::wait_child(
+      limbo::testing::spawn_process({LIMBO_BINARY, "plot", c}, plot_out), plot_out, 60);
+  EXPECT_EQ(plot.exit_code, 0) << plot.output;
 }
 
 // The etcd leader is killed mid-training: the cluster elects another and

@@ -7,6 +7,9 @@
 
 #include <chrono>
 #include <cstdio>
+#include <memory>
+#include <sstream>
+#include <vector>
 #include <thread>
 
 #include "cli/commands.h"
@@ -19,20 +22,30 @@ namespace {
 
 using json = nlohmann::json;
 
-// ADDR:PORT from the target: an address, or a run directory's status.url.
-std::pair<std::string, int> address_of(const std::string& target) {
-  if (file_exists(target + "/status.url")) {
-    std::string url = read_file(target + "/status.url");
-    while (!url.empty() && (url.back() == '\n' || url.back() == '/' || url.back() == ' ')) url.pop_back();
-    const std::string scheme = "http://";
-    if (url.rfind(scheme, 0) != 0)
-      throw InvalidInput(target + "/status.url does not hold an http:// address: '" + url + "'");
-    return status::parse_address(url.substr(scheme.size()), target + "/status.url");
+// The pages to ask, best first: ADDR:PORT, or the lines of a run
+// directory's status.url, newest first (every launcher of a job adds its
+// page; the pages of lost hosts stay listed).
+std::vector<std::pair<std::string, int>> addresses_of(const std::string& target) {
+  std::vector<std::pair<std::string, int>> out;
+  const std::string file = target + "/status.url";
+  if (file_exists(file)) {
+    std::istringstream in(read_file(file));
+    for (std::string url; std::getline(in, url);) {
+      while (!url.empty() && (url.back() == '/' || url.back() == ' ' || url.back() == '\r')) url.pop_back();
+      if (url.empty()) continue;
+      const std::string scheme = "http://";
+      if (url.rfind(scheme, 0) != 0)
+        throw InvalidInput(file + " does not hold an http:// address: '" + url + "'");
+      out.insert(out.begin(), status::parse_address(url.substr(scheme.size()), file));
+    }
+    if (out.empty()) throw InvalidInput(file + " is empty");
+    return out;
   }
   if (target.find(':') == std::string::npos)
     throw InvalidInput("'" + target + "' is neither ADDR:PORT nor a run directory with a status.url "
                        "(jobs started with `limbo launch`, or with --status, write one)");
-  return status::parse_address(target, "limbo status");
+  out.push_back(status::parse_address(target, "limbo status"));
+  return out;
 }
 
 std::string num(const json& v, const char* fmt) {
@@ -79,29 +92,42 @@ std::string render(const json& s) {
 }  // namespace
 
 int run_status(const std::string& target, bool watch, double interval) {
-  const auto [host, port] = address_of(target);
-  httplib::Client cli(host, port);
-  cli.set_connection_timeout(2, 0);
-  cli.set_read_timeout(5, 0);
+  const auto pages = addresses_of(target);
   const bool tty = ::isatty(1);
+  size_t at = 0;  // the page that answered last
   for (;;) {
-    auto res = cli.Get("/status.json");
+    // The page that answered last first, then the others in order.
+    std::unique_ptr<httplib::Response> res;
+    std::string tried;
+    for (size_t k = 0; k < pages.size() && !res; ++k) {
+      const size_t i = (at + k) % pages.size();
+      httplib::Client cli(pages[i].first, pages[i].second);
+      cli.set_connection_timeout(2, 0);
+      cli.set_read_timeout(5, 0);
+      auto got = cli.Get("/status.json");
+      if (got) {
+        res = std::make_unique<httplib::Response>(got.value());
+        at = i;
+      } else {
+        tried += std::string(tried.empty() ? "" : ", ") + pages[i].first + ":" + std::to_string(pages[i].second) +
+                 " (" + httplib::to_string(got.error()) + ")";
+      }
+    }
+    const std::string where = pages[at].first + ":" + std::to_string(pages[at].second);
     if (!res) {
-      const std::string why = httplib::to_string(res.error());
       if (watch) {
-        std::printf("%s:%d: no answer (%s); the job may have ended\n", host.c_str(), port, why.c_str());
+        std::printf("no status page answers: %s; the job may have ended\n", tried.c_str());
         return kExitPeerFailure;
       }
-      throw PeerFailure("no status page answers at " + host + ":" + std::to_string(port) + " (" + why +
-                        "); is the job still running?");
+      throw PeerFailure("no status page answers: " + tried + "; is the job still running?");
     }
     if (res->status != 200)
-      throw PeerFailure(host + ":" + std::to_string(port) + "/status.json answered HTTP " + std::to_string(res->status));
+      throw PeerFailure(where + "/status.json answered HTTP " + std::to_string(res->status));
     json s;
     try {
       s = json::parse(res->body);
     } catch (const std::exception& e) {
-      throw PeerFailure(host + ":" + std::to_string(port) + " is not a Limbo status page (" + e.what() + ")");
+      throw PeerFailure(where + " is not a Limbo status page (" + e.what() + ")");
     }
     if (watch && tty) std::fputs("\x1b[H\x1b[2J", stdout);  // home, clear
     std::fputs(render(s).c_str(), stdout);

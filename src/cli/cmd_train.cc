@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -181,9 +182,6 @@ std::string test_result(const nlohmann::json& s) {
 }
 
 int run_launch(const LaunchArgs& a) {
-  if (a.resume)
-    throw InvalidInput("launch --resume continues --mode async jobs; a data-parallel job resumes with "
-                       "`-- --resume` (passed to limbo train)");
   elastic::LaunchOptions lo;
   lo.nproc = a.nproc;
   if (comm::is_etcd_url(a.rdzv)) {
@@ -207,6 +205,11 @@ int run_launch(const LaunchArgs& a) {
     std::tie(lo.rdzv_host, lo.rdzv_port) = split_host_port(a.rdzv, "--rdzv");
   }
   lo.train_args = a.train_args;
+  // launch --resume: every worker continues from the run directory's
+  // checkpoint (the same as `-- --resume`); in an elastic job the newest
+  // state among the members wins (state sync).
+  if (a.resume && std::find(lo.train_args.begin(), lo.train_args.end(), "--resume") == lo.train_args.end())
+    lo.train_args.push_back("--resume");
   lo.elastic = a.min_workers > 0 || a.max_workers > 0;
   lo.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.rdzv_timeout * 1000));
   lo.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000));

@@ -97,7 +97,8 @@ int main(int argc, char** argv) {
                      "launcher of the job (default: $LIMBO_JOB_TOKEN; none: no check)");
   launch->add_option("--keys", launch_args.keys_file, "async: CURVE key file from `limbo keygen`");
   launch->add_flag("--resume", launch_args.resume,
-                   "async: continue an interrupted job from its shards' checkpoints in --run-dir");
+                   "continue an interrupted job from the checkpoint in --run-dir (data-parallel: its workers start "
+                   "with --resume; async: from its shards' checkpoints)");
   launch->add_option("--status", launch_args.status,
                      "ADDR:PORT of the job's live status page (default 127.0.0.1:0, a free port; "
                      "the URL is printed and written to the run directory as status.url)");

@@ -1,6 +1,8 @@
 #include "elastic/elastic_membership.h"
 
 #include <chrono>
+#include <cstring>
+#include <set>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -12,6 +14,36 @@ using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 }  // namespace
+
+std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage) {
+  torch::NoGradGuard no_grad;
+  auto ids = torch::full({g.size()}, -1.0, torch::kFloat64);
+  ids[g.rank()] = static_cast<double>(storage);
+  g.allreduce_max(ids);
+  const auto* v = ids.data_ptr<double>();
+  bool first = storage != 0;  // no run directory: nothing to write
+  for (int r = 0; r < g.rank(); ++r) first = first && v[r] != v[g.rank()];
+  std::set<double> distinct(v, v + g.size());
+  distinct.erase(0.0);  // members without a run directory keep no copy
+  return {first, static_cast<int>(distinct.size())};
+}
+
+std::string share_records(comm::Collective& g, const train::SyncTargets& s, bool writer) {
+  torch::NoGradGuard no_grad;
+  const bool missing = writer && s.records_missing && s.records_missing();
+  auto any = torch::tensor({missing ? 1.0 : 0.0}, torch::kFloat64);
+  g.allreduce_max(any);
+  if (any.item<double>() == 0) return {};
+  std::string mine = g.rank() == 0 && s.records ? s.records() : std::string();
+  auto n = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
+  g.broadcast(n, 0);
+  if (n.item<int64_t>() == 0) return {};
+  auto bytes = torch::empty({n.item<int64_t>()}, torch::kUInt8);
+  if (g.rank() == 0) std::memcpy(bytes.data_ptr<uint8_t>(), mine.data(), mine.size());
+  g.broadcast(bytes, 0);
+  if (!missing) return {};
+  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
+}
 
 int sync_state(comm::Collective& g, train::SyncTargets& s) {
   torch::NoGradGuard no_grad;
@@ -84,6 +116,8 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
       Established e;
       e.world = group->size();
       e.rank = group->rank();
+      std::tie(e.writes_run_dir, e.record_copies) = storage_writer(*group, s.storage);
+      e.records = share_records(*group, s, e.writes_run_dir);
       e.event = {{"kind", "membership"},
                  {"time", std::chrono::duration<double>(
                               std::chrono::system_clock::now().time_since_epoch()).count()},
@@ -94,6 +128,7 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
                  {"reason", reason},
                  {"worker_id", member_->id()},
                  {"state_source_rank", source},
+                 {"record_copies", e.record_copies},
                  {"step", s.state.step},
                  {"rendezvous_seconds", rendezvous},
                  {"group_seconds", form},

@@ -17,6 +17,16 @@ namespace limbo::elastic {
 // committed step (ties: the lowest rank). Returns that member's rank.
 int sync_state(comm::Collective& g, train::SyncTargets& s);
 
+// Whether this member writes its run directory (the lowest rank among the
+// members on the same `storage`, RunDir::storage_id), and how many distinct
+// storages (0 excluded) the group's members write to.
+std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage);
+
+// Rank 0's records (metrics.jsonl) for the writers whose storage holds
+// none yet (empty for every other member); one flag all-reduce when none
+// is missing.
+std::string share_records(comm::Collective& g, const train::SyncTargets& s, bool writer);
+
 class ElasticMembership : public train::Membership {
  public:
   // `want_leave` is polled every step (e.g. a SIGTERM flag).

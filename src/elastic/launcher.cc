@@ -290,7 +290,8 @@ void Job::elect() {
 
 void Job::start_worker(int index, bool resume) {
   LaunchOptions o = opt_;
-  if (resume) o.train_args.push_back("--resume");
+  if (resume && std::find(o.train_args.begin(), o.train_args.end(), "--resume") == o.train_args.end())
+    o.train_args.push_back("--resume");
   spawn_worker(sup_, o, index, threads_, rdzv_);
 }
 
@@ -457,9 +458,11 @@ void Job::read_records() {
 void Job::tick() {
   elect();
   read_records();
-  // The launcher that hosts (etcd: coordinates) names its page in the run
-  // directory (`limbo status RUN_DIR`); any launcher's page shows the job.
-  if (page_ && !url_written_ && keeper() && !run_dir_.empty() && file_exists(run_dir_ + "/metrics.jsonl")) {
+  // Every elastic launcher's page shows the whole job: each names its page
+  // in its run directory (`limbo status RUN_DIR` tries them newest first),
+  // so a run directory on any host, or shared by all, finds a live one.
+  if (page_ && !url_written_ && (keeper() || opt_.elastic) && !run_dir_.empty() &&
+      file_exists(run_dir_ + "/metrics.jsonl")) {
     page_->write_url(run_dir_);
     url_written_ = true;
   }

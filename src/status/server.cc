@@ -124,7 +124,9 @@ void Server::watch_dir(const std::string& dir, const std::string& suffix) {
 
 void Server::write_url(const std::string& dir) const {
   make_dirs(dir);
-  write_file_atomic(dir + "/status.url", url() + "\n");
+  const std::string file = dir + "/status.url";
+  if (file_exists(file) && ("\n" + read_file(file)).find("\n" + url() + "\n") != std::string::npos) return;
+  append_line(file, url());
 }
 
 void Server::tail_loop() {

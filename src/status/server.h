@@ -41,7 +41,9 @@ class Server {
   void watch(const std::string& path);
   // Tails every file in `dir` whose name ends with `suffix` (rescanned).
   void watch_dir(const std::string& dir, const std::string& suffix);
-  // Writes url() to `dir`/status.url (the directory is created).
+  // Adds url() as a line of `dir`/status.url (the directory is created;
+  // one line per page: the launchers of a job that share a run directory
+  // each add theirs, and `limbo status` tries the newest first).
   void write_url(const std::string& dir) const;
   Board& board() { return *board_; }
 

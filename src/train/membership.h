@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <functional>
 #include <string>
 
 #include "optim/batch_policy.h"
@@ -23,11 +24,28 @@ struct SyncTargets {
   TrainState& state;
   optim::BatchSizePolicy& policy;
   optim::IsgdController* isgd;  // may be null
+  // The storage this member's run directory is on (RunDir::storage_id; 0:
+  // none), so that run records are kept once per storage.
+  int64_t storage = 0;
+  // The run's records so far (this member's metrics.jsonl; may be null),
+  // and whether this member's run directory holds none yet. A writer on a
+  // storage that has none receives rank 0's (Established::records), so
+  // each copy holds the whole run, also on a host that joined late.
+  std::function<std::string()> records;
+  std::function<bool()> records_missing;
 };
 
 struct Membership {
   struct Established {
     int world = 1, rank = 0;
+    // This member writes its run directory: it is the lowest rank of the
+    // members whose run directories are on one storage. Every member holds
+    // the same state and the same records, so each host's own run directory
+    // (or the one shared directory) keeps the newest checkpoint and the
+    // whole run's metrics from the time it joined.
+    bool writes_run_dir = true;
+    int record_copies = 1;  // distinct storages among the members
+    std::string records;    // rank 0's records, for a writer whose storage had none
     nlohmann::json event;  // what changed, why, and how long each part took
   };
   virtual ~Membership() = default;

@@ -3,6 +3,15 @@
 #include "common/error.h"
 #include "common/files.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include <cstdio>
+#include <random>
+
 namespace limbo::train {
 
 RunDir::RunDir(std::string path, bool append_metrics) : path_(std::move(path)) {
@@ -18,9 +27,47 @@ void RunDir::write_config(const std::string& toml) const {
 }
 
 void RunDir::append_metrics(const nlohmann::json& record) {
-  if (writer_ && mirror_) mirror_(record);
+  if (mirror_) mirror_(record);
   if (!enabled()) return;
   append_line(metrics_, record.dump());
+}
+
+int64_t RunDir::storage_id() const {
+  if (path_.empty()) return 0;
+  const std::string file = path_ + "/.storage";
+  if (!file_exists(file)) {
+    std::random_device rd;
+    const int64_t id = ((static_cast<int64_t>(rd()) << 32 | rd()) & ((int64_t{1} << 52) - 1)) | 1;
+    const std::string tmp = file + "." + std::to_string(::getpid()) + "." + std::to_string(id);
+    write_file_atomic(tmp, std::to_string(id) + "\n");
+    const bool linked = ::link(tmp.c_str(), file.c_str()) == 0;
+    const int err = errno;
+    std::remove(tmp.c_str());
+    if (!linked && err != EEXIST)
+      throw Error("cannot create '" + file + "': " + std::strerror(err));
+  }
+  const std::string text = read_file(file);
+  try {
+    const int64_t id = std::stoll(text);
+    if (id > 0) return id;
+  } catch (const std::exception&) {
+  }
+  throw InvalidInput("'" + file + "' does not hold a storage id ('" + text +
+                     "'); remove it and Limbo makes a new one");
+}
+
+std::string RunDir::read_metrics() const {
+  return path_.empty() || !file_exists(metrics_) ? std::string() : read_file(metrics_);
+}
+
+bool RunDir::metrics_empty() const {
+  struct stat st {};
+  return path_.empty() || ::stat(metrics_.c_str(), &st) != 0 || st.st_size == 0;
+}
+
+void RunDir::append_earlier(const std::string& earlier) {
+  if (!enabled() || earlier.empty()) return;
+  append_line(metrics_, earlier.back() == '\n' ? earlier.substr(0, earlier.size() - 1) : earlier);
 }
 
 void RunDir::write_summary(const nlohmann::json& summary) const {

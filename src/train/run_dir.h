@@ -4,6 +4,8 @@
 //   metrics.jsonl    one JSON object per logged step or evaluation
 //   summary.json     written at the end (atomically)
 //   checkpoint.pt    the latest checkpoint (see checkpoint.h)
+//   status.url       the job's status pages, one URL per line (newest last)
+//   .storage         an id naming the storage this directory is on (below)
 // metrics.jsonl is appended to on --resume, so a resumed run's history is
 // continuous. Lines are written whole as they come (a failed append throws
 // and leaves no partial line).
@@ -22,15 +24,28 @@ class RunDir {
   // Creates the directory. An empty path disables all output.
   RunDir(std::string path, bool append_metrics);
   bool enabled() const { return !path_.empty() && writer_; }
-  // In elastic jobs only the current rank 0 writes; others keep quiet.
+  // In elastic jobs one member per storage writes (elastic_membership.h);
+  // others keep quiet.
   void set_writer(bool w) { writer_ = w; }
+  // One id for every process that opens this directory: processes on one
+  // machine, or on hosts that share the file system it is on, read the
+  // same id; a directory on another host's own disk gets another. Made
+  // once (atomically: the first process to link it in wins). 0 when the
+  // run directory is disabled. A positive integer below 2^52.
+  int64_t storage_id() const;
   const std::string& path() const { return path_; }
   std::string checkpoint_path() const { return path_ + "/checkpoint.pt"; }
 
   void write_config(const std::string& toml) const;
+  // The metrics written so far ("" when none or disabled), and whether
+  // there are none; `earlier` (whole lines) is appended as it is.
+  std::string read_metrics() const;
+  bool metrics_empty() const;
+  void append_earlier(const std::string& earlier);
   void append_metrics(const nlohmann::json& record);
-  // Also hands each record the writer appends to `mirror` (an elastic job
-  // publishes them in its rendezvous, for every launcher's status page).
+  // Also hands each record appended to `mirror`, writer or not (an elastic
+  // job's rank 0 publishes them in its rendezvous, for every launcher's
+  // status page). Empty: none.
   void set_mirror(std::function<void(const nlohmann::json&)> mirror) { mirror_ = std::move(mirror); }
   void write_summary(const nlohmann::json& summary) const;
 

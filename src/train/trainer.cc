@@ -89,6 +89,7 @@ struct Trainer::Run {
   std::unique_ptr<Progress> progress;
   int64_t n = 0, total_steps = 0, resumed_from = -1;
   int world = 1;
+  int64_t storage = 0;  // RunDir::storage_id (elastic)
   Clock::time_point wall_start = Clock::now();
 
   // Membership events.
@@ -139,12 +140,17 @@ void Trainer::resume() {
 // (Re)joins the group: new world/rank, newest state everywhere, loader moved.
 void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detected,
                      double detection) {
-  SyncTargets targets{flat_->data(), flat_->buffers(), *sgd_, state_, *batch_policy_, isgd_.get()};
+  SyncTargets targets{flat_->data(), flat_->buffers(), *sgd_, state_, *batch_policy_, isgd_.get(),
+                      r.storage, [&r] { return r.run_dir.read_metrics(); },
+                      [&r] { return r.run_dir.metrics_empty(); }};
   auto est = membership_->establish(targets, reason);
   r.world = est.world;
-  writer_ = est.rank == 0;
+  rank0_ = est.rank == 0;
+  writer_ = est.writes_run_dir;
   r.run_dir.set_writer(writer_);
-  r.run_dir.set_mirror([m = membership_.get()](const nlohmann::json& rec) { m->publish_record(rec); });
+  r.run_dir.append_earlier(est.records);  // a new host's copy begins with the run so far
+  if (rank0_) r.run_dir.set_mirror([m = membership_.get()](const nlohmann::json& rec) { m->publish_record(rec); });
+  else r.run_dir.set_mirror(nullptr);
   r.loader->restart(state_.cursor, r.world, est.rank);
   if (isgd_)  // the control window holds one epoch of the new global batches
     isgd_->set_batches_per_epoch(data::batches_per_epoch(
@@ -298,7 +304,10 @@ bool Trainer::train_step(Run& r) {
 
 // The metrics line and the progress bar after a committed step.
 void Trainer::log_step(Run& r) {
-  if (r.window.steps() >= r.t.log_every || r.batch.plan.last_in_epoch) {
+  // At fixed steps (not every log_every steps since the last line), so
+  // every member of an elastic job records the same steps, also one that
+  // joined mid-window (each host's copy of the records lines up).
+  if ((r.window.steps() > 0 && state_.step % r.t.log_every == 0) || r.batch.plan.last_in_epoch) {
     r.run_dir.append_metrics({{"kind", "train"}, {"step", state_.step},
                               {"epoch", r.epoch_now(state_.cursor)},
                               {"loss", r.window.mean_loss()}, {"lr", r.lr},
@@ -343,7 +352,7 @@ void Trainer::after_epoch_and_step(Run& r) {
   }
   if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0)
     checkpoint("step " + std::to_string(state_.step));
-  if (r.elastic && writer_ && (state_.step % 10 == 0 || last_in_epoch))
+  if (r.elastic && rank0_ && (state_.step % 10 == 0 || last_in_epoch))
     membership_->publish_progress(r.epoch_now(state_.cursor));
   if (r.elastic && membership_->change_agreed()) {
     if (membership_->leaving()) {
@@ -416,6 +425,7 @@ nlohmann::json Trainer::run() {
   }
   Run r(t, elastic, cfg_.run_dir);
   r.resumed_from = resumed_from;
+  if (elastic) r.storage = r.run_dir.storage_id();
   const auto& train_set = splits_->train;
   r.n = train_set.size();
   auto loader_opt = cfg_.loader;

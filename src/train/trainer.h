@@ -113,6 +113,7 @@ class Trainer {
   void eval_now(Run& r);
   nlohmann::json summary(Run& r);
   bool writer_ = true;  // this member writes the run directory and checkpoints
+  bool rank0_ = true;   // publishes progress and records (elastic)
 
   TrainerConfig cfg_;
   ThreadReport threads_;
