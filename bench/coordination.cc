@@ -60,6 +60,7 @@ class Counting : public comm::KvStore {
     return ++g_calls, s_->compare_set(k, e, d);
   }
   bool erase(const std::string& k) override { return ++g_calls, s_->erase(k); }
+  int64_t ticket(const std::string& k) override { return ++g_calls, s_->ticket(k); }
 
  private:
   std::shared_ptr<comm::KvStore> s_;

@@ -21,7 +21,11 @@ def main():
     ap.add_argument("--out", default="docs/coordination.png")
     args = ap.parse_args()
     rows = json.load(open(args.json))
-    stores = sorted({r["store"] for r in rows})
+    # One line per store and heartbeat timeout (older files have no timeout: 0.4 s).
+    def series(r):
+        hb = r.get("heartbeat_timeout_s", 0.4)
+        return r["store"] + ("" if hb == 0.4 else f" (heartbeat timeout {hb:g} s)")
+    stores = sorted({series(r) for r in rows})
     panels = [("calls_per_s", "rendezvous calls / s (all clients)", 1),
               ("poll_ms", "coordinator poll (ms, median)", 1),
               ("loss_to_round_s", "member lost -> new round written (s)", 1),
@@ -29,7 +33,7 @@ def main():
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
     for ax, (key, title, scale) in zip(axes, panels):
         for s in stores:
-            pts = sorted((r["members"], r[key]) for r in rows if r["store"] == s and r.get(key) is not None)
+            pts = sorted((r["members"], r[key]) for r in rows if series(r) == s and r.get(key) is not None)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] * scale for p in pts], marker="o", label=s)
         ax.set_xscale("log")

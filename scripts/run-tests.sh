@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set-up command 2: install what is missing, build, and run every test.
+# Set-up command 2: install everything the tests need (only what is missing),
+# build every target, and run every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh

@@ -1,24 +1,100 @@
 #!/usr/bin/env bash
 # Installs what Limbo needs from Debian's archive (only what is missing), makes
 # the fast OpenMP OpenBLAS the system BLAS, and builds into ./build.
-# Idempotent: a second run installs nothing and rebuilds only what changed.
+#
+#   scripts/setup.sh --limbo   what `limbo` and the default job need, and builds
+#                              only `limbo` (scripts/run-default.sh)
+#   scripts/setup.sh           everything: the tests, benchmarks and their tools
+#                              too, and builds every target (scripts/run-tests.sh)
+#
+# Prints one line per phase with the time since the start; each phase's full
+# output goes to build/logs/<phase>.log, and a failure names its phase and log
+# and exits non-zero. Idempotent: a second run installs nothing and rebuilds
+# only what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(
-  build-essential cmake ccache pkg-config libssl-dev iproute2 openssl etcd-server etcd-client
-  libtorch-dev libgloo-dev libzmq3-dev cppzmq-dev
-  libopenblas0-openmp
+MODE=all
+case "${1:-}" in
+  --limbo) MODE=limbo ;;
+  "" | --all) ;;
+  *)
+    echo "usage: scripts/setup.sh [--limbo | --all]" >&2
+    exit 2
+    ;;
+esac
+
+# Building `limbo` and running the default job (LeNet on Fashion-MNIST).
+LIMBO_PACKAGES=(
+  build-essential cmake ccache pkg-config libssl-dev
+  libtorch-dev libgloo-dev libzmq3-dev cppzmq-dev libopenblas0-openmp
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev zlib1g-dev
-  libgtest-dev libgmock-dev googletest libbenchmark-dev
-  dataset-fashion-mnist
-  python3-torch python3-numpy python3-matplotlib
-  libcpp-httplib-dev libjs-chart.js chromium python3-prometheus-client
+  libcpp-httplib-dev libjs-chart.js dataset-fashion-mnist
 )
+# The tests, benchmarks and experiments, on top: GoogleTest, network
+# namespaces, etcd and the certificates of its TLS tests, PyTorch for Python
+# (the side-by-side baseline and oracle), plots, the real-browser test.
+TEST_PACKAGES=(
+  libgtest-dev libgmock-dev googletest libbenchmark-dev
+  iproute2 openssl etcd-server etcd-client
+  python3-torch python3-numpy python3-matplotlib python3-prometheus-client chromium
+)
+PACKAGES=("${LIMBO_PACKAGES[@]}")
+if [ "$MODE" = all ]; then PACKAGES+=("${TEST_PACKAGES[@]}"); fi
 
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+BUILD_DIR="${LIMBO_BUILD_DIR:-build}"
+JOBS="${LIMBO_JOBS:-2}"
+LOGS="$BUILD_DIR/logs"
+mkdir -p "$LOGS"
+T0="${LIMBO_T0:-$(date +%s)}"  # run-default.sh passes its own start
+TTY=0
+if [ -t 1 ]; then TTY=1; fi
 
+elapsed() {
+  local s=$(($(date +%s) - T0))
+  printf '%d:%02d' $((s / 60)) $((s % 60))
+}
+# begin TEXT: starts a phase's line; end TEXT: finishes it (one line each).
+begin() { printf '[%s] %s ... ' "$(elapsed)" "$1"; }
+end() { printf '%s (%s)\n' "$1" "$(elapsed)"; }
+
+# fail PHASE LOG STATUS [HINT]: names the failed phase and its log, shows
+# what in the log explains it, and exits with the phase's status.
+fail() {
+  local phase="$1" log="$2" status="$3" hint="${4:-}"
+  printf 'FAILED\n\nsetup: %s failed (exit %s)\n' "$phase" "$status" >&2
+  if [ -n "$hint" ]; then printf '  %s\n' "$hint" >&2; fi
+  printf '  full log: %s\n' "$log" >&2
+  if grep -qE 'error:|Error [0-9]|CMake Error' "$log" 2>/dev/null; then
+    printf '  first errors:\n' >&2
+    grep -m 8 -E 'error:|Error [0-9]|CMake Error' "$log" | sed 's/^/    /' >&2
+  else
+    printf '  last lines:\n' >&2
+    tail -n 12 "$log" | sed 's/^/    /' >&2
+  fi
+  exit "$status"
+}
+
+# run PHASE LOG CMD...: CMD's output goes to LOG; fails the phase on error.
+run() {
+  local phase="$1" log="$2"
+  shift 2
+  local status=0
+  "$@" >>"$log" 2>&1 || status=$?
+  if [ "$status" -ne 0 ]; then fail "$phase" "$log" "$status" "$(hint_for "$log")"; fi
+}
+
+hint_for() {
+  if grep -qiE 'Temporary failure resolving|Could not resolve|Failed to fetch|Unable to connect|Connection (failed|timed out)|Network is unreachable' "$1" 2>/dev/null; then
+    echo "the package archive could not be reached: is this machine online, and does /etc/apt/sources.list name a Debian mirror?"
+  elif grep -qiE 'Permission denied|are you root' "$1" 2>/dev/null; then
+    echo "installing packages needs root: run as root, or as a user who may sudo"
+  elif grep -qiE 'No space left' "$1" 2>/dev/null; then
+    echo "the disk is full"
+  fi
+}
+
+# ---- packages ----
 missing=()
 for p in "${PACKAGES[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
@@ -26,19 +102,36 @@ for p in "${PACKAGES[@]}"; do
   fi
 done
 if [ "${#missing[@]}" -gt 0 ]; then
-  echo "setup: installing ${missing[*]}"
-  $SUDO apt-get update -qq
+  log="$LOGS/packages.log"
+  : >"$log"
+  begin "installing ${#missing[@]} packages (${missing[*]:0:4}$([ "${#missing[@]}" -gt 4 ] && echo ' ...'))"
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then
+    if ! command -v sudo >/dev/null; then
+      echo "no root" >>"$log"
+      fail "installing packages" "$log" 1 "installing packages needs root, and sudo is not installed: run this as root, or install as root: apt-get install ${missing[*]}"
+    fi
+    SUDO="sudo"
+  fi
+  run "installing packages (apt-get update)" "$log" $SUDO apt-get update
   # Packages with a service (etcd-server) must not start it: the tests start
   # their own etcd members on their own ports. A policy-rc.d that denies
   # starts, only for this install and only if the machine has none.
   policy_added=0
   if [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d > /dev/null
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee /usr/sbin/policy-rc.d >/dev/null
     $SUDO chmod 755 /usr/sbin/policy-rc.d
     policy_added=1
   fi
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  status=0
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y --no-install-recommends "${missing[@]}" >>"$log" 2>&1 || status=$?
   if [ "$policy_added" = 1 ]; then $SUDO rm -f /usr/sbin/policy-rc.d; fi
+  if [ "$status" -ne 0 ]; then fail "installing packages (apt-get install)" "$log" "$status" "$(hint_for "$log")"; fi
+  end "done"
+else
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  printf '[%s] packages: all %d present\n' "$(elapsed)" "${#PACKAGES[@]}"
 fi
 
 # libtorch's linear layers call the system libblas.so.3. Debian's default is
@@ -49,20 +142,52 @@ OPENBLAS="/usr/lib/${ARCH_TRIPLET}/openblas-openmp/libblas.so.3"
 ALT="libblas.so.3-${ARCH_TRIPLET}"
 if [ -e "$OPENBLAS" ]; then
   current="$(update-alternatives --query "$ALT" 2>/dev/null | awk '/^Value:/{print $2}')"
-  if [ "$current" != "$OPENBLAS" ]; then
-    echo "setup: selecting $OPENBLAS as the system BLAS"
-    $SUDO update-alternatives --set "$ALT" "$OPENBLAS"
-  fi
   OPENLAPACK="/usr/lib/${ARCH_TRIPLET}/openblas-openmp/liblapack.so.3"
   LALT="liblapack.so.3-${ARCH_TRIPLET}"
-  if [ -e "$OPENLAPACK" ]; then
-    lcur="$(update-alternatives --query "$LALT" 2>/dev/null | awk '/^Value:/{print $2}')"
-    [ "$lcur" = "$OPENLAPACK" ] || $SUDO update-alternatives --set "$LALT" "$OPENLAPACK"
+  lcur="$(update-alternatives --query "$LALT" 2>/dev/null | awk '/^Value:/{print $2}')"
+  if [ "$current" != "$OPENBLAS" ] || { [ -e "$OPENLAPACK" ] && [ "$lcur" != "$OPENLAPACK" ]; }; then
+    log="$LOGS/blas.log"
+    : >"$log"
+    begin "selecting OpenBLAS (OpenMP) as the system BLAS"
+    run "selecting the system BLAS" "$log" $SUDO update-alternatives --set "$ALT" "$OPENBLAS"
+    if [ -e "$OPENLAPACK" ]; then run "selecting the system LAPACK" "$log" $SUDO update-alternatives --set "$LALT" "$OPENLAPACK"; fi
+    end "done"
   fi
 fi
 
-BUILD_DIR="${LIMBO_BUILD_DIR:-build}"
-JOBS="${LIMBO_JOBS:-2}"
-cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release > "$BUILD_DIR.configure.log" 2>&1 ||
-  { cat "$BUILD_DIR.configure.log"; exit 1; }
-cmake --build "$BUILD_DIR" -j "$JOBS"
+# ---- build ----
+log="$LOGS/configure.log"
+: >"$log"
+tests=AUTO
+if [ "$MODE" = all ]; then tests=ON; fi
+first=0
+if [ ! -f "$BUILD_DIR/CMakeCache.txt" ]; then first=1; fi
+if [ "$first" = 1 ]; then begin "configuring"; fi
+run "configuring (cmake)" "$log" cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DLIMBO_BUILD_TESTS="$tests"
+if [ "$first" = 1 ]; then end "done"; fi
+
+target=()
+what="every target (limbo, tests, benchmarks)"
+if [ "$MODE" = limbo ]; then
+  target=(--target limbo)
+  what="limbo"
+fi
+log="$LOGS/build.log"
+: >"$log"
+begin "building $what on $JOBS cores"
+status=0
+cmake --build "$BUILD_DIR" -j "$JOBS" "${target[@]}" >>"$log" 2>&1 &
+pid=$!
+if [ "$TTY" = 1 ]; then
+  # On a terminal the line shows make's progress while it runs.
+  line="[$(elapsed)] building $what on $JOBS cores ... "
+  while kill -0 "$pid" 2>/dev/null; do
+    pct="$(grep -oE '^\[ *[0-9]+%\]' "$log" 2>/dev/null | tail -n 1 | tr -d '[] ' || true)"
+    printf '\r%s%s ' "$line" "${pct:-}"
+    sleep 1
+  done
+  printf '\r%s' "$line"
+fi
+wait "$pid" || status=$?
+if [ "$status" -ne 0 ]; then fail "building $what" "$log" "$status" "$(hint_for "$log")"; fi
+if grep -qE 'Building CXX|Linking CXX' "$log"; then end "done"; else end "up to date"; fi

@@ -281,6 +281,15 @@ std::vector<EtcdClient::KeyValue> EtcdClient::list(const std::string& prefix, in
   return out;
 }
 
+int64_t EtcdClient::count(const std::string& prefix, int64_t max_create_revision) {
+  // etcd's `count` ignores the revision filters (it counts the whole
+  // range), so the keys come back (names only) and are counted here.
+  json req = {{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}, {"keys_only", true}};
+  if (max_create_revision > 0) req["max_create_revision"] = std::to_string(max_create_revision);
+  const auto j = json::parse(call("/v3/kv/range", req.dump()));
+  return j.contains("kvs") ? static_cast<int64_t>(j["kvs"].size()) : 0;
+}
+
 int64_t EtcdClient::erase(const std::string& key, bool whole_prefix) {
   json req = {{"key", base64_encode(key)}};
   if (whole_prefix) req["range_end"] = base64_encode(prefix_end(key));

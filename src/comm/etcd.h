@@ -82,6 +82,9 @@ class EtcdClient {
   void put(const std::string& key, const std::string& value, int64_t lease = 0, int64_t* revision = nullptr);
   std::optional<KeyValue> get(const std::string& key, int64_t* revision = nullptr);
   std::vector<KeyValue> list(const std::string& prefix, int64_t* revision = nullptr);
+  // How many keys start with `prefix` and were created at or before
+  // revision `max_create_revision` (0: any); the names come back, no values.
+  int64_t count(const std::string& prefix, int64_t max_create_revision = 0);
   int64_t erase(const std::string& key, bool whole_prefix = false);
   // Writes `puts` (with `lease`) when every condition holds; true when it did.
   bool txn(const std::vector<Compare>& when, const std::vector<std::pair<std::string, std::string>>& puts,

@@ -36,6 +36,12 @@ class KvStore {
   // becomes `desired`. Returns the value it holds afterwards (c10d's rule).
   virtual std::string compare_set(const std::string& key, const std::string& expected,
                                   const std::string& desired) = 0;
+  // A number for this call alone among all calls of ticket(key): 1, 2, 3,
+  // ... in the order the store took them (no gaps, no repeats), for ids
+  // that many clients draw at once. Default: add(key, 1). Over etcd, which
+  // has no increment, a compare-and-swap counter makes every contender but
+  // one retry: EtcdKvStore draws without retries instead.
+  virtual int64_t ticket(const std::string& key) { return add(key, 1); }
   // Deletes `key`; false when it did not exist.
   virtual bool erase(const std::string& key) = 0;
   // Where the store is, for messages ("HOST:PORT", "etcd://...").

@@ -19,7 +19,7 @@ int64_t to_int(const std::optional<std::string>& v) { return v ? std::stoll(*v) 
 
 Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
     : store_(std::move(store)), opt_(std::move(opt)) {
-  id_ = store_->add("elastic/next_id", 1);
+  id_ = store_->ticket("elastic/next_id");
   store_->set("elastic/hb/" + std::to_string(id_), "1");
   char host[256] = {0};
   ::gethostname(host, sizeof host - 1);
