@@ -62,7 +62,8 @@ end() { printf '%s (%s)\n' "$1" "$(elapsed)"; }
 # what in the log explains it, and exits with the phase's status.
 fail() {
   local phase="$1" log="$2" status="$3" hint="${4:-}"
-  printf 'FAILED\n\nsetup: %s failed (exit %s)\n' "$phase" "$status" >&2
+  printf 'FAILED\n'
+  printf '\nsetup: %s failed (exit %s)\n' "$phase" "$status" >&2
   if [ -n "$hint" ]; then printf '  %s\n' "$hint" >&2; fi
   printf '  full log: %s\n' "$log" >&2
   if grep -qE 'error:|Error [0-9]|CMake Error' "$log" 2>/dev/null; then
