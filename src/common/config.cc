@@ -236,7 +236,7 @@ void Config::set_text(const std::string& key, const std::string& text,
     case ValueType::Bool:
       if (text == "true" || text == "1" || text == "yes") return set(key, true, origin);
       if (text == "false" || text == "0" || text == "no") return set(key, false, origin);
-      bad("a boolean (true/false)");
+      return bad("a boolean (true/false)");
     case ValueType::Int: {
       size_t pos = 0;
       int64_t v = 0;

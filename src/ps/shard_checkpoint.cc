@@ -7,7 +7,7 @@
 
 namespace limbo::ps {
 namespace {
-constexpr char kMagic[8] = {'L', 'B', 'P', 'S', 'C', 'K', 'P', 'T'};
+constexpr char kShardCheckpointMagic[8] = {'L', 'B', 'P', 'S', 'C', 'K', 'P', 'T'};
 }
 
 void write_shard_checkpoint(const std::string& path, nlohmann::json meta, const float* weights,
@@ -15,7 +15,7 @@ void write_shard_checkpoint(const std::string& path, nlohmann::json meta, const 
   meta["momentum"] = momentum != nullptr;
   const std::string m = meta.dump();
   const size_t n = static_cast<size_t>(numel) * 4;
-  std::string bytes(kMagic, 8);
+  std::string bytes(kShardCheckpointMagic, 8);
   const uint64_t len = m.size();
   bytes.append(reinterpret_cast<const char*>(&len), 8);
   bytes += m;
@@ -27,7 +27,7 @@ void write_shard_checkpoint(const std::string& path, nlohmann::json meta, const 
 ShardCheckpoint read_shard_checkpoint(const std::string& path, int64_t numel) {
   const std::string bytes = read_file(path);
   auto bad = [&](const std::string& why) { return InvalidInput("shard checkpoint '" + path + "': " + why); };
-  if (bytes.size() < 16 || std::memcmp(bytes.data(), kMagic, 8) != 0) throw bad("not a Limbo shard checkpoint");
+  if (bytes.size() < 16 || std::memcmp(bytes.data(), kShardCheckpointMagic, 8) != 0) throw bad("not a Limbo shard checkpoint");
   uint64_t len;
   std::memcpy(&len, bytes.data() + 8, 8);
   if (len > bytes.size() - 16) throw bad("truncated");
