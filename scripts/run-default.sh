@@ -12,7 +12,8 @@ elapsed() {
   local s=$(($(date +%s) - LIMBO_T0))
   printf '%d:%02d' $((s / 60)) $((s % 60))
 }
-printf '[%s] training the default job (configs/default.toml: LeNet on Fashion-MNIST, 2 epochs)\n' "$(elapsed)"
+printf '[%s] training the default job (configs/default.toml: LeNet on Fashion-MNIST, 2 epochs)%s\n' "$(elapsed)" \
+  "$([ $# -gt 0 ] && printf ', with: %s' "$*")"
 status=0
 ./build/src/cli/limbo train --config configs/default.toml "$@" || status=$?
 if [ "$status" -ne 0 ]; then

@@ -139,21 +139,25 @@ fi
 # the slow reference BLAS; point it at OpenBLAS built for OpenMP, which shares
 # libtorch's OpenMP thread pool instead of oversubscribing the cores.
 ARCH_TRIPLET="$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)"
-OPENBLAS="/usr/lib/${ARCH_TRIPLET}/openblas-openmp/libblas.so.3"
-ALT="libblas.so.3-${ARCH_TRIPLET}"
-if [ -e "$OPENBLAS" ]; then
-  current="$(update-alternatives --query "$ALT" 2>/dev/null | awk '/^Value:/{print $2}')"
-  OPENLAPACK="/usr/lib/${ARCH_TRIPLET}/openblas-openmp/liblapack.so.3"
-  LALT="liblapack.so.3-${ARCH_TRIPLET}"
-  lcur="$(update-alternatives --query "$LALT" 2>/dev/null | awk '/^Value:/{print $2}')"
-  if [ "$current" != "$OPENBLAS" ] || { [ -e "$OPENLAPACK" ] && [ "$lcur" != "$OPENLAPACK" ]; }; then
-    log="$LOGS/blas.log"
-    : >"$log"
-    begin "selecting OpenBLAS (OpenMP) as the system BLAS"
-    run "selecting the system BLAS" "$log" $SUDO update-alternatives --set "$ALT" "$OPENBLAS"
-    if [ -e "$OPENLAPACK" ]; then run "selecting the system LAPACK" "$log" $SUDO update-alternatives --set "$LALT" "$OPENLAPACK"; fi
-    end "done"
-  fi
+OMP_DIR="/usr/lib/${ARCH_TRIPLET}/openblas-openmp"
+# libtorch loads libopenblas.so.0 and libblas.so.3 / liblapack.so.3 through
+# these alternatives. Installing the test packages brings the pthread
+# OpenBLAS, whose higher priority would take libopenblas.so.0 over.
+to_select=()
+for lib in libblas.so.3 liblapack.so.3 libopenblas.so.0; do
+  want="$OMP_DIR/$lib"
+  [ -e "$want" ] || continue
+  now="$(update-alternatives --query "$lib-${ARCH_TRIPLET}" 2>/dev/null | awk '/^Value:/{print $2}')"
+  if [ "$now" != "$want" ]; then to_select+=("$lib"); fi
+done
+if [ "${#to_select[@]}" -gt 0 ]; then
+  log="$LOGS/blas.log"
+  : >"$log"
+  begin "selecting OpenBLAS (OpenMP) for ${to_select[*]}"
+  for lib in "${to_select[@]}"; do
+    run "selecting the system BLAS ($lib)" "$log" $SUDO update-alternatives --set "$lib-${ARCH_TRIPLET}" "$OMP_DIR/$lib"
+  done
+  end "done"
 fi
 
 # ---- build ----

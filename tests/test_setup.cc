@@ -33,6 +33,7 @@ struct SetupRun {
   void blas_selected() {
     shim("update-alternatives",
          "case \"$*\" in *lapack*) echo 'Value: /usr/lib/x86_64-linux-gnu/openblas-openmp/liblapack.so.3';;"
+         " *libopenblas*) echo 'Value: /usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0';;"
          " *) echo 'Value: /usr/lib/x86_64-linux-gnu/openblas-openmp/libblas.so.3';; esac");
     shim("dpkg-architecture", "echo x86_64-linux-gnu");
   }
@@ -87,6 +88,31 @@ TEST(Setup, ACompilerErrorShowsTheErrorAndTheLog) {
   EXPECT_NE(r.output.find("setup: building limbo failed (exit 2)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("error: expected ';'"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("full log: " + s.build + "/logs/build.log"), std::string::npos) << r.output;
+}
+
+// Found on a fresh machine: the test packages bring the pthread OpenBLAS,
+// which took libopenblas.so.0 over by priority, so the default job run after
+// the tests used it (it oversubscribes the cores next to libtorch's OpenMP).
+TEST(Setup, ThePthreadOpenBlasIsNotLeftInCharge) {
+  if (::access("/usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0", R_OK) != 0)
+    GTEST_SKIP() << "no OpenMP OpenBLAS here";
+  SetupRun s;
+  s.shim("dpkg-query", "echo 'install ok installed'");
+  s.shim("dpkg-architecture", "echo x86_64-linux-gnu");
+  const std::string calls = s.d.file("alternatives.calls");
+  s.shim("update-alternatives",
+         "echo \"$*\" >> " + calls + "\n"
+         "case \"$*\" in *--query*lapack*) echo 'Value: /usr/lib/x86_64-linux-gnu/openblas-openmp/liblapack.so.3';;"
+         " *--query*libopenblas*) echo 'Value: /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0';;"
+         " *--query*) echo 'Value: /usr/lib/x86_64-linux-gnu/openblas-openmp/libblas.so.3';; esac");
+  s.shim("cmake", "exit 0");
+  const auto r = s.run();
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const std::string log = limbo::testing::slurp(calls);
+  EXPECT_NE(log.find("--set libopenblas.so.0-x86_64-linux-gnu /usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0"),
+            std::string::npos) << log;
+  EXPECT_EQ(log.find("--set libblas.so.3"), std::string::npos) << "set what was already right\n" << log;
+  EXPECT_NE(r.output.find("selecting OpenBLAS (OpenMP) for libopenblas.so.0 ... done"), std::string::npos) << r.output;
 }
 
 // Everything present and built: one line per phase, nothing installed.
