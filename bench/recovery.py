@@ -136,6 +136,7 @@ def host_trial(limbo, way):
     rdzv = f"{hosts.ip[0]}:{29400 + os.getpid() % 300}"
     logs = [open(os.path.join(d, f"host{h}.log"), "w") for h in range(2)]
     launchers = []
+    keep = False  # a failed trial keeps its logs
     try:
         for h, nproc in ((0, 2), (1, 1)):
             launchers.append(subprocess.Popen(
@@ -165,7 +166,8 @@ def host_trial(limbo, way):
             time.sleep(0.05)
             recs = [r for r in membership_records(run) if r["time"] > t0]
         if not recs:
-            raise RuntimeError(f"no recovery recorded after losing host B ({way})")
+            keep = True
+            raise RuntimeError(f"no recovery recorded after losing host B ({way}); logs kept in {d}")
         b_code = None
         if way == "cut":  # B's launcher must end on its own, with "lost the job"
             try:
@@ -186,7 +188,8 @@ def host_trial(limbo, way):
         hosts.close()
         for f in logs:
             f.close()
-        shutil.rmtree(d, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def hosts_main(limbo, trials):
