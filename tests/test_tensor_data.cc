@@ -221,7 +221,7 @@ TEST(TensorDataset, SafetensorsFolderWithFloatTargetsAndPerTokenLabels) {
   // Per-token labels [N, T] stay [n, T] int64.
   for (const char* split : {"train", "test"})
     train::write_safetensors(d.file(std::string(split) + ".safetensors"),
-                             {{"x", torch::randn({5, 4, 3})}, {"y", torch::randint(0, 7, {5, 4}).to(torch::kInt32)}},
+                             {{"x", torch::randn({5, 4, 3})}, {"y", (torch::arange(20) % 7).reshape({5, 4}).to(torch::kInt32)}},
                              {});
   auto t = load_tensor_dataset(d.path());
   EXPECT_TRUE(has_labels(t.train));
@@ -303,5 +303,53 @@ TEST(TensorDataset, BadInputExitsWithCode2AndWritesNothing) {
     EXPECT_NE(r.output.find(c.file), std::string::npos) << r.output;
     EXPECT_NE(r.output.find(c.needle), std::string::npos) << r.output;
     EXPECT_FALSE(file_exists(d.file("run"))) << c.needle << ": the run directory was created";
+  }
+}
+
+// Found: a stray label sized the built-in models' output layer (1 + the
+// largest label): 255 among 0..9 gave 256 outputs, 10^9 ran out of memory.
+// Auto-sizing now needs every label below the largest in the training
+// split; model.classes sets the size explicitly, and a label outside it is
+// an error naming the file and the sample.
+TEST(TensorDataset, AStrayLabelIsAnInputErrorNamingTheFileAndSample) {
+  auto write = [](const TempDir& d, int64_t stray) {
+    const int64_t n = 400;  // more samples than the stray label's classes
+    std::vector<int64_t> y(n);
+    for (int64_t i = 0; i < n; ++i) y[i] = i % 10;
+    y[17] = stray;
+    for (const char* split : {"train", "test"}) {
+      put(d.file(std::string(split) + "_x.npy"), npy_bytes("|u1", {n, 1, 2, 2}, std::string(n * 4, '\1')));
+      put(d.file(std::string(split) + "_y.npy"),
+          npy_bytes("<i8", {n}, raw(std::string(split) == "train" ? y : std::vector<int64_t>(n, 3))));
+    }
+  };
+  auto source = [](const TempDir& d, int64_t classes) {
+    data::DataSource s;
+    s.dataset = "tensors";
+    s.path = d.path();
+    s.classes = classes;
+    return s;
+  };
+  {
+    TempDir d;
+    write(d, 255);
+    expect_invalid([&] { load_tensor_dataset(d.path()); },
+                   {"train_y.npy", "sample 17", "label 255", "never occur", "model.classes = 256"});
+    // Explicit: 256 outputs are what the user asked for.
+    EXPECT_EQ(data::load_dataset(source(d, 256)).train.num_classes, 256);
+    expect_invalid([&] { data::load_dataset(source(d, 10)); },
+                   {"train_y.npy", "sample 17", "label 255", "outside [0, 10)", "model.classes = 10"});
+  }
+  {
+    TempDir d;  // far beyond the data: refused before anything is sized by it
+    write(d, 1000000000);
+    expect_invalid([&] { load_tensor_dataset(d.path()); },
+                   {"train_y.npy", "sample 17", "label 1000000000", "more classes than"});
+  }
+  {
+    TempDir d;  // dense labels: sized as before
+    write(d, 7);
+    EXPECT_EQ(load_tensor_dataset(d.path()).train.num_classes, 10);
+    EXPECT_EQ(data::load_dataset(source(d, 12)).test.num_classes, 12);
   }
 }

@@ -67,6 +67,10 @@ std::shared_ptr<const Schema> train_schema() {
              "against float targets of the same shape; module: the TorchScript module's "
              "forward(x, y) returns the loss (accuracy from its predict(x), if any)"));
     s->add(I("model.width", 256, 1, 1 << 16, "mlp: hidden units per layer"));
+    s->add(I("model.classes", 0, 0, 1 << 24,
+             "outputs for class labels; 0 = the dataset's (tensors: 1 + the largest label, refused when a "
+             "label below it never occurs in training: a stray label); a label outside is an error naming "
+             "the file and sample"));
     s->add(I("model.depth", 2, 0, 64, "mlp: number of hidden layers"));
     s->add(B("model.channels_last", true,
              "keep convolution weights and inputs in channels-last memory order (faster oneDNN "
@@ -262,6 +266,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.source.train_limit = c.get_int("data.train_limit");
   t.source.test_limit = c.get_int("data.test_limit");
   t.source.seed = static_cast<uint64_t>(c.get_int("train.seed"));
+  t.source.classes = c.get_int("model.classes");
 
   t.loader.batch_size = c.get_int("data.batch_size");
   t.algorithm = c.get_string("optim.algorithm");

@@ -29,10 +29,21 @@ DatasetSplits load_dataset(const DataSource& src) {
     if (src.test_limit > 0) o.test_size = src.test_limit;
     s = make_synthetic(o);
   } else if (src.dataset == "tensors") {
-    s = load_tensor_dataset(path);
+    s = load_tensor_dataset(path, src.classes);
   } else {
     throw InvalidInput("unknown dataset '" + src.dataset +
                        "'; allowed: fashion-mnist, mnist, cifar10, synthetic, tensors");
+  }
+  if (src.classes > 0 && has_labels(s.train)) {
+    for (Dataset* d : {&s.train, &s.test}) {
+      auto bad = find_bad_label(*d, src.classes);
+      if (bad.index >= 0)
+        throw InvalidInput("'" + (d->tensors ? d->tensors->y.origin : d->name) + "': sample " +
+                           std::to_string(bad.index) + " has the label " + std::to_string(bad.label) +
+                           ", outside [0, " + std::to_string(src.classes) + ") of model.classes = " +
+                           std::to_string(src.classes));
+      d->num_classes = src.classes;
+    }
   }
   if (src.train_limit > 0) s.train.truncate(src.train_limit);
   if (src.test_limit > 0) s.test.truncate(src.test_limit);

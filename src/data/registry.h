@@ -15,6 +15,11 @@ struct DataSource {
   int64_t train_limit = 0;  // 0 = all
   int64_t test_limit = 0;
   uint64_t seed = 1;  // for "synthetic"
+  // The model's outputs for class labels (model.classes); 0: the dataset's
+  // own count (tensors: 1 + the largest label, every label below it seen in
+  // the training split). Labels outside [0, classes) are refused, naming
+  // the file and the sample.
+  int64_t classes = 0;
 };
 
 DatasetSplits load_dataset(const DataSource& src);

@@ -49,22 +49,57 @@ Dataset make_split(MappedTensor x, MappedTensor y, const std::string& name) {
 }
 
 // Smallest and largest label (integer targets only).
-std::pair<int64_t, int64_t> label_range(const Dataset& d, int64_t* min_at) {
+std::pair<int64_t, int64_t> label_range(const Dataset& d, int64_t* min_at, int64_t* max_at = nullptr) {
   const MappedTensor& y = d.tensors->y;
   int64_t lo = 0, hi = -1;
   std::vector<int64_t> row(y.row_numel());
   for (int64_t i = 0; i < d.size(); ++i) {
     to_int64(y.dtype, y.row(i), y.row_numel(), row.data());
     for (int64_t v : row) {
-      if (hi < lo) lo = hi = v;
+      if (hi < lo) {
+        lo = hi = v;
+        *min_at = i;
+        if (max_at) *max_at = i;
+      }
       if (v < lo) {
         lo = v;
         *min_at = i;
       }
-      hi = std::max(hi, v);
+      if (v > hi) {
+        hi = v;
+        if (max_at) *max_at = i;
+      }
     }
   }
   return {lo, hi};
+}
+
+// Auto-sizing (classes = 1 + the largest label) is refused when a label
+// below the largest never occurs in the training split.
+void check_dense_labels(const Dataset& train, const Dataset& holder, int64_t hi, int64_t hi_at) {
+  const auto stray = [&](const std::string& why) {
+    throw InvalidInput("'" + holder.tensors->y.origin + "': sample " + std::to_string(hi_at) + " has the label " +
+                       std::to_string(hi) + ", " + why + "; a stray label? If the model should have " +
+                       std::to_string(hi + 1) + " outputs, set model.classes = " + std::to_string(hi + 1));
+  };
+  if (hi + 1 > train.size() * train.tensors->y.row_numel())
+    stray("more classes than the training split has labels (" + std::to_string(train.size()) + " samples)");
+  std::vector<char> seen(static_cast<size_t>(hi + 1), 0);
+  const MappedTensor& y = train.tensors->y;
+  std::vector<int64_t> row(y.row_numel());
+  for (int64_t i = 0; i < train.size(); ++i) {
+    to_int64(y.dtype, y.row(i), y.row_numel(), row.data());
+    for (int64_t v : row) seen[static_cast<size_t>(v)] = 1;
+  }
+  int64_t missing = 0, first = -1;
+  for (int64_t c = 0; c <= hi; ++c)
+    if (!seen[static_cast<size_t>(c)]) {
+      ++missing;
+      if (first < 0) first = c;
+    }
+  if (missing > 0)
+    stray(std::to_string(missing) + " of the labels below it (the first: " + std::to_string(first) +
+          ") never occur in the training split");
 }
 
 }  // namespace
@@ -101,7 +136,7 @@ LabelProblem find_bad_label(const Dataset& d, int64_t num_classes) {
   return p;
 }
 
-DatasetSplits load_tensor_dataset(const std::string& dir) {
+DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes) {
   if (dir.empty())
     throw InvalidInput("data.dataset = \"tensors\" needs data.path = a folder holding "
                        "train.safetensors and test.safetensors, or train_x.npy, train_y.npy, "
@@ -143,16 +178,22 @@ DatasetSplits load_tensor_dataset(const std::string& dir) {
                        tey.origin + "' is " + dtype_name(tey.dtype) + " " +
                        shape_str(tey.shape, 1));
   if (has_labels(s.train)) {
-    int64_t hi = -1;
+    int64_t hi = -1, hi_at = -1;
+    const Dataset* holder = &s.train;
     for (Dataset* d : {&s.train, &s.test}) {
-      int64_t at = 0;
-      auto [lo, h] = label_range(*d, &at);
+      int64_t at = 0, top_at = 0;
+      auto [lo, h] = label_range(*d, &at, &top_at);
       if (lo < 0)
         throw InvalidInput("'" + d->tensors->y.origin + "': sample " + std::to_string(at) +
                            " has the negative label " + std::to_string(lo));
-      hi = std::max(hi, h);
+      if (h > hi) {
+        hi = h;
+        hi_at = top_at;
+        holder = d;
+      }
     }
-    s.train.num_classes = s.test.num_classes = hi + 1;
+    if (classes <= 0 && hi >= 0) check_dense_labels(s.train, *holder, hi, hi_at);
+    s.train.num_classes = s.test.num_classes = classes > 0 ? classes : hi + 1;
   }
   return s;
 }

@@ -23,7 +23,12 @@
 
 namespace limbo::data {
 
-DatasetSplits load_tensor_dataset(const std::string& dir);
+// `classes` > 0: the model's outputs (registry.h); labels are checked
+// against it by the caller. 0: 1 + the largest label, refused (naming the
+// file and the sample) when some label below it never occurs in the
+// training split: a stray label (255 among 0..9) would otherwise size the
+// model's output layer, up to running out of memory.
+DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes = 0);
 
 // The sample shape of x without N, e.g. {1, 28, 28}.
 std::vector<int64_t> sample_shape(const Dataset& d);
