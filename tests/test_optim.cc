@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "common/error.h"
 #include "models/net.h"
@@ -88,6 +89,66 @@ TEST(FlatParams, ParametersAndGradientsLiveInTheFlatBuffers) {
   net->forward(x).sum().backward();
   EXPECT_TRUE(torch::allclose(flat.grad(), 2 * once));
   EXPECT_EQ(params[0].grad().data_ptr<float>(), flat.grad().data_ptr<float>());
+}
+
+// A user's frozen parameters (requires_grad = false) are left out: no
+// place in the flat buffers (so no bucket, no all-reduce, no update), no
+// gradient, and their values untouched by anything done to the flat buffers.
+TEST(FlatParams, FrozenParametersAreLeftOut) {
+  torch::manual_seed(3);
+  torch::nn::Sequential net(torch::nn::Linear(4, 3), torch::nn::ReLU(), torch::nn::Linear(3, 2));
+  auto frozen_w = net->named_parameters()["0.weight"];
+  frozen_w.requires_grad_(false);
+  const auto frozen_before = frozen_w.detach().clone();
+  FlatParams flat(*net);
+  EXPECT_EQ(flat.numel(), 3 + 6 + 2);  // 0.bias, 2.weight, 2.bias
+  EXPECT_EQ(flat.frozen_numel(), 12);
+  std::vector<std::string> names;
+  for (const auto& e : flat.entries()) names.push_back(e.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"0.bias", "2.weight", "2.bias"}));
+  EXPECT_EQ(flat.parameters().size(), 3u);
+  flat.zero_grad();
+  net->forward(torch::randn({5, 4})).sum().backward();
+  EXPECT_FALSE(frozen_w.grad().defined());
+  EXPECT_GT(flat.grad().abs().sum().item<double>(), 0);
+  flat.data().sub_(flat.grad(), 0.1);  // an update
+  EXPECT_TRUE(torch::equal(frozen_w, frozen_before));
+}
+
+// Buffers of every dtype travel through the float32 region and come back
+// exactly: float16/bfloat16 as float32, float64 as three pieces, integers
+// and bools as three 24-bit pieces, down to int64's extremes.
+TEST(FlatParams, BuffersOfEveryDtypeRoundTripExactlyThroughTheRegion) {
+  torch::nn::Module m;
+  auto f64 = m.register_buffer("f64", torch::tensor({1.0 / 3.0, -2.5e-12, 123456789.123456789}, torch::kFloat64));
+  auto f16 = m.register_buffer("f16", torch::tensor({0.1, -65504.0}, torch::kFloat64).to(torch::kFloat16));
+  auto bf16 = m.register_buffer("bf16", torch::tensor({3.0e38, -1.5}, torch::kFloat64).to(torch::kBFloat16));
+  auto i64 = m.register_buffer("i64", torch::tensor({std::numeric_limits<int64_t>::min(), int64_t{-1}, int64_t{0},
+                                                     (int64_t{1} << 40) + 3, std::numeric_limits<int64_t>::max()}));
+  auto i32 = m.register_buffer("i32", torch::tensor({-7, 1 << 30}, torch::kInt32));
+  auto u8 = m.register_buffer("u8", torch::tensor({0, 255}, torch::kUInt8));
+  auto flag = m.register_buffer("flag", torch::tensor({true, false, true}));
+  auto f32 = m.register_buffer("f32", torch::tensor({0.25f, -4.0f}));
+  FlatParams flat(m);
+  EXPECT_EQ(flat.averaged_numel(), 2 + 2 + 2 + 3 * 3);  // f32, f16, bf16 one float each; f64 three
+  EXPECT_EQ(flat.buffer_numel(), flat.averaged_numel() + 3 * (5 + 2 + 2 + 3));
+  std::vector<torch::Tensor> want;
+  for (const auto& b : flat.buffer_entries()) want.push_back(b.tensor.clone());
+  flat.buffers_to_flat();
+  for (const auto& b : flat.buffer_entries())  // (a float32 buffer is the region: it stays)
+    if (b.carry != FlatParams::Carry::InPlace) b.tensor.zero_();
+  flat.flat_to_buffers();
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_TRUE(torch::equal(flat.buffer_entries()[i].tensor, want[i])) << flat.buffer_entries()[i].name;
+  // The float32 buffer is the region itself.
+  EXPECT_EQ(f32.data_ptr<float>(), flat.buffers().data_ptr<float>());
+  // save_buffers / restore_buffers put every dtype back.
+  auto saved = flat.save_buffers();
+  i64.fill_(5);
+  flag.fill_(false);
+  f64.fill_(0.0);
+  flat.restore_buffers(saved);
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(torch::equal(flat.buffer_entries()[i].tensor, want[i]));
 }
 
 TEST(FlatParams, ChannelsLastLayoutGivesTheSameGradients) {

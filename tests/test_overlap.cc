@@ -267,9 +267,9 @@ TEST(Overlap, AFailureDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
       const int64_t global = ms[0]->xs[s].size(0) + ms[1]->xs[s].size(0);
       train::StepContext ctx{m.flat.data(), m.flat.grad(), m.flat.grad_with_slot(), 0.0,
                              m.xs[s].size(0), global, 0.05, s, {}};
-      // As the trainer does: the float buffers are kept aside before forward
-      // and put back when the step fails.
-      auto buffers_before = m.flat.buffers().clone();
+      // As the trainer does: the buffers are kept aside before forward and
+      // put back when the step fails.
+      auto buffers_before = m.flat.save_buffers();
       ctx.loss = m.step.gradient(m.xs[s], m.ys[s], [&](double loss) {
         ctx.loss = loss;
         rules[r]->backward_starts(ctx);
@@ -278,12 +278,12 @@ TEST(Overlap, AFailureDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
       try {
         rules[r]->apply(ctx);
       } catch (const Error&) {
-        torch::NoGradGuard no_grad;
-        m.flat.buffers().copy_(buffers_before);
+        m.flat.restore_buffers(buffers_before);
         throw;
       }
     };
-    std::vector<torch::Tensor> w_before(2), v_before(2), buf_before(2);
+    std::vector<torch::Tensor> w_before(2), v_before(2);
+    std::vector<std::vector<torch::Tensor>> buf_before(2);
     std::vector<std::thread> threads;
     for (int r = 0; r < 2; ++r) {
       threads.emplace_back([&, r] {
@@ -294,7 +294,7 @@ TEST(Overlap, AFailureDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
           step(r, 0, false);
           w_before[r] = ms[r]->flat.data().clone();
           v_before[r] = ms[r]->sgd->buffer().clone();
-          buf_before[r] = ms[r]->flat.buffers().clone();
+          buf_before[r] = ms[r]->flat.save_buffers();
           try {
             step(r, 1, r == 1);
             failure[r] = "step 2 went through";
@@ -306,7 +306,9 @@ TEST(Overlap, AFailureDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
           // Nothing of the failed step was applied.
           EXPECT_TRUE(torch::equal(ms[r]->flat.data(), w_before[r])) << "member " << r;
           EXPECT_TRUE(torch::equal(ms[r]->sgd->buffer(), v_before[r])) << "member " << r;
-          EXPECT_TRUE(torch::equal(ms[r]->flat.buffers(), buf_before[r])) << "member " << r;
+          const auto buf_after = ms[r]->flat.save_buffers();
+          for (size_t i = 0; i < buf_after.size(); ++i)
+            EXPECT_TRUE(torch::equal(buf_after[i], buf_before[r][i])) << "member " << r << " buffer " << i;
         } catch (const std::exception& e) {
           errors[r] = e.what();
         }
@@ -338,6 +340,166 @@ TEST(Overlap, AFailureDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
       EXPECT_TRUE(torch::equal(ms[r]->flat.data(), ref.weights[r])) << "member " << r;
       EXPECT_TRUE(torch::equal(ms[r]->flat.buffers(), ref.buffers[r])) << "member " << r;
     }
+  }
+}
+
+namespace {
+
+// A model with a buffer of every dtype a user may keep.
+struct AllBuffers : models::Net {
+  AllBuffers() {
+    fc = register_module("fc", torch::nn::Linear(64, 10));
+    f32 = register_buffer("f32", torch::zeros({3}));
+    f16 = register_buffer("f16", torch::zeros({3}, torch::kFloat16));
+    f64 = register_buffer("f64", torch::zeros({2}, torch::kFloat64));
+    i64 = register_buffer("i64", torch::zeros({3}, torch::kInt64));
+    i32 = register_buffer("i32", torch::zeros({1}, torch::kInt32));
+    flag = register_buffer("flag", torch::zeros({2}, torch::kBool));
+  }
+  torch::Tensor forward(const torch::Tensor& x) override { return fc(x); }
+  // Member r's own values (what its forward would have left).
+  void set_member_values(int r) {
+    torch::NoGradGuard no_grad;
+    f32.fill_(r + 1.0);
+    f16.fill_(2.0 * (r + 1));
+    f64.copy_(torch::tensor({1.0 / 3.0 + r, 1e-9 * (r + 1)}, torch::kFloat64));
+    i64.copy_(torch::tensor({int64_t{7} * r, (int64_t{1} << 40) + r, int64_t{-5} - r}));
+    i32.fill_(100 + r);
+    flag.copy_(torch::tensor({r == 0, r != 0}));
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor f32, f16, f64, i64, i32, flag;
+};
+
+// Runs fn(rank, group) on `world` threads, each with its own Gloo group.
+void with_members(int world, const std::string& prefix,
+                  const std::function<void(int, std::shared_ptr<comm::Collective>)>& fn) {
+  comm::StoreServer store("127.0.0.1", 0);
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(world);
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        comm::GroupOptions go;
+        go.store_port = store.port();
+        go.prefix = prefix;
+        go.timeout = std::chrono::milliseconds(20000);
+        fn(r, comm::make_gloo_group(go, r, world));
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "member " << r;
+}
+
+}  // namespace
+
+// Every buffer follows one rule across data-parallel members: float
+// buffers (float32, float16, float64) become the batch-weighted mean,
+// integer and bool buffers member 0's value, exactly. start() gives every
+// member member 0's buffers of every dtype.
+TEST(Buffers, EveryDtypeIsAveragedOrTakenFromMemberZero) {
+  const int world = 3;
+  const std::vector<int64_t> batch = {8, 8, 5};
+  const double global = 21;
+  std::vector<std::shared_ptr<AllBuffers>> nets(world);
+  std::vector<std::vector<torch::Tensor>> after_start(world);
+  g_factory = [] { return std::make_shared<AllBuffers>(); };
+  auto ms = make_members(world, 1);
+  g_factory = [] { return std::make_shared<BnMlp>(); };
+  with_members(world, "all-buffers", [&](int r, std::shared_ptr<comm::Collective> group) {
+    Member& m = *ms[r];
+    auto& net = static_cast<AllBuffers&>(*m.net);
+    elastic::ReduceOptions ro;
+    elastic::AllReduceUpdate rule(group, m.sgd, m.flat, ro);
+    net.set_member_values(r + 10);  // start(): member 0's values everywhere
+    rule.start(m.flat.data(), m.flat.buffers());
+    after_start[r] = m.flat.save_buffers();
+    net.set_member_values(r);
+    auto x = torch::randn({batch[r], 64});
+    auto y = torch::randint(0, 10, {batch[r]});
+    train::StepContext ctx{m.flat.data(), m.flat.grad(), m.flat.grad_with_slot(), 0.0, batch[r],
+                           static_cast<int64_t>(global), 0.05, 0, {}};
+    ctx.loss = m.step.gradient(x, y);
+    auto res = rule.apply(ctx);
+    EXPECT_FALSE(res.skipped);
+  });
+  AllBuffers want0;
+  want0.set_member_values(10);
+  for (int r = 0; r < world; ++r) {
+    auto& net = static_cast<AllBuffers&>(*ms[r]->net);
+    const auto& start = after_start[r];
+    ASSERT_EQ(start.size(), 6u);
+    // FlatParams orders buffers by how they travel: f32, f16, f64, then integers.
+    EXPECT_TRUE(torch::equal(start[0], want0.f32));
+    EXPECT_TRUE(torch::equal(start[1], want0.f16));
+    EXPECT_TRUE(torch::equal(start[2], want0.f64));
+    EXPECT_TRUE(torch::equal(start[3], want0.i64));
+    EXPECT_TRUE(torch::equal(start[4], want0.i32));
+    EXPECT_TRUE(torch::equal(start[5], want0.flag));
+    // After a step: weighted means, and member 0's integers.
+    double f32 = 0, f16 = 0, f64a = 0, f64b = 0;
+    for (int q = 0; q < world; ++q) {
+      const double share = batch[q] / global;
+      f32 += share * (q + 1.0);
+      f16 += share * 2.0 * (q + 1);
+      f64a += share * (1.0 / 3.0 + q);
+      f64b += share * 1e-9 * (q + 1);
+    }
+    SCOPED_TRACE("member " + std::to_string(r));
+    EXPECT_NEAR(net.f32[0].item<double>(), f32, 1e-6);
+    EXPECT_NEAR(net.f16[0].item<double>(), f16, 2e-3);
+    EXPECT_NEAR(net.f64[0].item<double>(), f64a, 1e-6);
+    EXPECT_NEAR(net.f64[1].item<double>(), f64b, 1e-15);
+    AllBuffers want;
+    want.set_member_values(0);
+    EXPECT_TRUE(torch::equal(net.i64, want.i64)) << net.i64;
+    EXPECT_TRUE(torch::equal(net.i32, want.i32));
+    EXPECT_TRUE(torch::equal(net.flag, want.flag));
+    // And every member holds the same bits.
+    EXPECT_TRUE(torch::equal(net.f64, static_cast<AllBuffers&>(*ms[0]->net).f64));
+    EXPECT_TRUE(torch::equal(net.f16, static_cast<AllBuffers&>(*ms[0]->net).f16));
+  }
+}
+
+// A gradient whose 16-bit sum overflows (fp16 tops out at 65504) is skipped
+// by every member alike: weights and momentum stay, no residual takes in an
+// infinity, and the next step trains normally.
+TEST(Overlap, AnFp16OverflowIsSkippedByEveryMemberAndSpoilsNothing) {
+  const int world = 2;
+  g_factory = [] { return std::make_shared<ScaledMlp>(); };  // no BatchNorm to undo the scale
+  auto ms = make_members(world, 2);
+  g_factory = [] { return std::make_shared<BnMlp>(); };
+  for (auto& m : ms) m->xs[0].mul_(1e6);  // gradients far beyond fp16's range
+  std::vector<std::vector<bool>> skipped(world);
+  std::vector<torch::Tensor> w0(world), w1(world), w2(world);
+  with_members(world, "fp16-overflow", [&](int r, std::shared_ptr<comm::Collective> group) {
+    Member& m = *ms[r];
+    elastic::ReduceOptions ro;
+    ro.bucket_bytes = 4 << 10;
+    ro.compression = comm::Compression::Fp16;
+    elastic::AllReduceUpdate rule(group, m.sgd, m.flat, ro);
+    rule.start(m.flat.data(), m.flat.buffers());
+    w0[r] = m.flat.data().clone();
+    for (int s = 0; s < 2; ++s) {
+      const int64_t global = ms[0]->xs[s].size(0) + ms[1]->xs[s].size(0);
+      train::StepContext ctx{m.flat.data(), m.flat.grad(), m.flat.grad_with_slot(), 0.0,
+                             m.xs[s].size(0), global, 0.05, s, {}};
+      ctx.loss = m.step.gradient(m.xs[s], m.ys[s]);
+      skipped[r].push_back(rule.apply(ctx).skipped);
+      (s == 0 ? w1 : w2)[r] = m.flat.data().clone();
+    }
+  });
+  for (int r = 0; r < world; ++r) {
+    SCOPED_TRACE("member " + std::to_string(r));
+    ASSERT_EQ(skipped[r].size(), 2u);
+    EXPECT_TRUE(skipped[r][0]);
+    EXPECT_FALSE(skipped[r][1]);
+    EXPECT_TRUE(torch::equal(w1[r], w0[r]));  // the overflowing step changed nothing
+    EXPECT_TRUE(torch::isfinite(w2[r]).all().item<bool>());
+    EXPECT_FALSE(torch::equal(w2[r], w0[r]));  // the next one trained
+    EXPECT_TRUE(torch::equal(w2[r], w2[0]));
   }
 }
 

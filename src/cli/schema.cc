@@ -218,6 +218,9 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(I("train.checkpoint_every_steps", 0, 0, std::nullopt, "checkpoint every N steps (0 = off)"));
     s->add(I("train.checkpoint_every_epochs", 1, 0, std::nullopt,
              "checkpoint every N epochs (0 = off; a final checkpoint is always written)"));
+    s->add(I("train.max_nonfinite_steps", 10, 0, std::nullopt,
+             "stop the run as diverged after this many steps in a row whose gradient or loss is "
+             "not finite (each is skipped); 0 = never stop"));
     s->add(B("train.progress", true, "show a progress bar (terminal) or progress lines"));
     s->add(I("train.pause_at_step", 0, 0, std::nullopt,
              "testing aid: after step N, print 'paused at step N' and wait to be killed"));
@@ -326,6 +329,7 @@ train::TrainerConfig trainer_config(const Config& c) {
 
   t.train.epochs = c.get_int("train.epochs");
   t.train.max_steps = c.get_int("train.max_steps");
+  t.train.max_nonfinite_steps = c.get_int("train.max_nonfinite_steps");
   t.train.seed = static_cast<uint64_t>(c.get_int("train.seed"));
   t.train.log_every = c.get_int("train.log_every");
   t.train.eval_every_epochs = c.get_int("train.eval_every_epochs");

@@ -120,8 +120,4 @@ class EtcdClient {
 std::unique_ptr<KvStore> connect_etcd(const EtcdOptions& o, std::chrono::milliseconds timeout,
                                       std::optional<std::pair<std::string, std::string>> fence = std::nullopt);
 
-// base64 (RFC 4648), as etcd's JSON gateway carries keys and values.
-std::string base64_encode(const std::string& s);
-std::string base64_decode(const std::string& s);
-
 }  // namespace limbo::comm

@@ -1,6 +1,7 @@
 // Limbo's error types, chosen by how the caller recovers:
 //   InvalidInput  - the user gave something wrong (config, data file, flag):
 //                   report the message and exit non-zero; nothing to retry.
+//   Diverged      - (an InvalidInput) the run's gradients stopped being finite.
 //   PeerFailure   - a network peer failed or went away: re-form / reconnect.
 //   Timeout       - something did not happen in time: retry or give up.
 // Messages name the file, key or peer and the values involved.
@@ -19,6 +20,14 @@ class Error : public std::runtime_error {
 class InvalidInput : public Error {
  public:
   using Error::Error;
+};
+
+// Training diverged (a gradient or loss not finite, step after step): the
+// learning rate or the data needs the user's attention; exits like an input
+// error, and launchers do not restart it.
+class Diverged : public InvalidInput {
+ public:
+  using InvalidInput::InvalidInput;
 };
 
 class PeerFailure : public Error {

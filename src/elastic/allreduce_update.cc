@@ -7,6 +7,7 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
                                  const ReduceOptions& opt)
     : group_(std::move(group)),
       sgd_(std::move(sgd)),
+      flat_(flat),
       reducer_(flat, opt.bucket_bytes, opt.overlap, opt.compression),
       loss_buf_(torch::zeros({1}, torch::kFloat64)) {
   reducer_.set_testing_death(opt.testing_die_in_bucket);
@@ -15,7 +16,11 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
 void AllReduceUpdate::start(torch::Tensor& weights, torch::Tensor& buffers) {
   if (!group_) return;  // elastic training syncs in establish()
   group_->broadcast(weights, 0);
-  if (buffers.numel() > 0) group_->broadcast(buffers, 0);
+  if (buffers.numel() > 0) {
+    flat_.buffers_to_flat();
+    group_->broadcast(buffers, 0);
+    flat_.flat_to_buffers();
+  }
 }
 
 // ISGD's extra passes: not bucketed, not overlapped, float32.
@@ -46,6 +51,7 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   const int64_t n = buf.numel() - optim::FlatParams::kSlots;
   const double global_loss = buf[n].item<double>();
   flag_sum_ = buf[n + 1].item<double>();
+  if (!reducer_.finite()) return {global_loss, ctx.global_batch, /*skipped=*/true};
   if (ctx.before_update) ctx.before_update(global_loss);
   sgd_->step(ctx.weights, ctx.grad, ctx.lr);
   return {global_loss, ctx.global_batch};

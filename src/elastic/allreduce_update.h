@@ -8,7 +8,10 @@
 // process with batch R*b would compute it. The loss is averaged the same way,
 // so loss-driven decisions (ISGD) agree on every member, and the float
 // buffers that ride in the same all-reduce (BatchNorm running statistics,
-// updated by each member's forward) become the same weighted mean everywhere.
+// updated by each member's forward) become the same weighted mean everywhere;
+// integer buffers (BatchNorm's num_batches_tracked) take member 0's value
+// (see FlatParams). A sum that is not finite skips the update on every
+// member alike (StepResult::skipped).
 #pragma once
 
 #include <functional>
@@ -54,6 +57,7 @@ class AllReduceUpdate : public train::UpdateRule {
  private:
   std::shared_ptr<comm::Collective> group_;
   std::shared_ptr<optim::Sgd> sgd_;
+  optim::FlatParams& flat_;
   BucketReducer reducer_;
   torch::Tensor loss_buf_;
   double share_ = 1.0;  // this member's fraction of the last global batch

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/error.h"
 #include "common/timing.h"
@@ -202,7 +203,11 @@ void BucketReducer::finish(double flag) {
     torch::NoGradGuard no_grad;
     auto& buf = flat_.grad_with_slot();
     const int64_t g = flat_.numel(), n = buf.numel() - optim::FlatParams::kSlots;
-    buf.narrow(0, g, n - g).mul_(share_);
+    const int64_t avg = flat_.averaged_numel();
+    flat_.buffers_to_flat();
+    buf.narrow(0, g, avg).mul_(share_);
+    // Integer buffers: member 0's pieces, plus zeros from everyone else.
+    if (group_ && group_->rank() != 0) buf.narrow(0, g + avg, n - g - avg).zero_();
     buf[n].fill_(loss_ * share_);
     buf[n + 1].fill_(flag);
   }
@@ -235,8 +240,23 @@ void BucketReducer::finish(double flag) {
   stats_.buckets += static_cast<int64_t>(buckets_.size());
   stats_.exposed_seconds += seconds_since(t0);
   if (err) std::rethrow_exception(err);  // the step failed; residuals stay as they were
+  torch::NoGradGuard no_grad;
+  flat_.flat_to_buffers();
+  // A non-finite sum (a 16-bit overflow, a user's loss gone to inf) is the
+  // same on every member: the step is skipped everywhere, and no residual
+  // moves (one that took in an infinity would spoil every later step).
+  {
+    auto& buf = flat_.grad_with_slot();
+    const int64_t n = buf.numel() - optim::FlatParams::kSlots;
+    finite_ = std::isfinite(buf[n].item<float>());
+    if (compression_ != comm::Compression::None && finite_)
+      for (size_t b = 0; b < buckets_.size(); ++b)
+        finite_ = finite_ && std::isfinite(wire_[b].sum(torch::kFloat32).item<float>());
+    else if (finite_)
+      finite_ = std::isfinite(flat_.grad().sum().item<float>());
+  }
+  if (!finite_) return;
   if (compression_ != comm::Compression::None) {
-    torch::NoGradGuard no_grad;
     const int64_t g = flat_.numel();
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const Bucket& bk = buckets_[b];

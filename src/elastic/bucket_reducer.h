@@ -96,8 +96,13 @@ class BucketReducer {
   // After backward: writes the tail (buffers scaled by the share, the loss
   // times the share, `flag`), reduces what is left, waits for everything,
   // and leaves grad_with_slot holding the sums. Throws the first failure
-  // (the step failed; residuals unchanged).
+  // (the step failed; residuals unchanged). The module's buffers get the
+  // reduced values (FlatParams::flat_to_buffers).
   void finish(double flag);
+  // Whether the last finish() summed to finite values everywhere (the
+  // gradient and the loss). When not, no residual moved and the caller
+  // skips the update, as every member does.
+  bool finite() const { return finite_; }
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
   bool overlapped() const { return overlap_; }
@@ -133,6 +138,7 @@ class BucketReducer {
   bool threaded_ = false;  // this step's collectives run on the communication thread
   bool tail_separate_ = true;
   double loss_ = 0;
+  bool finite_ = true;
   std::vector<int> pending_;
   std::vector<char> prepared_;
   int64_t begun_ = 0, die_at_step_ = 0;

@@ -395,7 +395,10 @@ void Job::on_all_gone() {
   if (coordinator_) with_store([&] { on_round(coordinator_->poll()); });  // its workers are marked dead by now
   if (phase_ == Phase::Stopping || phase_ == Phase::Completing) return;
   const bool job_lives = opt_.elastic && (!hosting_ || alive_ > 0);
-  if (opt_.elastic && restarts_ < opt_.max_restarts && (have_ckpt || job_lives)) {
+  // Workers that exited with an input error (bad data or config, a run that
+  // diverged) would fail again the same way: no restart.
+  const bool input_error = result_ == kExitInvalidInput;
+  if (opt_.elastic && !input_error && restarts_ < opt_.max_restarts && (have_ckpt || job_lives)) {
     ++restarts_;
     const std::string what = !job_lives ? "every worker is gone; restarting the job from " + ckpt
                                       : "every worker of this launcher is gone; restarting them to rejoin the job" +

@@ -120,7 +120,9 @@ void export_torchscript(Net& net, const ModelOptions& opt, const InputSpec& in,
       // Collect first: setting attributes while iterating the slot list
       // pairs names with the wrong values.
       std::vector<std::pair<std::string, torch::Tensor>> tensors;
-      for (const auto& p : sub.named_parameters(false)) tensors.emplace_back(p.name, frozen(p.value));
+      // Parameters keep the user's requires_grad (a frozen backbone stays frozen).
+      for (const auto& p : sub.named_parameters(false))
+        tensors.emplace_back(p.name, frozen(p.value).requires_grad_(p.value.requires_grad()));
       for (const auto& b : sub.named_buffers(false)) tensors.emplace_back(b.name, frozen(b.value));
       for (auto& [name, t] : tensors) sub.setattr(name, t);
     }

@@ -65,7 +65,9 @@ class TorchScriptNet : public Net {
                            "' is " + std::string(c10::toString(p.value.scalar_type())) +
                            "; Limbo trains float32 parameters (call .float() before saving)");
       check_unique(p.value, prefix + p.name);
-      dst.register_parameter(p.name, p.value, /*requires_grad=*/true);
+      // A parameter the user froze (requires_grad_(False) before saving)
+      // stays frozen: FlatParams leaves it out of training altogether.
+      dst.register_parameter(p.name, p.value, p.value.requires_grad());
     }
     for (const auto& b : src.named_buffers(/*recurse=*/false)) {
       check_unique(b.value, prefix + b.name);

@@ -15,46 +15,141 @@ torch::Tensor shaped_view(torch::Tensor& flat, int64_t offset, const std::vector
   return slice.view(shape);
 }
 
+using Carry = FlatParams::Carry;
+
+Carry carry_of(const std::string& name, const torch::Tensor& t) {
+  const auto type = t.scalar_type();
+  if (type == torch::kFloat32) return Carry::InPlace;
+  if (type == torch::kFloat16 || type == torch::kBFloat16) return Carry::Float;
+  if (type == torch::kFloat64) return Carry::Float64;
+  if (c10::isIntegralType(type, /*includeBool=*/true)) return Carry::Integer;
+  throw InvalidInput("buffer '" + name + "' is " + std::string(c10::toString(type)) +
+                     "; Limbo keeps float, integer and bool buffers in step");
+}
+
+int64_t floats_for(Carry c, int64_t numel) {
+  switch (c) {
+    case Carry::Float64:
+    case Carry::Integer: return 3 * numel;
+    default: return numel;
+  }
+}
+
+constexpr int64_t kPiece = int64_t{1} << 24;  // a float32 holds every integer below 2^24 exactly
+
 }  // namespace
 
 FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
   auto named = module.named_parameters(/*recurse=*/true);
   int64_t total = 0;
+  std::vector<torch::Tensor> trainable;
   for (const auto& p : named) {
+    if (!p.value().requires_grad()) {  // frozen: the module keeps it as it is
+      frozen_ += p.value().numel();
+      continue;
+    }
     if (p.value().scalar_type() != torch::kFloat32)
       throw Error("FlatParams supports float32 parameters only; '" + p.key() + "' is " +
                   std::string(c10::toString(p.value().scalar_type())));
     entries_.push_back({p.key(), p.value().sizes().vec(), total, p.value().numel()});
+    trainable.push_back(p.value());
     total += p.value().numel();
   }
-  std::vector<torch::Tensor> float_buffers;
+  // Averaged kinds first, in this order, then the integer pieces.
   int64_t buffer_total = 0;
-  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
-    if (b.value().scalar_type() != torch::kFloat32) continue;
-    float_buffers.push_back(b.value());
-    buffer_total += b.value().numel();
+  auto named_buffers = module.named_buffers(/*recurse=*/true);
+  for (Carry kind : {Carry::InPlace, Carry::Float, Carry::Float64, Carry::Integer}) {
+    if (kind == Carry::Integer) averaged_ = buffer_total;
+    for (const auto& b : named_buffers) {
+      if (carry_of(b.key(), b.value()) != kind) continue;
+      buffer_entries_.push_back({b.key(), b.value(), kind, buffer_total});
+      buffer_total += floats_for(kind, b.value().numel());
+    }
   }
   data_ = torch::empty({total}, torch::kFloat32);
   grad_slot_ = torch::zeros({total + buffer_total + kSlots}, torch::kFloat32);
   grad_ = grad_slot_.narrow(0, 0, total);
   buffers_ = grad_slot_.narrow(0, total, buffer_total);
   torch::NoGradGuard no_grad;
-  int64_t at = 0;
-  for (auto& b : float_buffers) {
-    auto view = buffers_.narrow(0, at, b.numel()).view(b.sizes());
-    view.copy_(b);
-    b.set_data(view);
-    at += b.numel();
+  for (auto& b : buffer_entries_) {
+    if (b.carry != Carry::InPlace) continue;
+    auto view = buffers_.narrow(0, b.offset, b.tensor.numel()).view(b.tensor.sizes());
+    view.copy_(b.tensor);
+    b.tensor.set_data(view);
   }
-  size_t i = 0;
-  for (auto& p : named) {
-    const Entry& e = entries_[i++];
+  buffers_to_flat();
+  for (size_t i = 0; i < trainable.size(); ++i) {
+    const Entry& e = entries_[i];
     auto view = shaped_view(data_, e.offset, e.shape, channels_last);
-    view.copy_(p.value());
-    p.value().set_data(view);
-    p.value().mutable_grad() = shaped_view(grad_, e.offset, e.shape, channels_last);
-    params_.push_back(p.value());
+    view.copy_(trainable[i]);
+    trainable[i].set_data(view);
+    trainable[i].mutable_grad() = shaped_view(grad_, e.offset, e.shape, channels_last);
+    params_.push_back(trainable[i]);
   }
+}
+
+void FlatParams::buffers_to_flat() {
+  torch::NoGradGuard no_grad;
+  for (auto& b : buffer_entries_) {
+    const int64_t n = b.tensor.numel();
+    auto v = b.tensor.reshape({-1});
+    switch (b.carry) {
+      case Carry::InPlace: break;
+      case Carry::Float: buffers_.narrow(0, b.offset, n).copy_(v); break;
+      case Carry::Float64: {  // three float32 pieces hold float64's 53 bits
+        auto rest = v.clone();
+        for (int k = 0; k < 3; ++k) {
+          auto piece = buffers_.narrow(0, b.offset + k * n, n);
+          piece.copy_(rest);
+          rest -= piece.to(torch::kFloat64);
+        }
+        break;
+      }
+      case Carry::Integer: {
+        auto i = v.to(torch::kInt64);
+        buffers_.narrow(0, b.offset, n).copy_(torch::remainder(i, kPiece));
+        auto high = torch::floor_divide(i, kPiece);
+        buffers_.narrow(0, b.offset + n, n).copy_(torch::remainder(high, kPiece));
+        buffers_.narrow(0, b.offset + 2 * n, n).copy_(torch::floor_divide(high, kPiece));
+        break;
+      }
+    }
+  }
+}
+
+void FlatParams::flat_to_buffers() {
+  torch::NoGradGuard no_grad;
+  for (auto& b : buffer_entries_) {
+    const int64_t n = b.tensor.numel();
+    auto shape = b.tensor.sizes();
+    switch (b.carry) {
+      case Carry::InPlace: break;
+      case Carry::Float: b.tensor.copy_(buffers_.narrow(0, b.offset, n).view(shape)); break;
+      case Carry::Float64: {
+        auto piece = [&](int k) { return buffers_.narrow(0, b.offset + k * n, n).to(torch::kFloat64); };
+        b.tensor.copy_((piece(0) + piece(1) + piece(2)).view(shape));
+        break;
+      }
+      case Carry::Integer: {
+        auto piece = [&](int k) { return buffers_.narrow(0, b.offset + k * n, n).to(torch::kInt64); };
+        b.tensor.copy_((piece(0) + (piece(1) + piece(2) * kPiece) * kPiece).view(shape));
+        break;
+      }
+    }
+  }
+}
+
+std::vector<torch::Tensor> FlatParams::save_buffers() const {
+  std::vector<torch::Tensor> out;
+  out.reserve(buffer_entries_.size());
+  for (const auto& b : buffer_entries_) out.push_back(b.tensor.clone());
+  return out;
+}
+
+void FlatParams::restore_buffers(const std::vector<torch::Tensor>& saved) {
+  if (saved.size() != buffer_entries_.size()) throw Error("internal: restoring buffers of another model");
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < saved.size(); ++i) buffer_entries_[i].tensor.copy_(saved[i]);
 }
 
 }  // namespace limbo::optim

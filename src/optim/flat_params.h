@@ -1,20 +1,34 @@
 // Contiguous parameter and gradient storage for a module.
 //
-// The constructor copies every parameter of the module into one flat float
-// buffer and re-points the parameter at its slice (as a view), and gives each
-// parameter a gradient that is a view into a second flat buffer. Autograd then
-// accumulates gradients in place into that buffer. Consequences:
+// The constructor copies every trainable parameter of the module into one
+// flat float buffer and re-points the parameter at its slice (as a view), and
+// gives each such parameter a gradient that is a view into a second flat
+// buffer. Autograd then accumulates gradients in place into that buffer.
+// Consequences:
 //   - an optimizer step is a handful of vectorised ops over one tensor;
 //   - all-reduce / push of the whole gradient needs no packing copy;
 //   - zero_grad() is one fill.
 // Call zero_grad() (never Module::zero_grad, which would detach the views)
 // before each backward.
 //
-// Float32 buffers (BatchNorm running statistics) live in the same allocation,
-// right after the gradient: grad_with_slot() = [gradient | buffers | slots].
-// One all-reduce of grad_with_slot() therefore also averages the members'
-// buffers (data-parallel training keeps them identical, see AllReduceUpdate).
-// Other buffers (BatchNorm's int64 num_batches_tracked) stay where they are.
+// Frozen parameters (requires_grad = false, e.g. a user's pre-trained
+// backbone) are not in the flat buffers: they get no gradient, no bucket, no
+// update and no place on the wire, and stay the module's own tensors.
+//
+// Buffers of every dtype travel in one float32 region right after the
+// gradient, grad_with_slot() = [gradient | buffers | slots]:
+//   [float32 buffers, in place | float16/bfloat16 buffers as float32 copies |
+//    float64 buffers as three float32 pieces whose sum is the value (exact
+//    within float32's exponent range) | integer and bool buffers as three
+//    exact 24-bit pieces of their int64 value]
+// The first part (averaged_numel() floats) is averaged by data-parallel
+// members; the integer pieces are taken from one member (member 0 sends
+// them, the others send zeros, and a sum with zeros is exact). The module's
+// own buffers are what the model reads and what checkpoints hold; the
+// region is how they travel: buffers_to_flat() before a collective over it,
+// flat_to_buffers() after. Float32 buffers live in the region, so both are
+// no-ops for them. One all-reduce of grad_with_slot() therefore also keeps
+// every member's buffers in step (see AllReduceUpdate).
 //
 // With channels_last, 4-D parameters (convolution weights) are laid out in
 // the flat buffers as [out, h, w, in] and exposed with channels-last strides;
@@ -35,7 +49,7 @@ class FlatParams {
 
   torch::Tensor& data() { return data_; }
   torch::Tensor& grad() { return grad_; }
-  // The gradient buffer, the float buffers, then kSlots spare floats: a
+  // The gradient buffer, the buffers region, then kSlots spare floats: a
   // collective can carry scalars (the loss, a membership-change flag) with
   // the gradient in one call. grad() is a view of its first numel() elements,
   // buffers() of the next buffer_numel().
@@ -43,24 +57,48 @@ class FlatParams {
   torch::Tensor& grad_with_slot() { return grad_slot_; }
   torch::Tensor& buffers() { return buffers_; }
   int64_t buffer_numel() const { return buffers_.numel(); }
+  // buffers()[0, averaged_numel()) is averaged across members, the rest
+  // (integer pieces) is taken from member 0.
+  int64_t averaged_numel() const { return averaged_; }
   int64_t numel() const { return data_.numel(); }
+  // Elements of frozen parameters (not in the flat buffers).
+  int64_t frozen_numel() const { return frozen_; }
   void zero_grad() { grad_.zero_(); }
+
+  // Module buffers -> region (for those not stored in it), and back.
+  void buffers_to_flat();
+  void flat_to_buffers();
+  // Copies of every module buffer, and putting them back: a step that is
+  // undone or skipped leaves the buffers as they were.
+  std::vector<torch::Tensor> save_buffers() const;
+  void restore_buffers(const std::vector<torch::Tensor>& saved);
 
   struct Entry {
     std::string name;
     std::vector<int64_t> shape;
     int64_t offset, numel;
   };
-  // Parameter names, shapes and offsets, in flat order.
+  // Trainable parameter names, shapes and offsets, in flat order.
   const std::vector<Entry>& entries() const { return entries_; }
-  // The module's parameters in the same order (autograd leaves whose data
-  // and gradient are views into the flat buffers).
+  // The module's trainable parameters in the same order (autograd leaves
+  // whose data and gradient are views into the flat buffers).
   const std::vector<torch::Tensor>& parameters() const { return params_; }
+
+  enum class Carry { InPlace, Float, Float64, Integer };
+  struct BufferEntry {
+    std::string name;
+    torch::Tensor tensor;  // the module's buffer
+    Carry carry;
+    int64_t offset;  // in buffers()
+  };
+  const std::vector<BufferEntry>& buffer_entries() const { return buffer_entries_; }
 
  private:
   torch::Tensor data_, grad_, grad_slot_, buffers_;
   std::vector<Entry> entries_;
   std::vector<torch::Tensor> params_;
+  std::vector<BufferEntry> buffer_entries_;
+  int64_t averaged_ = 0, frozen_ = 0;
 };
 
 }  // namespace limbo::optim

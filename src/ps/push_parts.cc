@@ -21,7 +21,7 @@ PushAssembler::Result PushAssembler::add(const Message& m, uint64_t handled_seq)
       r.outcome = Result::Outcome::Duplicate;
       return r;
     }
-    it = pushes_.insert_or_assign(h.sender, PartedPush{h, {}, {}, 0, false}).first;
+    it = pushes_.insert_or_assign(h.sender, PartedPush{h, {}, {}, 0, false, m.meta}).first;
   } else if (it == pushes_.end() || it->second.head.seq != h.seq) {
     r.outcome = Result::Outcome::Rejected;
     r.reject = Reject::Protocol;

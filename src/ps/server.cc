@@ -2,6 +2,7 @@
 
 #include "common/half.h"
 
+#include "ps/buffer_mean.h"
 #include "ps/push_parts.h"
 #include "ps/shard_checkpoint.h"
 #include "ps/shard_state.h"
@@ -49,6 +50,8 @@ struct Server::Impl {
   std::unique_ptr<Socket> sock;
   std::string endpoint;
   bool finisher_given = false;
+  BufferMean buffers;  // shard 0: the model's buffers (see buffer_mean.h)
+  int64_t buffers_refused = 0;
 
   struct Held {
     std::string identity;
@@ -132,6 +135,7 @@ struct Server::Impl {
         finisher_given = true;
       }
     }
+    if (opt.shard == 0) buffers.write(meta);
     if (!(flags & kObserver)) agg.on_pull(learner);
     auto w = state->weights();  // keeps this version alive until ZeroMQ has sent it
     const int64_t n = w->numel();
@@ -183,6 +187,7 @@ struct Server::Impl {
   }
 
   void finish_update(const std::vector<int64_t>& taus) {
+    buffers.commit();
     updates += 1;
     window_updates += 1;
     for (int64_t t : taus) {
@@ -359,6 +364,17 @@ struct Server::Impl {
     on_push(id, push);
   }
 
+  // The buffers sent with an accepted gradient (shard 0), counted in the
+  // update it belongs to; the gradient itself stands either way.
+  void take_buffers(const PartedPush& push) {
+    if (opt.shard != 0 || push.meta.empty()) return;
+    json meta = json::parse(push.meta, nullptr, /*allow_exceptions=*/false);
+    if (meta.is_object() && buffers.add(meta)) return;
+    if (++buffers_refused <= 3)
+      log_warn("shard 0: buffers sent by learner " + std::to_string(push.head.sender) +
+               " do not fit (another model, or damaged); the gradient is kept, its buffers are not");
+  }
+
   void stop_streaming(uint32_t learner) {
     if (streamed != learner) return;
     state->abandon(step);
@@ -414,6 +430,7 @@ struct Server::Impl {
         agg.retract(h.sender, h.clock);
         return non_finite();
       }
+      take_buffers(push);
       if (single) finish_update(agg.commit());
       accepted += 1;
       grads_per_learner[h.sender] += 1;
@@ -479,6 +496,7 @@ struct Server::Impl {
                  {"total", total}, {"fingerprint", hex64(fp.hash)}, {"clock", agg.clock()}, {"updates", updates},
                  {"accepted", accepted}, {"dropped", dropped}, {"hist", hist_to_json(hist_total)}};
     if (leases) meta["leases"] = leases_to_json(leases->snapshot());
+    buffers.write(meta);
     const torch::Tensor& mom = state->momentum_buffer();
     write_shard_checkpoint(opt.dir + "/checkpoint.bin", meta, state->weights()->data_ptr<float>(),
                            mom.defined() ? mom.data_ptr<float>() : nullptr, range.numel);
@@ -507,6 +525,7 @@ struct Server::Impl {
     hist_total.clear();
     add_hist_json(hist_total, meta["hist"]);
     if (leases && meta.contains("leases")) leases->restore(leases_from_json(meta["leases"]));
+    buffers.restore(meta);
     return true;
   }
 };

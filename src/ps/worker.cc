@@ -20,6 +20,8 @@
 #include "common/half.h"
 #include "common/log.h"
 #include "data/loader.h"
+#include "ps/buffer_mean.h"
+#include "ps/push_residual.h"
 #include "ps/shard_state.h"
 #include "train/checkpoint.h"
 
@@ -246,37 +248,63 @@ class Learner {
       if (last) break;
     }
     l.clock = first.header.clock;
+    if (l.index == 0) take_buffers(first.meta);
     return first;
   }
 
   // Sends this learner's gradient slice to a shard in parts, straight from
   // the gradient buffer (`keep` counts the sends in flight).
   template <typename Keep>
-  uint64_t send_push(Link& l, const float* g, int64_t lease_id, Keep keep) {
+  uint64_t send_push(Link& l, const float* g, int64_t lease_id, const std::string& meta, Keep keep) {
     Header h = header(MsgType::Push, l);
     h.clock = l.clock;
     h.aux = l.index == 0 ? lease_id : -1;
     const int64_t part = part_size(opt_.part_floats, l.numel);
     const uint8_t enc = opt_.push_encoding;
-    if (enc) {
-      if (residual_.empty()) residual_.assign(static_cast<size_t>(t_.params().numel()), 0.0f);
-      l.wire.resize(static_cast<size_t>(l.numel));
-    }
+    if (enc) l.wire.resize(static_cast<size_t>(l.numel));
     for (int64_t o = 0; o < l.numel; o += part) {
       const int64_t k = std::min(part, l.numel - o);
       // 16 bits on the wire; what rounding dropped waits in the residual and
       // goes out with the next gradient (error feedback). Part by part, so
-      // the next part is encoded while ZeroMQ sends this one.
-      if (enc)
-        encode_with_feedback(half_kind(enc), g + l.offset + o, residual_.data() + l.offset + o,
-                             l.wire.data() + o, static_cast<size_t>(k));
+      // the next part is encoded while ZeroMQ sends this one. The new
+      // residual replaces the old only once the shard accepted the push: a
+      // push that is lost, dropped or rejected leaves it as it was.
+      if (enc) residual_.encode(half_kind(enc), g, t_.params().numel(), l.offset + o, k, l.wire.data() + o);
       h.offset = static_cast<uint64_t>(o);
       h.flags = (o + k < l.numel ? kMoreParts : 0) | enc;
-      const bool sent = enc ? l.sock->send(nullptr, h, "", l.wire.data() + o, static_cast<size_t>(k) * 2, keep())
-                            : l.sock->send(nullptr, h, "", g + l.offset + o, static_cast<size_t>(k) * 4, keep());
+      const std::string& m = o == 0 ? meta : kNoMeta;
+      const bool sent = enc ? l.sock->send(nullptr, h, m, l.wire.data() + o, static_cast<size_t>(k) * 2, keep())
+                            : l.sock->send(nullptr, h, m, g + l.offset + o, static_cast<size_t>(k) * 4, keep());
       if (!sent) break;
     }
     return h.seq;
+  }
+
+  // The metadata of a push to shard 0: this learner's buffers, as its
+  // forward left them (see buffer_mean.h). Empty for a model without any.
+  std::string buffers_meta() {
+    auto& flat = t_.params();
+    if (flat.buffer_numel() == 0) return {};
+    flat.buffers_to_flat();
+    return json{{"buffers", floats_to_base64(flat.buffers().data_ptr<float>(), static_cast<size_t>(flat.buffer_numel()))},
+                {"averaged", flat.averaged_numel()}}
+        .dump();
+  }
+
+  // Shard 0's buffers (from a weights reply) become this learner's.
+  void take_buffers(const std::string& meta_text) {
+    auto& flat = t_.params();
+    if (flat.buffer_numel() == 0 || meta_text.empty()) return;
+    json meta = json::parse(meta_text, nullptr, /*allow_exceptions=*/false);
+    auto b = meta.is_object() ? meta.find("buffers") : meta.end();
+    if (!meta.is_object() || b == meta.end()) return;  // none yet: this learner's stand
+    std::vector<float> v;
+    if (!b->is_string() || !base64_to_floats(b->get<std::string>(), v) ||
+        static_cast<int64_t>(v.size()) != flat.buffer_numel())
+      throw PeerFailure("shard 0 sent buffers that do not fit this model (" + std::to_string(v.size()) +
+                        " floats; it has " + std::to_string(flat.buffer_numel()) + ")");
+    std::copy(v.begin(), v.end(), flat.buffers().data_ptr<float>());
+    flat.flat_to_buffers();
   }
 
   void bye() {
@@ -297,7 +325,8 @@ class Learner {
     return hex64((static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid()));
   }();
   std::vector<std::unique_ptr<Link>> links_;
-  std::vector<float> residual_;  // error feedback of 16-bit pushes, over the whole gradient
+  PushResidual residual_;  // error feedback of 16-bit pushes, over the whole gradient
+  inline static const std::string kNoMeta;
   std::unique_ptr<Heartbeats> heartbeats_;  // after transport_: stopped before it goes
 };
 
@@ -350,6 +379,7 @@ json Learner::run(const std::atomic<bool>& stop) {
         });
         json a = json::parse(ack.meta);
         std::string st = a.value("status", std::string());
+        if (st == "accepted") residual_.commit(L.offset, L.numel);
         if (L.index == 0) {
           if (st == "accepted") accepted += 1;
           else if (st == "dropped") dropped += 1;
@@ -404,7 +434,9 @@ json Learner::run(const std::atomic<bool>& stop) {
     compute_squares += step_compute * step_compute;
 
     const float* g = flat.grad().data_ptr<float>();
-    for (auto& l : links_) push_seq[l->index] = send_push(*l, g, lease_id, keep_grad);
+    const std::string meta0 = buffers_meta();
+    for (auto& l : links_)
+      push_seq[l->index] = send_push(*l, g, lease_id, l->index == 0 ? meta0 : kNoMeta, keep_grad);
     steps += 1;
     samples += count;
     if (cfg_.train.pause_at_step > 0 && steps == cfg_.train.pause_at_step) {

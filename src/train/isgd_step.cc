@@ -8,6 +8,14 @@ IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
                                    const optim::IsgdOptions& opt, double limit,
                                    const torch::Tensor& anchor, double lr) {
   const double zeta = opt.zeta > 0 ? opt.zeta : lr;
+  // The extra passes run forward in train mode (the gradient needs batch
+  // statistics) but are not new data: the buffers (BatchNorm's running
+  // statistics, its batch count) end as the step left them, on every member.
+  struct Restore {
+    optim::FlatParams& flat;
+    std::vector<torch::Tensor> saved;
+    ~Restore() { flat.restore_buffers(saved); }
+  } restore{flat, flat.save_buffers()};
   IsgdExtraResult r;
   torch::Tensor phi_grad;
   for (int64_t it = 0;; ++it) {

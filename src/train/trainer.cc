@@ -94,6 +94,7 @@ struct Trainer::Run {
 
   // Membership events.
   int64_t membership_changes = 0;
+  int64_t skipped_steps = 0, skipped_in_a_row = 0;  // gradients that were not finite
   nlohmann::json recoveries = nlohmann::json::array();
   nlohmann::json pending_event;  // a change whose first completed step is still to come
   Clock::time_point pending_since;
@@ -137,13 +138,36 @@ void Trainer::resume() {
            std::to_string(state_.cursor.position) + ")");
 }
 
+// A step whose gradient or loss was not finite: the weights did not move
+// (on every member alike); the buffers go back to before its forward. Its
+// batch counts as seen, as with PyTorch's GradScaler. Too many in a row end
+// the run: the model has diverged.
+void Trainer::skip_step(Run& r, const std::vector<torch::Tensor>& buffers_before) {
+  if (!buffers_before.empty()) flat_->restore_buffers(buffers_before);
+  r.skipped_steps += 1;
+  r.skipped_in_a_row += 1;
+  const int64_t limit = cfg_.train.max_nonfinite_steps;
+  log_warn("step " + std::to_string(state_.step + 1) + " skipped: the " +
+           (r.world > 1 ? "reduced " : "") + "gradient or loss is not finite (loss " +
+           std::to_string(r.res.loss) + "; " + std::to_string(r.skipped_in_a_row) + " in a row)");
+  if (limit > 0 && r.skipped_in_a_row >= limit)
+    throw Diverged(std::to_string(r.skipped_in_a_row) + " steps in a row (steps " +
+                   std::to_string(state_.step + 2 - r.skipped_in_a_row) + " to " +
+                   std::to_string(state_.step + 1) + ") had a gradient or loss that is not finite; "
+                   "the model has diverged. Lower optim.lr, check the data for NaN or inf, or use "
+                   "comm.compression = \"bf16\" instead of \"fp16\" (train.max_nonfinite_steps "
+                   "sets how many are allowed)");
+}
+
 // (Re)joins the group: new world/rank, newest state everywhere, loader moved.
 void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detected,
                      double detection) {
   SyncTargets targets{flat_->data(), flat_->buffers(), *sgd_, state_, *batch_policy_, isgd_.get(),
                       r.storage, [&r] { return r.run_dir.read_metrics(); },
                       [&r] { return r.run_dir.metrics_empty(); }};
+  flat_->buffers_to_flat();  // the module's buffers travel in the state sync
   auto est = membership_->establish(targets, reason);
+  flat_->flat_to_buffers();
   r.world = est.world;
   rank0_ = est.rank == 0;
   writer_ = est.writes_run_dir;
@@ -200,11 +224,12 @@ bool Trainer::train_step(Run& r) {
   if (r.policy.changed && r.policy.momentum_factor != 1.0) sgd_->scale_buffer(r.policy.momentum_factor);
   r.lr = schedule_->lr(r.epoch_progress, state_.step) * r.policy.multiplier;
 
-  // A step that fails in a distributed rule must leave no trace; forward
-  // moves the float buffers (BatchNorm statistics) and the all-reduce scales
-  // and sums them in place, so they are kept aside first (they are small).
-  torch::Tensor buffers_before;
-  if (r.elastic && flat_->buffer_numel() > 0) buffers_before = flat_->buffers().clone();
+  // A step that fails in a distributed rule, or is skipped for a gradient
+  // that is not finite, must leave no trace; forward moves the buffers
+  // (BatchNorm statistics) and the all-reduce scales and sums them in place,
+  // so they are kept aside first (they are small).
+  std::vector<torch::Tensor> buffers_before;
+  if (!flat_->buffer_entries().empty()) buffers_before = flat_->save_buffers();
   StepContext ctx{flat_->data(), flat_->grad(), flat_->grad_with_slot(), 0.0,
                   static_cast<int64_t>(batch.plan.ids.size()), batch.plan.global_size, r.lr,
                   state_.step, {}};
@@ -230,14 +255,13 @@ bool Trainer::train_step(Run& r) {
   } catch (const Error& e) {
     if (!r.elastic || !recoverable(e)) throw;
     // The step did not commit here: re-form, take the newest state, redo.
-    if (buffers_before.defined()) {
-      torch::NoGradGuard no_grad;
-      flat_->buffers().copy_(buffers_before);
-    }
+    if (!buffers_before.empty()) flat_->restore_buffers(buffers_before);
     log_warn(std::string("step ") + std::to_string(state_.step + 1) + " failed: " + e.what());
     reform(r, std::string("failure: ") + e.what(), apply_start, seconds_since(apply_start));
     return false;
   }
+  if (r.res.skipped) skip_step(r, buffers_before);
+  else r.skipped_in_a_row = 0;
   // Commit: from here this step counts (state sync takes the newest step).
   state_.step += 1;
   state_.samples += r.res.global_batch;
@@ -314,6 +338,7 @@ void Trainer::log_step(Run& r) {
                               {"lr_multiplier", r.policy.multiplier},
                               {"batch_size", r.res.global_batch},
                               {"samples", state_.samples},
+                              {"skipped_steps", r.skipped_steps},
                               {"samples_per_second", r.window.samples_per_second()}});
     r.window.reset();
   }
@@ -382,12 +407,14 @@ nlohmann::json Trainer::summary(Run& r) {
       {"epochs", r.epoch_now(state_.cursor)},
       {"steps", state_.step},
       {"samples", state_.samples},
+      {"skipped_steps", r.skipped_steps},
       {"wall_seconds", seconds_since(r.wall_start)},
       {"train_seconds", r.train_seconds},
       {"samples_per_second", r.train_seconds > 0 ? r.samples_this_run / r.train_seconds : 0.0},
       {"model", cfg_.model.name},
       {"loss", loss_name(cfg_.loss)},
       {"parameters", models::parameter_count(*model_)},
+      {"trainable_parameters", flat_->numel()},
       {"dataset", cfg_.source.dataset},
       {"update_rule", rule_->name()},
       {"threads", threads_.intra_op},
@@ -409,6 +436,12 @@ nlohmann::json Trainer::summary(Run& r) {
     s["workers"] = r.world;
   }
   return s;
+}
+
+double Trainer::buffer_fingerprint() const {
+  double sum = 0;
+  for (const auto& b : flat_->buffer_entries()) sum += b.tensor.to(torch::kFloat64).sum().item<double>();
+  return sum;
 }
 
 nlohmann::json Trainer::run() {
@@ -469,7 +502,7 @@ nlohmann::json Trainer::run() {
     std::ofstream(cfg_.run_dir + "/final-" + std::to_string(::getpid()) + ".txt")
         << state_.step << " " << flat_->data().sum().item<double>() << " "
         << flat_->data().pow(2).sum().item<double>() << " "
-        << flat_->buffers().sum().item<double>() << "\n";
+        << buffer_fingerprint() << "\n";
   }
   if (r.last_eval_step != state_.step) eval_now(r);
   checkpoint("final");

@@ -58,6 +58,9 @@ struct TrainOptions {
   // Testing aid: SIGKILL this process when its group enters ISGD's extra
   // iterations (the others then fail inside their all-reduces).
   bool die_in_isgd = false;
+  // Steps in a row whose gradient or loss is not finite (each skipped) after
+  // which the run stops as diverged (0 = never).
+  int64_t max_nonfinite_steps = 10;
 };
 
 struct TrainerConfig {
@@ -111,6 +114,8 @@ class Trainer {
   void log_step(Run& r);
   void after_epoch_and_step(Run& r);
   void eval_now(Run& r);
+  void skip_step(Run& r, const std::vector<torch::Tensor>& buffers_before);
+  double buffer_fingerprint() const;  // the sum of every buffer (sample_log)
   nlohmann::json summary(Run& r);
   bool writer_ = true;  // this member writes the run directory and checkpoints
   bool rank0_ = true;   // publishes progress and records (elastic)

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <functional>
 #include <memory>
 
@@ -22,7 +23,7 @@ namespace limbo::train {
 struct StepContext {
   torch::Tensor& weights;  // flat, updated in place
   torch::Tensor& grad;     // flat mean gradient of this worker's batch
-  torch::Tensor& grad_with_slot;  // [grad | float buffers | 2 spare slots] (see FlatParams)
+  torch::Tensor& grad_with_slot;  // [grad | buffers | 2 spare slots] (see FlatParams)
   double loss;             // this worker's mean batch loss
   int64_t batch_size;      // this worker's batch
   int64_t global_batch;    // the batch of all workers together (= batch_size alone)
@@ -37,7 +38,16 @@ struct StepContext {
 struct StepResult {
   double loss;           // loss to report/decide on (global when averaged)
   int64_t global_batch;  // samples that contributed to this update
+  // The (reduced) gradient or loss was not finite: the weights did not
+  // change. Every member of a data-parallel group decides alike.
+  bool skipped = false;
 };
+
+// Whether a gradient and its loss hold only finite values (one pass: a sum
+// is finite only when every element is, short of overflowing float32).
+inline bool finite_step(const torch::Tensor& grad, double loss) {
+  return std::isfinite(loss) && (grad.numel() == 0 || std::isfinite(grad.sum().item<float>()));
+}
 
 class UpdateRule {
  public:
@@ -65,6 +75,7 @@ class LocalUpdate : public UpdateRule {
  public:
   explicit LocalUpdate(std::shared_ptr<optim::Sgd> sgd) : sgd_(std::move(sgd)) {}
   StepResult apply(StepContext& ctx) override {
+    if (!finite_step(ctx.grad, ctx.loss)) return {ctx.loss, ctx.batch_size, /*skipped=*/true};
     if (ctx.before_update) ctx.before_update(ctx.loss);
     sgd_->step(ctx.weights, ctx.grad, ctx.lr);
     return {ctx.loss, ctx.batch_size};

@@ -71,6 +71,42 @@ class CnnBn(nn.Module):
         return self.head(self.drop(torch.flatten(x, 1)))
 
 
+class FrozenBackbone(CnnBn):
+    """CnnBn whose first convolution and BatchNorm are a frozen backbone:
+    only conv2, bn2 and the head train (BatchNorm statistics still move)."""
+
+    def __init__(self):
+        super().__init__()
+        for p in list(self.conv1.parameters()) + list(self.bn1.parameters()):
+            p.requires_grad_(False)
+
+
+class Buffers(nn.Module):
+    """Buffers of every kind a user may keep: a BatchNorm with a cumulative
+    average (momentum=None, driven by its int64 num_batches_tracked), and
+    float64, float16, int32 and bool buffers that forward updates."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8, momentum=None)
+        self.head = nn.Linear(8 * 14 * 14, 10)
+        self.register_buffer("seen", torch.zeros(1, dtype=torch.float64))
+        self.register_buffer("mean16", torch.zeros(8, dtype=torch.float16))
+        self.register_buffer("calls", torch.zeros(1, dtype=torch.int32))
+        self.register_buffer("active", torch.zeros(8, dtype=torch.bool))
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        if self.training:
+            m = h.detach().mean(dim=[0, 2, 3])
+            self.seen += x.shape[0]
+            self.mean16.copy_((0.9 * self.mean16.float() + 0.1 * m).half())
+            self.calls += 1
+            self.active.copy_(m > m.median())
+        return self.head(torch.flatten(torch.max_pool2d(h, 2), 1))
+
+
 class GruRows(nn.Module):
     def __init__(self):
         super().__init__()
@@ -155,6 +191,19 @@ def main():
     torch.jit.save(torch.jit.script(GruRows()), f"{a.out}/gru_rows.pt")
     torch.jit.save(torch.jit.script(ModuleLoss()), f"{a.out}/module_loss.pt")
     torch.jit.save(torch.jit.script(CnnBn(5)), f"{a.out}/five_classes.pt")
+    torch.jit.save(torch.jit.script(FrozenBackbone()), f"{a.out}/frozen_backbone.pt")
+    torch.jit.save(torch.jit.script(Buffers()), f"{a.out}/buffers.pt")
+
+    # Fashion-MNIST as float32 with a few samples that are NaN (a damaged
+    # file): their batches' gradients are not finite.
+    d = os.path.join(a.out, "fmnist_nan_npy")
+    os.makedirs(d, exist_ok=True)
+    xbad = (xtr[:, None] / 255.0).astype(np.float32)
+    xbad[[100, 2500, 4000]] = np.nan
+    np.save(f"{d}/train_x.npy", xbad)
+    np.save(f"{d}/train_y.npy", ytr)
+    np.save(f"{d}/test_x.npy", (xte[:, None] / 255.0).astype(np.float32))
+    np.save(f"{d}/test_y.npy", yte)
     reg = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
     torch.jit.save(torch.jit.trace(reg, torch.zeros(4, 8)), f"{a.out}/regress.pt")
 

@@ -1,0 +1,66 @@
+#include "ps/buffer_mean.h"
+
+#include <cstring>
+
+#include "common/base64.h"
+
+namespace limbo::ps {
+
+std::string floats_to_base64(const float* v, size_t n) {
+  return base64_encode(std::string(reinterpret_cast<const char*>(v), n * sizeof(float)));
+}
+
+bool base64_to_floats(const std::string& text, std::vector<float>& out) {
+  const std::string bytes = base64_decode(text);
+  if (bytes.size() % sizeof(float) != 0) return false;
+  out.resize(bytes.size() / sizeof(float));
+  if (!bytes.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());
+  return true;
+}
+
+bool BufferMean::add(const nlohmann::json& meta) {
+  auto b = meta.find("buffers");
+  if (b == meta.end()) return true;
+  if (!b->is_string()) return false;
+  std::vector<float> v;
+  if (!base64_to_floats(b->get<std::string>(), v)) return false;
+  const int64_t averaged = meta.value("averaged", static_cast<int64_t>(v.size()));
+  if (averaged < 0 || averaged > static_cast<int64_t>(v.size())) return false;
+  if (!value_.empty() && (v.size() != value_.size() || averaged != averaged_)) return false;
+  if (count_ > 0 && (v.size() != sum_.size() + first_.size() || averaged != averaged_)) return false;
+  if (count_ == 0) {
+    averaged_ = averaged;
+    sum_.assign(v.begin(), v.begin() + averaged);
+    first_.assign(v.begin() + averaged, v.end());
+  } else {
+    for (int64_t i = 0; i < averaged; ++i) sum_[i] += v[i];
+  }
+  count_ += 1;
+  return true;
+}
+
+void BufferMean::commit() {
+  if (count_ == 0) return;
+  value_.resize(sum_.size() + first_.size());
+  for (size_t i = 0; i < sum_.size(); ++i) value_[i] = sum_[i] / static_cast<float>(count_);
+  std::copy(first_.begin(), first_.end(), value_.begin() + static_cast<long>(sum_.size()));
+  count_ = 0;
+}
+
+void BufferMean::write(nlohmann::json& meta) const {
+  if (value_.empty()) return;
+  meta["buffers"] = floats_to_base64(value_.data(), value_.size());
+  meta["averaged"] = averaged_;
+}
+
+void BufferMean::restore(const nlohmann::json& meta) {
+  auto b = meta.find("buffers");
+  if (b == meta.end() || !b->is_string()) return;
+  std::vector<float> v;
+  if (!base64_to_floats(b->get<std::string>(), v)) return;
+  value_ = std::move(v);
+  averaged_ = meta.value("averaged", static_cast<int64_t>(value_.size()));
+  count_ = 0;
+}
+
+}  // namespace limbo::ps
