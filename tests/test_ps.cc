@@ -1,5 +1,6 @@
 // Parameter server, the parts without sockets: aggregator, leases,
-// partitioning, staleness statistics and the codec (with a randomized fuzz).
+// partitioning, staleness statistics, the codec (with a randomized fuzz),
+// the buffers shard 0 holds and a learner's 16-bit push residual.
 // A shard served in-process is tested in test_ps_shard.cc.
 #include <gtest/gtest.h>
 
@@ -14,6 +15,8 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "ps/aggregator.h"
+#include "ps/buffer_mean.h"
+#include "ps/push_residual.h"
 #include "ps/leases.h"
 #include "ps/protocol.h"
 #include "ps/server.h"
@@ -467,6 +470,60 @@ TEST(ShardStateTest, StreamsWithMomentumAndWeightDecay) {
   EXPECT_FALSE(stream(bad, 0.1, 3));
   EXPECT_EQ(s.weights(), before);
   EXPECT_EQ(std::memcmp(s.momentum_buffer().data_ptr<float>(), mom_before.data(), n * 4), 0);
+}
+
+// Shard 0's buffers: an update makes them the mean of the buffers its
+// gradients brought (the first `averaged` floats), the rest from the first
+// of them; pushes without buffers or that do not fit change nothing.
+TEST(BufferMean, AnUpdateAveragesFloatsAndTakesIntegersFromTheFirst) {
+  auto meta = [](std::vector<float> v, int64_t averaged) {
+    return json{{"buffers", floats_to_base64(v.data(), v.size())}, {"averaged", averaged}};
+  };
+  BufferMean b;
+  EXPECT_TRUE(b.empty());
+  b.commit();  // an update without buffers: nothing yet
+  EXPECT_TRUE(b.empty());
+  EXPECT_TRUE(b.add(meta({1.f, 10.f, 7.f, 3.f}, 2)));
+  EXPECT_TRUE(b.add(meta({3.f, 20.f, 9.f, 5.f}, 2)));
+  EXPECT_TRUE(b.add(json::object()));  // a push without buffers
+  EXPECT_FALSE(b.add(meta({1.f, 2.f}, 2)));  // another size: refused
+  EXPECT_FALSE(b.add(json{{"buffers", 5}}));
+  b.commit();
+  EXPECT_EQ(b.value(), (std::vector<float>{2.f, 15.f, 7.f, 3.f}));
+  // The next update's buffers replace them; an update with none keeps them.
+  EXPECT_TRUE(b.add(meta({5.f, 5.f, 1.f, 1.f}, 2)));
+  b.commit();
+  b.commit();
+  EXPECT_EQ(b.value(), (std::vector<float>{5.f, 5.f, 1.f, 1.f}));
+  // Pull replies and checkpoints carry them; a restored shard has them back.
+  json m;
+  b.write(m);
+  BufferMean c;
+  c.restore(m);
+  EXPECT_EQ(c.value(), b.value());
+}
+
+// A 16-bit push's residual moves only when the shard accepted the push: a
+// lost, dropped or rejected push leaves it, so the next push carries what
+// the lost one held (in each shard's slice separately).
+TEST(PushResidual, OnlyAnAcceptedPushMovesTheResidual) {
+  std::vector<float> g = {1.0f + 1.0f / 4096, 3.0f + 1.0f / 1024, 0.1f, -7.00390625f};
+  std::vector<uint16_t> w1(4), w2(4), w3(4);
+  PushResidual r;
+  r.encode(HalfKind::Bf16, g.data(), 4, 0, 2, w1.data());      // slice of shard 0
+  r.encode(HalfKind::Bf16, g.data(), 4, 2, 2, w1.data() + 2);  // slice of shard 1
+  for (float v : r.residual()) EXPECT_EQ(v, 0.f);              // nothing accepted yet
+  r.encode(HalfKind::Bf16, g.data(), 4, 0, 4, w2.data());      // the same push again
+  EXPECT_EQ(w1, w2);
+  r.commit(2, 2);  // shard 1 accepted
+  EXPECT_EQ(r.residual()[0], 0.f);
+  EXPECT_EQ(r.residual()[1], 0.f);
+  EXPECT_NE(r.residual()[2], 0.f);  // what bf16 dropped of 0.1
+  // Shard 1's next push carries its residual; shard 0's does not change.
+  r.encode(HalfKind::Bf16, g.data(), 4, 0, 4, w3.data());
+  EXPECT_EQ(w3[0], w1[0]);
+  EXPECT_EQ(w3[1], w1[1]);
+  EXPECT_EQ(w3[2], float_to_bf16(g[2] + r.residual()[2]));
 }
 
 }  // namespace limbo::ps

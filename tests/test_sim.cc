@@ -170,10 +170,17 @@ TEST(ElasticSim, LearningRateFollowsTheBatchPolicy) {
     std::istringstream in(read_file(dir + "/metrics.jsonl"));
     std::string line;
     bool changed = false;
+    int64_t samples = 0;
     while (std::getline(in, line)) {
       auto j = json::parse(line);
       if (j["kind"] == "membership") changed = true;
-      if (j["kind"] == "train") mult.push_back(j["lr_multiplier"].get<double>());
+      if (j["kind"] != "train") continue;
+      mult.push_back(j["lr_multiplier"].get<double>());
+      // The same record as the trainer's: samples so far (the status page's
+      // progress) grow by each step's global batch.
+      ASSERT_TRUE(j.contains("samples") && j.contains("samples_per_second")) << j.dump();
+      EXPECT_EQ(j["samples"].get<int64_t>(), samples + j["batch_size"].get<int64_t>()) << j.dump();
+      samples = j["samples"];
     }
     EXPECT_TRUE(changed) << policy;
     ASSERT_FALSE(mult.empty());

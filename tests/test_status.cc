@@ -116,7 +116,8 @@ std::shared_ptr<Board> elastic_board() {
   Board& b = *bp;
   b.member_event(3, "start", "joined 1,2,3");
   b.add_record({{"kind", "train"}, {"step", 50}, {"epoch", 0.5}, {"loss", 1.25}, {"lr", 0.04},
-                {"lr_multiplier", 1.75}, {"batch_size", 192}, {"samples", 9600}, {"samples_per_second", 6000.0}});
+                {"lr_multiplier", 1.75}, {"batch_size", 192}, {"samples", 9600}, {"skipped_steps", 2},
+                {"samples_per_second", 6000.0}});
   b.add_record({{"kind", "eval"}, {"step", 50}, {"test_accuracy", 0.8}, {"test_loss", 0.5}});
   b.add_record({{"kind", "isgd_epoch"}, {"triggered", 3}, {"extra_iterations", 9}});
   b.member_event(2, "hang", "lost 2");
@@ -133,6 +134,7 @@ TEST(StatusBoard, SnapshotFollowsTheRecordsAndTheSchema) {
   EXPECT_EQ(s["members"], 2);
   EXPECT_EQ(s["step"], 50);
   EXPECT_EQ(s["samples_total"], 9600);
+  EXPECT_EQ(s["skipped_steps"], 2);
   EXPECT_DOUBLE_EQ(s["lr_multiplier"].get<double>(), 1.75);
   EXPECT_DOUBLE_EQ(s["test_accuracy"].get<double>(), 0.8);
   EXPECT_EQ(s["isgd"]["triggers_total"], 3);
@@ -145,7 +147,8 @@ TEST(StatusBoard, SnapshotFollowsTheRecordsAndTheSchema) {
       {"job", json::value_t::string}, {"uptime_seconds", json::value_t::number_float},
       {"time", json::value_t::number_float}, {"members", json::value_t::number_integer},
       {"step", json::value_t::number_integer}, {"epoch", json::value_t::number_float},
-      {"samples_total", json::value_t::number_integer}, {"series", json::value_t::object},
+      {"samples_total", json::value_t::number_integer}, {"skipped_steps", json::value_t::number_integer},
+      {"series", json::value_t::object},
       {"accuracy", json::value_t::object}, {"events", json::value_t::array},
       {"membership_changes", json::value_t::object}};
   for (const auto& [k, t] : keys) {
@@ -172,6 +175,8 @@ TEST(StatusBoard, PrometheusTextParsesAndCarriesTheRequiredMetrics) {
   EXPECT_EQ(value_of(samples, "limbo_members"), 2);
   EXPECT_EQ(value_of(samples, "limbo_samples_total"), 9600);
   EXPECT_EQ(value_of(samples, "limbo_isgd_triggers_total"), 3);
+  EXPECT_EQ(types["limbo_skipped_steps_total"], "counter");
+  EXPECT_EQ(value_of(samples, "limbo_skipped_steps_total"), 2);
   EXPECT_EQ(types.count("limbo_staleness"), 0u);  // not a parameter-server job
 }
 

@@ -353,3 +353,138 @@ TEST(TensorDataset, AStrayLabelIsAnInputErrorNamingTheFileAndSample) {
     EXPECT_EQ(data::load_dataset(source(d, 12)).test.num_classes, 12);
   }
 }
+
+namespace {
+
+// Rows [from, to) of the fixture arrays: x uint8 [n, 1, 2, 2], y int64 [n].
+std::string x_rows(int64_t from, int64_t to) {
+  std::vector<uint8_t> x;
+  for (int64_t i = from * 4; i < to * 4; ++i) x.push_back(static_cast<uint8_t>(i * 7 % 251));
+  return npy_bytes("|u1", {to - from, 1, 2, 2}, raw(x));
+}
+std::string y_rows(int64_t from, int64_t to) {
+  std::vector<int64_t> y;
+  for (int64_t i = from; i < to; ++i) y.push_back(i % 3);
+  return npy_bytes("<i8", {to - from}, raw(y));
+}
+
+// The same 20 + 6 samples in one file per array, as numpy shards of uneven
+// sizes, and as safetensors shards.
+void write_single(const TempDir& d) {
+  for (const char* s : {"train", "test"}) {
+    const int64_t n = std::string(s) == "train" ? 20 : 6;
+    put(d.file(std::string(s) + "_x.npy"), x_rows(0, n));
+    put(d.file(std::string(s) + "_y.npy"), y_rows(0, n));
+  }
+}
+const std::vector<int64_t> kTrainCuts = {0, 3, 4, 11, 20}, kTestCuts = {0, 6};
+void write_npy_shards(const TempDir& d) {
+  for (const char* s : {"train", "test"}) {
+    const auto& cuts = std::string(s) == "train" ? kTrainCuts : kTestCuts;
+    for (size_t k = 0; k + 1 < cuts.size(); ++k) {
+      char name[64];
+      std::snprintf(name, sizeof name, "%s_x-%05zu.npy", s, k);
+      put(d.file(name), x_rows(cuts[k], cuts[k + 1]));
+      std::snprintf(name, sizeof name, "%s_y-%05zu.npy", s, k);
+      put(d.file(name), y_rows(cuts[k], cuts[k + 1]));
+    }
+  }
+}
+void write_safetensors_shards(const TempDir& d, const TempDir& single) {
+  auto all = load_tensor_dataset(single.path());
+  for (const char* s : {"train", "test"}) {
+    const auto& cuts = std::string(s) == "train" ? kTrainCuts : kTestCuts;
+    const Dataset& split = std::string(s) == "train" ? all.train : all.test;
+    const int64_t n = static_cast<int64_t>(cuts.size()) - 1;
+    for (int64_t k = 0; k < n; ++k) {
+      std::vector<int64_t> ids;
+      for (int64_t i = cuts[k]; i < cuts[k + 1]; ++i) ids.push_back(i);
+      auto b = make_batch(split, {}, ids);
+      char name[64];
+      std::snprintf(name, sizeof name, "%s-%05lld-of-%05lld.safetensors", s, static_cast<long long>(k),
+                    static_cast<long long>(n));
+      train::write_safetensors(d.file(name), {{"x", (b.x * 255).round().to(torch::kUInt8)}, {"y", b.y}}, {});
+    }
+  }
+}
+
+void expect_same_data(const DatasetSplits& a, const DatasetSplits& b) {
+  for (auto [p, q] : {std::pair{&a.train, &b.train}, std::pair{&a.test, &b.test}}) {
+    ASSERT_EQ(p->size(), q->size());
+    std::vector<int64_t> ids;
+    for (int64_t i = p->size() - 1; i >= 0; --i) ids.push_back(i);  // any order
+    auto x = make_batch(*p, {}, ids), y = make_batch(*q, {}, ids);
+    EXPECT_TRUE(torch::equal(x.x, y.x));
+    EXPECT_TRUE(torch::equal(x.y, y.y));
+  }
+  EXPECT_EQ(a.train.num_classes, b.train.num_classes);
+  EXPECT_EQ(sample_shape(a.train), sample_shape(b.train));
+}
+
+}  // namespace
+
+// A folder of shards, numpy pairs or safetensors files of uneven sizes, is
+// one data set in shard order: every sample as in the single file.
+TEST(TensorDataset, ShardsAreOneDataSetInShardOrder) {
+  TempDir single, npy, st;
+  write_single(single);
+  write_npy_shards(npy);
+  write_safetensors_shards(st, single);
+  auto one = load_tensor_dataset(single.path());
+  auto a = load_tensor_dataset(npy.path());
+  expect_same_data(one, a);
+  EXPECT_EQ(a.train.tensors->x.shards.size(), 4u);
+  auto b = load_tensor_dataset(st.path());
+  expect_same_data(one, b);
+  EXPECT_EQ(b.test.tensors->y.shards.size(), 1u);
+}
+
+// A missing, damaged or mismatched shard is an input error naming it; so is
+// a label that is out of range, named by its shard and its index there.
+TEST(TensorDataset, ABadOrMissingShardIsRefusedNamingIt) {
+  {
+    TempDir d;
+    write_npy_shards(d);
+    std::filesystem::remove(d.file("train_y-00002.npy"));
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"train_y-00002.npy", "missing"});
+  }
+  {
+    TempDir d;
+    write_npy_shards(d);
+    put(d.file("train_x-00001.npy"), x_rows(3, 4).substr(0, 100));  // truncated
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"train_x-00001.npy"});
+  }
+  {
+    TempDir d;
+    write_npy_shards(d);
+    put(d.file("train_x-00003.npy"), npy_bytes("<f4", {9, 1, 2, 2}, std::string(9 * 16, '\0')));
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"train_x-00003.npy", "float32", "uint8"});
+  }
+  {
+    TempDir d;
+    write_npy_shards(d);
+    put(d.file("train_y-00002.npy"), y_rows(4, 10));  // 6 labels for 7 samples
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"lengths differ", "train_x-00002.npy", "train_y-00002.npy"});
+  }
+  {
+    TempDir d;
+    write_npy_shards(d);
+    std::vector<int64_t> y = {0, 1, 2, 0, 1, 2, 0, 1, 2};
+    y[5] = -4;
+    put(d.file("train_y-00003.npy"), npy_bytes("<i8", {9}, raw(y)));
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"train_y-00003.npy", "sample 5", "sample 16 of the split", "-4"});
+  }
+  {
+    TempDir single, d;
+    write_single(single);
+    write_safetensors_shards(d, single);
+    std::filesystem::remove(d.file("train-00001-of-00004.safetensors"));
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"train-00001-of-00004.safetensors", "missing", "3 of 4"});
+  }
+  {
+    TempDir d;  // shards of one split only
+    write_npy_shards(d);
+    for (const char* f : {"test_x-00000.npy", "test_y-00000.npy"}) std::filesystem::remove(d.file(f));
+    expect_invalid([&] { load_tensor_dataset(d.path()); }, {"none of the test split"});
+  }
+}

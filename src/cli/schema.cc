@@ -94,6 +94,10 @@ std::shared_ptr<const Schema> train_schema() {
              "use only the first N training samples (0 = all; for synthetic, the size)"));
     s->add(I("data.test_limit", 0, 0, std::nullopt, "use only the first N test samples (0 = all)"));
     s->add(I("data.prefetch", 4, 1, 64, "batches prepared ahead on the loader thread"));
+    s->add(S("data.augment", "", {},
+             "training-sample augmentation, in order (a list or comma-separated): random_crop:P "
+             "(pad P zero pixels, crop back at a random offset), hflip (mirror with probability "
+             "1/2); drawn from (train.seed, epoch, sample id); empty = none"));
 
     s->add(S("optim.algorithm", "sgd", {"sgd", "isgd"},
              "sgd, or ISGD (SGD plus extra conservative updates on under-trained batches)"));
@@ -280,6 +284,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.loader.drop_last = c.get_bool("data.drop_last");
   t.loader.prefetch = static_cast<int>(c.get_int("data.prefetch"));
   t.loader.seed = static_cast<uint64_t>(c.get_int("train.seed"));
+  t.loader.augment = data::Augmenter(c.get_string("data.augment"), t.loader.seed);
 
   t.model.name = c.get_string("model.name");
   t.model.width = c.get_int("model.width");

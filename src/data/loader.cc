@@ -77,6 +77,16 @@ Batch make_batch(const Dataset& d, const Normalization& norm, const std::vector<
   return b;
 }
 
+Batch make_train_batch(const Dataset& d, const Normalization& norm, const std::vector<int64_t>& ids,
+                       int64_t epoch, const Augmenter& augment) {
+  Batch b = make_batch(d, norm, ids);
+  if (augment.empty()) return b;
+  std::vector<float> fill;  // a zero pixel, normalised
+  for (size_t c = 0; c < norm.mean.size(); ++c) fill.push_back(-norm.mean[c] / norm.std[c]);
+  augment.apply(b.x, ids, epoch, fill);
+  return b;
+}
+
 BatchLoader::BatchLoader(std::shared_ptr<const Dataset> dataset, Normalization norm,
                          LoaderOptions opt, Cursor start)
     : dataset_(std::move(dataset)),
@@ -126,7 +136,7 @@ void BatchLoader::run() {
       // Planning and gathering run without the lock: the consumer keeps going.
       BatchPlan plan = plan_batch(sampler_, at, opt_.batch_size, opt_.world, opt_.rank,
                                   opt_.drop_last);
-      Batch b = make_batch(*dataset_, norm_, plan.ids);
+      Batch b = make_train_batch(*dataset_, norm_, plan.ids, plan.begin.epoch, opt_.augment);
       b.plan = std::move(plan);
       {
         std::lock_guard<std::mutex> lock(mu_);

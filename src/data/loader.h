@@ -1,8 +1,9 @@
 // Background batch preparation.
 //
 // A BatchLoader owns one producer thread that plans batches with a Sampler,
-// gathers the uint8 images of the planned ids and normalises them into float
-// tensors, keeping up to `prefetch` batches ready. next() blocks only when the
+// gathers the uint8 images of the planned ids, normalises them into float
+// tensors and augments them (data.augment), keeping up to `prefetch`
+// batches ready. next() blocks only when the
 // queue is empty, and rethrows any error raised on the producer thread.
 // restart() discards prepared batches and continues from a new cursor / world
 // (used after a resume or a membership change). All methods are called from
@@ -18,6 +19,7 @@
 #include <mutex>
 #include <thread>
 
+#include "data/augment.h"
 #include "data/dataset.h"
 #include "data/sampler.h"
 
@@ -37,10 +39,16 @@ struct LoaderOptions {
   int prefetch = 4;
   Order order = Order::Shuffle;
   uint64_t seed = 1;
+  Augmenter augment;  // data.augment (empty: none)
 };
 
 // Gathers and normalises the given samples (used by the loader and eval).
 Batch make_batch(const Dataset& d, const Normalization& norm, const std::vector<int64_t>& ids);
+// A training batch: make_batch, then the augmentation of each sample, drawn
+// from (its seed, epoch, sample id). Every training loop builds its batches
+// here (the loader, parameter-server learners, the simulators).
+Batch make_train_batch(const Dataset& d, const Normalization& norm, const std::vector<int64_t>& ids,
+                       int64_t epoch, const Augmenter& augment);
 
 class BatchLoader {
  public:

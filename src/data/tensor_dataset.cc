@@ -1,6 +1,10 @@
 #include "data/tensor_dataset.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <regex>
 
 #include "common/error.h"
 #include "common/files.h"
@@ -48,6 +52,98 @@ Dataset make_split(MappedTensor x, MappedTensor y, const std::string& name) {
   return d;
 }
 
+// The shards of a split in `dir`, in shard order: safetensors files
+// "SPLIT-00000-of-00016.safetensors" ... (each with x and y; every index
+// below the count present) or numpy pairs "SPLIT_x-00000.npy" +
+// "SPLIT_y-00000.npy" ... (numbered from 0 without a gap). Empty when the
+// folder holds none; InvalidInput naming a missing shard.
+struct Shards {
+  std::vector<std::string> x, y;  // y empty for safetensors (x and y in one file)
+};
+
+Shards find_shards(const std::string& dir, const std::string& split) {
+  const std::regex st("^" + split + R"(-(\d+)-of-(\d+)\.safetensors$)");
+  const std::regex np("^" + split + R"(_([xy])-(\d+)\.npy$)");
+  std::map<int64_t, std::string> st_files, xs, ys;
+  std::map<int64_t, int64_t> counts;  // "-of-N" -> files naming it
+  int64_t of = -1;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    std::smatch m;
+    if (std::regex_match(name, m, st)) {
+      of = std::stoll(m[2]);
+      counts[of] += 1;
+      st_files[std::stoll(m[1])] = e.path().string();
+    } else if (std::regex_match(name, m, np)) {
+      (m[1] == "x" ? xs : ys)[std::stoll(m[2])] = e.path().string();
+    }
+  }
+  if (!st_files.empty() && (!xs.empty() || !ys.empty()))
+    throw InvalidInput("tensor dataset folder '" + dir + "' holds both safetensors and numpy shards of the " + split +
+                       " split; keep one kind");
+  Shards out;
+  if (!st_files.empty()) {
+    if (counts.size() > 1)
+      throw InvalidInput("tensor dataset folder '" + dir + "': the " + split + " shards disagree on their count (" +
+                         std::to_string(counts.begin()->first) + " and " + std::to_string(counts.rbegin()->first) +
+                         " in their names)");
+    for (int64_t k = 0; k < of; ++k) {
+      auto it = st_files.find(k);
+      if (it == st_files.end()) {
+        char name[96];
+        std::snprintf(name, sizeof name, "%s-%05lld-of-%05lld.safetensors", split.c_str(), static_cast<long long>(k),
+                      static_cast<long long>(of));
+        throw InvalidInput("tensor dataset: shard '" + dir + "/" + name + "' is missing (" +
+                           std::to_string(st_files.size()) + " of " + std::to_string(of) + " " + split +
+                           " shards are there)");
+      }
+      out.x.push_back(it->second);
+    }
+    if (static_cast<int64_t>(st_files.size()) != of)
+      throw InvalidInput("tensor dataset folder '" + dir + "': a " + split + " shard is numbered beyond its count " +
+                         std::to_string(of));
+    return out;
+  }
+  const int64_t n = std::max(xs.empty() ? 0 : xs.rbegin()->first + 1, ys.empty() ? 0 : ys.rbegin()->first + 1);
+  for (int64_t k = 0; k < n; ++k) {
+    for (auto* m : {&xs, &ys})
+      if (!m->count(k)) {
+        char name[96];
+        std::snprintf(name, sizeof name, "%s_%s-%05lld.npy", split.c_str(), m == &xs ? "x" : "y",
+                      static_cast<long long>(k));
+        throw InvalidInput("tensor dataset: shard '" + dir + "/" + name + "' is missing (the " + split +
+                           " shards go up to " + std::to_string(n - 1) + ")");
+      }
+    out.x.push_back(xs[k]);
+    out.y.push_back(ys[k]);
+  }
+  return out;
+}
+
+// The shards' x and y, each as one array of all their rows.
+Dataset load_shards(const Shards& sh, const std::string& name) {
+  std::vector<MappedTensor> xs, ys;
+  for (size_t k = 0; k < sh.x.size(); ++k) {
+    if (sh.y.empty()) {
+      auto all = read_safetensors(sh.x[k]);
+      xs.push_back(take(all, "x", sh.x[k]));
+      ys.push_back(take(all, "y", sh.x[k]));
+    } else {
+      xs.push_back(read_npy(sh.x[k]));
+      ys.push_back(read_npy(sh.y[k]));
+    }
+    if (xs.back().rows() != ys.back().rows() || xs.back().shape.empty() || ys.back().shape.empty())
+      throw InvalidInput("x and y lengths differ in a shard: '" + xs.back().origin + "' holds " +
+                         std::to_string(xs.back().rows()) + " samples, '" + ys.back().origin + "' holds " +
+                         std::to_string(ys.back().rows()));
+  }
+  const std::string pattern = sh.y.empty() ? name + "-*-of-" + std::to_string(sh.x.size()) + ".safetensors"
+                                           : name + "_*-*.npy";
+  return make_split(concat_rows(xs, pattern + (sh.y.empty() ? ":x" : " (x)")),
+                    concat_rows(ys, pattern + (sh.y.empty() ? ":y" : " (y)")), name);
+}
+
 // Smallest and largest label (integer targets only).
 std::pair<int64_t, int64_t> label_range(const Dataset& d, int64_t* min_at, int64_t* max_at = nullptr) {
   const MappedTensor& y = d.tensors->y;
@@ -78,7 +174,7 @@ std::pair<int64_t, int64_t> label_range(const Dataset& d, int64_t* min_at, int64
 // below the largest never occurs in the training split.
 void check_dense_labels(const Dataset& train, const Dataset& holder, int64_t hi, int64_t hi_at) {
   const auto stray = [&](const std::string& why) {
-    throw InvalidInput("'" + holder.tensors->y.origin + "': sample " + std::to_string(hi_at) + " has the label " +
+    throw InvalidInput(holder.tensors->y.sample_name(hi_at) + " has the label " +
                        std::to_string(hi) + ", " + why + "; a stray label? If the model should have " +
                        std::to_string(hi + 1) + " outputs, set model.classes = " + std::to_string(hi + 1));
   };
@@ -143,6 +239,9 @@ DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes) {
                        "test_x.npy and test_y.npy");
   DatasetSplits s;
   const std::string st_train = dir + "/train.safetensors", st_test = dir + "/test.safetensors";
+  const std::string names[4] = {"train_x.npy", "train_y.npy", "test_x.npy", "test_y.npy"};
+  bool any_npy = false;
+  for (const auto& n : names) any_npy = any_npy || file_exists(dir + "/" + n);
   if (file_exists(st_train) || file_exists(st_test)) {
     for (const auto* f : {&st_train, &st_test})
       if (!file_exists(*f)) throw InvalidInput("tensor dataset: '" + *f + "' does not exist");
@@ -150,19 +249,28 @@ DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes) {
     auto test = read_safetensors(st_test);
     s.train = make_split(take(train, "x", st_train), take(train, "y", st_train), dir + "/train");
     s.test = make_split(take(test, "x", st_test), take(test, "y", st_test), dir + "/test");
-  } else {
-    const std::string names[4] = {"train_x.npy", "train_y.npy", "test_x.npy", "test_y.npy"};
-    bool any = false;
-    for (const auto& n : names) any = any || file_exists(dir + "/" + n);
-    if (!any)
-      throw InvalidInput("tensor dataset folder '" + dir +
-                         "' holds neither train.safetensors + test.safetensors nor "
-                         "train_x.npy, train_y.npy, test_x.npy, test_y.npy");
+  } else if (any_npy) {
     for (const auto& n : names)
       if (!file_exists(dir + "/" + n))
         throw InvalidInput("tensor dataset: '" + dir + "/" + n + "' does not exist");
     s.train = make_split(read_npy(dir + "/train_x.npy"), read_npy(dir + "/train_y.npy"), dir + "/train");
     s.test = make_split(read_npy(dir + "/test_x.npy"), read_npy(dir + "/test_y.npy"), dir + "/test");
+  } else {
+    const Shards train = find_shards(dir, "train"), test = find_shards(dir, "test");
+    if (train.x.empty() && test.x.empty())
+      throw InvalidInput("tensor dataset folder '" + dir +
+                         "' holds neither train.safetensors + test.safetensors nor "
+                         "train_x.npy, train_y.npy, test_x.npy, test_y.npy, nor shards of them "
+                         "(train-00000-of-00016.safetensors ..., or train_x-00000.npy + "
+                         "train_y-00000.npy ...)");
+    for (const auto* sh : {&train, &test})
+      if (sh->x.empty())
+        throw InvalidInput("tensor dataset folder '" + dir + "' holds shards of the " +
+                           (sh == &train ? "test split but none of the train split" : "train split but none of the test split") +
+                           " (" + (sh == &train ? "train" : "test") + "-00000-of-0000N.safetensors ... or " +
+                           (sh == &train ? "train" : "test") + "_x-00000.npy ...)");
+    s.train = load_shards(train, dir + "/train");
+    s.test = load_shards(test, dir + "/test");
   }
   const auto& trx = s.train.tensors->x;
   const auto& tex = s.test.tensors->x;
@@ -184,8 +292,7 @@ DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes) {
       int64_t at = 0, top_at = 0;
       auto [lo, h] = label_range(*d, &at, &top_at);
       if (lo < 0)
-        throw InvalidInput("'" + d->tensors->y.origin + "': sample " + std::to_string(at) +
-                           " has the negative label " + std::to_string(lo));
+        throw InvalidInput(d->tensors->y.sample_name(at) + " has the negative label " + std::to_string(lo));
       if (h > hi) {
         hi = h;
         hi_at = top_at;

@@ -314,4 +314,47 @@ void to_int64(DType t, const uint8_t* src, int64_t count, int64_t* dst) {
   }
 }
 
+const MappedTensor::Shard& MappedTensor::shard_of(int64_t i) const {
+  auto it = std::upper_bound(shards.begin(), shards.end(), i,
+                             [](int64_t v, const Shard& s) { return v < s.first_row; });
+  return *(it - 1);
+}
+
+std::string MappedTensor::sample_name(int64_t i) const {
+  if (shards.empty()) return "'" + origin + "': sample " + std::to_string(i);
+  const Shard& s = shard_of(i);
+  return "'" + s.origin + "': sample " + std::to_string(i - s.first_row) + " (sample " + std::to_string(i) +
+         " of the split)";
+}
+
+MappedTensor concat_rows(const std::vector<MappedTensor>& parts, const std::string& origin) {
+  if (parts.empty()) throw InvalidInput("'" + origin + "': no shards");
+  const MappedTensor& first = parts.front();
+  MappedTensor out;
+  out.origin = origin;
+  out.dtype = first.dtype;
+  out.shape = first.shape;
+  out.data = first.data;
+  out.file = first.file;
+  int64_t rows = 0;
+  for (const auto& p : parts) {
+    if (p.shape.empty() || p.dtype != first.dtype ||
+        std::vector<int64_t>(p.shape.begin() + 1, p.shape.end()) !=
+            std::vector<int64_t>(first.shape.begin() + 1, first.shape.end())) {
+      auto text = [](const MappedTensor& t) {
+        std::string dims;
+        for (size_t k = 1; k < t.shape.size(); ++k) dims += (dims.empty() ? "" : ", ") + std::to_string(t.shape[k]);
+        return std::string(dtype_name(t.dtype)) + " rows [" + dims + "]";
+      };
+      throw InvalidInput("shard '" + p.origin + "' holds " + (p.shape.empty() ? "a scalar" : text(p)) +
+                         ", the first shard '" + first.origin + "' " + text(first) +
+                         "; every shard of a split must hold the same dtype and row shape");
+    }
+    out.shards.push_back({rows, p.data, p.file, p.origin});
+    rows += p.shape[0];
+  }
+  out.shape[0] = rows;
+  return out;
+}
+
 }  // namespace limbo::data

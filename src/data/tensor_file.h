@@ -11,6 +11,7 @@
 // the file, Fortran-order or object arrays, big-endian data.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -48,11 +49,36 @@ struct MappedTensor {
   const uint8_t* data = nullptr;
   std::shared_ptr<const MappedFile> file;  // keeps the mapping alive
 
+  // A sharded array (concat_rows): the rows of each shard follow the
+  // previous shard's; empty for one file.
+  struct Shard {
+    int64_t first_row = 0;
+    const uint8_t* data = nullptr;
+    std::shared_ptr<const MappedFile> file;
+    std::string origin;
+  };
+  std::vector<Shard> shards;
+
   int64_t rows() const { return shape.empty() ? 1 : shape[0]; }
   int64_t row_numel() const;  // elements per row (product of shape[1:])
   int64_t row_bytes() const { return row_numel() * dtype_size(dtype); }
-  const uint8_t* row(int64_t i) const { return data + i * row_bytes(); }
+  const uint8_t* row(int64_t i) const {
+    if (shards.empty()) return data + i * row_bytes();
+    const Shard& s = shard_of(i);
+    return s.data + (i - s.first_row) * row_bytes();
+  }
+  // "'FILE': sample K" for row i (in a sharded array: its shard and its
+  // index there), for messages.
+  std::string sample_name(int64_t i) const;
+
+ private:
+  const Shard& shard_of(int64_t i) const;
 };
+
+// The shards of one array, in order, as one array of all their rows (no
+// copy). Throws InvalidInput naming the shard whose dtype or row shape
+// differs from the first's.
+MappedTensor concat_rows(const std::vector<MappedTensor>& parts, const std::string& origin);
 
 // One array written by numpy's np.save (format versions 1.0, 2.0, 3.0).
 MappedTensor read_npy(const std::string& path);

@@ -25,19 +25,22 @@
 // on the training thread after backward. Both paths run the same operations
 // on the same bytes, so for one bucket layout the results are bitwise equal.
 //
-// The float buffers, the loss and the flag (the tail) are written only
-// after backward, which may read the buffers (a frozen BatchNorm, a mask):
-// they travel in a small float32 all-reduce of their own after the last
-// bucket, or, when the whole gradient is one float32 bucket reduced after
-// backward anyway, inside it.
+// The buffers, the loss and the flag (the tail) are written only after
+// backward, which may read the buffers (a frozen BatchNorm, a mask): they
+// travel in a small float32 all-reduce of their own after the last bucket,
+// or, when the whole gradient is one float32 bucket reduced after backward
+// anyway, inside it. Float buffers are scaled by the member's share (a
+// weighted mean); integer buffers' pieces are sent by member 0 only (the
+// others send zeros), so every member ends with member 0's (FlatParams).
 //
 // A collective that fails (a peer gone, the group aborted) fails the step:
 // finish() throws it after the communication thread has stopped touching
 // the buffer, no later bucket is started, and no error-feedback residual
-// moves; the caller re-forms the group and redoes the step. The float
+// moves; the caller re-forms the group and redoes the step. The float32
 // buffers were scaled and partly summed in place, and forward had already
-// moved them: the caller restores them from a copy taken before forward
-// (the trainer does; see FlatParams::buffers()).
+// moved every buffer: the caller restores them from a copy taken before
+// forward (the trainer does; see FlatParams::save_buffers()). A sum that is
+// not finite (finite()) moves no residual either.
 //
 // Threads: one communication thread per member, which does nothing but the
 // collectives (the network and gloo's summing loop; no torch operations, so

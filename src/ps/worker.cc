@@ -164,7 +164,7 @@ class Learner {
           if (h.seq == seq && want == MsgType::PushAck) {  // a refused gradient: counted, training goes on
             Message rejected;
             rejected.header.type = want;
-            rejected.meta = json{{"status", "rejected"}, {"reason", e.value("reason", code)}}.dump();
+            rejected.meta = json{{"status", "rejected"}, {"code", code}, {"reason", e.value("reason", code)}}.dump();
             return rejected;
           }
           if (h.seq == seq || code == "version")
@@ -307,6 +307,25 @@ class Learner {
     flat.flat_to_buffers();
   }
 
+  // A shard refused this learner's last gradient as not finite (NaN or
+  // inf: its update was skipped), or every shard took it. Too many in a
+  // row: the learner's model has diverged.
+  void note_finite(bool finite, int64_t steps) {
+    if (finite) {
+      nonfinite_in_a_row_ = 0;
+      return;
+    }
+    nonfinite_ += 1;
+    nonfinite_in_a_row_ += 1;
+    const int64_t limit = cfg_.train.max_nonfinite_steps;
+    if (limit > 0 && nonfinite_in_a_row_ >= limit)
+      throw Diverged("learner " + std::to_string(opt_.learner_id) + ": " + std::to_string(nonfinite_in_a_row_) +
+                     " gradients in a row (up to its step " + std::to_string(steps) +
+                     ") were not finite and were refused by the shards; the model has diverged. Lower "
+                     "optim.lr or check the data for NaN or inf (train.max_nonfinite_steps sets how many are "
+                     "allowed)");
+  }
+
   void bye() {
     heartbeats_.reset();  // no heartbeat may follow the goodbye
     for (auto& l : links_) l->sock->send(nullptr, header(MsgType::Bye, *l), "", nullptr, 0);
@@ -326,6 +345,7 @@ class Learner {
   }();
   std::vector<std::unique_ptr<Link>> links_;
   PushResidual residual_;  // error feedback of 16-bit pushes, over the whole gradient
+  int64_t nonfinite_ = 0, nonfinite_in_a_row_ = 0;  // gradients refused as not finite
   inline static const std::string kNoMeta;
   std::unique_ptr<Heartbeats> heartbeats_;  // after transport_: stopped before it goes
 };
@@ -369,6 +389,7 @@ json Learner::run(const std::atomic<bool>& stop) {
   for (;;) {
     // Acknowledgements of the previous push, then the weights of this step.
     auto wait0 = Clock::now();
+    bool acked = false, not_finite = false;  // the last push, on any shard
     for (auto& l : links_) {
       Link& L = *l;
       const uint8_t flags = L.index == 0 ? kWantLease : 0;
@@ -380,6 +401,8 @@ json Learner::run(const std::atomic<bool>& stop) {
         json a = json::parse(ack.meta);
         std::string st = a.value("status", std::string());
         if (st == "accepted") residual_.commit(L.offset, L.numel);
+        acked = true;
+        not_finite = not_finite || a.value("code", std::string()) == "non_finite";
         if (L.index == 0) {
           if (st == "accepted") accepted += 1;
           else if (st == "dropped") dropped += 1;
@@ -408,6 +431,7 @@ json Learner::run(const std::atomic<bool>& stop) {
         }
       }
     }
+    if (acked) note_finite(!not_finite, steps);
     const double step_wait = seconds_since(wait0);
     wait_seconds += step_wait;
     wait_squares += step_wait * step_wait;
@@ -425,7 +449,7 @@ json Learner::run(const std::atomic<bool>& stop) {
                         std::to_string(position) + ", count " + std::to_string(count) + ")");
     auto compute0 = Clock::now();
     std::vector<int64_t> ids(order.begin() + position, order.begin() + position + count);
-    auto batch = data::make_batch(train_set, t_.normalization(), ids);
+    auto batch = data::make_train_batch(train_set, t_.normalization(), ids, epoch, cfg_.loader.augment);
 
     while (in_flight->load() > 0) std::this_thread::yield();
     const double lv = t_.step().gradient(batch);
@@ -450,10 +474,17 @@ json Learner::run(const std::atomic<bool>& stop) {
     loss_sum += lv;
     window.add(lv, count);
     if (window.steps() >= opt_.log_every && !metrics.empty()) {
-      json line = {{"kind", "learner"}, {"learner", opt_.learner_id}, {"step", steps}, {"samples", samples}, {"epoch", epoch},
-                   {"loss", window.mean_loss()}, {"samples_per_second", window.samples_per_second()},
-                   {"staleness_mean", tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0},
-                   {"gradients_dropped", dropped}, {"elapsed", seconds_since(start)}};
+      train::StepRecord rec;
+      rec.step = steps;
+      rec.epoch = static_cast<double>(epoch);
+      rec.samples = samples;
+      rec.batch_size = count;
+      rec.skipped_steps = nonfinite_;
+      json line = train::step_record(rec, window, "learner");
+      line["learner"] = opt_.learner_id;
+      line["staleness_mean"] = tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0;
+      line["gradients_dropped"] = dropped;
+      line["elapsed"] = seconds_since(start);
       append_line(metrics, line.dump());
       window.reset();
     }
@@ -466,6 +497,7 @@ json Learner::run(const std::atomic<bool>& stop) {
                   {"samples_per_second", secs > 0 ? samples / secs : 0.0}, {"seconds", secs},
                   {"mean_loss", steps ? loss_sum / steps : 0.0}, {"gradients_accepted", accepted},
                   {"gradients_dropped", dropped}, {"gradients_lost", lost}, {"gradients_rejected", rejected},
+                  {"skipped_steps", nonfinite_},
                   {"staleness_mean_seen", tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0},
                   {"finisher", finisher},
                   {"compute_seconds_per_step", steps ? compute_seconds / steps : 0.0},

@@ -177,7 +177,7 @@ class AsyncSim {
   double gradient_on(VirtualLearner& L) {
     const auto& order = sampler_->epoch_order(L.lease.epoch);
     std::vector<int64_t> ids(order.begin() + L.lease.position, order.begin() + L.lease.position + L.lease.count);
-    auto batch = data::make_batch(t_.data().train, t_.normalization(), ids);
+    auto batch = data::make_train_batch(t_.data().train, t_.normalization(), ids, L.lease.epoch, cfg_.loader.augment);
     return t_.step().gradient(batch);
   }
 

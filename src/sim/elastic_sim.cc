@@ -45,8 +45,8 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
   data::Cursor cur;
   int64_t step = 0, changes = 0, samples = 0;
   int last_r = 0;
-  double window_loss = 0, grad_seconds = 0, eval_seconds = 0, last_loss = 0;
-  int64_t window_steps = 0;
+  double grad_seconds = 0, eval_seconds = 0, last_loss = 0;
+  train::MetricsWindow window;
   torch::Tensor gsum = torch::zeros_like(flat.grad());
   train::EvalResult ev;
   auto wall0 = Clock::now();
@@ -67,7 +67,7 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
     for (int k = 0; k < r; ++k) {
       auto plan = k == 0 ? head : data::plan_batch(sampler, cur, b, r, k, cfg.loader.drop_last);
       if (plan.ids.empty()) continue;
-      auto batch = data::make_batch(train_set, t.normalization(), plan.ids);
+      auto batch = data::make_train_batch(train_set, t.normalization(), plan.ids, plan.begin.epoch, cfg.loader.augment);
       const double l = t.step().gradient(batch);
       const double share = static_cast<double>(plan.ids.size()) / head.global_size;
       torch::NoGradGuard ng;
@@ -75,27 +75,30 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
       loss += share * l;
     }
     grad_seconds += seconds_since(g0);
-    auto p = policy.step(step, b * r);
-    if (p.changed && p.momentum_factor != 1.0) sgd.scale_buffer(p.momentum_factor);
-    const double lr = schedule.lr(epoch_now, step) * p.multiplier;
-    sgd.step(flat.data(), gsum, lr);
+    auto p = train::policy_step(policy, schedule, sgd, epoch_now, step, b * r);
+    sgd.step(flat.data(), gsum, p.lr);
     cur = head.end;
     step += 1;
     samples += head.global_size;
-    window_loss += loss;
-    window_steps += 1;
-    if (window_steps >= opt.log_every || head.last_in_epoch) {
-      last_loss = window_loss / window_steps;
-      run.append_metrics({{"kind", "train"}, {"step", step}, {"epoch", cur.epoch + static_cast<double>(cur.position) / n},
-                          {"loss", window_loss / window_steps}, {"lr", lr}, {"lr_multiplier", p.multiplier},
-                          {"batch_size", head.global_size}, {"workers", r}});
-      window_loss = 0;
-      window_steps = 0;
+    window.add(loss, head.global_size);
+    if (window.steps() >= opt.log_every || head.last_in_epoch) {
+      last_loss = window.mean_loss();
+      train::StepRecord rec;
+      rec.step = step;
+      rec.epoch = cur.epoch + static_cast<double>(cur.position) / n;
+      rec.samples = samples;
+      rec.lr = p.lr;
+      rec.lr_multiplier = p.policy.multiplier;
+      rec.batch_size = head.global_size;
+      rec.workers = r;
+      run.append_metrics(train::step_record(rec, window));
+      window.reset();
     }
     if (head.last_in_epoch) {
       auto e0 = Clock::now();
       ev = t.evaluate_test();
       eval_seconds += seconds_since(e0);
+      window.reset();  // evaluation time is not training throughput
       run.append_metrics({{"kind", "eval"}, {"step", step}, {"epoch", static_cast<double>(cur.epoch)},
                           {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss}});
       log_info("epoch " + std::to_string(cur.epoch) + ": " + std::to_string(r) + " workers, test accuracy " +

@@ -107,6 +107,7 @@ void Board::add_record(const json& r) {
     if (auto v = number(r, "lr")) lr_ = v;
     if (auto v = number(r, "lr_multiplier")) lr_multiplier_ = v;
     if (auto v = number(r, "samples_per_second")) samples_per_second_ = v;
+    skipped_steps_ = std::max(skipped_steps_, integer(r, "skipped_steps", 0));
     push_point();
   } else if (kind == "eval") {
     if (auto v = number(r, "test_accuracy")) test_accuracy_ = v;
@@ -190,6 +191,7 @@ json Board::snapshot() const {
             {"step", step_},
             {"epoch", epoch_},
             {"samples_total", samples_total_},
+            {"skipped_steps", skipped_steps_},
             {"samples_per_second", opt(samples_per_second_)},
             {"loss", opt(loss_)},
             {"lr", opt(lr_)},
@@ -243,6 +245,8 @@ std::string Board::prometheus() const {
   single("limbo_members", "gauge", s["members"], "Members of the job now (workers, or learners registered at shard 0).");
   single("limbo_samples_total", "counter", s["samples_total"], "Training samples processed.");
   single("limbo_steps_total", "counter", s["step"], "Optimizer steps taken (data-parallel jobs).");
+  single("limbo_skipped_steps_total", "counter", s["skipped_steps"],
+         "Steps skipped by every member because the gradient or loss was not finite.");
   single("limbo_epoch", "gauge", s["epoch"], "Training progress in epochs.");
   gauge("limbo_samples_per_second", "samples_per_second", "Training throughput over the last logged window.");
   gauge("limbo_loss", "loss", "Training loss over the last logged window.");

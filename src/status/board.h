@@ -48,7 +48,7 @@ class Board {
   mutable std::mutex mu_;
   bool launcher_members_ = false;
   int members_ = 0;
-  int64_t step_ = 0, samples_total_ = 0;
+  int64_t step_ = 0, samples_total_ = 0, skipped_steps_ = 0;
   double epoch_ = 0;
   std::optional<double> samples_per_second_, loss_, lr_, lr_multiplier_, test_accuracy_, test_loss_;
   std::optional<int64_t> batch_size_;

@@ -182,11 +182,33 @@ void TrainStep::check_data(const data::DatasetSplits& d, const data::Normalizati
   for (const data::Dataset* s : {&d.train, &d.test}) {
     auto bad = data::find_bad_label(*s, classes);
     if (bad.index >= 0)
-      throw InvalidInput("'" + (s->tensors ? s->tensors->y.origin : s->name) + "': sample " +
-                         std::to_string(bad.index) + " has the label " + std::to_string(bad.label) +
+      throw InvalidInput((s->tensors ? s->tensors->y.sample_name(bad.index)
+                                     : "'" + s->name + "': sample " + std::to_string(bad.index)) +
+                         " has the label " + std::to_string(bad.label) +
                          ", outside [0, " + std::to_string(classes) + ") of the model's " +
                          std::to_string(classes) + " outputs");
   }
+}
+
+PolicyStep policy_step(optim::BatchSizePolicy& policy, const optim::LrSchedule& schedule, optim::Sgd& sgd,
+                       double epoch, int64_t step, int64_t nominal_global_batch) {
+  PolicyStep p;
+  p.policy = policy.step(step, nominal_global_batch);
+  if (p.policy.changed && p.policy.momentum_factor != 1.0) sgd.scale_buffer(p.policy.momentum_factor);
+  p.lr = schedule.lr(epoch, step) * p.policy.multiplier;
+  return p;
+}
+
+nlohmann::json step_record(const StepRecord& r, const MetricsWindow& window, const char* kind) {
+  nlohmann::json j = {{"kind", kind}, {"step", r.step}, {"epoch", r.epoch}, {"loss", window.mean_loss()}};
+  if (r.lr) j["lr"] = *r.lr;
+  if (r.lr_multiplier) j["lr_multiplier"] = *r.lr_multiplier;
+  if (r.batch_size) j["batch_size"] = *r.batch_size;
+  j["samples"] = r.samples;
+  if (r.skipped_steps) j["skipped_steps"] = *r.skipped_steps;
+  if (r.workers) j["workers"] = *r.workers;
+  j["samples_per_second"] = window.samples_per_second();
+  return j;
 }
 
 }  // namespace limbo::train

@@ -20,11 +20,18 @@
 #include <functional>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include <optional>
+
 #include "common/timing.h"
 #include "data/loader.h"
 #include "data/registry.h"
 #include "models/net.h"
+#include "optim/batch_policy.h"
 #include "optim/flat_params.h"
+#include "optim/lr_schedule.h"
+#include "optim/sgd.h"
 
 namespace limbo::train {
 
@@ -112,5 +119,31 @@ class MetricsWindow {
   int64_t steps_ = 0, samples_ = 0;
   Clock::time_point start_ = Clock::now();
 };
+
+// The learning rate of a step: the schedule at `epoch`, times the batch-size
+// policy's multiplier for the nominal global batch (b * workers, so only
+// membership changes move it). At a change of that multiplier the momentum
+// buffer is kept, reset or rescaled as elastic.momentum says. Every loop
+// that steps (trainer, simulators) calls this once per step.
+struct PolicyStep {
+  optim::BatchSizePolicy::Step policy;
+  double lr = 0;
+};
+PolicyStep policy_step(optim::BatchSizePolicy& policy, const optim::LrSchedule& schedule, optim::Sgd& sgd,
+                       double epoch, int64_t step, int64_t nominal_global_batch);
+
+// A training-metrics line, the same fields from every loop (the status page,
+// `limbo plot` and /metrics read them): {"kind": "train", step, epoch,
+// loss (the window's mean), samples (so far), samples_per_second, and the
+// optional fields when set}. A learner's line is kind "learner" with its own
+// fields added by the caller.
+struct StepRecord {
+  int64_t step = 0;
+  double epoch = 0;
+  int64_t samples = 0;
+  std::optional<double> lr, lr_multiplier;
+  std::optional<int64_t> batch_size, skipped_steps, workers;
+};
+nlohmann::json step_record(const StepRecord& r, const MetricsWindow& window, const char* kind = "train");
 
 }  // namespace limbo::train

@@ -42,6 +42,12 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   splits_ = std::make_shared<data::DatasetSplits>(data::load_dataset(cfg_.source));
   if (splits_->train.size() == 0) throw InvalidInput("the training split is empty");
   norm_ = choose_normalization(cfg_.normalize, splits_->train);
+  {
+    const auto& tr = splits_->train;
+    cfg_.loader.augment.check_sample_shape(
+        tr.tensors ? std::vector<int64_t>(tr.tensors->x.shape.begin() + 1, tr.tensors->x.shape.end())
+                   : std::vector<int64_t>{tr.shape.channels, tr.shape.height, tr.shape.width});
+  }
   torch::manual_seed(cfg_.train.seed);
   if (cfg_.model.name != "torchscript" && !data::has_labels(splits_->train))
     throw InvalidInput("model '" + cfg_.model.name + "' is a classifier and needs integer labels; "
@@ -220,9 +226,10 @@ bool Trainer::train_step(Run& r) {
   r.epoch_progress = r.epoch_now(batch.plan.begin);
   // The policy sees the nominal global batch (b * workers), not the smaller
   // last batch of an epoch, so only membership changes move it.
-  r.policy = batch_policy_->step(state_.step, cfg_.loader.batch_size * r.world);
-  if (r.policy.changed && r.policy.momentum_factor != 1.0) sgd_->scale_buffer(r.policy.momentum_factor);
-  r.lr = schedule_->lr(r.epoch_progress, state_.step) * r.policy.multiplier;
+  auto ps = policy_step(*batch_policy_, *schedule_, *sgd_, r.epoch_progress, state_.step,
+                        cfg_.loader.batch_size * r.world);
+  r.policy = ps.policy;
+  r.lr = ps.lr;
 
   // A step that fails in a distributed rule, or is skipped for a gradient
   // that is not finite, must leave no trace; forward moves the buffers
@@ -332,14 +339,15 @@ void Trainer::log_step(Run& r) {
   // every member of an elastic job records the same steps, also one that
   // joined mid-window (each host's copy of the records lines up).
   if ((r.window.steps() > 0 && state_.step % r.t.log_every == 0) || r.batch.plan.last_in_epoch) {
-    r.run_dir.append_metrics({{"kind", "train"}, {"step", state_.step},
-                              {"epoch", r.epoch_now(state_.cursor)},
-                              {"loss", r.window.mean_loss()}, {"lr", r.lr},
-                              {"lr_multiplier", r.policy.multiplier},
-                              {"batch_size", r.res.global_batch},
-                              {"samples", state_.samples},
-                              {"skipped_steps", r.skipped_steps},
-                              {"samples_per_second", r.window.samples_per_second()}});
+    StepRecord rec;
+    rec.step = state_.step;
+    rec.epoch = r.epoch_now(state_.cursor);
+    rec.samples = state_.samples;
+    rec.lr = r.lr;
+    rec.lr_multiplier = r.policy.multiplier;
+    rec.batch_size = r.res.global_batch;
+    rec.skipped_steps = r.skipped_steps;
+    r.run_dir.append_metrics(step_record(rec, r.window));
     r.window.reset();
   }
   if (r.t.progress) {

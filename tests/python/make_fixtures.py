@@ -194,6 +194,24 @@ def main():
     torch.jit.save(torch.jit.script(FrozenBackbone()), f"{a.out}/frozen_backbone.pt")
     torch.jit.save(torch.jit.script(Buffers()), f"{a.out}/buffers.pt")
 
+    # The same Fashion-MNIST split into shards of uneven sizes, as published
+    # data sets arrive: 16 safetensors shards of train (test in 3), and the
+    # same as numpy pairs.
+    cuts = sorted(rng.choice(np.arange(1, a.train), 15, replace=False))
+    test_cuts = [a.test // 3, 2 * a.test // 3]
+    d = os.path.join(a.out, "fmnist_shards_st")
+    os.makedirs(d, exist_ok=True)
+    for split, x, y, c in (("train", xtr, ytr, cuts), ("test", xte, yte, test_cuts)):
+        parts = list(zip(np.split(x[:, None], c), np.split(y, c)))
+        for k, (px, py) in enumerate(parts):
+            save_safetensors(f"{d}/{split}-{k:05d}-of-{len(parts):05d}.safetensors", {"x": px, "y": py})
+    d = os.path.join(a.out, "fmnist_shards_npy")
+    os.makedirs(d, exist_ok=True)
+    for split, x, y, c in (("train", xtr, ytr, cuts), ("test", xte, yte, test_cuts)):
+        for k, (px, py) in enumerate(zip(np.split(x[:, None], c), np.split(y, c))):
+            np.save(f"{d}/{split}_x-{k:05d}.npy", px)
+            np.save(f"{d}/{split}_y-{k:05d}.npy", py)
+
     # Fashion-MNIST as float32 with a few samples that are NaN (a damaged
     # file): their batches' gradients are not finite.
     d = os.path.join(a.out, "fmnist_nan_npy")
