@@ -249,13 +249,16 @@ TEST(PsJob, AShardKilledAndRestartedFromItsCheckpointLetsTrainingComplete) {
   EXPECT_GT(s["test_accuracy"].get<double>(), 0.7) << s.dump();
 }
 
+// With train.max_nonfinite_steps = 0 (never stop), a diverging run's
+// gradients are refused one by one and the job still ends.
 TEST(PsJob, ADivergingRunRejectsNonFiniteGradientsAndStillEnds) {
   TempDir d;
   const std::string run = d.file("run");
   auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2",
                                           "--protocol", "softsync", "--softsync-n", "2", "--run-dir", run, "--"},
                                          cat(mlp_args(1), {"--set", "optim.lr=50", "--set", "ps.staleness=constant",
-                                                           "--set", "data.train_limit=6000"})));
+                                                           "--set", "data.train_limit=6000", "--set",
+                                                           "train.max_nonfinite_steps=0"})));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto s = read_json(run + "/summary.json");
   EXPECT_GT(s["gradients_rejected"].get<int64_t>(), 0) << s.dump();
@@ -263,6 +266,21 @@ TEST(PsJob, ADivergingRunRejectsNonFiniteGradientsAndStillEnds) {
   auto shard0 = read_json(run + "/shard-0/summary.json");
   EXPECT_GT(shard0["rejected_by_reason"]["non_finite"].get<int64_t>(), 0);
   EXPECT_DOUBLE_EQ(shard0["epoch"].get<double>(), 1.0);
+}
+
+// By default, learners whose gradients the shards refused as not finite
+// 10 times in a row stop as diverged: the job ends with exit code 2 and says
+// why.
+TEST(PsJob, ADivergingRunStopsAfterTenNonFiniteGradientsInARow) {
+  TempDir d;
+  const std::string run = d.file("run");
+  auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2",
+                                          "--protocol", "softsync", "--softsync-n", "2", "--run-dir", run, "--"},
+                                         cat(mlp_args(1), {"--set", "optim.lr=50", "--set", "ps.staleness=constant",
+                                                           "--set", "data.train_limit=6000"})));
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("10 gradients in a row"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("diverged"), std::string::npos) << r.output;
 }
 
 TEST(PsJob, AJobWithCurveKeysTrainsAndRefusesALearnerWithoutThem) {

@@ -80,7 +80,7 @@ TEST(UserState, AFrozenBackboneIsExportedUnchangedInEveryMode) {
       {"data-parallel", cat({"launch", "--nproc", "2", "--min-workers", "1", "--", "--run-dir", d.file("data-parallel")}, job)},
       {"parameter-server", cat({"launch", "--mode", "async", "--servers", "2", "--workers", "2", "--run-dir",
                                 d.file("parameter-server"), "--"},
-                               job)}};
+                               cat(job, {"--set", "ps.request_timeout=30"}))}};  // under a loaded suite
   for (const auto& [mode, args] : modes) {
     SCOPED_TRACE(mode);
     auto r = run_limbo(args);
@@ -173,7 +173,8 @@ TEST(UserState, ABatchNormModelThroughTheParameterServerEvaluatesLikeASingleProc
   auto ps = run_limbo(cat({"launch", "--mode", "async", "--servers", "2", "--workers", "2", "--protocol",
                            "hardsync", "--run-dir", d.file("ps"), "--"},
                           user_job(fx, "cnn_bn.pt", "fmnist_npy",
-                                   {"train.epochs=2", "data.batch_size=32", "train.threads=1"})));
+                                   {"train.epochs=2", "data.batch_size=32", "train.threads=1",
+                                    "ps.request_timeout=30"})));  // under a loaded suite
   ASSERT_EQ(ps.exit_code, 0) << ps.output;
   auto ev = run_limbo({"eval", "--checkpoint", d.file("ps/checkpoint.pt")});
   ASSERT_EQ(ev.exit_code, 0) << ev.output;

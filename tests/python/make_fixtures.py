@@ -217,7 +217,7 @@ def main():
     d = os.path.join(a.out, "fmnist_nan_npy")
     os.makedirs(d, exist_ok=True)
     xbad = (xtr[:, None] / 255.0).astype(np.float32)
-    xbad[[100, 2500, 4000]] = np.nan
+    xbad[[n * a.train // 60 for n in (1, 25, 40)]] = np.nan  # samples 100, 2500, 4000 of 6000
     np.save(f"{d}/train_x.npy", xbad)
     np.save(f"{d}/train_y.npy", ytr)
     np.save(f"{d}/test_x.npy", (xte[:, None] / 255.0).astype(np.float32))
