@@ -2,13 +2,14 @@
 """Augmentation on a data-starved run: does data.augment raise test accuracy?
 
 LeNet on 5,000 Fashion-MNIST training images (data.train_limit) for
---epochs epochs, single process, with data.augment = "" and with
+--epochs epochs with a cosine learning-rate schedule (optim.lr = --lr),
+single process, with data.augment = "" and with
 --augment (default "random_crop:2,hflip"), seeds 1..--seeds. The two arms
 alternate within each seed (A, B, A, B, ...) so that drift of the machine's
 speed hits both alike. Records the final test accuracy, the best per-epoch
 test accuracy and the training throughput (samples/s, evaluation excluded).
 
-    experiments/augmentation/run.py [--seeds 3] [--epochs 15] [--out experiments/augmentation/results]
+    experiments/augmentation/run.py [--seeds 3] [--epochs 30] [--lr 0.02] [--out experiments/augmentation/results]
 
 Writes <out>/README.md (table), <out>/accuracy.png (test accuracy per epoch,
 mean over seeds) and keeps every run directory under <out>/runs/ (a run
@@ -23,13 +24,14 @@ import subprocess
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(limbo, run_dir, augment, seed, epochs, train_limit):
+def run(limbo, run_dir, augment, seed, epochs, train_limit, lr):
     summary = os.path.join(run_dir, "summary.json")
     if not os.path.exists(summary):
         subprocess.run(["rm", "-rf", run_dir], check=True)
         cmd = [limbo, "train", "--run-dir", run_dir, "--set", f"train.seed={seed}",
                "--set", f"train.epochs={epochs}", "--set", f"data.train_limit={train_limit}",
-               "--set", "train.progress=false", "--set", f"data.augment={augment}"]
+               "--set", "train.progress=false", "--set", f"data.augment={augment}",
+               "--set", "optim.schedule=cosine", "--set", f"optim.lr={lr}"]
         print(f"[augmentation experiment] augment='{augment}' seed {seed} ...", flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(summary) as f:
@@ -48,7 +50,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--limbo", default=os.path.join(HERE, "..", "..", "build", "src", "cli", "limbo"))
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--epochs", type=int, default=15)
+    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--lr", type=float, default=0.02)
     ap.add_argument("--train-limit", type=int, default=5000)
     ap.add_argument("--augment", default="random_crop:2,hflip")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -59,10 +62,11 @@ def main():
     for seed in range(1, args.seeds + 1):
         for name, aug in arms:
             d = os.path.join(args.out, "runs", f"{name}-seed{seed}")
-            rows[name].append(run(args.limbo, d, aug, seed, args.epochs, args.train_limit))
+            rows[name].append(run(args.limbo, d, aug, seed, args.epochs, args.train_limit, args.lr))
     lines = ["# Augmentation on a data-starved run", "",
              f"LeNet on {args.train_limit:,} Fashion-MNIST training images (10,000 test images), "
-             f"{args.epochs} epochs, batch 64, single process, seeds 1-{args.seeds}; "
+             f"{args.epochs} epochs, batch 64, cosine schedule from lr {args.lr}, single process, "
+             f"seeds 1-{args.seeds}; "
              f"`data.augment = \"{args.augment}\"` against none. The arms alternate within each seed. "
              "Written by `experiments/augmentation/run.py`.", "",
              "| data.augment | final test accuracy % per seed | mean | best-epoch accuracy % (mean) "
