@@ -8,6 +8,7 @@
 #include "status/server.h"
 #include "cli/schema.h"
 #include "comm/etcd.h"
+#include "comm/shm_group.h"
 #include "common/files.h"
 #include "comm/auth.h"
 #include "comm/collective.h"
@@ -99,7 +100,7 @@ int run_train(const TrainArgs& a) {
     go.prefix = "limbo/static";
     go.token = a.token;
     go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
-    auto group = comm::make_gloo_group(go, a.dist_rank, a.dist_world);
+    auto group = comm::make_group(go, a.dist_rank, a.dist_world);
     trainer.set_update_rule(std::make_shared<elastic::AllReduceUpdate>(
         std::shared_ptr<comm::Collective>(std::move(group)), trainer.sgd_ptr(), trainer.params(),
         reduce_options));

@@ -24,6 +24,8 @@ class Collective {
   virtual ~Collective() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // "gloo" or "shared-memory" (comm/shm_group.h), for records and logs.
+  virtual const char* transport() const { return "gloo"; }
   // Element-wise sum across members, in place. Large tensors are reduced in
   // buckets of at most bucket_bytes.
   virtual void allreduce_sum(torch::Tensor& t) = 0;
@@ -57,6 +59,9 @@ struct GroupOptions {
   // (false: through c10d's ProcessGroupGloo, in buckets of bucket_bytes).
   bool direct_allreduce = true;
   int worker_threads = 2;  // c10d's Gloo worker threads (its default; measured best at 16-64 MB)
+  // make_group(): members that all share this host reduce through shared
+  // memory (comm/shm_group.h) instead of Gloo over loopback.
+  bool shared_memory = true;
   std::string token;       // the job secret of the rendezvous store (comm/auth.h); empty = none
   // Polled every few milliseconds while the group forms: when it returns
   // true (the round being formed was replaced), formation stops at once

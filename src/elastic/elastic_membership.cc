@@ -125,6 +125,7 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
                  {"members", next.members},
                  {"old_members", round_.members},
                  {"world", e.world},
+                 {"transport", group->transport()},
                  {"reason", reason},
                  {"worker_id", member_->id()},
                  {"state_source_rank", source},

@@ -15,6 +15,7 @@
 
 #include "comm/collective.h"
 #include "comm/kv_store.h"
+#include "comm/shm_group.h"
 #include "elastic/coordinator.h"
 #include "elastic/election.h"
 #include "status/server.h"
@@ -356,6 +357,9 @@ void Job::on_signal(int sig) {
 void Job::on_exit(const Supervisor::Exit& ex) {
   const int code = ex.code();
   terminating_.erase(ex.pid);
+  // A worker that died while its group formed may leave a shared-memory
+  // segment's name behind (comm/shm_group.h).
+  comm::remove_stale_segments();
   if (!opt_.elastic) {
     if (code == 0 && phase_ != Phase::Stopping) return complete("worker rank " + std::to_string(ex.index) + " finished");
     if (code != 0 && phase_ != Phase::Completing && phase_ != Phase::Stopping) {

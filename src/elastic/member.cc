@@ -1,5 +1,7 @@
 #include "elastic/member.h"
 
+#include "comm/shm_group.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -264,7 +266,7 @@ std::shared_ptr<comm::Collective> Member::form_group(const Round& round) {
   go.prefix = "elastic/round/" + std::to_string(k);
   go.cancelled = [this, k] { return latest_round_.load() > k || latest_abort_.load() >= k || cut_off_.load(); };
   std::shared_ptr<comm::Collective> g =
-      comm::make_gloo_group(go, rank_in(round), static_cast<int>(round.members.size()));
+      comm::make_group(go, rank_in(round), static_cast<int>(round.members.size()));
   {
     std::lock_guard<std::mutex> lock(mu_);
     group_ = g;

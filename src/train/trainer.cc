@@ -189,8 +189,8 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
   r.pending_event["detection_seconds"] = detection;
   r.pending_since = detected;
   log_info("membership round " + std::to_string(est.event["round"].get<int64_t>()) + ": " +
-           std::to_string(r.world) + " workers, rank " + std::to_string(est.rank) + " (" + reason +
-           ")");
+           std::to_string(r.world) + " workers, rank " + std::to_string(est.rank) + ", " +
+           est.event.value("transport", std::string("gloo")) + " (" + reason + ")");
 }
 
 void Trainer::eval_now(Run& r) {

@@ -1,0 +1,382 @@
+#include "comm/shm_group.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "comm/compression.h"
+#include "comm/kv_store.h"
+#include "common/error.h"
+#include "common/log.h"
+
+namespace limbo::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kMagic = 0x6c696d626f73686dULL;  // "limboshm"
+constexpr int kMaxMembers = 1024;
+constexpr int64_t kSlotBytes = 8 << 20;
+constexpr const char* kNamePrefix = "limbo-shm-";
+
+struct Header {
+  uint64_t magic;
+  int64_t members;
+  int64_t slot_bytes;
+  int64_t total_bytes;
+  alignas(64) std::atomic<uint32_t> arrived;
+  alignas(64) std::atomic<uint32_t> generation;
+  std::atomic<uint32_t> aborted;
+  int32_t pids[kMaxMembers];
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "shared-memory barrier needs lock-free atomics");
+
+constexpr int64_t kHeaderBytes = (sizeof(Header) + 4095) / 4096 * 4096;
+
+void futex_wait(std::atomic<uint32_t>* addr, uint32_t value, std::chrono::microseconds timeout) {
+  timespec ts{static_cast<time_t>(timeout.count() / 1000000), static_cast<long>(timeout.count() % 1000000) * 1000};
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, value, &ts, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>* addr) {
+  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+// Running and not a zombie.
+bool process_alive(pid_t pid) {
+  if (pid <= 0) return true;
+  if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return true;  // no /proc: trust kill()
+  const auto close = line.rfind(')');
+  return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
+}
+
+template <typename T>
+__attribute__((optimize("O3"))) void add_into(T* __restrict acc, const T* __restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += src[i];
+}
+
+template <typename T>
+__attribute__((optimize("O3"))) void max_into(T* __restrict acc, const T* __restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] = std::max(acc[i], src[i]);
+}
+
+std::shared_ptr<KvStore> connect_store(const GroupOptions& opt) {
+  if (opt.connect_store) return opt.connect_store();
+  return std::shared_ptr<KvStore>(connect_kv_store(opt.store_host, opt.store_port, opt.timeout, opt.token));
+}
+
+// Waits for `key` in slices, so that a replaced round stops the wait.
+std::string wait_key(KvStore& kv, const std::string& key, const GroupOptions& opt) {
+  const auto deadline = Clock::now() + opt.timeout;
+  for (;;) {
+    if (opt.cancelled && opt.cancelled())
+      throw PeerFailure("group '" + opt.prefix + "': formation cancelled (the round was replaced)");
+    if (kv.wait_for(key, std::chrono::milliseconds(100))) {
+      if (auto v = kv.try_get(key)) return *v;
+    }
+    if (Clock::now() > deadline)
+      throw Timeout("group '" + opt.prefix + "': no '" + key + "' in " + kv.describe() + " after " +
+                    std::to_string(opt.timeout.count()) + " ms");
+  }
+}
+
+class ShmGroup : public Collective {
+ public:
+  ShmGroup(GroupOptions opt, int rank, int size, void* base, int64_t bytes)
+      : opt_(std::move(opt)), rank_(rank), size_(size), base_(static_cast<uint8_t*>(base)), bytes_(bytes),
+        h_(static_cast<Header*>(base)) {}
+  ~ShmGroup() override { ::munmap(base_, static_cast<size_t>(bytes_)); }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* transport() const override { return "shared-memory"; }
+
+  // Everyone has mapped the segment (formation: `cancelled` is polled).
+  void attach_barrier() {
+    forming_ = true;
+    barrier();
+    forming_ = false;
+  }
+
+  void allreduce_sum(torch::Tensor& t) override {
+    switch (t.scalar_type()) {
+      case torch::kFloat32: return reduce<float>(t, add_into<float>);
+      case torch::kFloat64: return reduce<double>(t, add_into<double>);
+      case torch::kInt64: return reduce<int64_t>(t, add_into<int64_t>);
+      case torch::kInt32: return reduce<int32_t>(t, add_into<int32_t>);
+      default: throw Error("shared-memory all-reduce: unsupported dtype " + std::string(c10::toString(t.scalar_type())));
+    }
+  }
+  void allreduce_sum_16(torch::Tensor& t) override {
+    if (t.scalar_type() == torch::kHalf)
+      return reduce<uint16_t>(t, [](uint16_t* acc, const uint16_t* src, int64_t n) { sum_fp16(acc, acc, src, n); });
+    if (t.scalar_type() == torch::kBFloat16)
+      return reduce<uint16_t>(t, [](uint16_t* acc, const uint16_t* src, int64_t n) { sum_bf16(acc, acc, src, n); });
+    throw Error("allreduce_sum_16 needs a kHalf or kBFloat16 tensor");
+  }
+  void allreduce_max(torch::Tensor& t) override {
+    switch (t.scalar_type()) {
+      case torch::kFloat32: return reduce<float>(t, max_into<float>);
+      case torch::kFloat64: return reduce<double>(t, max_into<double>);
+      case torch::kInt64: return reduce<int64_t>(t, max_into<int64_t>);
+      case torch::kInt32: return reduce<int32_t>(t, max_into<int32_t>);
+      default: throw Error("shared-memory max: unsupported dtype " + std::string(c10::toString(t.scalar_type())));
+    }
+  }
+  void broadcast(torch::Tensor& t, int root) override {
+    check_usable();
+    if (root < 0 || root >= size_) throw Error("broadcast from member " + std::to_string(root) + " of " + std::to_string(size_));
+    if (size_ == 1) return;
+    torch::Tensor c = t.is_contiguous() ? t : t.contiguous();
+    uint8_t* data = static_cast<uint8_t*>(c.data_ptr());
+    const int64_t n = c.numel() * c.element_size();
+    for (int64_t off = 0; off < n; off += h_->slot_bytes) {
+      const int64_t m = std::min(h_->slot_bytes, n - off);
+      if (rank_ == root) std::memcpy(slot(root), data + off, static_cast<size_t>(m));
+      barrier();
+      if (rank_ != root) std::memcpy(data + off, slot(root), static_cast<size_t>(m));
+      barrier();
+    }
+    if (!c.is_same(t)) t.copy_(c);
+  }
+  void abort() override {
+    aborted_.store(true);
+    h_->aborted.store(1);
+    futex_wake(&h_->generation);
+  }
+
+ private:
+  uint8_t* slot(int r) const { return base_ + kHeaderBytes + static_cast<int64_t>(r) * h_->slot_bytes; }
+
+  // Pieces of at most a slot: copy in, reduce this member's share across
+  // the slots in member order into slot 0, copy the result out.
+  template <typename T, typename Reduce>
+  void reduce(torch::Tensor& t, Reduce combine) {
+    check_usable();
+    if (size_ == 1) return;
+    torch::Tensor c = t.is_contiguous() ? t : t.contiguous();
+    T* data = static_cast<T*>(c.data_ptr());
+    const int64_t n = c.numel(), per = h_->slot_bytes / static_cast<int64_t>(sizeof(T));
+    for (int64_t off = 0; off < n; off += per) {
+      const int64_t m = std::min(per, n - off);
+      std::memcpy(slot(rank_), data + off, static_cast<size_t>(m) * sizeof(T));
+      barrier();
+      const int64_t share = (m + size_ - 1) / size_;
+      const int64_t chunk = (share + 15) / 16 * 16;  // whole cache lines
+      const int64_t b = std::min(m, rank_ * chunk), e = std::min(m, b + chunk);
+      if (e > b) {
+        T* acc = reinterpret_cast<T*>(slot(0)) + b;
+        for (int r = 1; r < size_; ++r) combine(acc, reinterpret_cast<const T*>(slot(r)) + b, e - b);
+      }
+      barrier();
+      std::memcpy(data + off, slot(0), static_cast<size_t>(m) * sizeof(T));
+      barrier();  // slot 0 is free for the next piece
+    }
+    if (!c.is_same(t)) t.copy_(c);
+  }
+
+  void check_usable() {
+    if (aborted_.load() || h_->aborted.load())
+      throw PeerFailure("group '" + opt_.prefix + "' was aborted (a member stopped answering or is gone)");
+  }
+
+  void barrier() {
+    const uint32_t gen = h_->generation.load(std::memory_order_acquire);
+    if (h_->arrived.fetch_add(1, std::memory_order_acq_rel) + 1 == static_cast<uint32_t>(size_)) {
+      h_->arrived.store(0, std::memory_order_relaxed);
+      h_->generation.fetch_add(1, std::memory_order_acq_rel);
+      futex_wake(&h_->generation);
+      return;
+    }
+    const auto start = Clock::now();
+    auto next_check = start;
+    for (int spin = 0; h_->generation.load(std::memory_order_acquire) == gen; ++spin) {
+      if (spin < 256) {  // the others are usually microseconds away
+        cpu_relax();
+        continue;
+      }
+      check_usable();
+      futex_wait(&h_->generation, gen, std::chrono::microseconds(5000));
+      const auto now = Clock::now();
+      if (now >= next_check) {
+        check_peers();
+        if (forming_ && opt_.cancelled && opt_.cancelled())
+          throw PeerFailure("group '" + opt_.prefix + "': formation cancelled (the round was replaced)");
+        next_check = now + std::chrono::milliseconds(20);
+      }
+      if (now - start > opt_.timeout)
+        throw Timeout("group '" + opt_.prefix + "': a shared-memory collective waited " +
+                      std::to_string(opt_.timeout.count()) + " ms for the other members");
+    }
+  }
+
+  // A member whose process is gone fails everyone's collectives.
+  void check_peers() {
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      const pid_t pid = h_->pids[r];
+      if (pid > 0 && !process_alive(pid)) {
+        h_->aborted.store(1);
+        futex_wake(&h_->generation);
+        throw PeerFailure("group '" + opt_.prefix + "': member " + std::to_string(r) + " (pid " +
+                          std::to_string(pid) + ") is gone");
+      }
+    }
+  }
+
+  GroupOptions opt_;
+  int rank_, size_;
+  uint8_t* base_;
+  int64_t bytes_;
+  Header* h_;
+  std::atomic<bool> aborted_{false};
+  bool forming_ = false;
+};
+
+std::string random_hex() {
+  std::random_device rd;
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%08x%08x", rd(), rd());
+  return buf;
+}
+
+std::string read_first_line(const std::string& path) {
+  std::ifstream f(path);
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+}  // namespace
+
+std::string host_identity() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  std::string id = std::string(host) + "/" + read_first_line("/proc/sys/kernel/random/boot_id");
+  for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/mnt", "/proc/self/ns/ipc"}) {
+    struct stat st {};
+    if (::stat(ns, &st) == 0) id += "/" + std::to_string(st.st_ino);
+  }
+  return id;
+}
+
+std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, int size) {
+  if (size < 1 || rank < 0 || rank >= size)
+    throw InvalidInput("bad rank " + std::to_string(rank) + " for a group of " + std::to_string(size));
+  if (size > kMaxMembers) return nullptr;
+  auto kv = connect_store(opt);
+  const std::string key = opt.prefix + "/shm/name";
+  const int64_t total = kHeaderBytes + static_cast<int64_t>(size) * kSlotBytes;
+  std::string name;
+  void* base = nullptr;
+  if (rank == 0) {
+    name = "/" + std::string(kNamePrefix) + std::to_string(::getpid()) + "-" + random_hex();
+    std::string why;
+    const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) {
+      why = std::string("shm_open: ") + std::strerror(errno);
+    } else {
+      // Reserve the pages now: a tmpfs too small for them would otherwise
+      // kill a member with SIGBUS at its first touch.
+      const int rc = ::ftruncate(fd, total) == 0 ? ::posix_fallocate(fd, 0, total) : errno;
+      if (rc != 0) why = std::string("reserving ") + std::to_string(total >> 20) + " MiB in /dev/shm: " + std::strerror(rc);
+      else base = ::mmap(nullptr, static_cast<size_t>(total), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (base == MAP_FAILED) {
+        why = std::string("mmap: ") + std::strerror(errno);
+        base = nullptr;
+      }
+      ::close(fd);
+    }
+    if (!base) {
+      if (fd >= 0) ::shm_unlink(name.c_str());
+      log_warn("group '" + opt.prefix + "': no shared-memory segment (" + why + "); the members use Gloo");
+      kv->set(key, "none");
+      return nullptr;
+    }
+    auto* h = new (base) Header{};
+    h->magic = kMagic;
+    h->members = size;
+    h->slot_bytes = kSlotBytes;
+    h->total_bytes = total;
+    kv->set(key, name);
+  } else {
+    name = wait_key(*kv, key, opt);
+    if (name == "none") return nullptr;
+    const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+    if (fd < 0) throw PeerFailure("group '" + opt.prefix + "': cannot open its segment " + name + ": " + std::strerror(errno));
+    base = ::mmap(nullptr, static_cast<size_t>(total), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (base == MAP_FAILED) throw PeerFailure("group '" + opt.prefix + "': cannot map " + name + ": " + std::strerror(errno));
+    const auto* h = static_cast<const Header*>(base);
+    if (h->magic != kMagic || h->members != size || h->total_bytes != total) {
+      ::munmap(base, static_cast<size_t>(total));
+      throw PeerFailure("group '" + opt.prefix + "': segment " + name + " is not this group's");
+    }
+  }
+  static_cast<Header*>(base)->pids[rank] = static_cast<int32_t>(::getpid());
+  auto g = std::make_unique<ShmGroup>(opt, rank, size, base, total);
+  try {
+    g->attach_barrier();
+  } catch (...) {
+    if (rank == 0) ::shm_unlink(name.c_str());
+    throw;
+  }
+  if (rank == 0) ::shm_unlink(name.c_str());  // every member has it mapped
+  return g;
+}
+
+std::unique_ptr<Collective> make_group(const GroupOptions& opt, int rank, int size) {
+  if (!opt.shared_memory) return make_gloo_group(opt, rank, size);
+  const std::string me = host_identity();
+  bool one_host = true;
+  {
+    auto kv = connect_store(opt);
+    kv->set(opt.prefix + "/host/" + std::to_string(rank), me);
+    for (int r = 0; r < size && one_host; ++r)
+      if (r != rank) one_host = wait_key(*kv, opt.prefix + "/host/" + std::to_string(r), opt) == me;
+  }
+  if (one_host)
+    if (auto g = make_shm_group(opt, rank, size)) return g;
+  return make_gloo_group(opt, rank, size);
+}
+
+int remove_stale_segments() {
+  DIR* d = ::opendir("/dev/shm");
+  if (!d) return 0;
+  int removed = 0;
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind(kNamePrefix, 0) != 0) continue;
+    const pid_t pid = static_cast<pid_t>(std::atoll(name.c_str() + std::strlen(kNamePrefix)));
+    if (pid > 0 && !process_alive(pid) && ::shm_unlink(("/" + name).c_str()) == 0) ++removed;
+  }
+  ::closedir(d);
+  return removed;
+}
+
+}  // namespace limbo::comm

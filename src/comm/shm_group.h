@@ -1,0 +1,69 @@
+// Collectives among the members of one host, through shared memory.
+//
+// Workers on one host need not go through loopback TCP (kernel socket
+// copies and a system call per message, which for a 1 MB gradient cost more
+// than the step's compute on this machine): they map one shared segment and
+// reduce in it. make_group() forms a ShmGroup when every member of the
+// group is on this host, a Gloo group otherwise.
+//
+// The segment (POSIX shared memory, 0600) holds a header (a barrier, an
+// abort flag, each member's pid) and one slot per member. A collective goes
+// through its tensor in pieces of at most a slot:
+//   1. each member copies its piece into its slot; barrier;
+//   2. each member reduces its own share of the elements across the slots
+//      in member order (slot 0 + slot 1 + ... in float32; 16-bit pairs added
+//      in float32 and rounded, as comm::sum_bf16 / sum_fp16), into slot 0;
+//      barrier;
+//   3. each member copies the reduced piece out; barrier.
+// Sums run in one fixed order, so every member gets the same bits, and for
+// two members the bits Gloo's ring gives (a + b either way). A broadcast
+// copies the root's piece through its slot.
+//
+// Contracts it shares with the Gloo path:
+//   - abort() (the heartbeat thread, on a member that stopped answering)
+//     makes a collective blocked in another thread, and every later one,
+//     throw PeerFailure at once; it also raises the segment's abort flag, so
+//     the other members blocked with it fail too;
+//   - a member that dies (its pid gone) fails the others' collectives within
+//     a few tens of milliseconds; one that stops (SIGSTOP) is found by the
+//     heartbeats, which abort;
+//   - the group's timeout bounds every wait (Timeout);
+//   - a new segment per group (per membership round): nothing crosses a
+//     membership change;
+//   - the segment's name is removed as soon as every member has mapped it,
+//     so the memory goes with the last mapping, whoever dies. A name left by
+//     a member that died while the group formed carries the creator's pid
+//     (/dev/shm/limbo-shm-PID-RANDOM): remove_stale_segments() (the
+//     launcher, as workers exit and when the job ends) removes it.
+// A host whose /dev/shm cannot hold the segment (a small container tmpfs)
+// falls back to Gloo, every member alike, with a warning.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "comm/collective.h"
+
+namespace limbo::comm {
+
+// What identifies this host to the group: members with the same identity
+// share memory. The boot, the network namespace and the mount namespace
+// (network namespaces stand for hosts in tests, and a host cut off from the
+// network must not go on reducing through memory with the others).
+std::string host_identity();
+
+// Forms a shared-memory group of `size` members on this host under
+// opt.prefix in the job's store; null (every member alike) when the
+// segment cannot be made.
+std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, int size);
+
+// Every member of the group on this host (and opt.shared_memory): a
+// shared-memory group; otherwise a Gloo group. The members publish their
+// host identity under opt.prefix and read each other's.
+std::unique_ptr<Collective> make_group(const GroupOptions& opt, int rank, int size);
+
+// Removes every segment name (/dev/shm/limbo-shm-PID-*) whose creator is
+// no longer running; returns how many. Names of running processes stay.
+int remove_stale_segments();
+
+}  // namespace limbo::comm

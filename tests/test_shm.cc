@@ -1,0 +1,246 @@
+// The shared-memory group (comm/shm_group.h): the same bits as the Gloo
+// path, sums in member order, abort, a member that dies, segment names that
+// never outlive formation and stale ones removed. Members are threads of
+// this process, each with its own mapping and its own store connection; the
+// process tests of elastic jobs (test_elastic, test_launch) run on it too,
+// since every single-host group is a shared-memory group.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <thread>
+
+#include "comm/collective.h"
+#include "comm/shm_group.h"
+#include "comm/store.h"
+#include "common/error.h"
+#include "common/timing.h"
+
+using namespace limbo;
+
+namespace {
+
+using MemberFn = std::function<void(int rank, comm::Collective& shm, comm::Collective* gloo)>;
+
+// Runs fn on `world` threads, each with a shared-memory group (and a Gloo
+// group of the same members when `with_gloo`).
+void with_members(int world, bool with_gloo, const std::string& prefix, const MemberFn& fn) {
+  comm::StoreServer store("127.0.0.1", 0);
+  std::vector<std::thread> threads;
+  std::vector<std::string> errors(world);
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        comm::GroupOptions go;
+        go.store_port = store.port();
+        go.timeout = std::chrono::milliseconds(20000);
+        go.prefix = prefix + "/shm";
+        auto shm = comm::make_shm_group(go, r, world);
+        if (!shm) throw Error("no shared-memory group");
+        EXPECT_STREQ(shm->transport(), "shared-memory");
+        std::unique_ptr<comm::Collective> gloo;
+        if (with_gloo) {
+          go.prefix = prefix + "/gloo";
+          gloo = comm::make_gloo_group(go, r, world);
+        }
+        fn(r, *shm, gloo.get());
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "member " << r;
+}
+
+// A member's values (a generator of its own: members are threads).
+torch::Tensor member_values(int rank, int64_t n, torch::ScalarType type) {
+  auto gen = at::detail::createCPUGenerator(100 + rank);
+  auto t = torch::randn({n}, gen) * 3;
+  if (type == torch::kInt64) return (t * 1000).to(torch::kInt64);
+  return t.to(type);
+}
+
+std::vector<std::string> segment_names_of(pid_t pid) {
+  std::vector<std::string> out;
+  const std::string prefix = "limbo-shm-" + std::to_string(pid) + "-";
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(d))
+      if (std::string(e->d_name).rfind(prefix, 0) == 0) out.push_back(e->d_name);
+    ::closedir(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+// For two members every result is bitwise the Gloo path's: sums (float32,
+// float64, in pieces larger than a slot too), 16-bit sums, maxima and a
+// broadcast.
+TEST(Shm, TwoMembersGetTheGlooPathsBitsForEveryCollective) {
+  const int world = 2;
+  with_members(world, true, "bits", [&](int r, comm::Collective& shm, comm::Collective* gloo) {
+    for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{3} << 20}) {  // 3M floats: two slots' worth
+      SCOPED_TRACE(n);
+      auto a = member_values(r, n, torch::kFloat32), b = a.clone();
+      shm.allreduce_sum(a);
+      gloo->allreduce_sum(b);
+      EXPECT_TRUE(torch::equal(a, b));
+      auto sum_ref = member_values(0, n, torch::kFloat32) + member_values(1, n, torch::kFloat32);
+      EXPECT_TRUE(torch::equal(a, sum_ref));
+    }
+    for (auto type : {torch::kBFloat16, torch::kHalf}) {
+      auto a = member_values(r, 4099, type), b = a.clone();
+      shm.allreduce_sum_16(a);
+      gloo->allreduce_sum_16(b);
+      EXPECT_TRUE(torch::equal(a, b)) << type;
+    }
+    auto d = member_values(r, 7, torch::kFloat64), e = d.clone();
+    shm.allreduce_sum(d);
+    gloo->allreduce_sum(e);
+    EXPECT_TRUE(torch::equal(d, e));
+    auto m = member_values(r, 513, torch::kInt64), n = m.clone();
+    shm.allreduce_max(m);
+    gloo->allreduce_max(n);
+    EXPECT_TRUE(torch::equal(m, n));
+    auto w = member_values(r, 100003, torch::kFloat32), v = w.clone();
+    shm.broadcast(w, 1);
+    gloo->broadcast(v, 1);
+    EXPECT_TRUE(torch::equal(w, v));
+    EXPECT_TRUE(torch::equal(w, member_values(1, 100003, torch::kFloat32)));
+  });
+}
+
+// With more members the sum runs in member order, ((a0 + a1) + a2) + a3,
+// on every member alike, whichever member reduces which elements.
+TEST(Shm, SumsRunInMemberOrderOnEveryMember) {
+  const int world = 4;
+  const int64_t n = 10007;
+  auto want = member_values(0, n, torch::kFloat32);
+  for (int r = 1; r < world; ++r) want = want + member_values(r, n, torch::kFloat32);
+  with_members(world, false, "order", [&](int r, comm::Collective& shm, comm::Collective*) {
+    auto a = member_values(r, n, torch::kFloat32);
+    shm.allreduce_sum(a);
+    EXPECT_TRUE(torch::equal(a, want)) << "member " << r;
+  });
+}
+
+// abort() from another thread (the heartbeat thread) ends a collective
+// blocked waiting for a member that does not come, at once; the segment's
+// flag fails that member's next collective too.
+TEST(Shm, AbortEndsABlockedCollectiveOnEveryMember) {
+  with_members(2, false, "abort", [&](int r, comm::Collective& shm, comm::Collective*) {
+    if (r == 0) {
+      std::thread heartbeat([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        shm.abort();
+      });
+      auto t = torch::ones({1000});
+      const auto t0 = Clock::now();
+      EXPECT_THROW(shm.allreduce_sum(t), PeerFailure);
+      EXPECT_LT(seconds_since(t0), 1.5);
+      heartbeat.join();
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(600));  // a stopped member
+      auto t = torch::ones({1000});
+      EXPECT_THROW(shm.allreduce_sum(t), PeerFailure);
+    }
+  });
+}
+
+// A member whose process is gone fails the others' collective within a
+// fraction of a second (its pid is checked while they wait): a child
+// process joins the group and exits without taking part.
+TEST(Shm, AMemberWhoseProcessIsGoneFailsTheOthersAtOnce) {
+  comm::StoreServer store("127.0.0.1", 0);
+  comm::GroupOptions go;
+  go.store_port = store.port();
+  go.timeout = std::chrono::milliseconds(20000);
+  go.prefix = "gone";
+  const pid_t child = ::fork();
+  if (child == 0) {
+    // Joins (formation only: store client and mapping, no torch), then dies.
+    try {
+      auto g = comm::make_shm_group(go, 1, 2);
+      ::_exit(g ? 0 : 3);
+    } catch (...) {
+      ::_exit(4);
+    }
+  }
+  ASSERT_GT(child, 0);
+  auto g = comm::make_shm_group(go, 0, 2);
+  ASSERT_TRUE(g);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+  auto t = torch::ones({64});
+  const auto t0 = Clock::now();
+  try {
+    g->allreduce_sum(t);
+    ADD_FAILURE() << "the collective went through without its other member";
+  } catch (const PeerFailure& e) {
+    EXPECT_NE(std::string(e.what()).find("is gone"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(seconds_since(t0), 1.0);
+}
+
+// A segment's name is removed as soon as every member has it mapped; names
+// left by creators that are gone are removed by remove_stale_segments(),
+// those of running processes stay.
+TEST(Shm, NoSegmentNameOutlivesFormationAndStaleOnesAreRemoved) {
+  with_members(3, false, "names", [&](int r, comm::Collective& shm, comm::Collective*) {
+    auto t = torch::ones({10});
+    shm.allreduce_sum(t);
+    EXPECT_EQ(t[0].item<float>(), 3.0f);
+  });
+  EXPECT_TRUE(segment_names_of(::getpid()).empty());
+  const pid_t dead = ::fork();
+  if (dead == 0) ::_exit(0);
+  ::waitpid(dead, nullptr, 0);
+  const std::string stale = "/limbo-shm-" + std::to_string(dead) + "-test";
+  const std::string live = "/limbo-shm-" + std::to_string(::getpid()) + "-test";
+  for (const auto& n : {stale, live}) {
+    const int fd = ::shm_open(n.c_str(), O_CREAT | O_RDWR, 0600);
+    ASSERT_GE(fd, 0);
+    ::close(fd);
+  }
+  EXPECT_GE(comm::remove_stale_segments(), 1);
+  EXPECT_TRUE(segment_names_of(dead).empty());
+  EXPECT_EQ(segment_names_of(::getpid()).size(), 1u);
+  ::shm_unlink(live.c_str());
+}
+
+// make_group(): members that share this host form a shared-memory group;
+// with shared_memory off they form a Gloo group.
+TEST(Shm, MakeGroupPicksSharedMemoryOnOneHost) {
+  comm::StoreServer store("127.0.0.1", 0);
+  for (bool shared : {true, false}) {
+    std::vector<std::thread> threads;
+    std::vector<std::string> kinds(2);
+    for (int r = 0; r < 2; ++r)
+      threads.emplace_back([&, r] {
+        comm::GroupOptions go;
+        go.store_port = store.port();
+        go.prefix = shared ? "pick-shm" : "pick-gloo";
+        go.shared_memory = shared;
+        auto g = comm::make_group(go, r, 2);
+        auto t = torch::full({5}, static_cast<float>(r + 1));
+        g->allreduce_sum(t);
+        kinds[r] = g->transport() + std::string(t[0].item<float>() == 3.0f ? "" : " (wrong sum)");
+      });
+    for (auto& t : threads) t.join();
+    for (const auto& k : kinds) EXPECT_EQ(k, shared ? "shared-memory" : "gloo");
+  }
+}
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  at::set_num_threads(1);
+  return RUN_ALL_TESTS();
+}
