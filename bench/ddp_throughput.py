@@ -2,14 +2,16 @@
 """Data-parallel throughput: `limbo launch` against PyTorch DistributedDataParallel.
 
 Two workers on this machine (one intra-op thread each), the same model, the
-same per-worker batch, the same number of steps and SGD settings, gloo on
-loopback for both. Contenders run interleaved (DDP with its defaults, DDP
+same per-worker batch, the same number of steps and SGD settings; DDP uses
+gloo on loopback. Contenders run interleaved (DDP with its defaults, DDP
 tuned: gradient_as_bucket_view=True and channels-last for conv nets, Limbo
-(all-reduce overlapped with backward, the default), Limbo
-without overlap, Limbo with bf16 gradients), --repeats times; prints the
-median global samples/s of each, the ratios' medians with their range, and
-Limbo's exposed communication per step (time the training thread waited for
-the all-reduce after backward, from the run summary).
+with its defaults (shared memory between the workers of one host, all-reduce
+overlapped with backward), Limbo over Gloo on loopback (comm.shared_memory =
+false), and the limit: one Limbo process with 2 threads at the same global
+batch), --repeats times; prints the median global samples/s of each, the
+ratios' medians with their range, and Limbo's exposed communication per step
+(time the training thread waited for the all-reduce after backward, from
+the run summary). --extra adds Limbo without overlap and with bf16.
 Models: mlp (the default 784-256-256-10), lenet, mlp10m (784-2048-2048-2048-10,
 about 10M parameters, 40 MB of gradients).
 
@@ -87,7 +89,8 @@ def ddp_rate(name, batch, steps, channels_last, port, view=False):
     return json.loads(out.strip().splitlines()[-1])["samples_per_second"]
 
 
-def limbo_rate(limbo, name, batch, steps, compression="none", overlap=True, bucket_mb=None):
+def limbo_rate(limbo, name, batch, steps, compression="none", overlap=True, bucket_mb=None, shm=True,
+               single=False):
     d = tempfile.mkdtemp(prefix="limbo-ddp-bench-")
     model = ["--set", "model.name=mlp", "--set", "model.width=2048", "--set", "model.depth=3"] \
         if name == "mlp10m" else ["--set", f"model.name={name}"]
@@ -99,8 +102,16 @@ def limbo_rate(limbo, name, batch, steps, compression="none", overlap=True, buck
                         "--set", "train.progress=false", "--set", "train.eval_every_epochs=0",
                         "--set", "train.checkpoint_every_epochs=0", "--set", "data.test_limit=500",
                         "--set", "optim.lr=0.01", "--set", "optim.momentum=0.9",
-                        "--set", "elastic.batch_policy=none"]
+                        "--set", "elastic.batch_policy=none",
+                        "--set", f"comm.shared_memory={'true' if shm else 'false'}"]
         run = ["--run-dir", os.path.join(d, "r")]
+        if single:  # the limit: one process, 2 threads, the same global batch
+            args = [a.replace(f"data.batch_size={batch}", f"data.batch_size={2 * batch}")
+                    .replace("train.threads=1", "train.threads=2") for a in args]
+            subprocess.run([limbo, "train"] + run + args, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            with open(os.path.join(d, "r", "summary.json")) as f:
+                return json.load(f)["samples_per_second"]
         if VETH:  # one launcher per "host", joined through the first one's store
             rdzv = f"{VETH.ip[0]}:{29700 + os.getpid() % 200}"
             procs = [subprocess.Popen(VETH.prefix(r) + [limbo, "launch", "--nproc", "1", "--min-workers", "2",
@@ -120,7 +131,7 @@ def limbo_rate(limbo, name, batch, steps, compression="none", overlap=True, buck
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(os.path.join(d, "r", "summary.json")) as f:
             s = json.load(f)
-        EXPOSED.setdefault((name, compression, overlap, bucket_mb), []).append(
+        EXPOSED.setdefault((name, compression, overlap, bucket_mb, shm), []).append(
             s.get("communication", {}).get("exposed_communication_ms_per_step", float("nan")))
         return s["samples_per_second"]
     finally:
@@ -140,6 +151,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--big-steps", type=int, default=100, help="steps for mlp10m")
     ap.add_argument("--veth", action="store_true", help="each worker in its own network namespace")
+    ap.add_argument("--extra", action="store_true", help="also Limbo without overlap and with bf16")
     args = ap.parse_args()
     global VETH
     if args.veth:
@@ -158,7 +170,9 @@ def run_all(args):
           f"({args.big_steps} for mlp10m), global samples/s, {args.repeats} interleaved repeats")
     for name in args.models.split(","):
         steps = args.big_steps if name == "mlp10m" else args.steps
-        runs = {"ddp": [], "ddp_cl": [], "limbo": [], "limbo_seq": [], "limbo_bf16": []}
+        runs = {"ddp": [], "ddp_cl": [], "limbo": [], "limbo_gloo": [], "single": []}
+        if args.extra:
+            runs.update({"limbo_seq": [], "limbo_bf16": []})
         for _ in range(args.repeats):
             port += 2
             runs["ddp"].append(ddp_rate(name, args.batch, steps, False, port))
@@ -166,22 +180,29 @@ def run_all(args):
             # or out, 1.14-1.17x its default here), channels-last for conv nets.
             runs["ddp_cl"].append(ddp_rate(name, args.batch, steps, name == "lenet", port + 1, view=True))
             runs["limbo"].append(limbo_rate(args.limbo, name, args.batch, steps))
-            runs["limbo_seq"].append(limbo_rate(args.limbo, name, args.batch, steps, overlap=False))
-            runs["limbo_bf16"].append(limbo_rate(args.limbo, name, args.batch, steps, "bf16"))
+            runs["limbo_gloo"].append(limbo_rate(args.limbo, name, args.batch, steps, shm=False))
+            if not VETH:
+                runs["single"].append(limbo_rate(args.limbo, name, args.batch, steps, single=True))
+            if args.extra:
+                runs["limbo_seq"].append(limbo_rate(args.limbo, name, args.batch, steps, overlap=False))
+                runs["limbo_bf16"].append(limbo_rate(args.limbo, name, args.batch, steps, "bf16"))
         best = [max(a, b) for a, b in zip(runs["ddp"], runs["ddp_cl"])]
-        def ratio(key):
-            r = [a / b for a, b in zip(runs[key], best)]
+        def ratio(key, base=None):
+            r = [a / b for a, b in zip(runs[key], base or best)]
             return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
         med = {k: statistics.median(v) for k, v in runs.items() if v}
-        line = f"{name:7} DDP {med['ddp']:8.0f}  DDP tuned {med['ddp_cl']:8.0f}"
-        ex = {k: statistics.median(EXPOSED[(name, c, o, None)]) for k, c, o in
-              (("limbo", "none", True), ("limbo_seq", "none", False), ("limbo_bf16", "bf16", True))}
-        print(f"{line}  limbo {med['limbo']:8.0f}  limbo no overlap {med['limbo_seq']:8.0f}  "
-              f"limbo bf16 {med['limbo_bf16']:8.0f}\n"
-              f"        limbo / best DDP {ratio('limbo')}  no overlap / best DDP {ratio('limbo_seq')}  "
-              f"bf16 / best DDP {ratio('limbo_bf16')}\n"
-              f"        exposed communication ms/step: overlap {ex['limbo']:.1f}, no overlap "
-              f"{ex['limbo_seq']:.1f}, bf16 {ex['limbo_bf16']:.1f}", flush=True)
+        ex = {k: statistics.median(EXPOSED[(name, c, o, None, shm)]) for k, c, o, shm in
+              (("limbo", "none", True, True), ("limbo_gloo", "none", True, False))}
+        print(f"{name:7} DDP {med['ddp']:8.0f}  DDP tuned {med['ddp_cl']:8.0f}  limbo {med['limbo']:8.0f}  "
+              f"limbo over Gloo {med['limbo_gloo']:8.0f}"
+              + (f"  one process x 2 threads {med['single']:8.0f}" if runs["single"] else "") + "\n"
+              f"        limbo / best DDP {ratio('limbo')}  over Gloo / best DDP {ratio('limbo_gloo')}"
+              + (f"  limbo / one process {ratio('limbo', runs['single'])}" if runs["single"] else "") + "\n"
+              f"        exposed communication ms/step: {ex['limbo']:.1f} (over Gloo {ex['limbo_gloo']:.1f})",
+              flush=True)
+        if args.extra:
+            print(f"        no overlap / best DDP {ratio('limbo_seq')}  bf16 / best DDP {ratio('limbo_bf16')}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,7 @@ int run_train(const TrainArgs& a) {
     go.prefix = "limbo/static";
     go.token = a.token;
     go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
+    go.shared_memory = cfg.get_bool("comm.shared_memory");
     auto group = comm::make_group(go, a.dist_rank, a.dist_world);
     trainer.set_update_rule(std::make_shared<elastic::AllReduceUpdate>(
         std::shared_ptr<comm::Collective>(std::move(group)), trainer.sgd_ptr(), trainer.params(),
@@ -110,6 +111,7 @@ int run_train(const TrainArgs& a) {
     go.timeout = std::chrono::milliseconds(
         static_cast<int64_t>(1000 * cfg.get_float("elastic.collective_timeout")));
     go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
+    go.shared_memory = cfg.get_bool("comm.shared_memory");
     go.token = a.token;
     elastic::MemberOptions mo;
     mo.round_timeout = std::chrono::milliseconds(

@@ -159,6 +159,8 @@ std::shared_ptr<const Schema> train_schema() {
              "seconds a worker waits for a membership round (e.g. below the minimum) before "
              "giving up"));
 
+    s->add(B("comm.shared_memory", true,
+             "workers of one host reduce through shared memory (false: Gloo over loopback)"));
     s->add(S("comm.compression", "none", {"none", "fp16", "bf16"},
              "gradients on the wire (the data-parallel all-reduce and parameter-server pushes): none "
              "(float32), fp16 or bf16 (half the bytes; sums in float32, error feedback keeps what "
