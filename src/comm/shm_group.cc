@@ -157,10 +157,10 @@ class ShmGroup : public Collective {
     const int64_t n = c.numel() * c.element_size();
     for (int64_t off = 0; off < n; off += h_->slot_bytes) {
       const int64_t m = std::min(h_->slot_bytes, n - off);
-      if (rank_ == root) std::memcpy(slot(root), data + off, static_cast<size_t>(m));
+      uint8_t* area = next_result();
+      if (rank_ == root) std::memcpy(area, data + off, static_cast<size_t>(m));
       barrier();
-      if (rank_ != root) std::memcpy(data + off, slot(root), static_cast<size_t>(m));
-      barrier();
+      if (rank_ != root) std::memcpy(data + off, area, static_cast<size_t>(m));
     }
     if (!c.is_same(t)) t.copy_(c);
   }
@@ -172,9 +172,15 @@ class ShmGroup : public Collective {
 
  private:
   uint8_t* slot(int r) const { return base_ + kHeaderBytes + static_cast<int64_t>(r) * h_->slot_bytes; }
+  // Two result areas after the slots, used by turns: a piece's result is
+  // written to one while members still copying the previous piece's read
+  // the other. The turn after next comes only once every member has put its
+  // next piece in (the first barrier of a piece), after it copied the
+  // previous result out: two barriers a piece suffice.
+  uint8_t* next_result() { return slot(size_ + static_cast<int>(pieces_++ & 1)); }
 
   // Pieces of at most a slot: copy in, reduce this member's share across
-  // the slots in member order into slot 0, copy the result out.
+  // the slots in member order into a result area, copy the result out.
   template <typename T, typename Reduce>
   void reduce(torch::Tensor& t, Reduce combine) {
     check_usable();
@@ -184,18 +190,18 @@ class ShmGroup : public Collective {
     const int64_t n = c.numel(), per = h_->slot_bytes / static_cast<int64_t>(sizeof(T));
     for (int64_t off = 0; off < n; off += per) {
       const int64_t m = std::min(per, n - off);
+      T* result = reinterpret_cast<T*>(next_result());
       std::memcpy(slot(rank_), data + off, static_cast<size_t>(m) * sizeof(T));
       barrier();
       const int64_t share = (m + size_ - 1) / size_;
       const int64_t chunk = (share + 15) / 16 * 16;  // whole cache lines
       const int64_t b = std::min(m, rank_ * chunk), e = std::min(m, b + chunk);
       if (e > b) {
-        T* acc = reinterpret_cast<T*>(slot(0)) + b;
-        for (int r = 1; r < size_; ++r) combine(acc, reinterpret_cast<const T*>(slot(r)) + b, e - b);
+        std::memcpy(result + b, reinterpret_cast<const T*>(slot(0)) + b, static_cast<size_t>(e - b) * sizeof(T));
+        for (int r = 1; r < size_; ++r) combine(result + b, reinterpret_cast<const T*>(slot(r)) + b, e - b);
       }
       barrier();
-      std::memcpy(data + off, slot(0), static_cast<size_t>(m) * sizeof(T));
-      barrier();  // slot 0 is free for the next piece
+      std::memcpy(data + off, result, static_cast<size_t>(m) * sizeof(T));
     }
     if (!c.is_same(t)) t.copy_(c);
   }
@@ -256,6 +262,7 @@ class ShmGroup : public Collective {
   Header* h_;
   std::atomic<bool> aborted_{false};
   bool forming_ = false;
+  uint64_t pieces_ = 0;  // pieces so far: the same on every member
 };
 
 std::string random_hex() {
@@ -291,7 +298,7 @@ std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, in
   if (size > kMaxMembers) return nullptr;
   auto kv = connect_store(opt);
   const std::string key = opt.prefix + "/shm/name";
-  const int64_t total = kHeaderBytes + static_cast<int64_t>(size) * kSlotBytes;
+  const int64_t total = kHeaderBytes + static_cast<int64_t>(size + 2) * kSlotBytes;  // slots, 2 result areas
   std::string name;
   void* base = nullptr;
   if (rank == 0) {

@@ -7,17 +7,18 @@
 // group is on this host, a Gloo group otherwise.
 //
 // The segment (POSIX shared memory, 0600) holds a header (a barrier, an
-// abort flag, each member's pid) and one slot per member. A collective goes
-// through its tensor in pieces of at most a slot:
+// abort flag, each member's pid), one slot per member and two result
+// areas. A collective goes through its tensor in pieces of at most a slot:
 //   1. each member copies its piece into its slot; barrier;
 //   2. each member reduces its own share of the elements across the slots
 //      in member order (slot 0 + slot 1 + ... in float32; 16-bit pairs added
-//      in float32 and rounded, as comm::sum_bf16 / sum_fp16), into slot 0;
-//      barrier;
-//   3. each member copies the reduced piece out; barrier.
+//      in float32 and rounded, as comm::sum_bf16 / sum_fp16) into a result
+//      area; barrier;
+//   3. each member copies the reduced piece out.
+// The result areas take turns, so the next piece needs no third barrier.
 // Sums run in one fixed order, so every member gets the same bits, and for
 // two members the bits Gloo's ring gives (a + b either way). A broadcast
-// copies the root's piece through its slot.
+// copies the root's piece through a result area (one barrier a piece).
 //
 // Contracts it shares with the Gloo path:
 //   - abort() (the heartbeat thread, on a member that stopped answering)
