@@ -78,12 +78,27 @@ std::vector<std::string> segment_names_of(pid_t pid) {
   return out;
 }
 
+// Whether this machine has POSIX shared memory (a chroot may lack /dev/shm:
+// groups then fall back to Gloo, and these tests have nothing to test).
+bool shm_usable() {
+  const std::string probe = "/limbo-shm-probe-" + std::to_string(::getpid());
+  const int fd = ::shm_open(probe.c_str(), O_CREAT | O_RDWR, 0600);
+  if (fd < 0) return false;
+  ::close(fd);
+  ::shm_unlink(probe.c_str());
+  return true;
+}
+
+#define NEED_SHM() \
+  if (!shm_usable()) GTEST_SKIP() << "no POSIX shared memory here (/dev/shm)";
+
 }  // namespace
 
 // For two members every result is bitwise the Gloo path's: sums (float32,
 // float64, in pieces larger than a slot too), 16-bit sums, maxima and a
 // broadcast.
 TEST(Shm, TwoMembersGetTheGlooPathsBitsForEveryCollective) {
+  NEED_SHM();
   const int world = 2;
   with_members(world, true, "bits", [&](int r, comm::Collective& shm, comm::Collective* gloo) {
     for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{3} << 20}) {  // 3M floats: two slots' worth
@@ -120,6 +135,7 @@ TEST(Shm, TwoMembersGetTheGlooPathsBitsForEveryCollective) {
 // With more members the sum runs in member order, ((a0 + a1) + a2) + a3,
 // on every member alike, whichever member reduces which elements.
 TEST(Shm, SumsRunInMemberOrderOnEveryMember) {
+  NEED_SHM();
   const int world = 4;
   const int64_t n = 10007;
   auto want = member_values(0, n, torch::kFloat32);
@@ -135,6 +151,7 @@ TEST(Shm, SumsRunInMemberOrderOnEveryMember) {
 // blocked waiting for a member that does not come, at once; the segment's
 // flag fails that member's next collective too.
 TEST(Shm, AbortEndsABlockedCollectiveOnEveryMember) {
+  NEED_SHM();
   with_members(2, false, "abort", [&](int r, comm::Collective& shm, comm::Collective*) {
     if (r == 0) {
       std::thread heartbeat([&] {
@@ -158,6 +175,7 @@ TEST(Shm, AbortEndsABlockedCollectiveOnEveryMember) {
 // fraction of a second (its pid is checked while they wait): a child
 // process joins the group and exits without taking part.
 TEST(Shm, AMemberWhoseProcessIsGoneFailsTheOthersAtOnce) {
+  NEED_SHM();
   comm::StoreServer store("127.0.0.1", 0);
   comm::GroupOptions go;
   go.store_port = store.port();
@@ -194,6 +212,7 @@ TEST(Shm, AMemberWhoseProcessIsGoneFailsTheOthersAtOnce) {
 // left by creators that are gone are removed by remove_stale_segments(),
 // those of running processes stay.
 TEST(Shm, NoSegmentNameOutlivesFormationAndStaleOnesAreRemoved) {
+  NEED_SHM();
   with_members(3, false, "names", [&](int r, comm::Collective& shm, comm::Collective*) {
     auto t = torch::ones({10});
     shm.allreduce_sum(t);
@@ -219,6 +238,7 @@ TEST(Shm, NoSegmentNameOutlivesFormationAndStaleOnesAreRemoved) {
 // make_group(): members that share this host form a shared-memory group;
 // with shared_memory off they form a Gloo group.
 TEST(Shm, MakeGroupPicksSharedMemoryOnOneHost) {
+  NEED_SHM();
   comm::StoreServer store("127.0.0.1", 0);
   for (bool shared : {true, false}) {
     std::vector<std::thread> threads;
