@@ -591,8 +591,10 @@ namespace {
 TEST(Elastic, ScheduleAddsAndRemovesWorkersByEpoch) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   Job job;
-  // Epochs long enough (12k samples) for a started worker to join in time.
-  job.start(2, 1, 5, {"--elastic-schedule", "0:2,1:3,3:1"}, {"--set", "data.train_limit=12000"});
+  // Epochs long enough (12k samples, at least 3 ms a step) for a started
+  // worker to join in time: over shared memory a step takes well under that.
+  job.start(2, 1, 5, {"--elastic-schedule", "0:2,1:3,3:1"},
+            {"--set", "data.train_limit=12000", "--set", "train.slow_step_ms=3"});
   auto r = job.finish();
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto s = job.summary();

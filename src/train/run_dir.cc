@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 
 #include <cstdio>
 #include <random>
@@ -72,6 +73,17 @@ void RunDir::append_earlier(const std::string& earlier) {
 
 void RunDir::write_summary(const nlohmann::json& summary) const {
   if (enabled()) write_file_atomic(path_ + "/summary.json", summary.dump(2) + "\n");
+}
+
+void log_committed_batch(const std::string& run_dir, int64_t step, const data::BatchPlan& plan,
+                         const std::vector<int64_t>& epoch_order, int world) {
+  const std::string pid = std::to_string(::getpid());
+  std::string line = std::to_string(step) + " " + std::to_string(plan.begin.epoch);
+  for (int64_t i = 0; i < plan.global_size; ++i) line += " " + std::to_string(epoch_order[plan.begin.position + i]);
+  std::ofstream(run_dir + "/samples-" + pid + ".txt", std::ios::app) << line << "\n";
+  std::string mine = std::to_string(step) + " " + std::to_string(plan.begin.epoch) + " " + std::to_string(world);
+  for (int64_t id : plan.ids) mine += " " + std::to_string(id);
+  std::ofstream(run_dir + "/slices-" + pid + ".txt", std::ios::app) << mine << "\n";
 }
 
 }  // namespace limbo::train

@@ -13,11 +13,22 @@
 
 #include <nlohmann/json.hpp>
 
+#include <vector>
+
+#include "data/sampler.h"
+
 #include <fstream>
 #include <functional>
 #include <string>
 
 namespace limbo::train {
+
+// Testing aid (train.sample_log): every member appends the global batch of
+// each step it commits to RUN_DIR/samples-PID.txt ("step epoch id id ...";
+// a step may commit on several members, readers de-duplicate by step) and
+// its own slice to slices-PID.txt ("step epoch world id id ...").
+void log_committed_batch(const std::string& run_dir, int64_t step, const data::BatchPlan& plan,
+                         const std::vector<int64_t>& epoch_order, int world);
 
 class RunDir {
  public:

@@ -273,22 +273,9 @@ bool Trainer::train_step(Run& r) {
   state_.step += 1;
   state_.samples += r.res.global_batch;
   state_.cursor = batch.plan.end;
-  if (r.t.sample_log && !cfg_.run_dir.empty()) {
-    // Every member logs each step it commits (a step may commit on several
-    // members; readers de-duplicate by step number).
-    const auto& order = r.log_sampler->epoch_order(batch.plan.begin.epoch);
-    std::string line = std::to_string(state_.step) + " " + std::to_string(batch.plan.begin.epoch);
-    for (int64_t i = 0; i < batch.plan.global_size; ++i)
-      line += " " + std::to_string(order[batch.plan.begin.position + i]);
-    std::ofstream(cfg_.run_dir + "/samples-" + std::to_string(::getpid()) + ".txt", std::ios::app)
-        << line << "\n";
-    // ... and the slice it trained on itself: "step epoch world id id ...".
-    std::string mine = std::to_string(state_.step) + " " + std::to_string(batch.plan.begin.epoch) + " " +
-                       std::to_string(r.world);
-    for (int64_t id : batch.plan.ids) mine += " " + std::to_string(id);
-    std::ofstream(cfg_.run_dir + "/slices-" + std::to_string(::getpid()) + ".txt", std::ios::app)
-        << mine << "\n";
-  }
+  if (r.t.sample_log && !cfg_.run_dir.empty())
+    log_committed_batch(cfg_.run_dir, state_.step, batch.plan,
+                        r.log_sampler->epoch_order(batch.plan.begin.epoch), r.world);
   if (!r.pending_event.is_null()) {
     r.pending_event["first_step_seconds"] = seconds_since(r.pending_since);
     if (r.pending_event["reason"] != "start") {
