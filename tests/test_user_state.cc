@@ -45,13 +45,11 @@ double first_value(const json& state, const std::string& buffer) {
   return state["buffers"][buffer]["values"][0].get<double>();
 }
 
-// The final-<pid>.txt fingerprints (step, weights, buffers) of a
-// data-parallel run with train.sample_log.
-std::vector<std::string> final_fingerprints(const std::string& run) {
-  std::vector<std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator(run))
-    if (e.path().filename().string().rfind("final-", 0) == 0) out.push_back(slurp(e.path()));
-  return out;
+// A job alone ("single") or on two elastic data-parallel workers.
+limbo::testing::ProcessResult run_in_mode(const std::string& mode, const std::string& run,
+                                          const std::vector<std::string>& job) {
+  return run_limbo(mode == "single" ? cat({"train", "--run-dir", run}, job)
+                                    : cat({"launch", "--nproc", "2", "--min-workers", "1", "--", "--run-dir", run}, job));
 }
 
 json last_train_record(const std::string& run) {
@@ -119,9 +117,7 @@ TEST(UserState, DataParallelMembersEndWithTheSameBuffersOfEveryDtype) {
                                   {"train.epochs=2", "train.threads=1", "train.sample_log=true"})));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(summary(run)["workers"], 2);
-  auto finals = final_fingerprints(run);
-  ASSERT_EQ(finals.size(), 2u);
-  EXPECT_EQ(finals[0], finals[1]);
+  expect_members_agree(run, 2);
   const int64_t steps = summary(run)["steps"];
   const json state = exported_state(run);
   EXPECT_EQ(first_value(state, "bn.num_batches_tracked"), steps);
@@ -143,19 +139,14 @@ TEST(UserState, IsgdExtraPassesLeaveBatchNormStatisticsAsTheStepLeftThem) {
   for (const std::string mode : {"single", "data-parallel"}) {
     SCOPED_TRACE(mode);
     const std::string run = d.file(mode);
-    auto r = run_limbo(mode == "single" ? cat({"train", "--run-dir", run}, job)
-                                        : cat({"launch", "--nproc", "2", "--min-workers", "1", "--", "--run-dir", run}, job));
+    auto r = run_in_mode(mode, run, job);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     auto s = summary(run);
     EXPECT_GT(s["isgd_extra_iterations"].get<int64_t>(), 0) << s.dump();
     const json state = exported_state(run);
     EXPECT_EQ(first_value(state, "bn.num_batches_tracked"), s["steps"].get<int64_t>());
     EXPECT_EQ(first_value(state, "calls"), s["steps"].get<int64_t>());
-    if (mode == "data-parallel") {
-      auto finals = final_fingerprints(run);
-      ASSERT_EQ(finals.size(), 2u);
-      EXPECT_EQ(finals[0], finals[1]);
-    }
+    if (mode == "data-parallel") expect_members_agree(run, 2);
   }
 }
 
@@ -196,8 +187,7 @@ TEST(UserState, NonFiniteGradientsAreSkippedTogetherAndCounted) {
   for (const std::string mode : {"single", "data-parallel"}) {
     SCOPED_TRACE(mode);
     const std::string run = d.file(mode);
-    auto r = run_limbo(mode == "single" ? cat({"train", "--run-dir", run}, job)
-                                        : cat({"launch", "--nproc", "2", "--min-workers", "1", "--", "--run-dir", run}, job));
+    auto r = run_in_mode(mode, run, job);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     auto s = summary(run);
     const int64_t skipped = s["skipped_steps"];
@@ -206,11 +196,7 @@ TEST(UserState, NonFiniteGradientsAreSkippedTogetherAndCounted) {
     EXPECT_EQ(last_train_record(run)["skipped_steps"], skipped);
     EXPECT_GT(s["test_accuracy"].get<double>(), 0.7) << s.dump();
     EXPECT_NE(r.output.find("not finite"), std::string::npos) << r.output;
-    if (mode == "data-parallel") {
-      auto finals = final_fingerprints(run);
-      ASSERT_EQ(finals.size(), 2u);
-      EXPECT_EQ(finals[0], finals[1]);
-    }
+    if (mode == "data-parallel") expect_members_agree(run, 2);
   }
 }
 
@@ -227,8 +213,7 @@ TEST(UserState, RepeatedNonFiniteStepsStopTheRunAsDiverged) {
   for (const std::string mode : {"single", "data-parallel"}) {
     SCOPED_TRACE(mode);
     const std::string run = d.file(mode);
-    auto r = run_limbo(mode == "single" ? cat({"train", "--run-dir", run}, job)
-                                        : cat({"launch", "--nproc", "2", "--min-workers", "1", "--", "--run-dir", run}, job));
+    auto r = run_in_mode(mode, run, job);
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find("3 steps in a row"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("diverged"), std::string::npos) << r.output;
@@ -270,10 +255,8 @@ TEST(UserState, SixteenShardsTrainExactlyAsOneFileAcrossTwoWorkers) {
                                     {"train.epochs=2", "train.threads=1", "train.sample_log=true"})));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     lines[data] = sample_lines(run);
-    auto f = final_fingerprints(run);
-    ASSERT_EQ(f.size(), 2u);
-    EXPECT_EQ(f[0], f[1]);
-    finals[data] = f[0];
+    expect_members_agree(run, 2);
+    finals[data] = final_fingerprints(run).at(0);
   }
   // Exactly once: each epoch's batches are a permutation of the 6,000 samples.
   std::map<int64_t, std::vector<int64_t>> per_epoch;

@@ -96,4 +96,20 @@ std::vector<std::string> user_job(const Fixtures& fx, const std::string& model, 
 }
 
 json summary(const std::string& run) { return json::parse(slurp(run + "/summary.json")); }
+// The final-<pid>.txt fingerprints (step, weights, buffers) of a
+// data-parallel run with train.sample_log, one per member.
+inline std::vector<std::string> final_fingerprints(const std::string& run) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(run))
+    if (e.path().filename().string().rfind("final-", 0) == 0) out.push_back(slurp(e.path()));
+  return out;
+}
+
+// Every one of `members` ended with the same weights and buffers.
+inline void expect_members_agree(const std::string& run, size_t members) {
+  auto finals = final_fingerprints(run);
+  ASSERT_EQ(finals.size(), members) << run;
+  for (const auto& f : finals) EXPECT_EQ(f, finals[0]);
+}
+
 }  // namespace
