@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "comm/collective.h"
+#include "comm/hier_group.h"
 #include "comm/shm_group.h"
 #include "comm/store.h"
 #include "common/error.h"

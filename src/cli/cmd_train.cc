@@ -8,7 +8,7 @@
 #include "status/server.h"
 #include "cli/schema.h"
 #include "comm/etcd.h"
-#include "comm/shm_group.h"
+#include "comm/hier_group.h"
 #include "common/files.h"
 #include "comm/auth.h"
 #include "comm/collective.h"
@@ -101,6 +101,7 @@ int run_train(const TrainArgs& a) {
     go.token = a.token;
     go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
     go.shared_memory = cfg.get_bool("comm.shared_memory");
+    go.hierarchical = cfg.get_bool("comm.hierarchical");
     auto group = comm::make_group(go, a.dist_rank, a.dist_world);
     trainer.set_update_rule(std::make_shared<elastic::AllReduceUpdate>(
         std::shared_ptr<comm::Collective>(std::move(group)), trainer.sgd_ptr(), trainer.params(),
@@ -112,6 +113,7 @@ int run_train(const TrainArgs& a) {
         static_cast<int64_t>(1000 * cfg.get_float("elastic.collective_timeout")));
     go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
     go.shared_memory = cfg.get_bool("comm.shared_memory");
+    go.hierarchical = cfg.get_bool("comm.hierarchical");
     go.token = a.token;
     elastic::MemberOptions mo;
     mo.round_timeout = std::chrono::milliseconds(

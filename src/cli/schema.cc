@@ -160,7 +160,11 @@ std::shared_ptr<const Schema> train_schema() {
              "giving up"));
 
     s->add(B("comm.shared_memory", true,
-             "workers of one host reduce through shared memory (false: Gloo over loopback)"));
+             "workers of one host reduce through shared memory (false: Gloo over loopback, and "
+             "one flat Gloo group across hosts)"));
+    s->add(B("comm.hierarchical", true,
+             "workers on several hosts: reduce within each host over shared memory, then between "
+             "hosts over Gloo (false: one flat Gloo group)"));
     s->add(S("comm.compression", "none", {"none", "fp16", "bf16"},
              "gradients on the wire (the data-parallel all-reduce and parameter-server pushes): none "
              "(float32), fp16 or bf16 (half the bytes; sums in float32, error feedback keeps what "

@@ -24,7 +24,8 @@ class Collective {
   virtual ~Collective() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
-  // "gloo" or "shared-memory" (comm/shm_group.h), for records and logs.
+  // "gloo", "shared-memory" (comm/shm_group.h) or "hierarchical"
+  // (comm/hier_group.h), for records and logs.
   virtual const char* transport() const { return "gloo"; }
   // Element-wise sum across members, in place. Large tensors are reduced in
   // buckets of at most bucket_bytes.
@@ -62,6 +63,13 @@ struct GroupOptions {
   // make_group(): members that all share this host reduce through shared
   // memory (comm/shm_group.h) instead of Gloo over loopback.
   bool shared_memory = true;
+  // make_group(): members on several hosts, some host holding more than
+  // one: reduce within each host over shared memory and between hosts over
+  // Gloo (comm/hier_group.h); false: one flat Gloo group.
+  bool hierarchical = true;
+  // This member's host as make_group() compares it; empty = host_identity()
+  // (tests place in-process members on different "hosts" with it).
+  std::string host;
   std::string token;       // the job secret of the rendezvous store (comm/auth.h); empty = none
   // Polled every few milliseconds while the group forms: when it returns
   // true (the round being formed was replaced), formation stops at once
@@ -74,6 +82,13 @@ struct GroupOptions {
   std::function<std::shared_ptr<KvStore>()> connect_store;
   std::vector<int> control_ports;
 };
+
+// The store a group forms through (opt.connect_store, or a client of the
+// job's store), and a wait there for `key` that stops with PeerFailure when
+// opt.cancelled says the round was replaced, and with Timeout after
+// opt.timeout.
+std::shared_ptr<KvStore> group_store(const GroupOptions& opt);
+std::string wait_group_key(KvStore& kv, const std::string& key, const GroupOptions& opt);
 
 // Connects to the job's rendezvous store and forms a Gloo group of `size` members.
 // Sets SIGPIPE to ignored if it had the default action (a write to a dead

@@ -309,13 +309,8 @@ class GlooGroup : public Collective {
     check_aborted();
     if (ctx_ && t.scalar_type() == torch::kFloat32 && t.is_contiguous()) {
       try {
-        gloo::AllreduceOptions o(ctx_);
-        o.setOutput(t.data_ptr<float>(), static_cast<size_t>(t.numel()));
-        o.setReduceFunction(static_cast<void (*)(void*, const void*, const void*, size_t)>(
-            &gloo::sum<float>));
-        o.setTag(tag_++);
-        o.setTimeout(opt_.timeout);
-        gloo::allreduce(o);
+        direct_allreduce(t.data_ptr(), static_cast<size_t>(t.numel()), sizeof(float),
+                         static_cast<ReduceFn>(&gloo::sum<float>));
       } catch (const std::exception& e) {
         rethrow_classified(message_of(e), "all-reduce in group '" + opt_.prefix + "'");
       }
@@ -346,12 +341,7 @@ class GlooGroup : public Collective {
     if (!ctx_)
       throw InvalidInput("compressed all-reduce needs the direct Gloo path (elastic.direct_allreduce = true)");
     try {
-      gloo::AllreduceOptions o(ctx_);
-      o.setOutput(static_cast<uint16_t*>(t.data_ptr()), static_cast<size_t>(t.numel()));
-      o.setReduceFunction(half ? &sum_fp16 : &sum_bf16);
-      o.setTag(tag_++);
-      o.setTimeout(opt_.timeout);
-      gloo::allreduce(o);
+      direct_allreduce(t.data_ptr(), static_cast<size_t>(t.numel()), 2, half ? &sum_fp16 : &sum_bf16);
     } catch (const std::exception& e) {
       rethrow_classified(message_of(e), "compressed all-reduce in group '" + opt_.prefix + "'");
     }
@@ -384,6 +374,83 @@ class GlooGroup : public Collective {
   }
 
  private:
+  using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+
+  // The direct path's all-reduce. Two members, or a count that is not a
+  // power of two: Gloo's ring. 4, 8, 16, ... members: recursive halving then
+  // doubling with partners at distance 1 first, so every element is summed
+  // as a tree over the ranks, ((x0 + x1) + (x2 + x3)) + ..., whatever its
+  // position: the order a hierarchical group gives when each host holds
+  // consecutive ranks (comm/hier_group.h), and the same bandwidth as the
+  // ring (each member sends (p-1)/p of the tensor twice).
+  void direct_allreduce(void* data, size_t count, size_t elsize, ReduceFn fn) {
+    const int p = size();
+    if (p <= 2 || (p & (p - 1)) != 0) {
+      gloo::AllreduceOptions o(ctx_);
+      if (elsize == sizeof(float)) o.setOutput(static_cast<float*>(data), count);
+      else o.setOutput(static_cast<uint16_t*>(data), count);
+      o.setReduceFunction(fn);
+      o.setTag(tag_++);
+      o.setTimeout(opt_.timeout);
+      gloo::allreduce(o);
+      return;
+    }
+    tree_allreduce(static_cast<uint8_t*>(data), count, elsize, fn);
+  }
+
+  void tree_allreduce(uint8_t* data, size_t count, size_t elsize, ReduceFn fn) {
+    const int r = rank(), p = size();
+    const uint32_t tag = tag_++;
+    scratch_.resize((count + 1) / 2 * elsize);
+    auto buf = ctx_->createUnboundBuffer(data, count * elsize);
+    auto tmp = ctx_->createUnboundBuffer(scratch_.data(), scratch_.size());
+    auto wait = [&](gloo::transport::UnboundBuffer& b, bool recv) {
+      if (!(recv ? b.waitRecv(opt_.timeout) : b.waitSend(opt_.timeout)))
+        throw PeerFailure("group '" + opt_.prefix + "' was aborted (a member stopped answering)");
+    };
+    // Reduce-scatter: keep one half of the range, send the other to the
+    // partner, add the partner's copy of the kept half (a + b = b + a).
+    std::vector<std::pair<size_t, size_t>> parents;
+    size_t lo = 0, hi = count;
+    uint8_t step = 0;
+    for (int d = 1; d < p; d <<= 1, ++step) {
+      const int peer = r ^ d;
+      const size_t mid = lo + (hi - lo) / 2;
+      const bool upper = (r & d) != 0;
+      const size_t keep_lo = upper ? mid : lo, keep_hi = upper ? hi : mid;
+      const size_t give_lo = upper ? lo : mid, give_hi = upper ? mid : hi;
+      const auto slot = gloo::Slot::build(kTreeSlotPrefix, tag) + step;
+      if (give_hi > give_lo) buf->send(peer, slot, give_lo * elsize, (give_hi - give_lo) * elsize);
+      if (keep_hi > keep_lo) {
+        tmp->recv(peer, slot, 0, (keep_hi - keep_lo) * elsize);
+        wait(*tmp, true);
+        fn(data + keep_lo * elsize, data + keep_lo * elsize, scratch_.data(), keep_hi - keep_lo);
+      }
+      if (give_hi > give_lo) wait(*buf, false);
+      parents.emplace_back(lo, hi);
+      lo = keep_lo;
+      hi = keep_hi;
+    }
+    // All-gather, the steps in reverse: swap the owned range for the
+    // partner's (its sibling in the parent range).
+    for (int d = p >> 1; d >= 1; d >>= 1) {
+      --step;
+      const int peer = r ^ d;
+      const auto [plo, phi] = parents[step];
+      const bool upper = lo != plo;
+      const size_t sib_lo = upper ? plo : hi, sib_hi = upper ? lo : phi;
+      const auto slot = gloo::Slot::build(kTreeSlotPrefix, tag) + static_cast<uint8_t>(32 + step);
+      if (hi > lo) buf->send(peer, slot, lo * elsize, (hi - lo) * elsize);
+      if (sib_hi > sib_lo) buf->recv(peer, slot, sib_lo * elsize, (sib_hi - sib_lo) * elsize);
+      if (sib_hi > sib_lo) wait(*buf, true);
+      if (hi > lo) wait(*buf, false);
+      lo = plo;
+      hi = phi;
+    }
+  }
+
+  static constexpr uint8_t kTreeSlotPrefix = 0x4c;  // not one of Gloo's own (gloo/types.h)
+
   void check_aborted() {
     std::lock_guard<std::mutex> lock(abort_mu_);
     if (aborted_) throw PeerFailure("group '" + opt_.prefix + "' was aborted (a member stopped answering)");
@@ -396,6 +463,7 @@ class GlooGroup : public Collective {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::shared_ptr<gloo::rendezvous::Context> ctx_;
   uint32_t tag_ = 0;
+  std::vector<uint8_t> scratch_;  // the tree all-reduce's received halves
 };
 
 }  // namespace

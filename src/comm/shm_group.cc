@@ -85,26 +85,6 @@ __attribute__((optimize("O3"))) void max_into(T* __restrict acc, const T* __rest
   for (int64_t i = 0; i < n; ++i) acc[i] = std::max(acc[i], src[i]);
 }
 
-std::shared_ptr<KvStore> connect_store(const GroupOptions& opt) {
-  if (opt.connect_store) return opt.connect_store();
-  return std::shared_ptr<KvStore>(connect_kv_store(opt.store_host, opt.store_port, opt.timeout, opt.token));
-}
-
-// Waits for `key` in slices, so that a replaced round stops the wait.
-std::string wait_key(KvStore& kv, const std::string& key, const GroupOptions& opt) {
-  const auto deadline = Clock::now() + opt.timeout;
-  for (;;) {
-    if (opt.cancelled && opt.cancelled())
-      throw PeerFailure("group '" + opt.prefix + "': formation cancelled (the round was replaced)");
-    if (kv.wait_for(key, std::chrono::milliseconds(100))) {
-      if (auto v = kv.try_get(key)) return *v;
-    }
-    if (Clock::now() > deadline)
-      throw Timeout("group '" + opt.prefix + "': no '" + key + "' in " + kv.describe() + " after " +
-                    std::to_string(opt.timeout.count()) + " ms");
-  }
-}
-
 class ShmGroup : public Collective {
  public:
   ShmGroup(GroupOptions opt, int rank, int size, void* base, int64_t bytes)
@@ -281,6 +261,25 @@ std::string read_first_line(const std::string& path) {
 
 }  // namespace
 
+std::shared_ptr<KvStore> group_store(const GroupOptions& opt) {
+  if (opt.connect_store) return opt.connect_store();
+  return std::shared_ptr<KvStore>(connect_kv_store(opt.store_host, opt.store_port, opt.timeout, opt.token));
+}
+
+std::string wait_group_key(KvStore& kv, const std::string& key, const GroupOptions& opt) {
+  const auto deadline = Clock::now() + opt.timeout;
+  for (;;) {
+    if (opt.cancelled && opt.cancelled())
+      throw PeerFailure("group '" + opt.prefix + "': formation cancelled (the round was replaced)");
+    if (kv.wait_for(key, std::chrono::milliseconds(100))) {
+      if (auto v = kv.try_get(key)) return *v;
+    }
+    if (Clock::now() > deadline)
+      throw Timeout("group '" + opt.prefix + "': no '" + key + "' in " + kv.describe() + " after " +
+                    std::to_string(opt.timeout.count()) + " ms");
+  }
+}
+
 std::string host_identity() {
   char host[256] = {0};
   ::gethostname(host, sizeof host - 1);
@@ -296,7 +295,7 @@ std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, in
   if (size < 1 || rank < 0 || rank >= size)
     throw InvalidInput("bad rank " + std::to_string(rank) + " for a group of " + std::to_string(size));
   if (size > kMaxMembers) return nullptr;
-  auto kv = connect_store(opt);
+  auto kv = group_store(opt);
   const std::string key = opt.prefix + "/shm/name";
   const int64_t total = kHeaderBytes + static_cast<int64_t>(size + 2) * kSlotBytes;  // slots, 2 result areas
   std::string name;
@@ -332,7 +331,7 @@ std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, in
     h->total_bytes = total;
     kv->set(key, name);
   } else {
-    name = wait_key(*kv, key, opt);
+    name = wait_group_key(*kv, key, opt);
     if (name == "none") return nullptr;
     const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
     if (fd < 0) throw PeerFailure("group '" + opt.prefix + "': cannot open its segment " + name + ": " + std::strerror(errno));
@@ -355,21 +354,6 @@ std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, in
   }
   if (rank == 0) ::shm_unlink(name.c_str());  // every member has it mapped
   return g;
-}
-
-std::unique_ptr<Collective> make_group(const GroupOptions& opt, int rank, int size) {
-  if (!opt.shared_memory) return make_gloo_group(opt, rank, size);
-  const std::string me = host_identity();
-  bool one_host = true;
-  {
-    auto kv = connect_store(opt);
-    kv->set(opt.prefix + "/host/" + std::to_string(rank), me);
-    for (int r = 0; r < size && one_host; ++r)
-      if (r != rank) one_host = wait_key(*kv, opt.prefix + "/host/" + std::to_string(r), opt) == me;
-  }
-  if (one_host)
-    if (auto g = make_shm_group(opt, rank, size)) return g;
-  return make_gloo_group(opt, rank, size);
 }
 
 int remove_stale_segments() {

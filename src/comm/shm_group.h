@@ -3,8 +3,8 @@
 // Workers on one host need not go through loopback TCP (kernel socket
 // copies and a system call per message, which for a 1 MB gradient cost more
 // than the step's compute on this machine): they map one shared segment and
-// reduce in it. make_group() forms a ShmGroup when every member of the
-// group is on this host, a Gloo group otherwise.
+// reduce in it. make_group() (comm/hier_group.h) forms a ShmGroup when every
+// member of the group is on this host.
 //
 // The segment (POSIX shared memory, 0600) holds a header (a barrier, an
 // abort flag, each member's pid), one slot per member and two result
@@ -57,11 +57,6 @@ std::string host_identity();
 // opt.prefix in the job's store; null (every member alike) when the
 // segment cannot be made.
 std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, int size);
-
-// Every member of the group on this host (and opt.shared_memory): a
-// shared-memory group; otherwise a Gloo group. The members publish their
-// host identity under opt.prefix and read each other's.
-std::unique_ptr<Collective> make_group(const GroupOptions& opt, int rank, int size);
 
 // Removes every segment name (/dev/shm/limbo-shm-PID-*) whose creator is
 // no longer running; returns how many. Names of running processes stay.

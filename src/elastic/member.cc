@@ -1,6 +1,6 @@
 #include "elastic/member.h"
 
-#include "comm/shm_group.h"
+#include "comm/hier_group.h"
 
 #include <unistd.h>
 

@@ -1,0 +1,168 @@
+#include "comm/hier_group.h"
+
+#include <algorithm>
+#include <map>
+#include <vector>
+
+#include "comm/shm_group.h"
+#include "common/error.h"
+
+namespace limbo::comm {
+namespace {
+
+// The local group of a host with one member.
+class SoloGroup : public Collective {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  void allreduce_sum(torch::Tensor&) override {}
+  void allreduce_sum_16(torch::Tensor&) override {}
+  void allreduce_max(torch::Tensor&) override {}
+  void broadcast(torch::Tensor&, int) override {}
+  void abort() override {}
+};
+
+// Where each member sits: its host (numbered by lowest rank) and its place
+// among that host's members (by rank).
+struct Layout {
+  std::vector<int> host, local;
+  std::vector<int> members;  // per host
+  int chunks = 1;            // K: the smallest host's member count
+};
+
+Layout layout_of(const std::vector<std::string>& ids) {
+  Layout l;
+  std::map<std::string, int> index;
+  for (const auto& id : ids) {
+    auto [it, fresh] = index.emplace(id, static_cast<int>(l.members.size()));
+    if (fresh) l.members.push_back(0);
+    l.host.push_back(it->second);
+    l.local.push_back(l.members[it->second]++);
+  }
+  l.chunks = *std::min_element(l.members.begin(), l.members.end());
+  return l;
+}
+
+class HierGroup : public Collective {
+ public:
+  HierGroup(std::string prefix, int rank, Layout layout, std::unique_ptr<Collective> local,
+            std::unique_ptr<Collective> cross)
+      : prefix_(std::move(prefix)), rank_(rank), l_(std::move(layout)), local_(std::move(local)),
+        cross_(std::move(cross)) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(l_.host.size()); }
+  const char* transport() const override { return "hierarchical"; }
+
+  void allreduce_sum(torch::Tensor& t) override {
+    guarded(t, [](Collective& g, torch::Tensor& x) { g.allreduce_sum(x); });
+  }
+  void allreduce_sum_16(torch::Tensor& t) override {
+    guarded(t, [](Collective& g, torch::Tensor& x) { g.allreduce_sum_16(x); });
+  }
+  void allreduce_max(torch::Tensor& t) override {
+    guarded(t, [](Collective& g, torch::Tensor& x) { g.allreduce_max(x); });
+  }
+
+  // From the root within its host, from the root's host to local member 0
+  // of every other host (cross group 0), then within each other host.
+  void broadcast(torch::Tensor& t, int root) override {
+    if (root < 0 || root >= size())
+      throw Error("broadcast from member " + std::to_string(root) + " of " + std::to_string(size()));
+    const int my_host = l_.host[rank_], root_host = l_.host[root];
+    try {
+      torch::Tensor c = t.is_contiguous() ? t : t.contiguous();
+      if (my_host == root_host) local_->broadcast(c, l_.local[root]);
+      // Cross group 0 is every host's member 0, which has the tensor now
+      // on the root's host.
+      if (cross_ && l_.local[rank_] == 0) cross_->broadcast(c, root_host);
+      if (my_host != root_host) local_->broadcast(c, 0);
+      if (!c.is_same(t)) t.copy_(c);
+    } catch (...) {
+      abort();
+      throw;
+    }
+  }
+
+  void abort() override {
+    local_->abort();
+    if (cross_) cross_->abort();
+  }
+
+ private:
+  template <typename Op>
+  void guarded(torch::Tensor& t, Op op) {
+    try {
+      torch::Tensor c = t.is_contiguous() ? t : t.contiguous();
+      op(*local_, c);  // 1. the host's sum, on every member of the host
+      auto flat = c.view(-1);
+      const int64_t n = flat.numel(), k = l_.chunks;
+      auto chunk = [&](int64_t j) { return flat.narrow(0, n * j / k, n * (j + 1) / k - n * j / k); };
+      const int me = l_.local[rank_];
+      if (cross_ && me < k) {  // 2. chunk `me` between hosts
+        auto mine = chunk(me);
+        if (mine.numel() > 0) op(*cross_, mine);
+      }
+      if (local_->size() > 1)  // 3. every chunk within the host
+        for (int64_t j = 0; j < k; ++j) {
+          auto part = chunk(j);
+          if (part.numel() > 0) local_->broadcast(part, static_cast<int>(j));
+        }
+      if (!c.is_same(t)) t.copy_(c);
+    } catch (...) {
+      abort();
+      throw;
+    }
+  }
+
+  std::string prefix_;
+  int rank_;
+  Layout l_;
+  std::unique_ptr<Collective> local_, cross_;
+};
+
+// Every member's host, as each published it under the group's prefix.
+std::vector<std::string> hosts_of_members(const GroupOptions& opt, int rank, int size) {
+  auto kv = group_store(opt);
+  kv->set(opt.prefix + "/host/" + std::to_string(rank), opt.host.empty() ? host_identity() : opt.host);
+  std::vector<std::string> ids(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) ids[r] = wait_group_key(*kv, opt.prefix + "/host/" + std::to_string(r), opt);
+  return ids;
+}
+
+std::unique_ptr<Collective> local_group(const GroupOptions& opt, int rank, int size) {
+  if (size == 1) return std::make_unique<SoloGroup>();
+  if (auto g = make_shm_group(opt, rank, size)) return g;
+  return make_gloo_group(opt, rank, size);
+}
+
+}  // namespace
+
+std::unique_ptr<Collective> make_group(const GroupOptions& opt, int rank, int size) {
+  if (size < 1 || rank < 0 || rank >= size)
+    throw InvalidInput("bad rank " + std::to_string(rank) + " for a group of " + std::to_string(size));
+  if (!opt.shared_memory || size == 1) return make_gloo_group(opt, rank, size);
+  Layout l = layout_of(hosts_of_members(opt, rank, size));
+  const int hosts = static_cast<int>(l.members.size());
+  if (hosts == 1) return local_group(opt, rank, size);
+  if (!opt.hierarchical || hosts == size) return make_gloo_group(opt, rank, size);
+
+  const int host = l.host[rank], me = l.local[rank];
+  GroupOptions lo = opt;
+  lo.prefix = opt.prefix + "/local/" + std::to_string(host);
+  auto local = local_group(lo, me, l.members[host]);
+  std::unique_ptr<Collective> cross;
+  if (me < l.chunks) {
+    GroupOptions co = opt;
+    co.prefix = opt.prefix + "/cross/" + std::to_string(me);
+    try {
+      cross = make_gloo_group(co, host, hosts);
+    } catch (...) {
+      local->abort();  // the host's other members stop waiting for this one
+      throw;
+    }
+  }
+  return std::make_unique<HierGroup>(opt.prefix, rank, std::move(l), std::move(local), std::move(cross));
+}
+
+}  // namespace limbo::comm
