@@ -18,9 +18,12 @@ about 10M parameters, 40 MB of gradients).
     bench/ddp_throughput.py [--limbo build/src/cli/limbo] [--steps 400] [--repeats 3]
                             [--models mlp,lenet,mlp10m] [--veth]
 
---veth puts each worker in a network namespace of its own, joined by a veth
-pair (two "hosts"; needs root and iproute2): DDP's ranks and Limbo's two
-launchers (elastic, --min-workers 2) talk over 10.232.x.1/2.
+--veth puts the workers in two network namespaces joined by a veth pair (two
+"hosts"; needs root and iproute2), --per-host N of them in each (default 1):
+DDP's ranks (host = rank // N) and Limbo's two launchers (elastic, --nproc N,
+--min-workers 2N) talk over 10.232.x.1/2. With N > 1, Limbo's default is the
+hierarchical all-reduce (shared memory within a host, Gloo between hosts)
+and "over Gloo" is one flat Gloo group (comm.shared_memory = false).
 """
 import argparse
 import json
@@ -68,20 +71,24 @@ def ddp_worker(rank, world, port, name, batch, steps, channels_last, master="127
 
 
 VETH = None  # set by --veth
+PER_HOST = 1  # workers per host (--per-host, with --veth)
 
 
 def ddp_rate(name, batch, steps, channels_last, port, view=False):
     master = VETH.ip[0] if VETH else "127.0.0.1"
+    world = 2 * PER_HOST if VETH else 2
     def env(r):  # Gloo in a namespace must be told its interface
-        return dict(os.environ, GLOO_SOCKET_IFNAME=VETH.dev[r]) if VETH else None
-    procs = [subprocess.Popen((VETH.prefix(r) if VETH else []) +
+        return dict(os.environ, GLOO_SOCKET_IFNAME=VETH.dev[r // PER_HOST]) if VETH else None
+    procs = [subprocess.Popen((VETH.prefix(r // PER_HOST) if VETH else []) +
                               [sys.executable, __file__, "--ddp-worker", str(r), str(port), name,
-                               str(batch), str(steps), str(int(channels_last)), master, str(int(view))],
+                               str(batch), str(steps), str(int(channels_last)), master, str(int(view)),
+                               str(world)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env(r))
-             for r in range(2)]
+             for r in range(world)]
     try:
         out = procs[0].communicate(timeout=900)[0]
-        procs[1].wait(timeout=60)
+        for p in procs[1:]:
+            p.wait(timeout=60)
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
@@ -114,10 +121,13 @@ def limbo_rate(limbo, name, batch, steps, compression="none", overlap=True, buck
                 return json.load(f)["samples_per_second"]
         if VETH:  # one launcher per "host", joined through the first one's store
             rdzv = f"{VETH.ip[0]}:{29700 + os.getpid() % 200}"
-            procs = [subprocess.Popen(VETH.prefix(r) + [limbo, "launch", "--nproc", "1", "--min-workers", "2",
-                                                         "--rdzv", rdzv, "--"] + run + args,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                     for r in range(2)]
+            procs = []
+            for r in range(2):
+                procs.append(subprocess.Popen(
+                    VETH.prefix(r) + [limbo, "launch", "--nproc", str(PER_HOST), "--min-workers",
+                                      str(2 * PER_HOST), "--rdzv", rdzv, "--"] + run + args,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                time.sleep(1.0)  # host A's workers take the first ranks
             try:
                 if r0 := procs[0].wait(timeout=900):
                     raise RuntimeError(f"limbo launcher exited with {r0}")
@@ -140,8 +150,8 @@ def limbo_rate(limbo, name, batch, steps, compression="none", overlap=True, buck
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--ddp-worker":
-        r, port, name, batch, steps, cl, master, view = sys.argv[2:10]
-        ddp_worker(int(r), 2, int(port), name, int(batch), int(steps), cl == "1", master, view == "1")
+        r, port, name, batch, steps, cl, master, view, world = sys.argv[2:11]
+        ddp_worker(int(r), int(world), int(port), name, int(batch), int(steps), cl == "1", master, view == "1")
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limbo", default="build/src/cli/limbo")
@@ -150,10 +160,12 @@ def main():
     ap.add_argument("--models", default="mlp,lenet,mlp10m")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--big-steps", type=int, default=100, help="steps for mlp10m")
-    ap.add_argument("--veth", action="store_true", help="each worker in its own network namespace")
+    ap.add_argument("--veth", action="store_true", help="the workers in two network namespaces")
+    ap.add_argument("--per-host", type=int, default=1, help="workers per namespace (with --veth)")
     ap.add_argument("--extra", action="store_true", help="also Limbo without overlap and with bf16")
     args = ap.parse_args()
-    global VETH
+    global VETH, PER_HOST
+    PER_HOST = args.per_host
     if args.veth:
         VETH = Veth()
     try:
@@ -165,8 +177,8 @@ def main():
 
 def run_all(args):
     port = 29650
-    print(("two network namespaces joined by veth; " if VETH else "loopback; ") +
-          f"2 workers x 1 thread, per-worker batch {args.batch}, {args.steps} steps "
+    print((f"two network namespaces joined by veth, {PER_HOST} per host; " if VETH else "loopback; ") +
+          f"{2 * PER_HOST if VETH else 2} workers x 1 thread, per-worker batch {args.batch}, {args.steps} steps "
           f"({args.big_steps} for mlp10m), global samples/s, {args.repeats} interleaved repeats")
     for name in args.models.split(","):
         steps = args.big_steps if name == "mlp10m" else args.steps
