@@ -75,14 +75,15 @@ bool process_alive(pid_t pid) {
   return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
 }
 
+// out = a (op) b, element-wise; out may be a.
 template <typename T>
-__attribute__((optimize("O3"))) void add_into(T* __restrict acc, const T* __restrict src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += src[i];
+__attribute__((optimize("O3"))) void add3(T* out, const T* a, const T* __restrict b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
 }
 
 template <typename T>
-__attribute__((optimize("O3"))) void max_into(T* __restrict acc, const T* __restrict src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] = std::max(acc[i], src[i]);
+__attribute__((optimize("O3"))) void max3(T* out, const T* a, const T* __restrict b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = std::max(a[i], b[i]);
 }
 
 class ShmGroup : public Collective {
@@ -105,26 +106,26 @@ class ShmGroup : public Collective {
 
   void allreduce_sum(torch::Tensor& t) override {
     switch (t.scalar_type()) {
-      case torch::kFloat32: return reduce<float>(t, add_into<float>);
-      case torch::kFloat64: return reduce<double>(t, add_into<double>);
-      case torch::kInt64: return reduce<int64_t>(t, add_into<int64_t>);
-      case torch::kInt32: return reduce<int32_t>(t, add_into<int32_t>);
+      case torch::kFloat32: return reduce<float>(t, add3<float>);
+      case torch::kFloat64: return reduce<double>(t, add3<double>);
+      case torch::kInt64: return reduce<int64_t>(t, add3<int64_t>);
+      case torch::kInt32: return reduce<int32_t>(t, add3<int32_t>);
       default: throw Error("shared-memory all-reduce: unsupported dtype " + std::string(c10::toString(t.scalar_type())));
     }
   }
   void allreduce_sum_16(torch::Tensor& t) override {
     if (t.scalar_type() == torch::kHalf)
-      return reduce<uint16_t>(t, [](uint16_t* acc, const uint16_t* src, int64_t n) { sum_fp16(acc, acc, src, n); });
+      return reduce<uint16_t>(t, [](uint16_t* out, const uint16_t* a, const uint16_t* b, int64_t n) { sum_fp16(out, a, b, n); });
     if (t.scalar_type() == torch::kBFloat16)
-      return reduce<uint16_t>(t, [](uint16_t* acc, const uint16_t* src, int64_t n) { sum_bf16(acc, acc, src, n); });
+      return reduce<uint16_t>(t, [](uint16_t* out, const uint16_t* a, const uint16_t* b, int64_t n) { sum_bf16(out, a, b, n); });
     throw Error("allreduce_sum_16 needs a kHalf or kBFloat16 tensor");
   }
   void allreduce_max(torch::Tensor& t) override {
     switch (t.scalar_type()) {
-      case torch::kFloat32: return reduce<float>(t, max_into<float>);
-      case torch::kFloat64: return reduce<double>(t, max_into<double>);
-      case torch::kInt64: return reduce<int64_t>(t, max_into<int64_t>);
-      case torch::kInt32: return reduce<int32_t>(t, max_into<int32_t>);
+      case torch::kFloat32: return reduce<float>(t, max3<float>);
+      case torch::kFloat64: return reduce<double>(t, max3<double>);
+      case torch::kInt64: return reduce<int64_t>(t, max3<int64_t>);
+      case torch::kInt32: return reduce<int32_t>(t, max3<int32_t>);
       default: throw Error("shared-memory max: unsupported dtype " + std::string(c10::toString(t.scalar_type())));
     }
   }
@@ -159,10 +160,12 @@ class ShmGroup : public Collective {
   // previous result out: two barriers a piece suffice.
   uint8_t* next_result() { return slot(size_ + static_cast<int>(pieces_++ & 1)); }
 
-  // Pieces of at most a slot: copy in, reduce this member's share across
-  // the slots in member order into a result area, copy the result out.
-  template <typename T, typename Reduce>
-  void reduce(torch::Tensor& t, Reduce combine) {
+  // Pieces of at most a slot. Each member reduces its own share of a piece
+  // across the members in member order, so it copies into its slot only the
+  // others' shares (its own it reads from its tensor), then the reduced
+  // piece comes out of a result area.
+  template <typename T, typename Combine>
+  void reduce(torch::Tensor& t, Combine combine) {
     check_usable();
     if (size_ == 1) return;
     torch::Tensor c = t.is_contiguous() ? t : t.contiguous();
@@ -171,17 +174,21 @@ class ShmGroup : public Collective {
     for (int64_t off = 0; off < n; off += per) {
       const int64_t m = std::min(per, n - off);
       T* result = reinterpret_cast<T*>(next_result());
-      std::memcpy(slot(rank_), data + off, static_cast<size_t>(m) * sizeof(T));
-      barrier();
+      T* piece = data + off;
       const int64_t share = (m + size_ - 1) / size_;
       const int64_t chunk = (share + 15) / 16 * 16;  // whole cache lines
       const int64_t b = std::min(m, rank_ * chunk), e = std::min(m, b + chunk);
+      T* mine = reinterpret_cast<T*>(slot(rank_));
+      std::memcpy(mine, piece, static_cast<size_t>(b) * sizeof(T));
+      std::memcpy(mine + e, piece + e, static_cast<size_t>(m - e) * sizeof(T));
+      barrier();
       if (e > b) {
-        std::memcpy(result + b, reinterpret_cast<const T*>(slot(0)) + b, static_cast<size_t>(e - b) * sizeof(T));
-        for (int r = 1; r < size_; ++r) combine(result + b, reinterpret_cast<const T*>(slot(r)) + b, e - b);
+        auto term = [&](int r) { return r == rank_ ? piece + b : reinterpret_cast<const T*>(slot(r)) + b; };
+        combine(result + b, term(0), term(1), e - b);
+        for (int r = 2; r < size_; ++r) combine(result + b, result + b, term(r), e - b);
       }
       barrier();
-      std::memcpy(data + off, result, static_cast<size_t>(m) * sizeof(T));
+      std::memcpy(piece, result, static_cast<size_t>(m) * sizeof(T));
     }
     if (!c.is_same(t)) t.copy_(c);
   }

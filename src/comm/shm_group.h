@@ -9,7 +9,8 @@
 // The segment (POSIX shared memory, 0600) holds a header (a barrier, an
 // abort flag, each member's pid), one slot per member and two result
 // areas. A collective goes through its tensor in pieces of at most a slot:
-//   1. each member copies its piece into its slot; barrier;
+//   1. each member copies into its slot the parts of its piece that the
+//      others reduce (its own share it reads from its tensor); barrier;
 //   2. each member reduces its own share of the elements across the slots
 //      in member order (slot 0 + slot 1 + ... in float32; 16-bit pairs added
 //      in float32 and rounded, as comm::sum_bf16 / sum_fp16) into a result
