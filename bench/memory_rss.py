@@ -33,8 +33,9 @@ ROOT = os.path.dirname(HERE)
 def torch_job(epochs):
     import numpy as np
     import torch
-    import torch.nn as nn
     import torch.nn.functional as F
+    sys.path.insert(0, HERE)
+    from train_throughput import LeNet
 
     torch.set_num_threads(2)
     torch.manual_seed(1)
@@ -58,19 +59,6 @@ def torch_job(epochs):
 
     def batch(x, ids):
         return (x[ids].float() / 255.0 - mean) / std
-
-    class LeNet(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv1 = nn.Conv2d(1, 20, 5)
-            self.conv2 = nn.Conv2d(20, 50, 5)
-            self.fc1 = nn.Linear(800, 500)
-            self.fc2 = nn.Linear(500, 10)
-
-        def forward(self, x):
-            x = F.max_pool2d(self.conv1(x), 2)
-            x = F.max_pool2d(self.conv2(x), 2)
-            return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
     model = LeNet()
     steps = epochs * (len(ytr) // 64)

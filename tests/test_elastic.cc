@@ -19,6 +19,7 @@
 #include "elastic/coordinator.h"
 #include "elastic/elastic_membership.h"
 #include "job_checks.h"
+#include "member_threads.h"
 #include "test_util.h"
 
 using namespace limbo;
@@ -267,24 +268,7 @@ struct Job {
 // Runs `f(group, rank)` on `world` threads of this process, each a member
 // of one Gloo group on a shared store.
 void with_members(int world, const std::function<void(comm::Collective&, int)>& f) {
-  comm::StoreServer store("127.0.0.1", 0);
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(world);
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        comm::GroupOptions go;
-        go.store_port = store.port();
-        go.prefix = "records";
-        go.timeout = std::chrono::milliseconds(20000);
-        auto group = comm::make_gloo_group(go, r, world);
-        f(*group, r);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "member " << r;
+  limbo::testing::with_gloo_members(world, "records", [&](int r, std::shared_ptr<comm::Collective> g) { f(*g, r); });
 }
 
 // Members 0 and 2 share a run directory's storage, member 1 has its own,

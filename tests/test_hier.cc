@@ -16,42 +16,25 @@
 #include "comm/hier_group.h"
 #include "comm/store.h"
 #include "common/error.h"
+#include "member_threads.h"
 
 using namespace limbo;
 
 namespace {
 
 // Runs fn on one thread per entry of `hosts` (member r on host hosts[r]),
-// each with the group make_group() forms; fn's exceptions are the member's
-// error, returned in rank order.
+// each with the group make_group() forms; returns the members' errors.
 std::vector<std::string> with_group(const std::vector<std::string>& hosts, const std::string& prefix,
                                     const std::function<void(int, comm::Collective&)>& fn,
                                     bool hierarchical = true) {
-  comm::StoreServer store("127.0.0.1", 0);
   const int world = static_cast<int>(hosts.size());
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(world);
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        comm::GroupOptions go;
-        go.store_port = store.port();
-        go.timeout = std::chrono::milliseconds(20000);
-        go.prefix = prefix;
-        go.host = hosts[r];
-        go.hierarchical = hierarchical;
-        auto g = comm::make_group(go, r, world);
-        fn(r, *g);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  return errors;
-}
-
-void expect_no_errors(const std::vector<std::string>& errors) {
-  for (size_t r = 0; r < errors.size(); ++r) EXPECT_EQ(errors[r], "") << "member " << r;
+  return limbo::testing::on_member_threads(world, [&](int r, comm::GroupOptions go) {
+    go.prefix = prefix;
+    go.host = hosts[r];
+    go.hierarchical = hierarchical;
+    auto g = comm::make_group(go, r, world);
+    fn(r, *g);
+  });
 }
 
 // Member r's values, of magnitudes that differ by member so that the order
@@ -103,7 +86,9 @@ TEST(Hier, AFlatPowerOfTwoGroupSumsAsATreeOverRanks) {
       if (world == 8 && n > 100000) continue;  // 8 threads on this machine: keep it short
       const auto xs = all_values(world, n);
       const auto want = tree(xs, add_f32);
-      if (n > 1000) ASSERT_FALSE(torch::equal(want, chain(xs))) << "the orders must differ for the check to mean anything";
+      if (n > 1000) {
+        ASSERT_FALSE(torch::equal(want, chain(xs))) << "the orders must differ for the check to mean anything";
+      }
       std::vector<torch::Tensor> bf(xs.size());
       for (int r = 0; r < world; ++r) bf[r] = xs[r].to(torch::kBFloat16);
       const auto want16 = tree(bf, add_bf16);
@@ -118,7 +103,7 @@ TEST(Hier, AFlatPowerOfTwoGroupSumsAsATreeOverRanks) {
         g.allreduce_sum_16(h);
         EXPECT_TRUE(torch::equal(h, want16)) << "bf16: world " << world << ", n " << n << ", member " << r;
       });
-      expect_no_errors(errors);
+      limbo::testing::expect_no_member_errors(errors);
     }
   }
 }
@@ -156,7 +141,7 @@ TEST(Hier, TwoHostsOfTwoGiveTheFlatTreesBits) {
       EXPECT_TRUE(torch::equal(b, values(root, 777))) << "member " << r << ", root " << root;
     }
   });
-  expect_no_errors(errors);
+  limbo::testing::expect_no_member_errors(errors);
 }
 
 // Hosts of different sizes (2 + 3 + 1: one chunk, led by each host's first
@@ -185,7 +170,7 @@ TEST(Hier, UnevenAndInterleavedHostsAgreeOnEveryMember) {
         EXPECT_TRUE(torch::equal(b, values(root, 99))) << "member " << r << ", root " << root;
       }
     });
-    expect_no_errors(errors);
+    limbo::testing::expect_no_member_errors(errors);
     for (int r = 0; r < world; ++r) {
       ASSERT_TRUE(sums[r].defined());
       EXPECT_TRUE(torch::equal(sums[r], sums[0])) << "member " << r;
@@ -206,7 +191,7 @@ TEST(Hier, OneMemberPerHostOrHierarchyOffIsFlatGloo) {
       g.allreduce_sum(t);
       EXPECT_EQ(t[0].item<float>(), hierarchical ? 6.0f : 10.0f);
     }, hierarchical);
-    expect_no_errors(errors);
+    limbo::testing::expect_no_member_errors(errors);
   }
 }
 
@@ -236,7 +221,7 @@ TEST(Hier, AnAbortOnOneHostFailsTheMembersOfEveryHost) {
     }
     seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   });
-  expect_no_errors(errors);
+  limbo::testing::expect_no_member_errors(errors);
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(outcome[r], "PeerFailure") << "member " << r;
     EXPECT_LT(seconds[r], 15.0) << "member " << r << " waited for the timeout instead";

@@ -12,6 +12,7 @@
 
 #include "comm/collective.h"
 #include "comm/store.h"
+#include "member_threads.h"
 #include "common/error.h"
 #include "elastic/allreduce_update.h"
 #include "models/net.h"
@@ -374,23 +375,7 @@ struct AllBuffers : models::Net {
 // Runs fn(rank, group) on `world` threads, each with its own Gloo group.
 void with_members(int world, const std::string& prefix,
                   const std::function<void(int, std::shared_ptr<comm::Collective>)>& fn) {
-  comm::StoreServer store("127.0.0.1", 0);
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(world);
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        comm::GroupOptions go;
-        go.store_port = store.port();
-        go.prefix = prefix;
-        go.timeout = std::chrono::milliseconds(20000);
-        fn(r, comm::make_gloo_group(go, r, world));
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "member " << r;
+  limbo::testing::with_gloo_members(world, prefix, fn);
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "comm/store.h"
 #include "common/error.h"
 #include "common/timing.h"
+#include "member_threads.h"
 
 using namespace limbo;
 
@@ -33,31 +34,18 @@ using MemberFn = std::function<void(int rank, comm::Collective& shm, comm::Colle
 // Runs fn on `world` threads, each with a shared-memory group (and a Gloo
 // group of the same members when `with_gloo`).
 void with_members(int world, bool with_gloo, const std::string& prefix, const MemberFn& fn) {
-  comm::StoreServer store("127.0.0.1", 0);
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(world);
-  for (int r = 0; r < world; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        comm::GroupOptions go;
-        go.store_port = store.port();
-        go.timeout = std::chrono::milliseconds(20000);
-        go.prefix = prefix + "/shm";
-        auto shm = comm::make_shm_group(go, r, world);
-        if (!shm) throw Error("no shared-memory group");
-        EXPECT_STREQ(shm->transport(), "shared-memory");
-        std::unique_ptr<comm::Collective> gloo;
-        if (with_gloo) {
-          go.prefix = prefix + "/gloo";
-          gloo = comm::make_gloo_group(go, r, world);
-        }
-        fn(r, *shm, gloo.get());
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (int r = 0; r < world; ++r) EXPECT_EQ(errors[r], "") << "member " << r;
+  limbo::testing::expect_no_member_errors(limbo::testing::on_member_threads(world, [&](int r, comm::GroupOptions go) {
+    go.prefix = prefix + "/shm";
+    auto shm = comm::make_shm_group(go, r, world);
+    if (!shm) throw Error("no shared-memory group");
+    EXPECT_STREQ(shm->transport(), "shared-memory");
+    std::unique_ptr<comm::Collective> gloo;
+    if (with_gloo) {
+      go.prefix = prefix + "/gloo";
+      gloo = comm::make_gloo_group(go, r, world);
+    }
+    fn(r, *shm, gloo.get());
+  }));
 }
 
 // A member's values (a generator of its own: members are threads).

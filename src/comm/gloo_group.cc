@@ -24,6 +24,7 @@
 
 #include "comm/collective.h"
 #include "comm/compression.h"
+#include "comm/gloo_tree.h"
 #include "comm/store.h"
 #include "common/error.h"
 
@@ -374,15 +375,11 @@ class GlooGroup : public Collective {
   }
 
  private:
-  using ReduceFn = void (*)(void*, const void*, const void*, size_t);
+  using ReduceFn = GlooReduceFn;
 
   // The direct path's all-reduce. Two members, or a count that is not a
-  // power of two: Gloo's ring. 4, 8, 16, ... members: recursive halving then
-  // doubling with partners at distance 1 first, so every element is summed
-  // as a tree over the ranks, ((x0 + x1) + (x2 + x3)) + ..., whatever its
-  // position: the order a hierarchical group gives when each host holds
-  // consecutive ranks (comm/hier_group.h), and the same bandwidth as the
-  // ring (each member sends (p-1)/p of the tensor twice).
+  // power of two: Gloo's ring. 4, 8, 16, ... members: the tree over ranks
+  // (comm/gloo_tree.h), the order a hierarchical group gives.
   void direct_allreduce(void* data, size_t count, size_t elsize, ReduceFn fn) {
     const int p = size();
     if (p <= 2 || (p & (p - 1)) != 0) {
@@ -395,61 +392,8 @@ class GlooGroup : public Collective {
       gloo::allreduce(o);
       return;
     }
-    tree_allreduce(static_cast<uint8_t*>(data), count, elsize, fn);
+    tree_allreduce(*ctx_, static_cast<uint8_t*>(data), count, elsize, fn, tag_++, opt_.timeout, scratch_);
   }
-
-  void tree_allreduce(uint8_t* data, size_t count, size_t elsize, ReduceFn fn) {
-    const int r = rank(), p = size();
-    const uint32_t tag = tag_++;
-    scratch_.resize((count + 1) / 2 * elsize);
-    auto buf = ctx_->createUnboundBuffer(data, count * elsize);
-    auto tmp = ctx_->createUnboundBuffer(scratch_.data(), scratch_.size());
-    auto wait = [&](gloo::transport::UnboundBuffer& b, bool recv) {
-      if (!(recv ? b.waitRecv(opt_.timeout) : b.waitSend(opt_.timeout)))
-        throw PeerFailure("group '" + opt_.prefix + "' was aborted (a member stopped answering)");
-    };
-    // Reduce-scatter: keep one half of the range, send the other to the
-    // partner, add the partner's copy of the kept half (a + b = b + a).
-    std::vector<std::pair<size_t, size_t>> parents;
-    size_t lo = 0, hi = count;
-    uint8_t step = 0;
-    for (int d = 1; d < p; d <<= 1, ++step) {
-      const int peer = r ^ d;
-      const size_t mid = lo + (hi - lo) / 2;
-      const bool upper = (r & d) != 0;
-      const size_t keep_lo = upper ? mid : lo, keep_hi = upper ? hi : mid;
-      const size_t give_lo = upper ? lo : mid, give_hi = upper ? mid : hi;
-      const auto slot = gloo::Slot::build(kTreeSlotPrefix, tag) + step;
-      if (give_hi > give_lo) buf->send(peer, slot, give_lo * elsize, (give_hi - give_lo) * elsize);
-      if (keep_hi > keep_lo) {
-        tmp->recv(peer, slot, 0, (keep_hi - keep_lo) * elsize);
-        wait(*tmp, true);
-        fn(data + keep_lo * elsize, data + keep_lo * elsize, scratch_.data(), keep_hi - keep_lo);
-      }
-      if (give_hi > give_lo) wait(*buf, false);
-      parents.emplace_back(lo, hi);
-      lo = keep_lo;
-      hi = keep_hi;
-    }
-    // All-gather, the steps in reverse: swap the owned range for the
-    // partner's (its sibling in the parent range).
-    for (int d = p >> 1; d >= 1; d >>= 1) {
-      --step;
-      const int peer = r ^ d;
-      const auto [plo, phi] = parents[step];
-      const bool upper = lo != plo;
-      const size_t sib_lo = upper ? plo : hi, sib_hi = upper ? lo : phi;
-      const auto slot = gloo::Slot::build(kTreeSlotPrefix, tag) + static_cast<uint8_t>(32 + step);
-      if (hi > lo) buf->send(peer, slot, lo * elsize, (hi - lo) * elsize);
-      if (sib_hi > sib_lo) buf->recv(peer, slot, sib_lo * elsize, (sib_hi - sib_lo) * elsize);
-      if (sib_hi > sib_lo) wait(*buf, true);
-      if (hi > lo) wait(*buf, false);
-      lo = plo;
-      hi = phi;
-    }
-  }
-
-  static constexpr uint8_t kTreeSlotPrefix = 0x4c;  // not one of Gloo's own (gloo/types.h)
 
   void check_aborted() {
     std::lock_guard<std::mutex> lock(abort_mu_);

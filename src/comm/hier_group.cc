@@ -45,10 +45,8 @@ Layout layout_of(const std::vector<std::string>& ids) {
 
 class HierGroup : public Collective {
  public:
-  HierGroup(std::string prefix, int rank, Layout layout, std::unique_ptr<Collective> local,
-            std::unique_ptr<Collective> cross)
-      : prefix_(std::move(prefix)), rank_(rank), l_(std::move(layout)), local_(std::move(local)),
-        cross_(std::move(cross)) {}
+  HierGroup(int rank, Layout layout, std::unique_ptr<Collective> local, std::unique_ptr<Collective> cross)
+      : rank_(rank), l_(std::move(layout)), local_(std::move(local)), cross_(std::move(cross)) {}
 
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(l_.host.size()); }
@@ -115,7 +113,6 @@ class HierGroup : public Collective {
     }
   }
 
-  std::string prefix_;
   int rank_;
   Layout l_;
   std::unique_ptr<Collective> local_, cross_;
@@ -162,7 +159,7 @@ std::unique_ptr<Collective> make_group(const GroupOptions& opt, int rank, int si
       throw;
     }
   }
-  return std::make_unique<HierGroup>(opt.prefix, rank, std::move(l), std::move(local), std::move(cross));
+  return std::make_unique<HierGroup>(rank, std::move(l), std::move(local), std::move(cross));
 }
 
 }  // namespace limbo::comm
