@@ -13,16 +13,34 @@ int sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c
 
 }  // namespace
 
-VirtualHosts::VirtualHosts(int n) : n_(n), tag_(::getpid() % 250 + 1) {
+// The switch namespace is the claim on a tag: `ip netns add` fails when
+// the name exists, so of several test processes (or several sets in one
+// process) exactly one holds each tag. Host namespaces of a tag left by a
+// process that was killed before its clean-up are removed and made again.
+VirtualHosts::VirtualHosts(int n) : n_(n) {
   if (::geteuid() != 0 || sh("ip netns list") != 0) {
     why_ = "needs root and iproute2";
     return;
   }
+  const int first = ::getpid() % 250;
+  for (int k = 0; k < 250 && tag_ == 0; ++k) {
+    const int t = (first + k) % 250 + 1;
+    if (sh("ip netns add lsw" + std::to_string(t)) == 0) tag_ = t;
+  }
+  if (tag_ == 0) {
+    why_ = "cannot create network namespaces here (every tag 1-250 is taken)";
+    return;
+  }
   const std::string t = std::to_string(tag_), sw = "lsw" + t, br = "lbr" + t;
-  bool ok = sh("ip netns add " + sw) == 0 && sh("ip -n " + sw + " link add " + br + " type bridge") == 0 &&
-            sh("ip -n " + sw + " link set " + br + " up") == 0;
+  bool ok = sh("ip -n " + sw + " link add " + br + " type bridge") == 0 && sh("ip -n " + sw + " link set " + br + " up") == 0;
   for (int i = 0; ok && i < n; ++i) {
+    if (sh("ip netns pids " + ns(i)) == 0) {  // a stale one
+      signal_host(i, SIGCONT);
+      signal_host(i, SIGKILL);
+      sh("ip netns del " + ns(i));
+    }
     const std::string h = "lv" + t + "h" + std::to_string(i), s = "lv" + t + "s" + std::to_string(i);
+    sh("ip link del " + h);  // one left in this namespace half made
     ok = sh("ip netns add " + ns(i)) == 0 && sh("ip link add " + h + " type veth peer name " + s) == 0 &&
          sh("ip link set " + h + " netns " + ns(i)) == 0 && sh("ip link set " + s + " netns " + sw) == 0 &&
          sh("ip -n " + sw + " link set " + s + " master " + br) == 0 &&
@@ -35,6 +53,7 @@ VirtualHosts::VirtualHosts(int n) : n_(n), tag_(::getpid() % 250 + 1) {
 }
 
 VirtualHosts::~VirtualHosts() {
+  if (tag_ == 0) return;  // claimed nothing: touches nothing
   for (int i = 0; i < n_; ++i) {
     signal_host(i, SIGCONT);
     signal_host(i, SIGKILL);

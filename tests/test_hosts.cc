@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -61,7 +62,7 @@ TEST_F(LostHost, AKilledHostIsReplacedAtOnceNotAfterAFormationTimeout) {
   const double t0 = wall_now();
   hosts_->signal_host(1, SIGKILL);
   job.wait_all();
-  ASSERT_EQ(job.results[0].exit_code, 0) << job.all_logs();
+  ASSERT_EQ(job.results[0].exit_code, 0) << "signal " << job.results[0].signal << job.all_logs();
   const double reformed = job.reformed_after(t0);
   EXPECT_GT(reformed, 0) << job.all_logs();
   EXPECT_LT(reformed, 3.0) << "the survivors re-formed " << reformed << " s after the host was killed";
@@ -168,6 +169,33 @@ TEST_F(LostHost, EveryLaunchersPageShowsTheWholeJob) {
   job.wait_all();
   EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();
   EXPECT_EQ(job.results[1].exit_code, 0) << job.all_logs();
+}
+
+// Found: two test processes whose pids differed by a multiple of 250 drew
+// the same namespace names; the second could not make its hosts, skipped,
+// and its clean-up killed every process of the first one's hosts (a
+// launcher that had just completed its job, dead by SIGKILL).
+TEST(VirtualHostSets, TwoSetsAtOnceEachHasItsOwnAndNeitherTouchesTheOther) {
+  VirtualHosts a(2);
+  if (!a.ok()) GTEST_SKIP() << a.why();
+  TempDir d;
+  const pid_t sleeper = limbo::testing::spawn_process(a.in(0, {"/bin/sleep", "60"}), d.file("sleep.log"));
+  {
+    VirtualHosts b(2);  // same process, same pid: the same first choice of names
+    ASSERT_TRUE(b.ok()) << b.why();
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < 2; ++j) {
+        EXPECT_NE(a.ns(i), b.ns(j));
+        EXPECT_NE(a.ip(i), b.ip(j));
+      }
+    EXPECT_TRUE(b.pids(0).empty());
+  }
+  int status = 0;
+  EXPECT_EQ(::waitpid(sleeper, &status, WNOHANG), 0) << "the other set's clean-up ended a process of this one";
+  std::vector<pid_t> left = a.pids(0);
+  EXPECT_NE(std::find(left.begin(), left.end(), sleeper), left.end()) << "host 0 of the first set is gone";
+  a.signal_host(0, SIGKILL);
+  limbo::testing::wait_child(sleeper, d.file("sleep.log"));
 }
 
 // Eight hosts, one worker each, at least four needed. Three are lost one

@@ -1,4 +1,4 @@
-// Jobs across two "hosts": two network namespaces joined by a veth pair.
+// Jobs across two "hosts": two network namespaces joined by a bridge.
 // An elastic job (one `limbo launch` in each, the rendezvous store on the
 // first) and a parameter-server job (the shard and a learner on the first,
 // a learner on the second, encrypted with CURVE keys). Needs root and
@@ -11,51 +11,37 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <sstream>
 
 #include "common/files.h"
+#include "netns.h"
 #include "test_util.h"
 
 using limbo::testing::slurp;
 using limbo::testing::TempDir;
+using limbo::testing::VirtualHosts;
 
 namespace {
-
-int sh(const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); }
 
 class TwoHosts : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (::geteuid() != 0 || sh("ip netns list") != 0) GTEST_SKIP() << "needs root and iproute2";
     if (!limbo::file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"))
       GTEST_SKIP() << "dataset-fashion-mnist is not installed";
-    const int tag = ::getpid() % 200 + 20;
-    a_ = "limbo-a-" + std::to_string(tag);
-    b_ = "limbo-b-" + std::to_string(tag);
-    net_ = "10.231." + std::to_string(tag);
-    const std::string va = "lva" + std::to_string(tag), vb = "lvb" + std::to_string(tag);
-    ok_ = sh("ip netns add " + a_) == 0 && sh("ip netns add " + b_) == 0 &&
-          sh("ip link add " + va + " type veth peer name " + vb) == 0 &&
-          sh("ip link set " + va + " netns " + a_) == 0 && sh("ip link set " + vb + " netns " + b_) == 0 &&
-          sh("ip -n " + a_ + " addr add " + net_ + ".1/24 dev " + va) == 0 &&
-          sh("ip -n " + b_ + " addr add " + net_ + ".2/24 dev " + vb) == 0 &&
-          sh("ip -n " + a_ + " link set " + va + " up") == 0 &&
-          sh("ip -n " + b_ + " link set " + vb + " up") == 0 &&
-          sh("ip -n " + a_ + " link set lo up") == 0 && sh("ip -n " + b_ + " link set lo up") == 0;
-    if (!ok_) GTEST_SKIP() << "cannot create network namespaces here";
+    hosts_ = std::make_unique<VirtualHosts>(2);
+    if (!hosts_->ok()) GTEST_SKIP() << hosts_->why();
+    a_ = hosts_->ns(0);
+    b_ = hosts_->ns(1);
   }
-  void TearDown() override {
-    if (!a_.empty()) sh("ip netns del " + a_);
-    if (!b_.empty()) sh("ip netns del " + b_);
-  }
-  std::string a_, b_, net_;
-  bool ok_ = false;
+  std::unique_ptr<VirtualHosts> hosts_;
+  std::string a_, b_;
 };
 
 TEST_F(TwoHosts, LaunchersOnTwoHostsFormOneJob) {
   TempDir d;
   const std::string run = d.file("run");
-  const std::string rdzv = net_ + ".1:29611";
+  const std::string rdzv = hosts_->ip(0) + ":29611";
   auto launch = [&](const std::string& ns, const std::string& log) {
     return limbo::testing::spawn_process(
         {"/usr/sbin/ip", "netns", "exec", ns, LIMBO_BINARY, "launch", "--nproc", "1",
@@ -92,7 +78,7 @@ TEST_F(TwoHosts, ParameterServerJobAcrossHostsWithCurveKeys) {
   const std::string run = d.file("run");
   auto kg = limbo::testing::run_limbo({"keygen", "--out", d.file("job.keys")});
   ASSERT_EQ(kg.exit_code, 0) << kg.output;
-  const std::string endpoint = net_ + ".1:29711";
+  const std::string endpoint = hosts_->ip(0) + ":29711";
   const std::vector<std::string> cfg = {
       "--keys", d.file("job.keys"), "--set", "model.name=mlp", "--set", "model.width=64",
       // 4 epochs (376 batches): long enough that a learner whose process
