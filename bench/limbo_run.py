@@ -24,20 +24,33 @@ class Veth:
     """Two network namespaces joined by a veth pair: 10.232.T.1 and .2."""
 
     def __init__(self):
-        t = os.getpid() % 200 + 20
+        # The first namespace is the claim on a tag (`ip netns add` fails
+        # when it exists): two benchmarks at once never share names.
+        first = os.getpid() % 200
+        for k in range(200):
+            t = (first + k) % 200 + 20
+            if subprocess.run(["ip", "netns", "add", f"limbo-bench-a{t}"], stderr=subprocess.DEVNULL).returncode == 0:
+                break
+        else:
+            raise RuntimeError("cannot create a network namespace (every tag is taken, or not root)")
         self.ns = [f"limbo-bench-a{t}", f"limbo-bench-b{t}"]
         self.ip = [f"10.232.{t}.1", f"10.232.{t}.2"]
         va, vb = f"lba{t}", f"lbb{t}"
         self.dev = [va, vb]
-        cmds = [f"ip netns add {self.ns[0]}", f"ip netns add {self.ns[1]}",
+        subprocess.run(["ip", "netns", "del", self.ns[1]], stderr=subprocess.DEVNULL)  # a stale one
+        cmds = [f"ip netns add {self.ns[1]}",
                 f"ip link add {va} type veth peer name {vb}",
                 f"ip link set {va} netns {self.ns[0]}", f"ip link set {vb} netns {self.ns[1]}",
                 f"ip -n {self.ns[0]} addr add {self.ip[0]}/24 dev {va}",
                 f"ip -n {self.ns[1]} addr add {self.ip[1]}/24 dev {vb}",
                 f"ip -n {self.ns[0]} link set {va} up", f"ip -n {self.ns[1]} link set {vb} up",
                 f"ip -n {self.ns[0]} link set lo up", f"ip -n {self.ns[1]} link set lo up"]
-        for c in cmds:
-            subprocess.run(c.split(), check=True)
+        try:
+            for c in cmds:
+                subprocess.run(c.split(), check=True)
+        except subprocess.CalledProcessError:
+            self.close()
+            raise
 
     def prefix(self, rank):
         return ["ip", "netns", "exec", self.ns[rank]]

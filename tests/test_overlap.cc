@@ -161,18 +161,26 @@ TEST(Buckets, FollowBackwardOrderAndEndOnParameterBoundaries) {
       EXPECT_EQ(bs.back().begin, 0);
       size_t params = 0;
       for (size_t b = 0; b < bs.size(); ++b) {
-        if (b > 0) EXPECT_EQ(bs[b].end, bs[b - 1].begin);
+        if (b > 0) {
+          EXPECT_EQ(bs[b].end, bs[b - 1].begin);
+        }
         params += bs[b].params.size();
         // Parameters in backward order: descending indices, contiguous.
         for (size_t k = 1; k < bs[b].params.size(); ++k) EXPECT_EQ(bs[b].params[k], bs[b].params[k - 1] - 1);
         EXPECT_EQ(bs[b].begin, e[bs[b].params.back()].offset);
         // Every bucket but the last holds at least the bucket size.
         const int64_t grad_end = std::min(bs[b].end, flat.numel());
-        if (bytes > 0 && b + 1 < bs.size()) EXPECT_GE((grad_end - bs[b].begin) * 4, bytes);
+        if (bytes > 0 && b + 1 < bs.size()) {
+          EXPECT_GE((grad_end - bs[b].begin) * 4, bytes);
+        }
       }
       EXPECT_EQ(params, e.size());
-      if (bytes == 0 || bytes == (int64_t{1} << 30)) EXPECT_EQ(bs.size(), 1u);
-      if (bytes == 1) EXPECT_EQ(bs.size(), e.size());  // one parameter each
+      if (bytes == 0 || bytes == (int64_t{1} << 30)) {
+        EXPECT_EQ(bs.size(), 1u);
+      }
+      if (bytes == 1) {
+        EXPECT_EQ(bs.size(), e.size());  // one parameter each
+      }
     }
   }
 }
