@@ -3,25 +3,20 @@
 
 #include <torch/torch.h>
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <random>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
 #include <thread>
 
 #include "common/error.h"
 #include "common/timing.h"
 #include "common/files.h"
-#include "common/half.h"
 #include "common/log.h"
 #include "data/loader.h"
 #include "ps/buffer_mean.h"
-#include "ps/push_residual.h"
+#include "ps/shard_links.h"
 #include "ps/shard_state.h"
 #include "train/checkpoint.h"
 
@@ -30,7 +25,6 @@ namespace {
 
 using json = nlohmann::json;
 
-
 // Coefficient of variation (std / mean) of per-step times from their sum and sum of squares.
 double cv_of(double sum, double squares, int64_t n) {
   if (n < 2 || sum <= 0) return 0;
@@ -38,248 +32,15 @@ double cv_of(double sum, double squares, int64_t n) {
   return std::sqrt(var) / mean;
 }
 
-struct Link {
-  int index = 0;
-  std::string endpoint;
-  std::unique_ptr<Socket> sock;
-  int64_t offset = 0, numel = 0;
-  uint64_t clock = 0;  // clock of the weights last pulled from this shard
-  uint64_t seq = 0;
-  std::vector<uint16_t> wire;  // this shard's gradient slice in 16 bits (comm.compression)
-};
-
-HalfKind half_kind(uint8_t encoding) { return (encoding & kBf16Values) ? HalfKind::Bf16 : HalfKind::Fp16; }
-
 class Learner {
  public:
   Learner(train::Trainer& t, const train::TrainerConfig& cfg, const WorkerOptions& opt, const CurveKeys& keys)
-      : t_(t), cfg_(cfg), opt_(opt), transport_(keys) {
-    fp_ = model_fingerprint(cfg.model.name, t.params());
-    for (size_t k = 0; k < opt.servers.size(); ++k) {
-      auto l = std::make_unique<Link>();
-      l->index = static_cast<int>(k);
-      l->endpoint = opt.servers[k];
-      l->sock = std::make_unique<Socket>(transport_, Socket::Kind::Dealer);
-      l->sock->connect(l->endpoint);
-      links_.push_back(std::move(l));
-    }
-    int64_t covered = 0;
-    for (auto& l : links_) {
-      hello(*l);
-      if (l->offset != covered)
-        throw InvalidInput("shard " + std::to_string(l->index) + " at " + l->endpoint + " serves floats from " +
-                           std::to_string(l->offset) + ", expected " + std::to_string(covered) +
-                           " (are the --servers given in shard order?)");
-      covered += l->numel;
-    }
-    if (covered != t.params().numel())
-      throw InvalidInput("the " + std::to_string(links_.size()) + " shard(s) given cover " + std::to_string(covered) +
-                         " of the model's " + std::to_string(t.params().numel()) +
-                         " floats (is a shard missing from --servers?)");
-  }
+      : t_(t), cfg_(cfg), opt_(opt),
+        shards_(opt, keys, model_fingerprint(cfg.model.name, t.params()), t.params().numel()) {}
 
   json run(const std::atomic<bool>& stop);
 
  private:
-  Header header(MsgType type, Link& l) {
-    Header h;
-    h.type = type;
-    h.sender = opt_.learner_id;
-    h.shard = static_cast<uint32_t>(l.index);
-    h.seq = ++l.seq;
-    return h;
-  }
-
-  void send_hello(Link& l, uint64_t* seq) {
-    Header h = header(MsgType::Hello, l);
-    *seq = h.seq;
-    json meta = {{"fingerprint", hex64(fp_.hash)}, {"model", fp_.description}, {"total", t_.params().numel()},
-                 {"incarnation", incarnation_}};
-    l.sock->send(nullptr, h, meta.dump(), nullptr, 0);
-  }
-
-  // Registers with a shard (blocking); throws InvalidInput when refused.
-  void hello(Link& l) {
-    uint64_t seq;
-    send_hello(l, &seq);
-    Message m = await(l, seq, MsgType::Welcome, [&] { send_hello(l, &seq); return seq; }, Waiting::Hello);
-    if (m.meta.empty()) throw PeerFailure("shard " + std::to_string(l.index) + " sent an empty welcome");
-    json w = json::parse(m.meta);
-    l.offset = w["offset"];
-    l.numel = w["numel"];
-  }
-
-  // How a learner waits for a reply: as a registered learner (heartbeats;
-  // registers again when the shard no longer knows it), while registering
-  // (hellos are repeated), or as an observer after its goodbye (the final
-  // pull: observer heartbeats, which never register it again, so the shard
-  // can see every learner gone).
-  enum class Waiting { Learner, Hello, Observer };
-
-  // Waits for the reply `seq` of type `want` from a shard, sending heartbeats
-  // while waiting. When the shard no longer knows this learner (it restarted
-  // or dropped us), registers again and calls `resend` for a new seq.
-  template <typename Resend>
-  Message await(Link& l, uint64_t seq, MsgType want, Resend resend, Waiting waiting = Waiting::Learner) {
-    const bool registering = waiting == Waiting::Hello;
-    auto last_heard = Clock::now(), last_beat = Clock::now();
-    std::vector<Frame> frames;
-    for (;;) {
-      if (l.sock->recv(frames, nullptr, 50)) {
-        Decoded d = decode(frames, 1ull << 40);
-        if (d.reject != Reject::None)
-          throw PeerFailure("shard " + std::to_string(l.index) + " at " + l.endpoint + " sent a message this learner "
-                            "cannot read (" + d.detail + ")");
-        last_heard = Clock::now();
-        const Header& h = d.msg.header;
-        if (h.type == MsgType::Refuse) {
-          json r = json::parse(d.msg.meta);
-          throw InvalidInput("shard " + std::to_string(l.index) + " at " + l.endpoint + " refused this learner: " +
-                             r.value("reason", std::string("?")));
-        }
-        if (h.type == MsgType::Error) {
-          json e = json::parse(d.msg.meta);
-          std::string code = e.value("code", std::string());
-          if (code == "unknown_learner" && waiting == Waiting::Observer) {
-            // The shard restarted and forgot this connection: a handshake
-            // and a goodbye make it a known observer again.
-            log_warn("shard " + std::to_string(l.index) + " does not know this observer (restarted?): greeting it again");
-            hello(l);
-            l.sock->send(nullptr, header(MsgType::Bye, l), "", nullptr, 0);
-            seq = resend();
-            continue;
-          }
-          if (code == "unknown_learner" && waiting == Waiting::Learner) {
-            log_warn("shard " + std::to_string(l.index) + " does not know this learner (restarted?): registering again");
-            hello(l);
-            seq = resend();
-            if (seq == 0) {  // nothing to resend: the request is lost (e.g. a push to a restarted shard)
-              Message lost;
-              lost.header.type = want;
-              lost.meta = R"({"status":"lost"})";
-              return lost;
-            }
-            continue;
-          }
-          if (h.seq == seq && want == MsgType::PushAck) {  // a refused gradient: counted, training goes on
-            Message rejected;
-            rejected.header.type = want;
-            rejected.meta = json{{"status", "rejected"}, {"code", code}, {"reason", e.value("reason", code)}}.dump();
-            return rejected;
-          }
-          if (h.seq == seq || code == "version")
-            throw PeerFailure("shard " + std::to_string(l.index) + " at " + l.endpoint + " refused a " +
-                              type_name(want) + " request: " + e.value("reason", code));
-          continue;
-        }
-        if (h.seq == seq && h.type == want) {
-          d.msg.payload.keep = frames[2].keep;
-          return d.msg;
-        }
-        continue;  // a heartbeat answer or a reply to an abandoned request
-      }
-      if (Clock::now() - last_beat > opt_.heartbeat_interval) {
-        if (registering) {
-          uint64_t s2;
-          send_hello(l, &s2);
-          seq = s2;
-        } else {
-          Header beat = header(MsgType::Heartbeat, l);
-          if (waiting == Waiting::Observer) beat.flags = kObserver;
-          l.sock->send(nullptr, beat, "", nullptr, 0);
-        }
-        last_beat = Clock::now();
-      }
-      if (Clock::now() - last_heard > opt_.request_timeout)
-        throw PeerFailure("shard " + std::to_string(l.index) + " at " + l.endpoint + " did not answer for " +
-                          std::to_string(opt_.request_timeout.count() / 1000.0) + " s (ps.request_timeout)" +
-                          (registering ? std::string(": is it running, and do both sides use the same --keys?")
-                                       : std::string()));
-    }
-  }
-
-  uint64_t send_pull(Link& l, uint8_t flags) {
-    Header h = header(MsgType::Pull, l);
-    // Training pulls may come in 16 bits; the final weights never do.
-    h.flags = (flags & kFinal) ? flags : flags | opt_.pull_encoding;
-    l.sock->send(nullptr, h, "", nullptr, 0);
-    return h.seq;
-  }
-
-  // Receives the reply to pull `seq` (re-sent through `resend` when the
-  // shard lost it), part by part, each part copied into the flat parameters
-  // as it arrives while the next one is still in transit. Returns the first
-  // part's message (its meta carries the lease).
-  template <typename Resend>
-  Message receive_weights(Link& l, uint64_t seq, Resend resend, Waiting waiting = Waiting::Learner) {
-    float* flat = t_.params().data().data_ptr<float>() + l.offset;
-    int64_t got = 0;
-    Message first;
-    for (;;) {
-      Message m = await(l, seq, MsgType::Weights, [&] {
-        got = 0;
-        return seq = resend();
-      }, waiting);
-      const int64_t n = static_cast<int64_t>(m.floats());
-      const bool last = !(m.header.flags & kMoreParts);
-      if (static_cast<int64_t>(m.header.offset) != got || (last ? got + n != l.numel : got + n >= l.numel) ||
-          (got > 0 && m.header.clock != first.header.clock))
-        throw PeerFailure("shard " + std::to_string(l.index) + " sent weights floats [" +
-                          std::to_string(m.header.offset) + ", " + std::to_string(m.header.offset + n) + ") at clock " +
-                          std::to_string(m.header.clock) + " after " + std::to_string(got) + " of " +
-                          std::to_string(l.numel) + " floats" + (got > 0 ? " at clock " + std::to_string(first.header.clock) : std::string()));
-      if (m.header.flags & kValueEncoding) {
-        const uint16_t* src = reinterpret_cast<const uint16_t*>(m.payload.data);
-        std::vector<uint16_t> aligned;
-        if (reinterpret_cast<uintptr_t>(src) % alignof(uint16_t) != 0) {  // ZeroMQ may hand out any offset
-          aligned.resize(static_cast<size_t>(n));
-          std::memcpy(aligned.data(), m.payload.data, m.payload.size);
-          src = aligned.data();
-        }
-        halves_to_floats(half_kind(m.header.flags), src, flat + got, static_cast<size_t>(n));
-      } else {
-        copy_floats(flat + got, m.payload.data, m.payload.size);
-      }
-      if (got == 0) {
-        first = m;
-        first.payload = Frame();
-      }
-      got += n;
-      if (last) break;
-    }
-    l.clock = first.header.clock;
-    if (l.index == 0) take_buffers(first.meta);
-    return first;
-  }
-
-  // Sends this learner's gradient slice to a shard in parts, straight from
-  // the gradient buffer (`keep` counts the sends in flight).
-  template <typename Keep>
-  uint64_t send_push(Link& l, const float* g, int64_t lease_id, const std::string& meta, Keep keep) {
-    Header h = header(MsgType::Push, l);
-    h.clock = l.clock;
-    h.aux = l.index == 0 ? lease_id : -1;
-    const int64_t part = part_size(opt_.part_floats, l.numel);
-    const uint8_t enc = opt_.push_encoding;
-    if (enc) l.wire.resize(static_cast<size_t>(l.numel));
-    for (int64_t o = 0; o < l.numel; o += part) {
-      const int64_t k = std::min(part, l.numel - o);
-      // 16 bits on the wire; what rounding dropped waits in the residual and
-      // goes out with the next gradient (error feedback). Part by part, so
-      // the next part is encoded while ZeroMQ sends this one. The new
-      // residual replaces the old only once the shard accepted the push: a
-      // push that is lost, dropped or rejected leaves it as it was.
-      if (enc) residual_.encode(half_kind(enc), g, t_.params().numel(), l.offset + o, k, l.wire.data() + o);
-      h.offset = static_cast<uint64_t>(o);
-      h.flags = (o + k < l.numel ? kMoreParts : 0) | enc;
-      const std::string& m = o == 0 ? meta : kNoMeta;
-      const bool sent = enc ? l.sock->send(nullptr, h, m, l.wire.data() + o, static_cast<size_t>(k) * 2, keep())
-                            : l.sock->send(nullptr, h, m, g + l.offset + o, static_cast<size_t>(k) * 4, keep());
-      if (!sent) break;
-    }
-    return h.seq;
-  }
-
   // The metadata of a push to shard 0: this learner's buffers, as its
   // forward left them (see buffer_mean.h). Empty for a model without any.
   std::string buffers_meta() {
@@ -328,31 +89,23 @@ class Learner {
 
   void bye() {
     heartbeats_.reset();  // no heartbeat may follow the goodbye
-    for (auto& l : links_) l->sock->send(nullptr, header(MsgType::Bye, *l), "", nullptr, 0);
+    shards_.bye();
   }
 
 
   train::Trainer& t_;
   const train::TrainerConfig& cfg_;
   WorkerOptions opt_;
-  Transport transport_;
-  ModelFingerprint fp_;
-  // This process, for the shards: a learner restarted with the same id is
-  // told apart from a re-registration of this one (sequence numbers restart).
-  const std::string incarnation_ = [] {
-    std::random_device rd;
-    return hex64((static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(::getpid()));
-  }();
-  std::vector<std::unique_ptr<Link>> links_;
-  PushResidual residual_;  // error feedback of 16-bit pushes, over the whole gradient
+  ShardLinks shards_;
   int64_t nonfinite_ = 0, nonfinite_in_a_row_ = 0;  // gradients refused as not finite
-  inline static const std::string kNoMeta;
-  std::unique_ptr<Heartbeats> heartbeats_;  // after transport_: stopped before it goes
+  std::unique_ptr<Heartbeats> heartbeats_;  // after shards_ (its transport): stopped before it goes
 };
 
 json Learner::run(const std::atomic<bool>& stop) {
-  heartbeats_ = std::make_unique<Heartbeats>(transport_, opt_.servers, opt_.learner_id, opt_.heartbeat_interval);
+  heartbeats_ = std::make_unique<Heartbeats>(shards_.transport(), opt_.servers, opt_.learner_id, opt_.heartbeat_interval);
   auto& flat = t_.params();
+  float* weights = flat.data().data_ptr<float>();
+  auto& links = shards_.all();
   auto& model = t_.model();
   const auto& train_set = t_.data().train;
   data::Sampler sampler(train_set.size(), cfg_.loader.order, cfg_.loader.seed);
@@ -377,9 +130,9 @@ json Learner::run(const std::atomic<bool>& stop) {
   bool finisher = false, done = false;
 
   // The first pull; later pulls go out together with the pushes.
-  std::vector<uint64_t> pull_seq(links_.size());
-  for (auto& l : links_) pull_seq[l->index] = send_pull(*l, l->index == 0 ? kWantLease : 0);
-  std::vector<uint64_t> push_seq(links_.size(), 0);
+  std::vector<uint64_t> pull_seq(links.size());
+  for (auto& l : links) pull_seq[l->index] = shards_.send_pull(*l, l->index == 0 ? kWantLease : 0);
+  std::vector<uint64_t> push_seq(links.size(), 0);
   int64_t lease_id = -1;
   json lease;
 
@@ -390,17 +143,17 @@ json Learner::run(const std::atomic<bool>& stop) {
     // Acknowledgements of the previous push, then the weights of this step.
     auto wait0 = Clock::now();
     bool acked = false, not_finite = false;  // the last push, on any shard
-    for (auto& l : links_) {
-      Link& L = *l;
+    for (auto& l : links) {
+      ShardLink& L = *l;
       const uint8_t flags = L.index == 0 ? kWantLease : 0;
       if (push_seq[L.index]) {
-        Message ack = await(L, push_seq[L.index], MsgType::PushAck, [&] {
-          pull_seq[L.index] = send_pull(L, flags);  // the pull sent with the push was lost too
+        Message ack = shards_.await(L, push_seq[L.index], MsgType::PushAck, [&] {
+          pull_seq[L.index] = shards_.send_pull(L, flags);  // the pull sent with the push was lost too
           return uint64_t{0};
         });
         json a = json::parse(ack.meta);
         std::string st = a.value("status", std::string());
-        if (st == "accepted") residual_.commit(L.offset, L.numel);
+        if (st == "accepted") shards_.accepted(L);
         acked = true;
         not_finite = not_finite || a.value("code", std::string()) == "non_finite";
         if (L.index == 0) {
@@ -420,8 +173,10 @@ json Learner::run(const std::atomic<bool>& stop) {
         }
         push_seq[L.index] = 0;
       }
-      Message w = receive_weights(L, pull_seq[L.index], [&] { return pull_seq[L.index] = send_pull(L, flags); });
+      Message w = shards_.receive_weights(L, weights, pull_seq[L.index],
+                                          [&] { return pull_seq[L.index] = shards_.send_pull(L, flags); });
       if (L.index == 0) {
+        take_buffers(w.meta);
         json meta = w.meta.empty() ? json::object() : json::parse(w.meta);
         lease = meta.value("lease", json());
         std::string state = meta.value("lease_state", std::string());
@@ -438,7 +193,7 @@ json Learner::run(const std::atomic<bool>& stop) {
     if (done || stop || (opt_.max_steps > 0 && steps >= opt_.max_steps)) break;
     if (lease.is_null()) {  // all batches are out; some may come back
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      for (auto& l : links_) pull_seq[l->index] = send_pull(*l, l->index == 0 ? kWantLease : 0);
+      for (auto& l : links) pull_seq[l->index] = shards_.send_pull(*l, l->index == 0 ? kWantLease : 0);
       continue;
     }
     lease_id = lease["id"];
@@ -459,8 +214,8 @@ json Learner::run(const std::atomic<bool>& stop) {
 
     const float* g = flat.grad().data_ptr<float>();
     const std::string meta0 = buffers_meta();
-    for (auto& l : links_)
-      push_seq[l->index] = send_push(*l, g, lease_id, l->index == 0 ? meta0 : kNoMeta, keep_grad);
+    for (auto& l : links)
+      push_seq[l->index] = shards_.send_push(*l, g, lease_id, l->index == 0 ? meta0 : std::string(), keep_grad);
     steps += 1;
     samples += count;
     if (cfg_.train.pause_at_step > 0 && steps == cfg_.train.pause_at_step) {
@@ -470,7 +225,7 @@ json Learner::run(const std::atomic<bool>& stop) {
       std::fflush(stderr);
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     }
-    for (auto& l : links_) pull_seq[l->index] = send_pull(*l, l->index == 0 ? kWantLease : 0);
+    for (auto& l : links) pull_seq[l->index] = shards_.send_pull(*l, l->index == 0 ? kWantLease : 0);
     loss_sum += lv;
     window.add(lv, count);
     if (window.steps() >= opt_.log_every && !metrics.empty()) {
@@ -512,13 +267,17 @@ json Learner::run(const std::atomic<bool>& stop) {
   if (finisher && !opt_.run_dir.empty()) {
     // Final weights: answered by each shard once no learner is registered.
     std::vector<uint64_t> seqs;
-    for (auto& l : links_) seqs.push_back(send_pull(*l, kObserver | kFinal));
+    for (auto& l : links) seqs.push_back(shards_.send_pull(*l, kObserver | kFinal));
     uint64_t clock0 = 0;
-    for (auto& l : links_) {
-      Link& L = *l;
-      Message w = receive_weights(L, seqs[L.index], [&] { return seqs[L.index] = send_pull(L, kObserver | kFinal); },
-                                  Waiting::Observer);
-      if (L.index == 0) clock0 = w.header.clock;
+    for (auto& l : links) {
+      ShardLink& L = *l;
+      Message w = shards_.receive_weights(
+          L, weights, seqs[L.index], [&] { return seqs[L.index] = shards_.send_pull(L, kObserver | kFinal); },
+          ShardLinks::Waiting::Observer);
+      if (L.index == 0) {
+        clock0 = w.header.clock;
+        take_buffers(w.meta);
+      }
     }
     auto ev = t_.evaluate_test();
     train::TrainState st;
