@@ -308,7 +308,7 @@ std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, in
   std::string name;
   void* base = nullptr;
   if (rank == 0) {
-    name = "/" + std::string(kNamePrefix) + std::to_string(::getpid()) + "-" + random_hex();
+    name = "/" + segment_prefix(::getpid()) + random_hex();
     std::string why;
     const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
@@ -363,6 +363,21 @@ std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, in
   return g;
 }
 
+namespace {
+
+// This process's pid namespace (the inode of /proc/self/ns/pid; 0 where
+// there is none to read).
+uint64_t pid_namespace() {
+  struct stat st {};
+  return ::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
+}
+
+}  // namespace
+
+std::string segment_prefix(pid_t pid) {
+  return std::string(kNamePrefix) + std::to_string(pid) + "-ns" + std::to_string(pid_namespace()) + "-";
+}
+
 int remove_stale_segments() {
   DIR* d = ::opendir("/dev/shm");
   if (!d) return 0;
@@ -371,7 +386,10 @@ int remove_stale_segments() {
     const std::string name = e->d_name;
     if (name.rfind(kNamePrefix, 0) != 0) continue;
     const pid_t pid = static_cast<pid_t>(std::atoll(name.c_str() + std::strlen(kNamePrefix)));
-    if (pid > 0 && !process_alive(pid) && ::shm_unlink(("/" + name).c_str()) == 0) ++removed;
+    // A pid is only meaningful in its own namespace: names made in another
+    // one (a container that shares this /dev/shm) are left to it.
+    if (pid <= 0 || name.rfind(segment_prefix(pid), 0) != 0) continue;
+    if (!process_alive(pid) && ::shm_unlink(("/" + name).c_str()) == 0) ++removed;
   }
   ::closedir(d);
   return removed;

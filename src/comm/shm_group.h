@@ -35,11 +35,14 @@
 //   - the segment's name is removed as soon as every member has mapped it,
 //     so the memory goes with the last mapping, whoever dies. A name left by
 //     a member that died while the group formed carries the creator's pid
-//     (/dev/shm/limbo-shm-PID-RANDOM): remove_stale_segments() (the
-//     launcher, as workers exit and when the job ends) removes it.
+//     and pid namespace (/dev/shm/limbo-shm-PID-nsINODE-RANDOM):
+//     remove_stale_segments() (the launcher, as workers exit and when the
+//     job ends) removes it, if it was made in the launcher's pid namespace.
 // A host whose /dev/shm cannot hold the segment (a small container tmpfs)
 // falls back to Gloo, every member alike, with a warning.
 #pragma once
+
+#include <sys/types.h>
 
 #include <memory>
 #include <string>
@@ -59,8 +62,14 @@ std::string host_identity();
 // segment cannot be made.
 std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, int size);
 
-// Removes every segment name (/dev/shm/limbo-shm-PID-*) whose creator is
-// no longer running; returns how many. Names of running processes stay.
+// The start of the names of segments that process `pid` of this pid
+// namespace makes: "limbo-shm-PID-nsINODE-".
+std::string segment_prefix(pid_t pid);
+
+// Removes every segment name made in this pid namespace whose creator is
+// no longer running; returns how many. Names of running processes stay,
+// and so do names made in another pid namespace (a container sharing this
+// /dev/shm), whose pids mean nothing here.
 int remove_stale_segments();
 
 }  // namespace limbo::comm
