@@ -291,7 +291,7 @@ std::string host_identity() {
   char host[256] = {0};
   ::gethostname(host, sizeof host - 1);
   std::string id = std::string(host) + "/" + read_first_line("/proc/sys/kernel/random/boot_id");
-  for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/mnt", "/proc/self/ns/ipc"}) {
+  for (const char* ns : {"/proc/self/ns/net", "/proc/self/ns/mnt", "/proc/self/ns/ipc", "/proc/self/ns/pid"}) {
     struct stat st {};
     if (::stat(ns, &st) == 0) id += "/" + std::to_string(st.st_ino);
   }

@@ -52,9 +52,10 @@
 namespace limbo::comm {
 
 // What identifies this host to the group: members with the same identity
-// share memory. The boot, the network namespace and the mount namespace
+// share memory. The boot and the network, mount, IPC and pid namespaces
 // (network namespaces stand for hosts in tests, and a host cut off from the
-// network must not go on reducing through memory with the others).
+// network must not go on reducing through memory with the others; members
+// watch each other's pids, which another pid namespace cannot see).
 std::string host_identity();
 
 // Forms a shared-memory group of `size` members on this host under
