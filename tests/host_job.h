@@ -91,7 +91,9 @@ struct HostJob {
     auto t = train_args(h);
     a.insert(a.end(), t.begin(), t.end());
     launchers[h] = limbo::testing::spawn_process(hosts.in(h, a), log(h));
-    if (h == 0) ASSERT_TRUE(limbo::testing::wait_for_text(log(0), "store at", 30)) << slurp(log(0));
+    if (h == 0) {
+      ASSERT_TRUE(limbo::testing::wait_for_text(log(0), "store at", 30)) << slurp(log(0));
+    }
   }
   // Host A (hosting, 2 workers) and host B (1 worker), training together
   // for a second; false (with a test failure) when they never did.
@@ -111,9 +113,10 @@ struct HostJob {
   bool training(int members) {
     const std::regex round("workers \\[[0-9]+(,[0-9]+){" + std::to_string(members - 1) + "}\\]");
     const auto end = std::chrono::steady_clock::now() + 60s;
-    while (!std::regex_search(slurp(log(0)), round))
+    while (!std::regex_search(slurp(log(0)), round)) {
       if (std::chrono::steady_clock::now() > end) return false;
-      else std::this_thread::sleep_for(50ms);
+      std::this_thread::sleep_for(50ms);
+    }
     return limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60);
   }
   // Waits for every launcher still running except the `frozen` ones (all

@@ -18,6 +18,7 @@
 #include "comm/store.h"
 #include "elastic/coordinator.h"
 #include "elastic/elastic_membership.h"
+#include "elastic/member.h"
 #include "job_checks.h"
 #include "member_threads.h"
 #include "test_util.h"
@@ -473,6 +474,15 @@ TEST(Elastic, IsgdWindowIsOneEpochOfTheGroupsBatches) {
   EXPECT_EQ(epochs, 2);
 }
 
+// Steps paced to at least 4 ms for a job that a worker started by hand must
+// still find running: over shared memory two workers trained 8 epochs of
+// 3,000 samples in under 3 s, about the time a new process takes to load
+// libtorch and register, and the job once completed before the joiner got in.
+std::vector<std::string> paced_for_a_joiner(std::vector<std::string> args) {
+  args.insert(args.end(), {"--set", "train.slow_step_ms=4"});
+  return args;
+}
+
 // Found: a peer lost during the conservative subproblem's all-reduces killed
 // the other workers instead of re-forming the group. A worker started by hand
 // with a testing aid kills itself (SIGKILL) as its group enters ISGD's extra
@@ -481,7 +491,7 @@ TEST(Elastic, APeerLostDuringIsgdExtraIterationsReformsTheGroup) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   Job job;
   const std::vector<std::string> isgd = {"--set", "optim.algorithm=isgd", "--set", "isgd.k=0"};
-  job.start(2, 1, 6, {}, isgd);  // long enough for a worker started by hand to join
+  job.start(2, 1, 6, {}, paced_for_a_joiner(isgd));
   ASSERT_TRUE(job.training()) << slurp(job.log);
   auto doomed = job.join_by_hand(6, isgd, {"--set", "train.testing_die_in_isgd=true"});
   EXPECT_EQ(doomed.signal, SIGKILL) << doomed.output;
@@ -503,9 +513,7 @@ TEST(Elastic, AWorkerLostDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   Job job;
   const std::vector<std::string> buckets = {"--set", "elastic.overlap=true", "--set", "elastic.bucket_mb=0.001"};
-  // 8 epochs: over shared memory two workers finished 3 before a third
-  // started by hand had joined.
-  job.start(2, 1, 8, {}, buckets);
+  job.start(2, 1, 8, {}, paced_for_a_joiner(buckets));
   ASSERT_TRUE(job.training()) << slurp(job.log);
   auto doomed = job.join_by_hand(8, buckets, {"--set", "train.testing_die_in_bucket=1"});
   EXPECT_EQ(doomed.signal, SIGKILL) << doomed.output;
@@ -526,7 +534,7 @@ TEST(Elastic, AWorkerLostDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
 TEST(Elastic, AWorkerStartedByHandJoinsARunningJob) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   Job job;
-  job.start(2, 1, 8);
+  job.start(2, 1, 8, {}, paced_for_a_joiner({}));
   ASSERT_TRUE(job.training()) << slurp(job.log);
   auto joiner = job.join_by_hand(8, {}, {});
   EXPECT_EQ(joiner.exit_code, 0) << joiner.output;
@@ -630,6 +638,19 @@ TEST(Elastic, WhenEveryWorkerIsGoneTheJobRestartsFromItsLastCheckpoint) {
   // of samples per epoch does not.
   EXPECT_GE(s["steps"].get<int64_t>(), 6 * 188);  // 3000 samples, global batch <= 16
   EXPECT_EQ(s["samples"].get<int64_t>(), 6 * 3000);
+}
+
+// Found by reading: workers were named in the store by host name and pid,
+// and containers on one host with the host's network (the same host name)
+// number their processes alike from 1, so a launcher whose worker died
+// could mark another container's live worker dead. The key tells pid
+// namespaces apart.
+TEST(ProcessKey, TheSamePidInAnotherPidNamespaceIsAnotherProcess) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root (unshare)";
+  const auto other = limbo::testing::in_new_pid_namespace([] { return elastic::process_key(::getpid()); });
+  ASSERT_TRUE(other.has_value()) << "no pid namespace could be made";
+  EXPECT_NE(*other, elastic::process_key(1)) << "pid 1 there and pid 1 here";
+  EXPECT_EQ(elastic::process_key(::getpid()), elastic::process_key(::getpid()));
 }
 
 }  // namespace

@@ -97,8 +97,11 @@ TEST_F(EtcdJob, TheHostThatStartedTheJobIsKilledTheOthersTrainOn) {
   // per step), rank 0 before the loss and after it.
   const auto steps = train_steps(job.run);
   EXPECT_EQ(std::set<int64_t>(steps.begin(), steps.end()).size(), steps.size()) << "a step recorded twice";
-  for (const auto& r : records(job.run))
-    if (r.value("kind", "") == "membership") EXPECT_EQ(r["record_copies"].get<int>(), 1) << r.dump();
+  for (const auto& r : records(job.run)) {
+    if (r.value("kind", "") == "membership") {
+      EXPECT_EQ(r["record_copies"].get<int>(), 1) << r.dump();
+    }
+  }
 }
 
 // Every host keeps the run's records in its own run directory (hosts 1

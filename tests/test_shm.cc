@@ -8,7 +8,6 @@
 
 #include <dirent.h>
 #include <fcntl.h>
-#include <sched.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -25,6 +24,7 @@
 #include "common/error.h"
 #include "common/timing.h"
 #include "member_threads.h"
+#include "test_util.h"
 
 using namespace limbo;
 
@@ -237,32 +237,9 @@ TEST(Shm, NoSegmentNameOutlivesFormationAndStaleOnesAreRemoved) {
 // gone: they are different hosts to the group (Gloo between them).
 TEST(Shm, AProcessInAnotherPidNamespaceIsAnotherHost) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root (unshare)";
-  int fds[2];
-  ASSERT_EQ(::pipe(fds), 0);
-  const pid_t child = ::fork();
-  if (child == 0) {
-    ::close(fds[0]);
-    if (::unshare(CLONE_NEWPID) != 0) ::_exit(2);
-    const pid_t inner = ::fork();  // the first process of the new namespace
-    if (inner == 0) {
-      const std::string id = comm::host_identity();
-      ::_exit(::write(fds[1], id.data(), id.size()) == static_cast<ssize_t>(id.size()) ? 0 : 3);
-    }
-    int st = 0;
-    ::waitpid(inner, &st, 0);
-    ::_exit(WIFEXITED(st) ? WEXITSTATUS(st) : 4);
-  }
-  ::close(fds[1]);
-  std::string other;
-  char buf[512];
-  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) other.append(buf, static_cast<size_t>(n));
-  ::close(fds[0]);
-  int st = 0;
-  ::waitpid(child, &st, 0);
-  if (WIFEXITED(st) && WEXITSTATUS(st) == 2) GTEST_SKIP() << "cannot make a pid namespace here";
-  ASSERT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "status " << st;
-  ASSERT_FALSE(other.empty());
-  EXPECT_NE(other, comm::host_identity());
+  const auto other = limbo::testing::in_new_pid_namespace([] { return comm::host_identity(); });
+  ASSERT_TRUE(other.has_value()) << "no pid namespace could be made";
+  EXPECT_NE(*other, comm::host_identity());
 }
 
 // make_group(): members that share this host form a shared-memory group;

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/prctl.h>
@@ -141,6 +142,33 @@ bool wait_for_text(const std::string& file, const std::string& needle, double ti
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return false;
+}
+
+std::optional<std::string> in_new_pid_namespace(const std::function<std::string()>& f) {
+  int fds[2];
+  if (::pipe(fds) != 0) return std::nullopt;
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(fds[0]);
+    if (::unshare(CLONE_NEWPID) != 0) ::_exit(2);
+    const pid_t inner = ::fork();  // pid 1 of the new namespace
+    if (inner == 0) {
+      const std::string out = f();
+      ::_exit(::write(fds[1], out.data(), out.size()) == static_cast<ssize_t>(out.size()) ? 0 : 3);
+    }
+    int st = 0;
+    ::waitpid(inner, &st, 0);
+    ::_exit(WIFEXITED(st) ? WEXITSTATUS(st) : 4);
+  }
+  ::close(fds[1]);
+  std::string out;
+  char buf[512];
+  for (ssize_t n; (n = ::read(fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(fds[0]);
+  int st = 0;
+  ::waitpid(child, &st, 0);
+  if (child < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) return std::nullopt;
+  return out;
 }
 
 }  // namespace limbo::testing

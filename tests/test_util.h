@@ -6,6 +6,8 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,6 +51,11 @@ bool wait_for_text(const std::string& file, const std::string& needle, double ti
 // Waits for a child; with timeout_s > 0, SIGKILLs it after that long and
 // reports signal 9 with timed_out set.
 ProcessResult wait_child(pid_t pid, const std::string& log, double timeout_s = 0);
+
+// Runs `f` in a child process that is the first one (pid 1) of a new pid
+// namespace, with every other namespace shared, and returns what it
+// returned; nullopt where no pid namespace can be made (not root).
+std::optional<std::string> in_new_pid_namespace(const std::function<std::string()>& f);
 
 // SIGKILLs (and reaps) the children still running when it goes out of
 // scope, so a failed assertion leaves no process behind.

@@ -18,6 +18,7 @@
 #include "comm/shm_group.h"
 #include "elastic/coordinator.h"
 #include "elastic/election.h"
+#include "elastic/member.h"
 #include "status/server.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -330,9 +331,7 @@ bool Job::with_store(const std::function<void()>& f) {
 }
 
 int64_t Job::worker_id_of(pid_t pid) {
-  char hostname[256] = {0};
-  ::gethostname(hostname, sizeof hostname - 1);
-  const std::string want = std::string(hostname) + ":" + std::to_string(pid);
+  const std::string want = process_key(pid);
   int64_t found = 0;
   with_store([&] {
     const std::string prefix = "elastic/host_pid/";

@@ -1,6 +1,7 @@
 #include "elastic/member.h"
 
 #include "comm/hier_group.h"
+#include "comm/shm_group.h"
 
 #include <unistd.h>
 
@@ -19,13 +20,15 @@ int64_t to_int(const std::optional<std::string>& v) { return v ? std::stoll(*v) 
 
 }  // namespace
 
+// The host identity names the machine (boot id) and the namespaces,
+// among them the pid namespace in which `pid` means this process.
+std::string process_key(pid_t pid) { return comm::host_identity() + ":" + std::to_string(pid); }
+
 Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
     : store_(std::move(store)), opt_(std::move(opt)) {
   id_ = store_->ticket("elastic/next_id");
   store_->set("elastic/hb/" + std::to_string(id_), "1");
-  char host[256] = {0};
-  ::gethostname(host, sizeof host - 1);
-  store_->set("elastic/host_pid/" + std::to_string(id_), std::string(host) + ":" + std::to_string(::getpid()));
+  store_->set("elastic/host_pid/" + std::to_string(id_), process_key(::getpid()));
   if (auto ms = store_->try_get("elastic/heartbeat_interval_ms"))
     opt_.heartbeat_interval = std::chrono::milliseconds(std::max<int64_t>(1, std::stoll(*ms)));
   heartbeat_timeout_ = 4 * opt_.heartbeat_interval;

@@ -21,6 +21,8 @@
 // of that round at once.
 #pragma once
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -59,6 +61,10 @@ struct MemberOptions {
 // The ring of status records in the store: record n is `elastic/record/<n % kRecordRing>`,
 // its value "<n> <json>".
 constexpr int64_t kRecordRing = 256;
+
+// How the store names process `pid` of this machine and pid namespace
+// (elastic/host_pid/<id>): a launcher finds its dead worker's id by it.
+std::string process_key(pid_t pid);
 
 class Member {
  public:
