@@ -653,4 +653,30 @@ TEST(ProcessKey, TheSamePidInAnotherPidNamespaceIsAnotherProcess) {
   EXPECT_EQ(elastic::process_key(::getpid()), elastic::process_key(::getpid()));
 }
 
+// A container's /dev/shm is small (Docker's is 64 MiB by default): the
+// segment of three workers in slots of 8 MiB (40 MiB) did not fit a 32 MiB
+// tmpfs, and the members fell back to Gloo over loopback. The slots shrink
+// until the segment fits; where not even the smallest fits (1 MiB here),
+// the members use Gloo and the job trains on.
+TEST(Elastic, ASmallDevShmStillGivesASharedMemoryGroup) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  if (::geteuid() != 0 || ::access("/usr/bin/unshare", X_OK) != 0) GTEST_SKIP() << "needs root and unshare";
+  for (const std::string size : {"32m", "1m"}) {
+    SCOPED_TRACE("/dev/shm of " + size);
+    TempDir d;
+    const std::string run = d.file("run"), log = d.file("launch.log");
+    std::string cmd = "mount -t tmpfs -o size=" + size + " tmpfs /dev/shm && exec " LIMBO_BINARY
+                      " launch --nproc 3 --min-workers 1 --";
+    for (const auto& a : train_args(run, 2)) cmd += " " + a;
+    const pid_t p = limbo::testing::spawn_process({"/usr/bin/unshare", "-m", "/bin/sh", "-c", cmd}, log);
+    auto r = limbo::testing::wait_child(p, log, 180);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const bool fits = size == "32m";
+    EXPECT_EQ(r.output.find("3 workers, rank 0, shared-memory") != std::string::npos, fits) << r.output;
+    EXPECT_EQ(r.output.find("3 workers, rank 0, gloo") != std::string::npos, !fits) << r.output;
+    EXPECT_EQ(r.output.find("the members use Gloo") != std::string::npos, !fits) << r.output;
+    expect_exactly_once(run, 2, 3000);
+  }
+}
+
 }  // namespace

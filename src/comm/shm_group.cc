@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #if defined(__x86_64__)
@@ -32,7 +33,8 @@ using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kMagic = 0x6c696d626f73686dULL;  // "limboshm"
 constexpr int kMaxMembers = 1024;
-constexpr int64_t kSlotBytes = 8 << 20;
+constexpr int64_t kSlotBytes = 8 << 20;     // a member's slot, where /dev/shm has room
+constexpr int64_t kMinSlotBytes = 256 << 10;  // the smallest slot tried before Gloo
 constexpr const char* kNamePrefix = "limbo-shm-";
 
 struct Header {
@@ -304,8 +306,10 @@ std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, in
   if (size > kMaxMembers) return nullptr;
   auto kv = group_store(opt);
   const std::string key = opt.prefix + "/shm/name";
-  const int64_t total = kHeaderBytes + static_cast<int64_t>(size + 2) * kSlotBytes;  // slots, 2 result areas
+  // size + 2 slots: one per member and 2 result areas.
+  auto total_for = [size](int64_t per) { return kHeaderBytes + static_cast<int64_t>(size + 2) * per; };
   std::string name;
+  int64_t slot = kSlotBytes, total = 0;
   void* base = nullptr;
   if (rank == 0) {
     name = "/" + segment_prefix(::getpid()) + random_hex();
@@ -314,14 +318,29 @@ std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, in
     if (fd < 0) {
       why = std::string("shm_open: ") + std::strerror(errno);
     } else {
-      // Reserve the pages now: a tmpfs too small for them would otherwise
-      // kill a member with SIGBUS at its first touch.
-      const int rc = ::ftruncate(fd, total) == 0 ? ::posix_fallocate(fd, 0, total) : errno;
-      if (rc != 0) why = std::string("reserving ") + std::to_string(total >> 20) + " MiB in /dev/shm: " + std::strerror(rc);
-      else base = ::mmap(nullptr, static_cast<size_t>(total), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-      if (base == MAP_FAILED) {
-        why = std::string("mmap: ") + std::strerror(errno);
-        base = nullptr;
+      // Slots of 8 MiB, halved while the segment does not fit the free
+      // space (a container's /dev/shm is often 64 MiB): more pieces per
+      // collective, still through memory. The pages are reserved now: a
+      // tmpfs too small for them would otherwise kill a member with SIGBUS
+      // at its first touch.
+      struct statvfs vfs {};
+      const int64_t room = ::fstatvfs(fd, &vfs) == 0 ? static_cast<int64_t>(vfs.f_bavail) * static_cast<int64_t>(vfs.f_frsize)
+                                                    : INT64_MAX;
+      while (slot > kMinSlotBytes && total_for(slot) > room) slot /= 2;
+      int rc = 0;
+      for (;; slot /= 2) {
+        total = total_for(slot);
+        rc = ::ftruncate(fd, total) == 0 ? ::posix_fallocate(fd, 0, total) : errno;
+        if (rc != ENOSPC || slot / 2 < kMinSlotBytes) break;  // another process took the room meanwhile: smaller
+      }
+      if (rc != 0) {
+        why = std::string("reserving ") + std::to_string(total >> 20) + " MiB in /dev/shm: " + std::strerror(rc);
+      } else {
+        base = ::mmap(nullptr, static_cast<size_t>(total), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (base == MAP_FAILED) {
+          why = std::string("mmap: ") + std::strerror(errno);
+          base = nullptr;
+        }
       }
       ::close(fd);
     }
@@ -334,19 +353,24 @@ std::unique_ptr<Collective> make_shm_group(const GroupOptions& opt, int rank, in
     auto* h = new (base) Header{};
     h->magic = kMagic;
     h->members = size;
-    h->slot_bytes = kSlotBytes;
+    h->slot_bytes = slot;
     h->total_bytes = total;
-    kv->set(key, name);
+    kv->set(key, name + " " + std::to_string(h->slot_bytes));
   } else {
-    name = wait_group_key(*kv, key, opt);
-    if (name == "none") return nullptr;
+    const std::string value = wait_group_key(*kv, key, opt);
+    if (value == "none") return nullptr;
+    const auto space = value.find(' ');
+    slot = space == std::string::npos ? 0 : std::atoll(value.c_str() + space + 1);
+    name = value.substr(0, space);
+    if (slot < 1 || slot % 64 != 0) throw PeerFailure("group '" + opt.prefix + "': member 0 published a bad segment '" + value + "'");
+    total = total_for(slot);
     const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
     if (fd < 0) throw PeerFailure("group '" + opt.prefix + "': cannot open its segment " + name + ": " + std::strerror(errno));
     base = ::mmap(nullptr, static_cast<size_t>(total), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     ::close(fd);
     if (base == MAP_FAILED) throw PeerFailure("group '" + opt.prefix + "': cannot map " + name + ": " + std::strerror(errno));
     const auto* h = static_cast<const Header*>(base);
-    if (h->magic != kMagic || h->members != size || h->total_bytes != total) {
+    if (h->magic != kMagic || h->members != size || h->total_bytes != total || h->slot_bytes != slot) {
       ::munmap(base, static_cast<size_t>(total));
       throw PeerFailure("group '" + opt.prefix + "': segment " + name + " is not this group's");
     }

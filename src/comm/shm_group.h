@@ -38,8 +38,10 @@
 //     and pid namespace (/dev/shm/limbo-shm-PID-nsINODE-RANDOM):
 //     remove_stale_segments() (the launcher, as workers exit and when the
 //     job ends) removes it, if it was made in the launcher's pid namespace.
-// A host whose /dev/shm cannot hold the segment (a small container tmpfs)
-// falls back to Gloo, every member alike, with a warning.
+// Each member has a slot of 8 MiB, halved (down to 256 KiB) while the
+// segment does not fit the free space of /dev/shm (a container's small
+// tmpfs); a host where not even that fits falls back to Gloo, every member
+// alike, with a warning.
 #pragma once
 
 #include <sys/types.h>
