@@ -24,6 +24,11 @@ DDP's ranks (host = rank // N) and Limbo's two launchers (elastic, --nproc N,
 --min-workers 2N) talk over 10.232.x.1/2. With N > 1, Limbo's default is the
 hierarchical all-reduce (shared memory within a host, Gloo between hosts)
 and "over Gloo" is one flat Gloo group (comm.shared_memory = false).
+
+--dev-shm 1g,24m,3m instead runs Limbo alone with /dev/shm a tmpfs of each
+size in a mount namespace of its own (a container's; needs root), and over
+Gloo, interleaved: what the smaller shared-memory slots that fit a small
+/dev/shm cost, against the first size.
 """
 import argparse
 import json
@@ -97,7 +102,7 @@ def ddp_rate(name, batch, steps, channels_last, port, view=False):
 
 
 def limbo_rate(limbo, name, batch, steps, compression="none", overlap=True, bucket_mb=None, shm=True,
-               single=False):
+               single=False, dev_shm=None):
     d = tempfile.mkdtemp(prefix="limbo-ddp-bench-")
     model = ["--set", "model.name=mlp", "--set", "model.width=2048", "--set", "model.depth=3"] \
         if name == "mlp10m" else ["--set", f"model.name={name}"]
@@ -137,7 +142,11 @@ def limbo_rate(limbo, name, batch, steps, compression="none", overlap=True, buck
                     p.kill()
                 raise RuntimeError(f"limbo {name} did not finish within 15 minutes")
         else:
-            subprocess.run([limbo, "launch", "--nproc", "2", "--"] + run + args, check=True,
+            # dev_shm: the job in a mount namespace of its own whose /dev/shm
+            # is a tmpfs of that size (a container's).
+            small = ["unshare", "-m", "sh", "-c",
+                     f'mount -t tmpfs -o size={dev_shm} tmpfs /dev/shm && exec "$0" "$@"'] if dev_shm else []
+            subprocess.run(small + [limbo, "launch", "--nproc", "2", "--"] + run + args, check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(os.path.join(d, "r", "summary.json")) as f:
             s = json.load(f)
@@ -163,7 +172,12 @@ def main():
     ap.add_argument("--veth", action="store_true", help="the workers in two network namespaces")
     ap.add_argument("--per-host", type=int, default=1, help="workers per namespace (with --veth)")
     ap.add_argument("--extra", action="store_true", help="also Limbo without overlap and with bf16")
+    ap.add_argument("--dev-shm", metavar="SIZES",
+                    help="instead: Limbo with /dev/shm a tmpfs of each size (e.g. 1g,24m,3m; root), "
+                         "against the first size and against Gloo")
     args = ap.parse_args()
+    if args.dev_shm:
+        return run_dev_shm(args)
     global VETH, PER_HOST
     PER_HOST = args.per_host
     if args.veth:
@@ -173,6 +187,26 @@ def main():
     finally:
         if VETH:
             VETH.close()
+
+
+def run_dev_shm(args):
+    """What a small /dev/shm costs: the shared-memory slots shrink to fit it."""
+    sizes = args.dev_shm.split(",")
+    print(f"loopback; 2 workers x 1 thread, per-worker batch {args.batch}, {args.steps} steps "
+          f"({args.big_steps} for mlp10m), global samples/s, {args.repeats} interleaved repeats; "
+          f"/dev/shm of {', '.join(sizes)}, and Gloo")
+    for name in args.models.split(","):
+        steps = args.big_steps if name == "mlp10m" else args.steps
+        runs = {k: [] for k in sizes + ["gloo"]}
+        for _ in range(args.repeats):
+            for size in sizes:
+                runs[size].append(limbo_rate(args.limbo, name, args.batch, steps, dev_shm=size))
+            runs["gloo"].append(limbo_rate(args.limbo, name, args.batch, steps, shm=False))
+        def ratio(key):
+            r = [a / b for a, b in zip(runs[key], runs[sizes[0]])]
+            return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
+        print(f"{name:7} " + "  ".join(f"{k} {statistics.median(v):8.0f} ({ratio(k)})" for k, v in runs.items()),
+              flush=True)
 
 
 def run_all(args):
