@@ -53,6 +53,7 @@ inline bool have_fmnist() { return limbo::file_exists("/usr/share/datasets/fashi
 // One job over virtual hosts: a launcher per host, one run directory (the
 // hosts share this machine's disk).
 struct HostJob {
+  HostJob(VirtualHosts& h, int e) : hosts(h), epochs(e) {}
   VirtualHosts& hosts;
   int epochs;
   int train_limit = 3000;
