@@ -148,6 +148,11 @@ std::optional<std::string> in_new_pid_namespace(const std::function<std::string(
   int fds[2];
   if (::pipe(fds) != 0) return std::nullopt;
   const pid_t child = ::fork();
+  if (child < 0) {
+    ::close(fds[0]);
+    ::close(fds[1]);
+    return std::nullopt;
+  }
   if (child == 0) {
     ::close(fds[0]);
     if (::unshare(CLONE_NEWPID) != 0) ::_exit(2);
@@ -167,7 +172,7 @@ std::optional<std::string> in_new_pid_namespace(const std::function<std::string(
   ::close(fds[0]);
   int st = 0;
   ::waitpid(child, &st, 0);
-  if (child < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) return std::nullopt;
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) return std::nullopt;
   return out;
 }
 
