@@ -495,7 +495,7 @@ TEST(Elastic, APeerLostDuringIsgdExtraIterationsReformsTheGroup) {
   // ISGD's steps are long enough for a joiner. Not paced: with
   // train.slow_step_ms the others were often still inside the step's
   // all-reduce when the joiner, done with it, killed itself, so they redid
-  // the step instead of failing in the extra iterations (3 of 4 runs).
+  // the step instead of failing in the extra iterations (2 runs of 2).
   job.start(2, 1, 6, {}, isgd);
   ASSERT_TRUE(job.training()) << slurp(job.log);
   auto doomed = job.join_by_hand(6, isgd, {"--set", "train.testing_die_in_isgd=true"});
