@@ -84,6 +84,35 @@ TEST(Config, TomlFileOverridesAndRoundTrip) {
   EXPECT_THROW(c.load_toml_file(d.file("missing.toml")), InvalidInput);
 }
 
+// Found: `--set data.augment=["random_crop:2", "hflip"]` (a TOML array on the
+// command line) was refused, though the docs say lists may be written as
+// TOML arrays; only files took them.
+TEST(Config, SetTakesTomlArraysAndQuotedStringsAsAFileDoes) {
+  Config c(cli::train_schema());
+  c.apply_override("data.augment=[\"random_crop:2\", \"hflip\"]");
+  EXPECT_EQ(c.get_string("data.augment"), "random_crop:2,hflip");
+  c.apply_override("optim.milestones=[3, 6]");
+  EXPECT_EQ(c.get_string("optim.milestones"), "3,6");
+  c.apply_override("optim.milestones = [ 4 ]");
+  EXPECT_EQ(c.get_string("optim.milestones"), "4");
+  c.apply_override("data.augment=[]");
+  EXPECT_EQ(c.get_string("data.augment"), "");
+  c.apply_override("data.augment=\"hflip\"");
+  EXPECT_EQ(c.get_string("data.augment"), "hflip");
+  c.apply_override("data.augment='hflip,random_crop:1'");
+  EXPECT_EQ(c.get_string("data.augment"), "hflip,random_crop:1");
+  // The plain comma-separated form still works.
+  c.apply_override("optim.milestones=2,5");
+  EXPECT_EQ(c.get_string("optim.milestones"), "2,5");
+  // A malformed array names the key and what was given, and changes nothing.
+  expect_has(error_of([&] { c.apply_override("optim.milestones=[3, 6"); }),
+             {"optim.milestones", "[3, 6", "TOML"});
+  expect_has(error_of([&] { c.apply_override("optim.milestones=[[1], 2]"); }), {"optim.milestones"});
+  EXPECT_EQ(c.get_string("optim.milestones"), "2,5");
+  // An array for a key that is no list is refused as the file form is.
+  expect_has(error_of([&] { c.apply_override("train.epochs=[1, 2]"); }), {"train.epochs"});
+}
+
 // Found: a key of a new section declared between two keys of another
 // section wrote that table twice, and every checkpoint's stored config
 // failed to parse. Tables are grouped whatever the declaration order.

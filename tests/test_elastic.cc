@@ -179,6 +179,32 @@ TEST(Coordinator, AnswersARequestForTheCurrentRoundOnce) {
   EXPECT_FALSE(f.coord->poll().new_round);  // the request was about round 1
 }
 
+// Found by a review: a coordinator that took over adopted a round its
+// predecessor had written (`round/<k+1>`) without `elastic/round` or its
+// event (the predecessor died, or its store calls timed out, in between). No
+// member was told about it, and their requests for a round after k went
+// unanswered until elastic.round_timeout (120 s). The new coordinator now
+// finishes the predecessor's writes: members waiting on either key see it.
+TEST(Coordinator, ATakeOverFinishesARoundItsPredecessorLeftHalfWritten) {
+  Fixture f(2);
+  const int64_t a = f.join(), b = f.join();
+  ASSERT_EQ(f.coord->poll().round.number, 1);
+  const int64_t events = std::stoll(*f.kv->try_get("elastic/events"));
+  // The old coordinator's next round got as far as its member list.
+  f.kv->set("elastic/round/2", std::to_string(a) + "," + std::to_string(b));
+  f.coord.reset();
+  Coordinator next(f.kv, f.opt, [&f] { return f.now; });
+  EXPECT_EQ(next.current().number, 2);
+  EXPECT_EQ(f.kv->try_get("elastic/round"), "2");
+  EXPECT_EQ(f.kv->try_get("elastic/event/" + std::to_string(events + 1)), "round 2");
+  EXPECT_EQ(f.kv->try_get("elastic/events"), std::to_string(events + 1));
+  // A coordinator taking over a finished round writes nothing new.
+  Coordinator again(f.kv, f.opt, [&f] { return f.now; });
+  EXPECT_EQ(again.current().number, 2);
+  EXPECT_EQ(f.kv->try_get("elastic/events"), std::to_string(events + 1));
+  EXPECT_FALSE(f.kv->try_get("elastic/event/" + std::to_string(events + 2)).has_value());
+}
+
 TEST(Coordinator, BelowTheMinimumItWaitsThenTimesOut) {
   Fixture f(2, 2);
   f.join();
@@ -317,6 +343,47 @@ TEST(RunRecords, AWriterOnAStorageWithoutRecordsReceivesRankZeros) {
     none[r] = share_records(g, s, true);
   });
   EXPECT_EQ(none, (std::vector<std::string>{"", ""}));
+}
+
+// The members before each one on its storage, the writer first: who takes
+// over the final checkpoint and summary when the writer dies in the ending.
+TEST(RunRecords, EachMemberKnowsTheMembersBeforeItOnItsStorage) {
+  const std::vector<int64_t> storage = {7, 9, 7, 7, 0};
+  std::vector<std::vector<int>> earlier(5);
+  with_members(5, [&](comm::Collective& g, int r) { storage_writer(g, storage[r], &earlier[r]); });
+  EXPECT_EQ(earlier[0], (std::vector<int>{}));
+  EXPECT_EQ(earlier[1], (std::vector<int>{}));
+  EXPECT_EQ(earlier[2], (std::vector<int>{0}));
+  EXPECT_EQ(earlier[3], (std::vector<int>{0, 2}));
+  EXPECT_EQ(earlier[4], (std::vector<int>{})) << "no run directory: nothing to write";
+}
+
+// Found by a review: the count of non-finite steps in a row was not
+// state-synced, so after a join the members disagreed on when the run stops
+// as diverged. State sync now carries it (and the total) from the newest.
+TEST(RunRecords, StateSyncCarriesTheCountsOfSkippedSteps) {
+  std::vector<std::pair<int64_t, int64_t>> got(3);
+  with_members(3, [&](comm::Collective& g, int r) {
+    torch::Tensor w = torch::zeros({4}), b = torch::zeros({0});
+    optim::Sgd sgd(optim::SgdOptions{});
+    train::TrainState st;
+    if (r == 1) {  // the newest state: 2 skipped in a row, 5 in all
+      st.step = 12;
+      st.skipped_steps = 5;
+      st.skipped_in_a_row = 2;
+    } else if (r == 2) {  // a joiner
+      st.skipped_steps = 0;
+    } else {
+      st.step = 11;
+      st.skipped_steps = 4;
+      st.skipped_in_a_row = 1;
+    }
+    optim::BatchSizePolicy policy(optim::BatchPolicyOptions{});
+    train::SyncTargets s{w, b, sgd, st, policy, nullptr, 0, {}, {}};
+    sync_state(g, s);
+    got[r] = {st.skipped_steps, st.skipped_in_a_row};
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(got[r], (std::pair<int64_t, int64_t>{5, 2})) << "member " << r;
 }
 
 TEST(Elastic, SigkilledWorkerMidEpochSurvivorsGoOnWithEverySampleOnce) {

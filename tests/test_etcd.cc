@@ -7,6 +7,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -14,12 +15,14 @@
 #include <chrono>
 #include <mutex>
 #include <numeric>
+#include <set>
 #include <algorithm>
 #include <thread>
 
 #include "comm/etcd.h"
 #include "comm/kv_store.h"
 #include "comm/store.h"
+#include "elastic/election.h"
 #include "common/error.h"
 #include "etcd_cluster.h"
 #include "test_util.h"
@@ -324,6 +327,148 @@ TEST(EtcdSecurity, TlsWithClientCertificates) {
   auto plain = o;
   plain.tls = false;
   EXPECT_THROW(limbo::comm::connect_etcd(plain, 1000ms)->set("k", "v"), limbo::Error);
+}
+
+}  // namespace
+
+namespace {
+
+// A TCP proxy in front of one etcd endpoint that can lose answers: a
+// request whose text holds `path` is passed on while drop() > 0, and then
+// its connection is closed before the answer comes back (etcd has
+// committed it). Everything else is relayed as it is.
+class LossyProxy {
+ public:
+  LossyProxy(const std::string& upstream, std::string path) : path_(std::move(path)) {
+    const auto colon = upstream.rfind(':');
+    up_port_ = std::stoi(upstream.substr(colon + 1));
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a);
+    ::listen(fd_, 16);
+    socklen_t len = sizeof a;
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] { accept_loop(); });
+  }
+  ~LossyProxy() {
+    stop_ = true;
+    ::shutdown(fd_, SHUT_RDWR);
+    ::close(fd_);
+    thread_.join();
+    for (auto& t : conns_) t.join();
+  }
+  std::string endpoint() const { return "127.0.0.1:" + std::to_string(port_); }
+  std::atomic<int> drop{0};
+  std::atomic<int> dropped{0};
+
+ private:
+  void accept_loop() {
+    while (!stop_) {
+      int c = ::accept(fd_, nullptr, nullptr);
+      if (c < 0) return;
+      conns_.emplace_back([this, c] { relay(c); });
+    }
+  }
+  void relay(int c) {
+    int u = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(up_port_));
+    if (::connect(u, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+      ::close(c);
+      ::close(u);
+      return;
+    }
+    char buf[65536];
+    bool lose = false;
+    while (!stop_) {
+      pollfd p[2] = {{c, POLLIN, 0}, {u, POLLIN, 0}};
+      if (::poll(p, 2, 100) <= 0) continue;
+      if (p[0].revents & (POLLIN | POLLHUP)) {
+        const ssize_t n = ::recv(c, buf, sizeof buf, 0);
+        if (n <= 0) break;
+        if (std::string(buf, n).find(path_) != std::string::npos && drop.load() > 0) {
+          drop -= 1;
+          lose = true;
+        }
+        if (::send(u, buf, n, MSG_NOSIGNAL) != n) break;
+      }
+      if (p[1].revents & (POLLIN | POLLHUP)) {
+        const ssize_t n = ::recv(u, buf, sizeof buf, 0);
+        if (n <= 0) break;
+        if (lose) {  // etcd answered (and committed): the answer is lost
+          dropped += 1;
+          break;
+        }
+        if (::send(c, buf, n, MSG_NOSIGNAL) != n) break;
+      }
+    }
+    ::close(c);
+    ::close(u);
+  }
+  std::string path_;
+  int up_port_ = 0, port_ = 0, fd_ = -1;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+  std::vector<std::thread> conns_;
+};
+
+// Found by a review: a call whose answer was lost was sent again, and a
+// transaction that had committed then failed its own conditions: add()
+// added twice, a launcher that won the election reported a loss (no
+// coordinator for a heartbeat timeout), and erase() reported false. Each
+// now happens once and is reported as it happened.
+TEST(Etcd, ALostAnswerDoesNotRepeatOrMisreportAWrite) {
+  if (!shared_etcd()->ok()) GTEST_SKIP() << shared_etcd()->why();
+  LossyProxy proxy(shared_etcd()->endpoint(0), "/v3/kv/txn");
+  const auto o = options(proxy.endpoint(), "lost-" + std::to_string(::getpid()));
+  auto store = limbo::comm::connect_etcd(o, 5000ms);
+  auto direct = limbo::comm::connect_etcd(options(shared_etcd()->endpoints(), o.job), 2000ms);
+  EXPECT_EQ(store->add("elastic/launchers", 1), 1);
+  proxy.drop = 1;
+  EXPECT_EQ(store->add("elastic/launchers", 1), 2);
+  EXPECT_EQ(proxy.dropped.load(), 1);
+  EXPECT_EQ(*direct->try_get("elastic/launchers"), "2");
+  // A create-if-missing transaction (an election's campaign) that won.
+  limbo::comm::EtcdClient c(o, 5000ms);
+  using Cmp = limbo::comm::EtcdClient::Compare;
+  proxy.drop = 1;
+  EXPECT_TRUE(c.txn({{Cmp::CreateRevision, o.prefix() + "elastic/coordinator", "", 0}},
+                    {{o.prefix() + "elastic/coordinator", "1 me"}}));
+  EXPECT_EQ(proxy.dropped.load(), 2);
+  // One that lost stays lost.
+  proxy.drop = 1;
+  EXPECT_FALSE(c.txn({{Cmp::CreateRevision, o.prefix() + "elastic/coordinator", "", 0}},
+                     {{o.prefix() + "elastic/coordinator", "2 someone"}}));
+  EXPECT_EQ(*direct->try_get("elastic/coordinator"), "1 me");
+  // A deletion whose answer was lost still reports that it deleted.
+  store->set("elastic/x", "1");
+  proxy.drop = 1;
+  EXPECT_TRUE(store->erase("elastic/x"));
+  EXPECT_FALSE(direct->try_get("elastic/x").has_value());
+  EXPECT_FALSE(store->erase("elastic/x"));
+}
+
+// S5: election terms restarted at 1 when the coordinator key was gone (its
+// lease revoked or expired), so a launcher could hold the same fence value
+// twice, and a stale coordinator of its first term write again. Terms now
+// come from a counter that outlives the key.
+TEST(Etcd, AFenceValueIsNeverUsedTwice) {
+  if (!shared_etcd()->ok()) GTEST_SKIP() << shared_etcd()->why();
+  const auto o = options(shared_etcd()->endpoints(), "terms-" + std::to_string(::getpid()));
+  std::set<std::string> fences;
+  for (int i = 0; i < 3; ++i) {
+    limbo::elastic::Election e(o, "launcher 1 on here", 400ms);
+    const auto deadline = Clock::now() + 10s;
+    while (!e.leading() && Clock::now() < deadline) std::this_thread::sleep_for(20ms);
+    ASSERT_TRUE(e.leading());
+    EXPECT_TRUE(fences.insert(e.fence_value()).second) << e.fence_value() << " again";
+    e.resign();  // the key goes with its lease
+  }
 }
 
 }  // namespace

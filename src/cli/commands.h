@@ -36,6 +36,7 @@ struct LaunchArgs {
   int min_workers = 0;  // elastic mode when min or max is given
   int max_workers = 0;
   double rdzv_timeout = 120;  // seconds below the minimum before the job stops
+  double finish_timeout = 600;  // seconds the ending may take after training completed
   double heartbeat_timeout = 0.4;  // seconds without a worker's heartbeat before it counts as gone
   std::string elastic_schedule;  // "epoch:workers,..."
   // --mode async: a parameter-server job.

@@ -76,6 +76,10 @@ int main(int argc, char** argv) {
                      "elastic: admit at most this many workers");
   launch->add_option("--rdzv-timeout", launch_args.rdzv_timeout,
                      "elastic: seconds below the minimum worker count before the job stops");
+  launch->add_option("--finish-timeout", launch_args.finish_timeout,
+                     "elastic: seconds the ending (final evaluation, checkpoint, summary) may take after training "
+                     "completed; then the workers still running are killed and the job fails (default 600)")
+      ->check(CLI::Range(0.1, 1e7));
   launch->add_option("--heartbeat-timeout", launch_args.heartbeat_timeout,
                      "elastic: seconds without a worker's heartbeat (sent every timeout/4 from a thread "
                      "of its own) before it counts as gone and the others re-form (default 0.4)")

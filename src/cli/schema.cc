@@ -94,6 +94,11 @@ std::shared_ptr<const Schema> train_schema() {
              "use only the first N training samples (0 = all; for synthetic, the size)"));
     s->add(I("data.test_limit", 0, 0, std::nullopt, "use only the first N test samples (0 = all)"));
     s->add(I("data.prefetch", 4, 1, 64, "batches prepared ahead on the loader thread"));
+    s->add(S("data.inputs", "auto", {"auto", "float", "ids"},
+             "how integer samples x of a tensor dataset reach the model: ids = as int64 (token or "
+             "item ids, for an embedding); float = as float32 (uint8 scaled by 1/255); auto = uint8 "
+             "as float (images), other integer dtypes as ids for a TorchScript model and as float "
+             "for a built-in one"));
     s->add(S("data.augment", "", {},
              "training-sample augmentation, in order (a list or comma-separated): random_crop:P "
              "(pad P zero pixels, crop back at a random offset), hflip (mirror with probability "
@@ -236,6 +241,12 @@ std::shared_ptr<const Schema> train_schema() {
              "testing aid: after step N, print 'paused at step N' and wait to be killed"));
     s->add(I("train.slow_step_ms", 0, 0, 600000,
              "testing aid: sleep N ms in every training step (a slow worker or learner)"));
+    s->add(I("train.testing_pace_until_workers", 0, 0, 1 << 20,
+             "testing aid: train.slow_step_ms applies only while the elastic job has fewer workers "
+             "than N (0 = always)"));
+    s->add(S("train.testing_writer_dies_at", "", {"", "last_step", "done", "eval", "checkpoint", "summary", "hang"},
+             "testing aid: the member writing the run directory kills itself (SIGKILL) at this point of "
+             "the job's ending (hang: stops for ever before the final checkpoint)"));
     s->add(B("train.testing_die_in_isgd", false,
              "testing aid: the process kills itself (SIGKILL) when its group enters ISGD's extra "
              "iterations"));
@@ -280,6 +291,8 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.source.test_limit = c.get_int("data.test_limit");
   t.source.seed = static_cast<uint64_t>(c.get_int("train.seed"));
   t.source.classes = c.get_int("model.classes");
+  t.source.inputs = c.get_string("data.inputs");
+  t.source.user_model = c.get_string("model.name") == "torchscript";
 
   t.loader.batch_size = c.get_int("data.batch_size");
   t.algorithm = c.get_string("optim.algorithm");
@@ -351,6 +364,8 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.pause_at_step = c.get_int("train.pause_at_step");
   t.train.sample_log = c.get_bool("train.sample_log");
   t.train.slow_step = std::chrono::milliseconds(c.get_int("train.slow_step_ms"));
+  t.train.pace_until_workers = static_cast<int>(c.get_int("train.testing_pace_until_workers"));
+  t.train.writer_dies_at = c.get_string("train.testing_writer_dies_at");
   t.train.die_in_isgd = c.get_bool("train.testing_die_in_isgd");
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));

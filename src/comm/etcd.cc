@@ -6,7 +6,9 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
+#include <random>
 #include <cstring>
 #include <thread>
 
@@ -116,6 +118,10 @@ EtcdClient::EtcdClient(EtcdOptions opt, std::chrono::milliseconds timeout)
   if (opt_.tls && opt_.cert_file.empty() != opt_.key_file.empty())
     throw InvalidInput("etcd: a client certificate needs its key (give both, or neither)");
   for (const auto& ep : opt_.endpoints) conns_.push_back(std::make_unique<Conn>(Conn{ep, nullptr}));
+  std::random_device rd;  // one marker per client object, unique across processes
+  char name[40];
+  std::snprintf(name, sizeof name, "%08x%08x%08x%08x", rd(), rd(), rd(), rd());
+  txn_marker_ = opt_.prefix() + "_txn/" + name;
   // OpenSSL writes without MSG_NOSIGNAL: a member that closed a TLS
   // connection would kill this process with SIGPIPE instead of failing
   // the call. Ignore it unless the program chose a handler of its own.
@@ -125,10 +131,10 @@ EtcdClient::EtcdClient(EtcdOptions opt, std::chrono::milliseconds timeout)
 
 EtcdClient::~EtcdClient() = default;
 
-std::string EtcdClient::call(const std::string& path, const std::string& body) {
+std::string EtcdClient::call(const std::string& path, const std::string& body, bool* resent) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!opt_.user.empty() && auth_token_.empty()) authenticate_locked();
-  return call_locked(path, body, false);
+  return call_locked(path, body, false, resent);
 }
 
 void EtcdClient::authenticate_locked() {
@@ -141,8 +147,10 @@ void EtcdClient::authenticate_locked() {
 // Tries the endpoints in turn until one answers or the call's time is up.
 // A silent endpoint gets half of what is left (at most a second), so that
 // another can still answer in time.
-std::string EtcdClient::call_locked(const std::string& path, const std::string& body, bool authenticating) {
+std::string EtcdClient::call_locked(const std::string& path, const std::string& body, bool authenticating,
+                                    bool* resent) {
   const auto deadline = Clock::now() + timeout_;
+  if (resent) *resent = false;
   std::string last = "no attempt";
   bool reached = false;
   bool reauthenticated = false;
@@ -184,6 +192,9 @@ std::string EtcdClient::call_locked(const std::string& path, const std::string& 
         throw InvalidInput("etcd at " + c.endpoint + ": TLS failed (" + httplib::to_string(err) +
                            "); check --etcd-cacert, --etcd-cert and --etcd-key");
       last = c.endpoint + ": " + httplib::to_string(err);
+      // Unless no connection was made, etcd may have received the request
+      // (and committed it) before its answer was lost.
+      if (resent && err != httplib::Error::Connection) *resent = true;
       c.http.reset();  // a fresh connection next time
       current_ = (current_ + 1) % conns_.size();
       continue;
@@ -212,6 +223,7 @@ std::string EtcdClient::call_locked(const std::string& path, const std::string& 
       throw EtcdError(code, message);
     }
     last = c.endpoint + ": " + message;
+    if (resent) *resent = true;  // e.g. "request timed out": the proposal may still commit
     current_ = (current_ + 1) % conns_.size();
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -254,17 +266,13 @@ int64_t EtcdClient::count(const std::string& prefix, int64_t max_create_revision
   return j.contains("kvs") ? static_cast<int64_t>(j["kvs"].size()) : 0;
 }
 
-int64_t EtcdClient::erase(const std::string& key, bool whole_prefix) {
-  json req = {{"key", base64_encode(key)}};
-  if (whole_prefix) req["range_end"] = base64_encode(prefix_end(key));
-  return num(json::parse(call("/v3/kv/deleterange", req.dump())), "deleted");
-}
+namespace {
 
-bool EtcdClient::txn(const std::vector<Compare>& when, const std::vector<std::pair<std::string, std::string>>& puts,
-                     int64_t lease, int64_t* revision) {
+nlohmann::json compare_json(const std::vector<EtcdClient::Compare>& when) {
+  using Compare = EtcdClient::Compare;
   json compare = json::array();
   for (const auto& c : when) {
-    json x = {{"key", base64_encode(c.key)}, {"result", "EQUAL"}};
+    json x = {{"key", base64_encode(c.key)}, {"result", c.not_equal ? "NOT_EQUAL" : "EQUAL"}};
     if (c.target == Compare::Value) {
       x["target"] = "VALUE";
       x["value"] = base64_encode(c.value);
@@ -277,15 +285,49 @@ bool EtcdClient::txn(const std::vector<Compare>& when, const std::vector<std::pa
     }
     compare.push_back(x);
   }
+  return compare;
+}
+
+}  // namespace
+
+int64_t EtcdClient::erase(const std::string& key, bool whole_prefix) {
+  json req = {{"key", base64_encode(key)}};
+  if (whole_prefix) {
+    req["range_end"] = base64_encode(prefix_end(key));
+    return num(json::parse(call("/v3/kv/deleterange", req.dump())), "deleted");
+  }
+  // A transaction (exactly once, txn): delete the key if it exists.
+  Compare exists{Compare::CreateRevision, key, "", 0, true};
+  json del = json::object();
+  del["request_delete_range"] = req;
+  json ops = json::array();
+  ops.push_back(del);
+  return txn_ops(compare_json({exists}), ops, nullptr) ? 1 : 0;
+}
+
+bool EtcdClient::txn(const std::vector<Compare>& when, const std::vector<std::pair<std::string, std::string>>& puts,
+                     int64_t lease, int64_t* revision) {
   json success = json::array();
   for (const auto& [k, v] : puts) {
     json p = {{"key", base64_encode(k)}, {"value", base64_encode(v)}};
     if (lease) p["lease"] = std::to_string(lease);
     success.push_back({{"request_put", p}});
   }
-  const auto j = json::parse(call("/v3/kv/txn", json{{"compare", compare}, {"success", success}}.dump()));
+  return txn_ops(compare_json(when), std::move(success), revision);
+}
+
+bool EtcdClient::txn_ops(json compare, json success, int64_t* revision) {
+  const std::string seq = std::to_string(++txn_seq_);
+  success.push_back({{"request_put", {{"key", base64_encode(txn_marker_)}, {"value", base64_encode(seq)}}}});
+  bool resent = false;
+  const auto j = json::parse(call("/v3/kv/txn", json{{"compare", compare}, {"success", success}}.dump(), &resent));
   if (revision) *revision = header_revision(j);
-  return j.value("succeeded", false);
+  if (j.value("succeeded", false)) return true;
+  if (!resent) return false;
+  // Refused after a lost answer: did the first attempt commit? Only this
+  // client writes its marker.
+  const auto marker = get(txn_marker_);
+  return marker && marker->value == seq;
 }
 
 int64_t EtcdClient::grant_lease(int ttl_seconds) {

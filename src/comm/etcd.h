@@ -14,6 +14,7 @@
 // etcd cluster.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -22,6 +23,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "comm/kv_store.h"
 #include "common/error.h"
@@ -68,6 +71,7 @@ class EtcdClient {
     std::string key;
     std::string value;     // Value
     int64_t revision = 0;  // ModRevision / CreateRevision (0 = the key does not exist)
+    bool not_equal = false;  // holds when the target differs instead
   };
 
   // Every call gives up after `timeout` (Timeout; PeerFailure when no
@@ -85,8 +89,16 @@ class EtcdClient {
   // How many keys start with `prefix` and were created at or before
   // revision `max_create_revision` (0: any); the names come back, no values.
   int64_t count(const std::string& prefix, int64_t max_create_revision = 0);
+  // The keys deleted. A single key is deleted in a transaction, so that a
+  // retry after a lost answer still reports the deletion (below).
   int64_t erase(const std::string& key, bool whole_prefix = false);
   // Writes `puts` (with `lease`) when every condition holds; true when it did.
+  // Exactly once, and told truly: when an answer was lost and the request
+  // was sent again (to the next endpoint), the retry's conditions no longer
+  // hold if the first attempt committed. Each transaction therefore also
+  // writes this client's marker key (`<job prefix>_txn/<client>`) with its
+  // own sequence number, and a refused retry reads it back: the marker
+  // holding this transaction's number means the first attempt committed.
   bool txn(const std::vector<Compare>& when, const std::vector<std::pair<std::string, std::string>>& puts,
            int64_t lease = 0, int64_t* revision = nullptr);
   int64_t grant_lease(int ttl_seconds);
@@ -102,8 +114,12 @@ class EtcdClient {
 
  private:
   struct Conn;
-  std::string call(const std::string& path, const std::string& body);
-  std::string call_locked(const std::string& path, const std::string& body, bool authenticating);
+  // `resent` (when given): true when an attempt that may have reached etcd
+  // went unanswered and the answer returned is a later attempt's.
+  std::string call(const std::string& path, const std::string& body, bool* resent = nullptr);
+  std::string call_locked(const std::string& path, const std::string& body, bool authenticating,
+                          bool* resent = nullptr);
+  bool txn_ops(nlohmann::json compare, nlohmann::json success, int64_t* revision);
   void authenticate_locked();
 
   EtcdOptions opt_;
@@ -112,6 +128,8 @@ class EtcdClient {
   size_t current_ = 0;  // the endpoint in use
   std::vector<std::unique_ptr<Conn>> conns_;
   std::string auth_token_;
+  std::string txn_marker_;  // this client's marker key (txn)
+  std::atomic<uint64_t> txn_seq_{0};
 };
 
 // The rendezvous interface over etcd, every key under the job's prefix.

@@ -46,7 +46,10 @@ std::string peer_name(int fd) {
 
 constexpr size_t kMaxHandshake = 4096;  // bytes a connection may send before it is authenticated
 // Connections in their handshake at once: a flood without the secret
-// cannot fill the connection cap and keep members out.
+// cannot fill the connection cap. At this count a new connection replaces
+// the one longest in its handshake (a member passes it within
+// milliseconds, a flood's silent sockets never do), so a flood cannot keep
+// members out either by holding sockets open.
 constexpr size_t kMaxPendingHandshakes = 256;
 // Fairness: one connection's turn reads at most kReadBudget bytes and
 // answers at most kServeBudget requests; a connection with kBacklog bytes
@@ -150,8 +153,19 @@ struct StoreServer::Impl {
 
   size_t pending_handshakes() const {
     size_t n = 0;
-    for (const auto& [fd, c] : conns) n += !c.authed;
+    for (const auto& [fd, c] : conns) n += !c.authed && !c.closing;
     return n;
+  }
+
+  // Closes (at the end of this turn) the connection longest in its handshake.
+  void evict_oldest_handshake() {
+    Conn* oldest = nullptr;
+    for (auto& [fd, c] : conns)
+      if (!c.authed && !c.closing && (!oldest || c.auth_deadline < oldest->auth_deadline)) oldest = &c;
+    if (!oldest) return;
+    over_cap_log.warn("closed the connection from " + oldest->peer + " (the longest in its handshake): " +
+                      std::to_string(kMaxPendingHandshakes) + " connections are in their handshake");
+    oldest->closing = true;
   }
 
   int poll_timeout_ms(SteadyClock::time_point now) const {
@@ -175,12 +189,7 @@ struct StoreServer::Impl {
         }
         return;  // EAGAIN, or an error to try again on the next poll
       }
-      if (!opt.token.empty() && pending_handshakes() >= kMaxPendingHandshakes) {
-        over_cap_log.warn("closed a connection from " + peer_name(fd) + ": " +
-                          std::to_string(kMaxPendingHandshakes) + " connections are in their handshake already");
-        ::close(fd);
-        continue;
-      }
+      if (!opt.token.empty() && pending_handshakes() >= kMaxPendingHandshakes) evict_oldest_handshake();
       if (conns.size() >= opt.max_connections) {
         over_cap_log.warn("closed a connection from " + peer_name(fd) + ": " + std::to_string(conns.size()) +
                           " connections open, the most it takes");

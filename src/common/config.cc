@@ -19,6 +19,12 @@ std::string section_of(const std::string& key) {
   return dot == std::string::npos ? std::string() : key.substr(0, dot);
 }
 
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t");
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(" \t") - b + 1);
+}
+
 // Edit distance, for "did you mean" suggestions.
 size_t distance(const std::string& a, const std::string& b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
@@ -224,9 +230,33 @@ void Config::set(const std::string& key, ConfigValue value,
   origins_[key] = origin;
 }
 
-void Config::set_text(const std::string& key, const std::string& text,
+void Config::set_text(const std::string& key, const std::string& text_in,
                       const std::string& origin) {
   const KeySpec& s = spec_or_throw(key, origin);
+  const std::string text = trim(text_in);
+  // A TOML array or quoted string reads as it would in a file, so that a
+  // list may be written `--set data.augment=["hflip", "random_crop:2"]`.
+  if (!text.empty() && (text.front() == '[' || text.front() == '"' || text.front() == '\'')) {
+    toml::table tbl;
+    try {
+      tbl = toml::parse("v = " + text, origin);
+    } catch (const toml::parse_error& e) {
+      throw InvalidInput("config key '" + key + "' = '" + text + "' (from " + origin +
+                         ") is not a TOML value: " + std::string(e.description()) + "; allowed: " +
+                         allowed_text(s));
+    }
+    if (const toml::node* v = tbl.get("v")) {
+      if (v->is_array() && s.type != ValueType::String)
+        throw InvalidInput("config key '" + key + "' = '" + text + "' (from " + origin +
+                           ") is a list; allowed: " + allowed_text(s));
+      if (auto arr = v->as_array())
+        for (const auto& el : *arr)
+          if (!el.is_integer() && !el.is_floating_point() && !el.is_string())
+            throw InvalidInput("config key '" + key + "' = '" + text + "' (from " + origin +
+                               "): list elements must be numbers or strings");
+      return set(key, from_toml_node(*v, s, origin), origin);
+    }
+  }
   auto bad = [&](const char* what) {
     throw InvalidInput("config key '" + key + "' = '" + text + "' (from " +
                        origin + ") is not " + what + "; allowed: " +
@@ -265,8 +295,7 @@ void Config::apply_override(const std::string& assignment) {
   auto eq = assignment.find('=');
   if (eq == std::string::npos || eq == 0)
     throw InvalidInput("--set expects section.key=value, got '" + assignment + "'");
-  set_text(assignment.substr(0, eq), assignment.substr(eq + 1),
-           "--set " + assignment);
+  set_text(trim(assignment.substr(0, eq)), assignment.substr(eq + 1), "--set " + assignment);
 }
 
 void Config::load_toml_string(const std::string& text, const std::string& origin) {

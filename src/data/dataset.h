@@ -36,6 +36,9 @@ struct Dataset {
   std::vector<uint8_t> labels;  // size()
   std::shared_ptr<const TensorPair> tensors;  // set for tensor datasets (images/labels empty)
   int64_t tensor_rows = 0;                    // rows of `tensors` in use (after truncate)
+  // Tensor datasets: x reaches the model as int64 ids (token or item ids
+  // for an embedding) instead of float (registry.h, data.inputs).
+  bool x_ids = false;
   int64_t size() const {
     return tensors ? tensor_rows : static_cast<int64_t>(labels.size());
   }

@@ -6,20 +6,37 @@ namespace limbo::data {
 
 namespace {
 
+void fill_targets(const MappedTensor& ys, const std::vector<int64_t>& ids, Batch& b) {
+  const bool labels = is_integer(ys.dtype);
+  std::vector<int64_t> yshape = ys.shape;
+  yshape[0] = static_cast<int64_t>(ids.size());
+  b.y = torch::empty(yshape, labels ? torch::kInt64 : torch::kFloat32);
+  const int64_t yrow = ys.row_numel();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (labels) to_int64(ys.dtype, ys.row(ids[i]), yrow, b.y.data_ptr<int64_t>() + i * yrow);
+    else to_float(ys.dtype, ys.row(ids[i]), yrow, b.y.data_ptr<float>() + i * yrow);
+  }
+}
+
 // Tensor datasets: rows of x converted to float (uint8 scaled by 1/255), then
-// standardised per channel when `norm` is set; y as int64 labels or float.
+// standardised per channel when `norm` is set, or (Dataset::x_ids) to int64
+// ids as they are; y as int64 labels or float.
 Batch make_tensor_batch(const Dataset& d, const Normalization& norm,
                         const std::vector<int64_t>& ids) {
   const MappedTensor& xs = d.tensors->x;
-  const MappedTensor& ys = d.tensors->y;
   const int64_t n = static_cast<int64_t>(ids.size());
-  std::vector<int64_t> xshape = xs.shape, yshape = ys.shape;
-  xshape[0] = yshape[0] = n;
+  std::vector<int64_t> xshape = xs.shape;
+  xshape[0] = n;
   Batch b;
+  fill_targets(d.tensors->y, ids, b);
+  const int64_t xrow = xs.row_numel();
+  if (d.x_ids) {
+    b.x = torch::empty(xshape, torch::kInt64);
+    int64_t* x = b.x.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) to_int64(xs.dtype, xs.row(ids[i]), xrow, x + i * xrow);
+    return b;
+  }
   b.x = torch::empty(xshape, torch::kFloat32);
-  const bool labels = is_integer(ys.dtype);
-  b.y = torch::empty(yshape, labels ? torch::kInt64 : torch::kFloat32);
-  const int64_t xrow = xs.row_numel(), yrow = ys.row_numel();
   const int64_t channels = norm.mean.empty() ? 0 : static_cast<int64_t>(norm.mean.size());
   const int64_t inner = channels > 0 ? xrow / channels : 0;
   float* x = b.x.data_ptr<float>();
@@ -42,10 +59,6 @@ Batch make_tensor_batch(const Dataset& d, const Normalization& norm,
       float* r = q + c * inner;
       for (int64_t k = 0; k < inner; ++k) r[k] = r[k] * scale + shift;
     }
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    if (labels) to_int64(ys.dtype, ys.row(ids[i]), yrow, b.y.data_ptr<int64_t>() + i * yrow);
-    else to_float(ys.dtype, ys.row(ids[i]), yrow, b.y.data_ptr<float>() + i * yrow);
   }
   return b;
 }

@@ -29,11 +29,22 @@ DatasetSplits load_dataset(const DataSource& src) {
     if (src.test_limit > 0) o.test_size = src.test_limit;
     s = make_synthetic(o);
   } else if (src.dataset == "tensors") {
-    s = load_tensor_dataset(path, src.classes);
+    s = load_tensor_dataset(path, src.classes, src.user_model);
+    const DType xt = s.train.tensors->x.dtype;
+    if (src.inputs != "auto" && src.inputs != "ids" && src.inputs != "float")
+      throw InvalidInput("unknown data.inputs '" + src.inputs + "'; allowed: auto, float, ids");
+    const bool ids = is_integer(xt) && (src.inputs == "ids" || (src.inputs == "auto" && src.user_model && xt != DType::U8));
+    if (src.inputs == "ids" && !is_integer(xt))
+      throw InvalidInput("data.inputs = \"ids\" needs integer samples, but '" + s.train.tensors->x.origin +
+                         "' holds " + dtype_name(xt));
+    s.train.x_ids = s.test.x_ids = ids;
   } else {
     throw InvalidInput("unknown dataset '" + src.dataset +
                        "'; allowed: fashion-mnist, mnist, cifar10, synthetic, tensors");
   }
+  if (src.inputs == "ids" && src.dataset != "tensors")
+    throw InvalidInput("data.inputs = \"ids\" is for tensor datasets (data.dataset = \"tensors\"); '" +
+                       src.dataset + "' holds images");
   if (src.classes > 0 && has_labels(s.train)) {
     for (Dataset* d : {&s.train, &s.test}) {
       auto bad = find_bad_label(*d, src.classes);

@@ -20,6 +20,15 @@ struct DataSource {
   // the training split). Labels outside [0, classes) are refused, naming
   // the file and the sample.
   int64_t classes = 0;
+  // How integer samples x of a tensor dataset reach the model (data.inputs):
+  // "auto": uint8 as float scaled by 1/255 (images), other integers as
+  // int64 ids when `user_model`, else float; "ids": every integer dtype as
+  // int64 ids; "float": all as float.
+  std::string inputs = "auto";
+  // The model is the user's own module: its output width, not the labels,
+  // says how many classes there are (no refusal of label gaps here; the
+  // trainer checks the labels against the module's outputs).
+  bool user_model = false;
 };
 
 DatasetSplits load_dataset(const DataSource& src);

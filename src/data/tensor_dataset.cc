@@ -232,7 +232,7 @@ LabelProblem find_bad_label(const Dataset& d, int64_t num_classes) {
   return p;
 }
 
-DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes) {
+DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes, bool sized_by_model) {
   if (dir.empty())
     throw InvalidInput("data.dataset = \"tensors\" needs data.path = a folder holding "
                        "train.safetensors and test.safetensors, or train_x.npy, train_y.npy, "
@@ -299,7 +299,7 @@ DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes) {
         holder = d;
       }
     }
-    if (classes <= 0 && hi >= 0) check_dense_labels(s.train, *holder, hi, hi_at);
+    if (classes <= 0 && hi >= 0 && !sized_by_model) check_dense_labels(s.train, *holder, hi, hi_at);
     s.train.num_classes = s.test.num_classes = classes > 0 ? classes : hi + 1;
   }
   return s;

@@ -3,8 +3,9 @@
 // A folder holds either `train.safetensors` and `test.safetensors`, each with
 // tensors `x` [N, ...] and `y` [N, ...], or the numpy files `train_x.npy`,
 // `train_y.npy`, `test_x.npy`, `test_y.npy` (np.save). x may be uint8, int8,
-// int32, int64, float16, bfloat16, float32 or float64; uint8 becomes float
-// scaled by 1/255, the others float as they are. y holds integer class labels
+// int32, int64, float16, bfloat16, float32 or float64; how it reaches the
+// model is `Dataset::x_ids` (dataset.h): float (uint8 scaled by 1/255, the
+// others as they are), or int64 token ids. y holds integer class labels
 // ([N] or [N, ...], e.g. per token; made int64) or float targets.
 //
 // Files are memory-mapped, never copied. Every problem is an InvalidInput
@@ -27,8 +28,10 @@ namespace limbo::data {
 // against it by the caller. 0: 1 + the largest label, refused (naming the
 // file and the sample) when some label below it never occurs in the
 // training split: a stray label (255 among 0..9) would otherwise size the
-// model's output layer, up to running out of memory.
-DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes = 0);
+// model's output layer, up to running out of memory. `sized_by_model`: the
+// model's output width is its own (a user's module), and the caller checks
+// labels against it; no such refusal (byte data never holds bytes 0-31).
+DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes = 0, bool sized_by_model = false);
 
 // The sample shape of x without N, e.g. {1, 28, 28}.
 std::vector<int64_t> sample_shape(const Dataset& d);

@@ -36,7 +36,17 @@ void Coordinator::resume() {
   while (store_->try_get("elastic/event/" + std::to_string(events_ + 1))) ++events_;
   int64_t k = 0;
   if (auto v = store_->try_get("elastic/round")) k = std::stoll(*v);
+  const int64_t announced = k;
   while (store_->try_get("elastic/round/" + std::to_string(k + 1))) ++k;
+  if (k > announced) {
+    // The predecessor wrote round k's members but not `elastic/round` or
+    // its event: members wait on those, so they are written now (a store
+    // error here fails the take-over, which is tried again).
+    store_->set("elastic/round", std::to_string(k));
+    const auto last = events_ > 0 ? store_->try_get("elastic/event/" + std::to_string(events_)) : std::nullopt;
+    if (last != "round " + std::to_string(k)) publish_event("round " + std::to_string(k));
+    else store_->set("elastic/events", std::to_string(events_));
+  }
   if (k > 0) {
     current_.number = k;
     if (auto m = store_->try_get("elastic/round/" + std::to_string(k))) current_.members = parse_members(*m);

@@ -15,14 +15,17 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 
 }  // namespace
 
-std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage) {
+std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage, std::vector<int>* earlier) {
   torch::NoGradGuard no_grad;
   auto ids = torch::full({g.size()}, -1.0, torch::kFloat64);
   ids[g.rank()] = static_cast<double>(storage);
   g.allreduce_max(ids);
   const auto* v = ids.data_ptr<double>();
   bool first = storage != 0;  // no run directory: nothing to write
-  for (int r = 0; r < g.rank(); ++r) first = first && v[r] != v[g.rank()];
+  for (int r = 0; r < g.rank(); ++r) {
+    first = first && v[r] != v[g.rank()];
+    if (earlier && storage != 0 && v[r] == v[g.rank()]) earlier->push_back(r);
+  }
   std::set<double> distinct(v, v + g.size());
   distinct.erase(0.0);  // members without a run directory keep no copy
   return {first, static_cast<int>(distinct.size())};
@@ -57,7 +60,8 @@ int sync_state(comm::Collective& g, train::SyncTargets& s) {
   const int source = static_cast<int>(kRanks - 1 - std::fmod(v, kRanks));
 
   auto meta = torch::tensor({s.state.step, s.state.cursor.epoch, s.state.cursor.position,
-                             s.state.samples, static_cast<int64_t>(s.sgd.buffer().defined())},
+                             s.state.samples, static_cast<int64_t>(s.sgd.buffer().defined()),
+                             s.state.skipped_steps, s.state.skipped_in_a_row},
                             torch::kInt64);
   g.broadcast(meta, source);
   g.broadcast(s.weights, source);
@@ -83,6 +87,8 @@ int sync_state(comm::Collective& g, train::SyncTargets& s) {
   s.state.step = meta[0].item<int64_t>();
   s.state.cursor = {meta[1].item<int64_t>(), meta[2].item<int64_t>()};
   s.state.samples = meta[3].item<int64_t>();
+  s.state.skipped_steps = meta[5].item<int64_t>();
+  s.state.skipped_in_a_row = meta[6].item<int64_t>();
   return source;
 }
 
@@ -105,6 +111,12 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
   if (round_.number > 0) member_->request_round(round_.number);
   for (int attempt = 0;; ++attempt) {
     Round next = member_->wait_round(round_.number);
+    // The others may have finished the step this member failed (the last
+    // one), published that training completed and left: redoing it alone
+    // would train past the end.
+    if (member_->completed())
+      throw train::CompletedElsewhere("worker " + std::to_string(member_->id()) +
+                                      ": training completed on the other members while this one re-formed");
     double rendezvous = since(t0);
     auto t1 = Clock::now();
     try {
@@ -116,7 +128,10 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
       Established e;
       e.world = group->size();
       e.rank = group->rank();
-      std::tie(e.writes_run_dir, e.record_copies) = storage_writer(*group, s.storage);
+      std::vector<int> earlier;
+      std::tie(e.writes_run_dir, e.record_copies) = storage_writer(*group, s.storage, &earlier);
+      earlier_on_storage_.clear();
+      for (int r : earlier) earlier_on_storage_.push_back(next.members.at(static_cast<size_t>(r)));
       e.records = share_records(*group, s, e.writes_run_dir);
       e.event = {{"kind", "membership"},
                  {"time", std::chrono::duration<double>(

@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "elastic/allreduce_update.h"
 #include "elastic/member.h"
@@ -19,8 +20,9 @@ int sync_state(comm::Collective& g, train::SyncTargets& s);
 
 // Whether this member writes its run directory (the lowest rank among the
 // members on the same `storage`, RunDir::storage_id), and how many distinct
-// storages (0 excluded) the group's members write to.
-std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage);
+// storages (0 excluded) the group's members write to. `earlier`, when
+// given, receives the ranks before this member's on the same storage.
+std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage, std::vector<int>* earlier = nullptr);
 
 // Rank 0's records (metrics.jsonl) for the writers whose storage holds
 // none yet (empty for every other member); one flag all-reduce when none
@@ -39,6 +41,8 @@ class ElasticMembership : public train::Membership {
   void publish_progress(double epoch) override { member_->publish_progress(epoch); }
   void publish_done() override { member_->publish_done(); }
   void publish_record(const nlohmann::json& record) override { member_->publish_record(record.dump()); }
+  void publish_final(int64_t storage) override { member_->publish_final(storage); }
+  bool wait_final(int64_t storage) override { return member_->wait_final(storage, earlier_on_storage_); }
   int64_t id() const { return member_->id(); }
 
  private:
@@ -46,6 +50,7 @@ class ElasticMembership : public train::Membership {
   std::shared_ptr<AllReduceUpdate> rule_;
   std::function<bool()> want_leave_;
   Round round_;
+  std::vector<int64_t> earlier_on_storage_;  // ids of the members before this one on its storage
 };
 
 }  // namespace limbo::elastic

@@ -9,6 +9,8 @@ namespace limbo::elastic {
 namespace {
 
 const char* kBeat = "elastic/coordinator_beat";
+// The highest term ever reserved (no lease: it outlives every coordinator).
+const char* kTerms = "elastic/coordinator_terms";
 
 int64_t term_of(const std::string& value) {
   try {
@@ -123,10 +125,26 @@ void Election::follow_tick() {
   seen_value_ = value;
   seen_beat_ = beat;
   if (!present) {
-    campaign(0, 1 + term_of(value), "nobody (no coordinator yet, or its lease expired)");
+    if (const int64_t term = reserve_term(1 + term_of(value)))
+      campaign(0, term, "nobody (no coordinator yet, or its lease expired)");
   } else if (now - seen_change_ > timeout_) {
-    campaign(mod_revision, term_of(value) + 1, "'" + value + "', silent for " + std::to_string(timeout_.count()) + " ms");
+    if (const int64_t term = reserve_term(term_of(value) + 1))
+      campaign(mod_revision, term, "'" + value + "', silent for " + std::to_string(timeout_.count()) + " ms");
   }
+}
+
+// Terms are taken from a counter that no lease removes, so a fence value
+// ("<term> <launcher>") is never used twice: when the coordinator key is
+// gone (its lease expired), the next term still follows every earlier one.
+// 0 when another launcher reserved one at the same time (the next tick
+// tries again).
+int64_t Election::reserve_term(int64_t at_least) {
+  using Cmp = comm::EtcdClient::Compare;
+  const auto kv = c_.get(prefix_ + kTerms);
+  const int64_t term = std::max(kv ? term_of(kv->value) + 1 : 1, at_least);
+  const Cmp cond = kv ? Cmp{Cmp::ModRevision, prefix_ + kTerms, "", kv->mod_revision}
+                      : Cmp{Cmp::CreateRevision, prefix_ + kTerms, "", 0};
+  return c_.txn({cond}, {{prefix_ + kTerms, std::to_string(term)}}) ? term : 0;
 }
 
 bool Election::campaign(int64_t expected_mod_revision, int64_t term, const std::string& from) {

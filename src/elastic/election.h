@@ -57,6 +57,7 @@ class Election {
   void lead_tick();
   void follow_tick();
   bool campaign(int64_t expected_mod_revision, int64_t term, const std::string& from);
+  int64_t reserve_term(int64_t at_least);
   void ensure_lease();
 
   using Clock = std::chrono::steady_clock;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <filesystem>
 #include <map>
 #include <set>
 #include <sstream>
@@ -184,6 +185,14 @@ class Job {
   int64_t launcher_id_ = 0;
   bool acked_ = false;
   std::set<pid_t> terminating_, killed_after_done_, checked_after_done_;
+  // The ending: workers that took part in it (set `left`, or exited during
+  // it without being killed as stragglers), each straggler's last heartbeat
+  // and when it changed, and whether the ending outlasted --finish-timeout.
+  std::set<pid_t> finishers_;
+  std::map<pid_t, std::pair<std::string, Clock::time_point>> beats_;
+  bool finish_timed_out_ = false;
+  std::filesystem::file_time_type started_ = std::filesystem::file_time_type::clock::now();
+  bool final_files_written() const;
   int next_index_ = 0, restarts_ = 0;
   int alive_ = 0;  // workers alive in the job at the coordinator's last poll
   ThrottledLog poll_errors_;
@@ -356,6 +365,7 @@ void Job::on_signal(int sig) {
 void Job::on_exit(const Supervisor::Exit& ex) {
   const int code = ex.code();
   terminating_.erase(ex.pid);
+  if (phase_ == Phase::Completing && !killed_after_done_.count(ex.pid)) finishers_.insert(ex.pid);
   // A worker that died while its group formed may leave a shared-memory
   // segment's name behind (comm/shm_group.h).
   comm::remove_stale_segments();
@@ -374,7 +384,13 @@ void Job::on_exit(const Supervisor::Exit& ex) {
   // for its timeout, and the job is being lost anyway.)
   if (const int64_t id = store_down() ? 0 : worker_id_of(ex.pid)) {
     if (coordinator_) coordinator_->mark_dead(id);
-    with_store([&] { kv_->set("elastic/dead/" + std::to_string(id), "1"); });
+    with_store([&] {
+      // A worker that had left when training completed took part in the ending.
+      if (!killed_after_done_.count(ex.pid) && kv_->try_get("elastic/left/" + std::to_string(id)) &&
+          kv_->try_get("elastic/done"))
+        finishers_.insert(ex.pid);
+      kv_->set("elastic/dead/" + std::to_string(id), "1");
+    });
   }
   if (code != 0)
     log_warn("launch: worker (first rank " + std::to_string(ex.index) + ", pid " + std::to_string(ex.pid) +
@@ -515,26 +531,68 @@ void Job::poll_store() {
   }
 }
 
-// A member that has not left a second after completion is stopped or hung:
-// it is killed (and recorded). Then this launcher tells the hosting one it
-// saw the completion, and waits for its own workers to exit.
+// A member that has not left a second after completion, and whose heartbeat
+// stands still, is stopped or hung: it is killed (and recorded). Nothing is
+// decided on a store call that failed (a store hiccup must not kill a
+// healthy member finishing its final checkpoint). Then this launcher tells
+// the hosting one it saw the completion, and waits for its own workers to
+// exit, at most --finish-timeout.
 void Job::complete_tick() {
-  if (!opt_.elastic || seconds_since(done_at_) < kStragglerGrace) return;
+  if (!opt_.elastic) return;
+  if (!finish_timed_out_ && seconds_since(done_at_) > opt_.finish_timeout.count() / 1000.0) {
+    finish_timed_out_ = true;
+    log_warn("launch: the job's ending took longer than --finish-timeout (" +
+             std::to_string(opt_.finish_timeout.count() / 1000) + " s); killing the " +
+             std::to_string(sup_.count()) + " workers still running");
+    for (const auto& [pid, idx] : sup_.children()) {
+      sup_.signal(pid, SIGKILL);
+      killed_after_done_.insert(pid);
+    }
+  }
+  if (seconds_since(done_at_) < kStragglerGrace || store_down()) return;
   for (const auto& [pid, idx] : sup_.children()) {
     if (killed_after_done_.count(pid) || checked_after_done_.count(pid)) continue;
-    const int64_t id = worker_id_of(pid);
+    const std::string want = process_key(pid);
+    int64_t id = 0;
     bool left = false;
-    if (id) with_store([&] { left = kv_->try_get("elastic/left/" + std::to_string(id)).has_value(); });
+    std::string beat;
+    const bool answered = with_store([&] {
+      const std::string prefix = "elastic/host_pid/";
+      for (const auto& [key, value] : kv_->list(prefix))
+        if (value == want) id = std::strtoll(key.c_str() + prefix.size(), nullptr, 10);
+      if (!id) return;
+      left = kv_->try_get("elastic/left/" + std::to_string(id)).has_value();
+      beat = kv_->try_get("elastic/hb/" + std::to_string(id)).value_or("");
+    });
+    if (!answered) continue;
     if (left) {
       checked_after_done_.insert(pid);
+      finishers_.insert(pid);
       continue;
     }
+    auto it = beats_.find(pid);
+    if (id && (it == beats_.end() || it->second.first != beat)) {
+      beats_[pid] = {beat, Clock::now()};  // beating: finishing its last step, or a slow store
+      continue;
+    }
+    if (id && seconds_since(it->second.second) < kStragglerGrace) continue;
     log_warn("launch: worker pid " + std::to_string(pid) + " (id " + std::to_string(id) +
              ") did not finish with the others (stopped or hung); killing it");
     sup_.signal(pid, SIGKILL);
     killed_after_done_.insert(pid);
   }
   if (!acked_ && !keeper()) acked_ = with_store([&] { kv_->set("elastic/launcher_done/" + std::to_string(launcher_id_), "1"); });
+}
+
+// The run directory holds a summary and a checkpoint written since this
+// launcher started (the job's own, not an earlier run's).
+bool Job::final_files_written() const {
+  std::error_code ec;
+  for (const char* f : {"/summary.json", "/checkpoint.pt"}) {
+    const auto t = std::filesystem::last_write_time(run_dir_ + f, ec);
+    if (ec || t + std::chrono::seconds(1) < started_) return false;
+  }
+  return true;
 }
 
 bool Job::finished() {
@@ -554,6 +612,21 @@ bool Job::finished() {
 }
 
 int Job::finish() {
+  if (phase_ == Phase::Completing && finish_timed_out_) {
+    log_warn("launch: exit code " + std::to_string(kExitTimeout) + ": training completed, but the ending (final "
+             "evaluation, checkpoint and summary) outlasted --finish-timeout; the last checkpoint in the run "
+             "directory is the newest state");
+    return kExitTimeout;
+  }
+  // Training completed, but no member wrote the final checkpoint and
+  // summary here (each member that could died while the job ended): the job
+  // has not delivered its result.
+  if (phase_ == Phase::Completing && !run_dir_.empty() && !finishers_.empty() && !final_files_written()) {
+    log_warn("launch: exit code " + std::to_string(kExitFailure) + ": training completed, but " + run_dir_ +
+             " has no final checkpoint and summary (the members that write them died while the job ended); "
+             "the last checkpoint there is the newest state (--resume)");
+    return kExitFailure;
+  }
   if (phase_ == Phase::Completing) {
     if (!killed_after_done_.empty()) record_killed(run_dir_, killed_after_done_);
     if (election_ && election_->leading()) {

@@ -40,6 +40,11 @@ struct LaunchOptions {
   // A worker silent this long counts as gone; workers beat every quarter of it.
   std::chrono::milliseconds heartbeat_timeout{400};
   std::chrono::milliseconds rendezvous_timeout{120000};
+  // Elastic: how long the ending (the final evaluation, checkpoint and
+  // summary after training completed) may take before the workers still
+  // running are killed and the job fails (a final checkpoint stuck on a
+  // hung mount must not hold the job for ever).
+  std::chrono::milliseconds finish_timeout{600000};
   // Scheduled elasticity (implies elastic): (epoch, worker count), ascending.
   // The launcher starts workers or SIGTERMs its newest ones as the job's
   // progress (published by rank 0) passes each epoch.

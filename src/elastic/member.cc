@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 
 #include "common/error.h"
 #include "common/log.h"
@@ -259,8 +260,79 @@ void Member::publish_done() {
   best_effort("publish that training completed", [&] { store_->set("elastic/done", "1"); });
 }
 
+// Retried until the store takes it (at most the round timeout): a launcher
+// kills a member that did not leave after training completed only while the
+// store answers and the member's heartbeat stands still, but a member whose
+// `left` never arrived would count as lost for the coordinator.
 void Member::leave() {
-  best_effort("leave", [&] { store_->set("elastic/left/" + std::to_string(id_), "1"); });
+  const auto start = Clock::now();
+  for (int attempt = 0;; ++attempt) {
+    try {
+      store_->set("elastic/left/" + std::to_string(id_), "1");
+      return;
+    } catch (const Error& e) {
+      if (Clock::now() - start > opt_.round_timeout || stop_) {
+        log_warn("worker " + std::to_string(id_) + ": could not leave: " + e.what());
+        return;
+      }
+      if (attempt == 2) log_warn("worker " + std::to_string(id_) + ": the store does not take 'left' (" +
+                                 e.what() + "); retrying");
+      sleep_while_running(std::chrono::milliseconds(50));
+    }
+  }
+}
+
+bool Member::completed() {
+  try {
+    return store_->try_get("elastic/done").has_value();
+  } catch (const Error&) {
+    return false;
+  }
+}
+
+void Member::publish_final(int64_t storage) {
+  best_effort("publish that the final checkpoint and summary are written",
+              [&] { store_->set("elastic/final/" + std::to_string(storage), "1"); });
+}
+
+bool Member::wait_final(int64_t storage, const std::vector<int64_t>& earlier) {
+  const std::string key = "elastic/final/" + std::to_string(storage);
+  struct Seen {
+    std::string beat;
+    Clock::time_point since;
+  };
+  std::map<int64_t, Seen> seen;
+  const auto start = Clock::now();
+  auto last_ok = start;
+  while (!stop_) {
+    try {
+      if (store_->try_get(key)) return true;
+      bool any_alive = false;
+      for (int64_t id : earlier) {
+        const std::string sid = std::to_string(id);
+        if (store_->try_get("elastic/dead/" + sid)) continue;
+        const std::string beat = store_->try_get("elastic/hb/" + sid).value_or("");
+        auto it = seen.find(id);
+        if (it == seen.end() || it->second.beat != beat) {
+          seen[id] = {beat, Clock::now()};
+          any_alive = true;
+        } else if (Clock::now() - it->second.since <= heartbeat_timeout_) {
+          any_alive = true;
+        }
+      }
+      last_ok = Clock::now();
+      if (!any_alive) return false;
+    } catch (const Error& e) {
+      if (Clock::now() - last_ok > opt_.round_timeout) {
+        log_warn("worker " + std::to_string(id_) + ": the store was out of reach for " +
+                 std::to_string(opt_.round_timeout.count() / 1000) + " s while waiting for the final "
+                 "checkpoint (" + e.what() + ")");
+        return false;
+      }
+    }
+    sleep_while_running(std::chrono::milliseconds(50));
+  }
+  return false;
 }
 
 std::shared_ptr<comm::Collective> Member::form_group(const Round& round) {

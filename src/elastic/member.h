@@ -95,6 +95,19 @@ class Member {
   // Sets `elastic/done`: training completed (every member reaches the same
   // last step). The launcher ends the job then, whatever else happened.
   void publish_done();
+  // `elastic/done` is set (false when the store does not answer).
+  bool completed();
+  // The ending (docs/elastic.md, "How a job ends"). publish_final sets
+  // `elastic/final/<storage>`: the final checkpoint and summary of that
+  // storage are written. wait_final blocks until that key exists (true), or
+  // until every member in `earlier` (the members before this one on the
+  // same storage, the writer first) is gone without it: its worker exited
+  // (`elastic/dead/<id>`, set by its launcher) or its heartbeat stood still
+  // for the heartbeat timeout (false: this member writes them). A store out
+  // of reach for the round timeout also gives false (a second copy of the
+  // same final files is harmless; none is not).
+  void publish_final(int64_t storage);
+  bool wait_final(int64_t storage, const std::vector<int64_t>& earlier);
   // Forms the Gloo group of `round` (blocks until every member joined);
   // PeerFailure when the round is replaced meanwhile.
   std::shared_ptr<comm::Collective> form_group(const Round& round);

@@ -212,6 +212,10 @@ json Learner::run(const std::atomic<bool>& stop) {
     compute_seconds += step_compute;
     compute_squares += step_compute * step_compute;
 
+    // Each shard checks only its own slice, so a gradient (or loss) that is
+    // not finite anywhere is sent as NaN everywhere: every shard refuses it
+    // alike, and none applies the finite rest of it.
+    if (!std::isfinite(lv) || !flat.grad().isfinite().all().item<bool>()) flat.grad().fill_(NAN);
     const float* g = flat.grad().data_ptr<float>();
     const std::string meta0 = buffers_meta();
     for (auto& l : links)

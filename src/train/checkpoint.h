@@ -28,6 +28,11 @@ struct TrainState {
   int64_t step = 0;         // completed optimizer steps
   data::Cursor cursor;      // next sample of the epoch order
   int64_t samples = 0;      // samples trained on (all workers)
+  // Steps skipped for a gradient or loss that was not finite: in all, and
+  // in a row up to now (Diverged after train.max_nonfinite_steps). State
+  // sync carries them, so every member of a group stops at the same step;
+  // checkpoints do not (a resumed run counts afresh).
+  int64_t skipped_steps = 0, skipped_in_a_row = 0;
   std::string config_toml;  // resolved configuration
   std::map<std::string, torch::Tensor> extra;  // component state, by name
 };

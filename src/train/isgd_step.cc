@@ -1,5 +1,7 @@
 #include "train/isgd_step.h"
 
+#include <cmath>
+
 namespace limbo::train {
 
 IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
@@ -27,6 +29,12 @@ IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
     }
     if (it == 0) r.loss_before = psi;
     r.loss_after = psi;
+    // psi and the reduced gradient are the same on every member, so all
+    // stop here alike.
+    if (!std::isfinite(psi) || (it < opt.stop && !flat.grad().isfinite().all().item<bool>())) {
+      r.not_finite = true;
+      break;
+    }
     if (psi <= limit || it >= opt.stop) break;
     if (opt.momentum == optim::IsgdMomentum::Untouched) {
       optim::isgd_plain_step(flat.data(), flat.grad(), psi, limit, anchor, opt.epsilon, zeta);

@@ -18,6 +18,9 @@ struct IsgdExtraResult {
   int64_t iterations = 0;  // subproblem updates applied (<= stop)
   double loss_before = 0;  // batch loss after the normal update, before extra ones
   double loss_after = 0;   // batch loss after the extra updates
+  // A loss or reduced gradient that was not finite ended the passes (the
+  // weights stay as the last finite pass left them, on every member alike).
+  bool not_finite = false;
 };
 
 IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,

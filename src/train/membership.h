@@ -12,6 +12,7 @@
 #include "optim/batch_policy.h"
 #include "optim/isgd.h"
 #include "optim/sgd.h"
+#include "common/error.h"
 #include "train/checkpoint.h"
 
 namespace limbo::train {
@@ -35,6 +36,14 @@ struct SyncTargets {
   std::function<bool()> records_missing;
 };
 
+// Training completed on other members while this member's step failed or
+// its group re-formed: its state is behind theirs, and they write the
+// results; it ends without redoing the step (thrown by establish()).
+class CompletedElsewhere : public limbo::Error {
+ public:
+  using Error::Error;
+};
+
 struct Membership {
   struct Established {
     int world = 1, rank = 0;
@@ -51,6 +60,7 @@ struct Membership {
   virtual ~Membership() = default;
   // (Re)forms the group and makes every member hold the newest committed
   // state. Blocks; throws Timeout when no group can be formed in time.
+  // Throws CompletedElsewhere when training completed meanwhile.
   virtual Established establish(SyncTargets& s, const std::string& reason) = 0;
   // After a committed step: did all members agree to change membership now?
   virtual bool change_agreed() = 0;
@@ -61,6 +71,14 @@ struct Membership {
   virtual void publish_progress(double epoch) {}
   // Training completed (after the last step, before the final evaluation).
   virtual void publish_done() {}
+  // The ending, per storage (SyncTargets::storage): the member writing the
+  // run directory reports that the final checkpoint and summary are
+  // written; every other member of the storage waits for that report
+  // (true), or until each member before it on the storage is gone without
+  // it (false: it writes them itself), so a writer that dies while the job
+  // ends loses nothing.
+  virtual void publish_final(int64_t storage) {}
+  virtual bool wait_final(int64_t storage) { return true; }
   // A metrics record of the current writer (train, eval, membership, ...),
   // for the job's status pages. Must not block.
   virtual void publish_record(const nlohmann::json& record) {}

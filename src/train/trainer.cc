@@ -29,6 +29,10 @@ bool recoverable(const Error& e) {
 }
 
 data::Normalization choose_normalization(const std::string& mode, const data::Dataset& train) {
+  if (mode == "standardize" && train.x_ids)
+    throw InvalidInput("data.normalize = \"standardize\" cannot apply to ids: '" + train.tensors->x.origin +
+                       "' reaches the model as int64 ids (data.inputs); use data.normalize = \"none\", or "
+                       "data.inputs = \"float\"");
   if (mode == "standardize" || (mode == "auto" && !train.tensors))
     return data::compute_normalization(train);
   if (mode == "none" || mode == "auto") return {};
@@ -44,6 +48,9 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   norm_ = choose_normalization(cfg_.normalize, splits_->train);
   {
     const auto& tr = splits_->train;
+    if (tr.x_ids && !cfg_.loader.augment.empty())
+      throw InvalidInput("data.augment crops and mirrors images, but '" + tr.tensors->x.origin +
+                         "' reaches the model as int64 ids (data.inputs); remove data.augment");
     cfg_.loader.augment.check_sample_shape(
         tr.tensors ? std::vector<int64_t>(tr.tensors->x.shape.begin() + 1, tr.tensors->x.shape.end())
                    : std::vector<int64_t>{tr.shape.channels, tr.shape.height, tr.shape.width});
@@ -74,6 +81,15 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
 
 Trainer::~Trainer() = default;
 
+// Testing aid (train.testing_writer_dies_at): the run directory's writer
+// dies at `point` of the job's ending.
+void Trainer::writer_dies_at(const char* point) {
+  if (cfg_.train.writer_dies_at != point || !writer_ || !membership_ || took_over_) return;
+  std::fprintf(stderr, "testing: the writer dies at '%s'\n", point);
+  std::fflush(stderr);
+  ::kill(::getpid(), SIGKILL);
+}
+
 void Trainer::checkpoint(const std::string& why) {
   if (checkpoint_path_.empty() || !writer_) return;
   if (isgd_) state_.extra["isgd"] = isgd_->state();
@@ -100,7 +116,6 @@ struct Trainer::Run {
 
   // Membership events.
   int64_t membership_changes = 0;
-  int64_t skipped_steps = 0, skipped_in_a_row = 0;  // gradients that were not finite
   nlohmann::json recoveries = nlohmann::json::array();
   nlohmann::json pending_event;  // a change whose first completed step is still to come
   Clock::time_point pending_since;
@@ -150,15 +165,15 @@ void Trainer::resume() {
 // the run: the model has diverged.
 void Trainer::skip_step(Run& r, const std::vector<torch::Tensor>& buffers_before) {
   if (!buffers_before.empty()) flat_->restore_buffers(buffers_before);
-  r.skipped_steps += 1;
-  r.skipped_in_a_row += 1;
+  state_.skipped_steps += 1;
+  state_.skipped_in_a_row += 1;
   const int64_t limit = cfg_.train.max_nonfinite_steps;
   log_warn("step " + std::to_string(state_.step + 1) + " skipped: the " +
            (r.world > 1 ? "reduced " : "") + "gradient or loss is not finite (loss " +
-           std::to_string(r.res.loss) + "; " + std::to_string(r.skipped_in_a_row) + " in a row)");
-  if (limit > 0 && r.skipped_in_a_row >= limit)
-    throw Diverged(std::to_string(r.skipped_in_a_row) + " steps in a row (steps " +
-                   std::to_string(state_.step + 2 - r.skipped_in_a_row) + " to " +
+           std::to_string(r.res.loss) + "; " + std::to_string(state_.skipped_in_a_row) + " in a row)");
+  if (limit > 0 && state_.skipped_in_a_row >= limit)
+    throw Diverged(std::to_string(state_.skipped_in_a_row) + " steps in a row (steps " +
+                   std::to_string(state_.step + 2 - state_.skipped_in_a_row) + " to " +
                    std::to_string(state_.step + 1) + ") had a gradient or loss that is not finite; "
                    "the model has diverged. Lower optim.lr, check the data for NaN or inf, or use "
                    "comm.compression = \"bf16\" instead of \"fp16\" (train.max_nonfinite_steps "
@@ -175,6 +190,9 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
   auto est = membership_->establish(targets, reason);
   flat_->flat_to_buffers();
   r.world = est.world;
+  if (cfg_.train.pace_until_workers > 0)
+    step_->set_testing_delay(r.world < cfg_.train.pace_until_workers ? cfg_.train.slow_step
+                                                                     : std::chrono::milliseconds(0));
   rank0_ = est.rank == 0;
   writer_ = est.writes_run_dir;
   r.run_dir.set_writer(writer_);
@@ -267,8 +285,11 @@ bool Trainer::train_step(Run& r) {
     reform(r, std::string("failure: ") + e.what(), apply_start, seconds_since(apply_start));
     return false;
   }
+  if (cfg_.train.writer_dies_at == "last_step" && writer_ && r.elastic &&
+      (batch.plan.end.epoch >= r.t.epochs || (r.t.max_steps > 0 && state_.step + 1 >= r.t.max_steps)))
+    writer_dies_at("last_step");
   if (r.res.skipped) skip_step(r, buffers_before);
-  else r.skipped_in_a_row = 0;
+  else state_.skipped_in_a_row = 0;
   // Commit: from here this step counts (state sync takes the newest step).
   state_.step += 1;
   state_.samples += r.res.global_batch;
@@ -303,6 +324,9 @@ bool Trainer::train_step(Run& r) {
       reform(r, std::string("failure during ISGD extra iterations: ") + e.what(), x0,
              seconds_since(x0));
     }
+    if (ir.not_finite)
+      log_warn("ISGD's extra iterations after step " + std::to_string(state_.step) + " stopped after " +
+               std::to_string(ir.iterations) + ": the batch loss or reduced gradient is not finite");
     isgd_->record_extra(ir.iterations);
     r.isgd_extra_seconds += seconds_since(x0);
     r.run_dir.append_metrics({{"kind", "isgd_batch"}, {"step", state_.step},
@@ -333,7 +357,7 @@ void Trainer::log_step(Run& r) {
     rec.lr = r.lr;
     rec.lr_multiplier = r.policy.multiplier;
     rec.batch_size = r.res.global_batch;
-    rec.skipped_steps = r.skipped_steps;
+    rec.skipped_steps = state_.skipped_steps;
     r.run_dir.append_metrics(step_record(rec, r.window));
     r.window.reset();
   }
@@ -402,7 +426,7 @@ nlohmann::json Trainer::summary(Run& r) {
       {"epochs", r.epoch_now(state_.cursor)},
       {"steps", state_.step},
       {"samples", state_.samples},
-      {"skipped_steps", r.skipped_steps},
+      {"skipped_steps", state_.skipped_steps},
       {"wall_seconds", seconds_since(r.wall_start)},
       {"train_seconds", r.train_seconds},
       {"samples_per_second", r.train_seconds > 0 ? r.samples_this_run / r.train_seconds : 0.0},
@@ -472,8 +496,17 @@ nlohmann::json Trainer::run() {
            std::to_string(global_batch) + ", " + std::to_string(t.epochs) + " epochs, " +
            std::to_string(threads_.intra_op) + " threads, BLAS " + threads_.blas_library);
 
-  if (elastic) reform(r, "start", Clock::now(), 0.0);
-  else rule_->start(flat_->data(), flat_->buffers());
+  if (elastic) {
+    try {
+      reform(r, "start", Clock::now(), 0.0);
+    } catch (const CompletedElsewhere& e) {
+      log_warn(std::string(e.what()) + "; nothing left to train");
+      membership_->leave();
+      return {{"left", true}, {"completed_elsewhere", true}, {"steps", state_.step}};
+    }
+  } else {
+    rule_->start(flat_->data(), flat_->buffers());
+  }
   r.run_dir.write_config(cfg_.config_toml);
   r.log_sampler = std::make_unique<data::Sampler>(r.n, loader_opt.order, loader_opt.seed);
   r.progress = std::make_unique<Progress>("train", r.total_steps, stderr);
@@ -483,14 +516,23 @@ nlohmann::json Trainer::run() {
   for (;;) {
     if (state_.cursor.epoch >= t.epochs) break;
     if (t.max_steps > 0 && state_.step >= t.max_steps) break;
-    if (!train_step(r)) continue;
-    log_step(r);
-    after_epoch_and_step(r);
+    try {
+      if (!train_step(r)) continue;
+      log_step(r);
+      after_epoch_and_step(r);
+    } catch (const CompletedElsewhere& e) {
+      // The members that completed write the final checkpoint and summary.
+      log_warn(std::string(e.what()) + " (at step " + std::to_string(state_.step) +
+               "); this member ends without redoing its step");
+      membership_->leave();
+      return {{"left", true}, {"completed_elsewhere", true}, {"steps", state_.step}};
+    }
     if (r.left) return {{"left", true}, {"steps", state_.step}};
   }
   if (elastic) {
     membership_->publish_done();  // the launcher ends the job on this
     membership_->leave();         // done: not a failure for the coordinator
+    writer_dies_at("done");
   }
   if (t.sample_log && !cfg_.run_dir.empty()) {
     // Testing aid: every member records a fingerprint of its final weights.
@@ -499,7 +541,29 @@ nlohmann::json Trainer::run() {
         << flat_->data().pow(2).sum().item<double>() << " "
         << buffer_fingerprint() << "\n";
   }
+  writer_dies_at("eval");
   if (r.last_eval_step != state_.step) eval_now(r);
+  if (elastic && !writer_ && r.storage != 0) {
+    // The member writing this storage's run directory may die while the
+    // job ends: the next member of the storage takes over.
+    if (membership_->wait_final(r.storage)) return summary(r);
+    log_warn("the member writing " + cfg_.run_dir + " is gone before it wrote the final checkpoint and "
+             "summary; this member writes them");
+    writer_ = true;
+    took_over_ = true;
+    r.run_dir.set_writer(true);
+    r.run_dir.append_metrics({{"kind", "eval"}, {"step", state_.step}, {"epoch", r.epoch_now(state_.cursor)},
+                              {"test_loss", r.last_eval.loss},
+                              {"test_accuracy", std::isnan(r.last_eval.accuracy) ? nlohmann::json()
+                                                                                 : nlohmann::json(r.last_eval.accuracy)},
+                              {"train_seconds", r.train_seconds}, {"taken_over", true}});
+  }
+  writer_dies_at("checkpoint");
+  if (cfg_.train.writer_dies_at == "hang" && writer_ && elastic) {
+    std::fprintf(stderr, "testing: the writer hangs before its final checkpoint\n");
+    std::fflush(stderr);
+    for (;;) ::pause();
+  }
   checkpoint("final");
   if (t.progress) {
     char buf[96];
@@ -507,8 +571,10 @@ nlohmann::json Trainer::run() {
     else std::snprintf(buf, sizeof buf, "test accuracy %.2f%%", 100 * r.last_eval.accuracy);
     r.progress->finish(buf);
   }
+  writer_dies_at("summary");
   auto s = summary(r);
   r.run_dir.write_summary(s);
+  if (elastic && writer_) membership_->publish_final(r.storage);
   return s;
 }
 

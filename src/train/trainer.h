@@ -55,9 +55,20 @@ struct TrainOptions {
   // Testing aid: every gradient computation also sleeps this long (a slow
   // worker or learner that is not dead).
   std::chrono::milliseconds slow_step{0};
+  // Testing aid: slow_step applies only while an elastic job has fewer
+  // workers than this (0: always), so that a test can give a joiner
+  // seconds to get in without slowing the rest of the job.
+  int pace_until_workers = 0;
   // Testing aid: SIGKILL this process when its group enters ISGD's extra
   // iterations (the others then fail inside their all-reduces).
   bool die_in_isgd = false;
+  // Testing aid: the member that writes the run directory SIGKILLs itself
+  // at this point of the job's ending: "last_step" (the last step's update
+  // done, before it commits), "done" (training completed), "eval" (the
+  // final evaluation), "checkpoint" (before the final checkpoint), "summary"
+  // (before the summary); "hang": instead stops for ever before the final
+  // checkpoint (a hung mount); "" never.
+  std::string writer_dies_at;
   // Steps in a row whose gradient or loss is not finite (each skipped) after
   // which the run stops as diverged (0 = never).
   int64_t max_nonfinite_steps = 10;
@@ -108,6 +119,8 @@ class Trainer {
  private:
   struct Run;  // the state of one run() (trainer.cc)
   void checkpoint(const std::string& why);
+  void writer_dies_at(const char* point);
+  bool took_over_ = false;  // wrote the final results in place of a writer that died
   void resume();
   void reform(Run& r, const std::string& reason, Clock::time_point detected, double detection);
   bool train_step(Run& r);  // false when the step failed and the group re-formed

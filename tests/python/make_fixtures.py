@@ -143,6 +143,44 @@ class Tagger(nn.Module):
         return self.out(torch.relu(self.proj(x))).permute(0, 2, 1)
 
 
+class NanTail(nn.Module):
+    """Its loss is finite, but the gradient of its last parameter is NaN
+    (the backward of sqrt at 0 through a branch torch.where discards):
+    a gradient that is not finite in one slice only."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+        self.tail = nn.Parameter(torch.zeros(1))
+
+    def forward(self, x):
+        out = self.body(x)
+        return out + torch.where(out > 1e30, torch.sqrt(self.tail), torch.zeros(1))
+
+
+class ByteLM(nn.Module):
+    """A byte-level next-byte model over an embedding: what a new user of a
+    language model brings (int ids in, scores [B, 256, T] out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(256, 24)
+        self.mix = nn.Conv1d(24, 48, 3, padding=2)  # sees the byte and the two before it
+        self.out = nn.Linear(48, 256)
+
+    def forward(self, x):
+        h = self.emb(x).transpose(1, 2)              # [B, 24, T]
+        h = torch.relu(self.mix(h)[:, :, : x.shape[1]])  # causal: drop the look-ahead
+        return self.out(h.transpose(1, 2)).transpose(1, 2)  # [B, 256, T]
+
+
+def byte_windows(text, t, n, rng):
+    starts = rng.integers(0, len(text) - t - 1, size=n)
+    x = np.stack([text[s : s + t] for s in starts])
+    y = np.stack([text[s + 1 : s + t + 1] for s in starts])
+    return x, y
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -185,6 +223,20 @@ def main():
         x = rng.normal(size=(n, 12, 6)).astype(np.float32)
         np.save(f"{d}/{split}_x.npy", x)
         np.save(f"{d}/{split}_y.npy", x[:, :, :4].argmax(-1).astype(np.int64))
+
+    # Text as bytes (a licence every Debian system ships): windows of 32
+    # byte ids as int32, each target the next byte (int64). Bytes 0-31 but
+    # the newline never occur, so labels have gaps below their largest.
+    text = np.frombuffer(open("/usr/share/common-licenses/GPL-3", "rb").read(), dtype=np.uint8)
+    cut = len(text) * 9 // 10
+    d = os.path.join(a.out, "bytes_npy")
+    os.makedirs(d, exist_ok=True)
+    for split, part, n in (("train", text[:cut], 3000), ("test", text[cut:], 300)):
+        x, y = byte_windows(part, 32, n, rng)
+        np.save(f"{d}/{split}_x.npy", x.astype(np.int32))
+        np.save(f"{d}/{split}_y.npy", y.astype(np.int64))
+    torch.jit.save(torch.jit.script(ByteLM()), f"{a.out}/byte_lm.pt")
+    torch.jit.save(torch.jit.script(NanTail()), f"{a.out}/nan_tail.pt")
 
     torch.jit.save(torch.jit.script(Tagger()), f"{a.out}/tagger.pt")
     torch.jit.save(torch.jit.script(CnnBn()), f"{a.out}/cnn_bn.pt")

@@ -1,0 +1,101 @@
+// How an elastic job ends (docs/elastic.md, "How a job ends"): the member
+// that writes the run directory can die at any point of the ending, and a
+// survivor writes the final checkpoint and summary, or the job does not
+// exit 0. Real processes: the writer SIGKILLs itself at a named point
+// (train.testing_writer_dies_at), so each point is hit every run.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "common/files.h"
+#include "job_checks.h"
+#include "test_util.h"
+
+using limbo::file_exists;
+using limbo::testing::run_limbo;
+using limbo::testing::slurp;
+using limbo::testing::TempDir;
+
+namespace {
+
+bool have_fmnist() { return file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"); }
+
+std::vector<std::string> job(const std::string& run, std::vector<std::string> extra = {}) {
+  std::vector<std::string> a = {"launch", "--nproc", "3", "--min-workers", "1", "--",
+                                "--run-dir", run, "--set", "model.name=mlp", "--set", "model.width=64",
+                                "--set", "data.train_limit=1200", "--set", "data.test_limit=300",
+                                "--set", "data.batch_size=8", "--set", "train.epochs=1",
+                                "--set", "train.threads=1", "--set", "train.progress=false",
+                                "--set", "train.sample_log=true", "--set", "elastic.collective_timeout=5"};
+  for (const auto& e : extra) a.insert(a.end(), {"--set", e});
+  return a;
+}
+
+// Found: 3 workers, rank 0 (the writer) SIGKILLed at the last step or as
+// training completed: the survivors printed the test accuracy, the
+// launcher exited 0, and the run directory had neither summary.json nor
+// checkpoint.pt. At every point of the ending the survivors now write both.
+TEST(Ending, TheWriterDyingAnywhereInTheEndingLosesNeitherCheckpointNorSummary) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  for (const char* point : {"last_step", "done", "eval", "checkpoint", "summary"}) {
+    SCOPED_TRACE(point);
+    TempDir d;
+    const std::string run = d.file("run");
+    auto r = run_limbo(job(run, {std::string("train.testing_writer_dies_at=") + point}));
+    EXPECT_NE(r.output.find(std::string("the writer dies at '") + point + "'"), std::string::npos) << r.output;
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    ASSERT_TRUE(file_exists(run + "/summary.json")) << r.output;
+    ASSERT_TRUE(file_exists(run + "/checkpoint.pt")) << r.output;
+    auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
+    EXPECT_DOUBLE_EQ(s["epochs"].get<double>(), 1.0) << s.dump();
+    EXPECT_EQ(s["samples"].get<int64_t>(), 1200) << s.dump();
+    EXPECT_GT(s["test_accuracy"].get<double>(), 0.3) << s.dump();
+    // The checkpoint is the final one, and loads.
+    auto ev = run_limbo({"eval", "--checkpoint", run + "/checkpoint.pt"});
+    ASSERT_EQ(ev.exit_code, 0) << ev.output;
+    auto e = nlohmann::json::parse(ev.output.substr(ev.output.find('{')));
+    EXPECT_NEAR(e["test_accuracy"].get<double>(), s["test_accuracy"].get<double>(), 1e-9) << ev.output;
+    limbo::testing::expect_exactly_once({run}, 1, 1200);
+    if (std::string(point) != "last_step")  // otherwise the writer never saw the end
+      EXPECT_NE(r.output.find("this member writes them"), std::string::npos) << r.output;
+  }
+}
+
+// With one worker there is no survivor: the job must not report success
+// without its result.
+TEST(Ending, AJobWhoseOnlyWriterDiesInTheEndingDoesNotExitZero) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  for (const char* point : {"eval", "summary"}) {
+    SCOPED_TRACE(point);
+    TempDir d;
+    const std::string run = d.file("run");
+    auto a = job(run, {std::string("train.testing_writer_dies_at=") + point});
+    a[2] = "1";  // --nproc 1
+    auto r = run_limbo(a);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("no final checkpoint and summary"), std::string::npos) << r.output;
+  }
+}
+
+// S3: a member that has left but whose final checkpoint never returns (a
+// hung mount) held the launcher for ever. --finish-timeout bounds the
+// ending; the job then fails with the timeout's exit code.
+TEST(Ending, AnEndingStuckPastTheFinishTimeoutFailsTheJob) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::string run = d.file("run");
+  auto a = job(run, {"train.testing_writer_dies_at=hang"});
+  a[2] = "1";
+  a.insert(a.begin() + 5, {"--finish-timeout", "3"});
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = run_limbo(a);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(r.exit_code, 4) << r.output;
+  EXPECT_NE(r.output.find("--finish-timeout"), std::string::npos) << r.output;
+  EXPECT_LT(took, 120) << r.output;
+}
+
+}  // namespace
