@@ -549,7 +549,11 @@ void Job::complete_tick() {
       killed_after_done_.insert(pid);
     }
   }
-  if (seconds_since(done_at_) < kStragglerGrace || store_down()) return;
+  if (seconds_since(done_at_) < kStragglerGrace) return;
+  if (!acked_ && !keeper()) acked_ = with_store([&] { kv_->set("elastic/launcher_done/" + std::to_string(launcher_id_), "1"); });
+  // The store gone for longer than the hosting launcher waits for the
+  // others at the end: nothing can be asked any more.
+  const bool store_gone = seconds_since(last_contact_) > kAckGrace;
   for (const auto& [pid, idx] : sup_.children()) {
     if (killed_after_done_.count(pid) || checked_after_done_.count(pid)) continue;
     const std::string want = process_key(pid);
@@ -564,24 +568,23 @@ void Job::complete_tick() {
       left = kv_->try_get("elastic/left/" + std::to_string(id)).has_value();
       beat = kv_->try_get("elastic/hb/" + std::to_string(id)).value_or("");
     });
-    if (!answered) continue;
+    if (!answered && !store_gone) continue;
     if (left) {
       checked_after_done_.insert(pid);
       finishers_.insert(pid);
       continue;
     }
     auto it = beats_.find(pid);
-    if (id && (it == beats_.end() || it->second.first != beat)) {
+    if (answered && id && (it == beats_.end() || it->second.first != beat)) {
       beats_[pid] = {beat, Clock::now()};  // beating: finishing its last step, or a slow store
       continue;
     }
-    if (id && seconds_since(it->second.second) < kStragglerGrace) continue;
+    if (answered && id && seconds_since(it->second.second) < kStragglerGrace) continue;
     log_warn("launch: worker pid " + std::to_string(pid) + " (id " + std::to_string(id) +
              ") did not finish with the others (stopped or hung); killing it");
     sup_.signal(pid, SIGKILL);
     killed_after_done_.insert(pid);
   }
-  if (!acked_ && !keeper()) acked_ = with_store([&] { kv_->set("elastic/launcher_done/" + std::to_string(launcher_id_), "1"); });
 }
 
 // The run directory holds a summary and a checkpoint written since this
