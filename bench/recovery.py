@@ -12,6 +12,13 @@ a fault-free job slowed about 3x by CPU hogs must lose no member.
 --etcd: the SIGSTOP and SIGKILL trials on the embedded store and on an etcd
 (a single member started here on loopback, data on /dev/shm), interleaved:
 member-loss detection and re-forming under etcd against the embedded store.
+Then an etcd member that is stopped, not killed: a job meets through a
+3-member etcd cluster, and one member (the first endpoint every client
+starts on, then the raft leader) is SIGSTOPped for 5 s mid-training. A
+stopped member keeps its connections open and answers nothing, so only
+timeouts show it. Reported: whether the job completed, how many membership
+changes it had (a dropped worker would be one), and its wall time against
+the same job with no fault.
 
 --hosts: two "hosts" (network namespaces joined by a veth pair); host A runs
 `limbo launch --nproc 2` and hosts the rendezvous store, host B `limbo launch
@@ -263,7 +270,113 @@ class LocalEtcd:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class LocalEtcdCluster:
+    """n etcd members on loopback ports, data on tmpfs."""
+
+    def __init__(self, n=3):
+        base = 43000 + (os.getpid() % 2000) * 2 * n
+        self.dir = tempfile.mkdtemp(prefix="limbo-etcd3-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        names = [f"m{i}" for i in range(n)]
+        peers = [f"http://127.0.0.1:{base + 2 * i + 1}" for i in range(n)]
+        self.endpoints = [f"127.0.0.1:{base + 2 * i}" for i in range(n)]
+        cluster = ",".join(f"{nm}={p}" for nm, p in zip(names, peers))
+        self.procs = []
+        for nm, ep, peer in zip(names, self.endpoints, peers):
+            client = f"http://{ep}"
+            self.procs.append(subprocess.Popen(
+                ["etcd", "--name", nm, "--data-dir", f"{self.dir}/{nm}", "--listen-client-urls", client,
+                 "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls",
+                 peer, "--initial-cluster", cluster, "--initial-cluster-state", "new"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        end = time.time() + 20
+        while time.time() < end and self.leader() is None:
+            time.sleep(0.2)
+        if self.leader() is None:
+            self.close()
+            raise RuntimeError("the etcd cluster elected no leader")
+
+    def leader(self):
+        for i, ep in enumerate(self.endpoints):
+            try:
+                out = subprocess.run(["etcdctl", "--endpoints", ep, "endpoint", "status", "-w", "json"],
+                                     capture_output=True, text=True, timeout=2, env=dict(os.environ, ETCDCTL_API="3"))
+                st = json.loads(out.stdout)[0]["Status"]
+                if st["leader"] == st["header"]["member_id"]:
+                    return i
+            except Exception:
+                pass
+        return None
+
+    def close(self):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def stopped_etcd_trial(limbo, cluster, victim):
+    """One job through `cluster`; etcd member `victim` (None: no fault) is
+    SIGSTOPped for 5 s once training is under way. Returns (exit code,
+    membership changes, wall seconds)."""
+    d = tempfile.mkdtemp(prefix="limbo-etcdstop-")
+    run = os.path.join(d, "run")
+    log = open(os.path.join(d, "launch.log"), "w")
+    job = f"stopped-{os.getpid()}-{time.time_ns()}"
+    args = ["--run-dir", run, "--set", "model.name=lenet", "--set", "data.train_limit=6000",
+            "--set", "data.test_limit=500", "--set", "data.batch_size=32", "--set", "train.epochs=4",
+            "--set", "train.threads=1", "--set", "train.progress=false"]
+    t0 = time.time()
+    launcher = subprocess.Popen([limbo, "launch", "--nproc", "3", "--min-workers", "1", "--rdzv",
+                                 "etcd://" + ",".join(cluster.endpoints) + "/" + job, "--"] + args,
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        if victim is not None:
+            if not wait_for(os.path.join(run, "metrics.jsonl"), '"kind":"train"', 60):
+                raise RuntimeError("training did not start")
+            time.sleep(1.0)
+            cluster.procs[victim].send_signal(signal.SIGSTOP)
+            time.sleep(5.0)
+            cluster.procs[victim].send_signal(signal.SIGCONT)
+        code = launcher.wait(timeout=600)
+        wall = time.time() - t0
+        changes = None
+        try:
+            changes = json.load(open(os.path.join(run, "summary.json"))).get("membership_changes")
+        except (OSError, ValueError):
+            pass
+        return code, changes, wall
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        log.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def stopped_etcd_main(limbo, trials):
+    cluster = LocalEtcdCluster(3)
+    try:
+        rows = {"none": [], "first endpoint": [], "leader": []}
+        for _ in range(max(1, trials)):  # interleaved: no fault, first endpoint, leader, ...
+            for what in rows:
+                victim = None if what == "none" else 0 if what == "first endpoint" else cluster.leader()
+                if what == "leader" and victim == 0:  # make the two cases differ when they can
+                    victim = cluster.leader()
+                rows[what].append(stopped_etcd_trial(limbo, cluster, victim))
+                time.sleep(2)  # the stopped member catches up
+        for what, rs in rows.items():
+            done = sum(1 for c, _, _ in rs if c == 0)
+            changes = [ch for _, ch, _ in rs]
+            walls = [w for _, _, w in rs]
+            print(f"etcd member stopped 5 s ({what}): {done}/{len(rs)} jobs completed, membership changes "
+                  f"{changes}, wall median {statistics.median(walls):.1f} s (min {min(walls):.1f}, "
+                  f"max {max(walls):.1f})")
+    finally:
+        cluster.close()
+
+
 def etcd_main(limbo, trials):
+    stopped_etcd_main(limbo, min(trials, 3))
     etcd = LocalEtcd()
     try:
         got = {}

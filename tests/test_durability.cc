@@ -157,6 +157,23 @@ TEST(RunDirStorage, OneIdPerDirectoryAgreedByRacingProcesses) {
   EXPECT_GT(other, 0);
   EXPECT_NE(std::to_string(other), *ids.begin());
   EXPECT_EQ(train::RunDir("", false).storage_id(), 0);
-  write_file_atomic(b + "/.storage", "garbage\n");
+  struct stat st {};
+  ::stat(b.c_str(), &st);
+  write_file_atomic(b + "/.storage-" + std::to_string(static_cast<uint64_t>(st.st_ino)), "garbage\n");
   EXPECT_THROW(train::RunDir(b, true).storage_id(), InvalidInput);
+}
+
+// S4: a run directory copied with `cp -a` (or rsync) carried its storage
+// id, so two hosts counted as one storage and one of them silently stopped
+// getting records. A copy now gets an id of its own.
+TEST(RunDirStorage, ACopiedRunDirectoryIsAnotherStorage) {
+  TempDir d;
+  const std::string a = d.file("a"), copy = d.file("copy");
+  const int64_t id = train::RunDir(a, true).storage_id();
+  ASSERT_EQ(std::system(("cp -a '" + a + "' '" + copy + "'").c_str()), 0);
+  const int64_t copied = train::RunDir(copy, true).storage_id();
+  EXPECT_GT(copied, 0);
+  EXPECT_NE(copied, id);
+  EXPECT_EQ(train::RunDir(copy, true).storage_id(), copied);  // and it keeps it
+  EXPECT_EQ(train::RunDir(a, true).storage_id(), id);
 }

@@ -6,11 +6,15 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
+#include <csignal>
 #include <filesystem>
+#include <thread>
 #include <string>
 #include <vector>
 
 #include "common/files.h"
+#include "etcd_cluster.h"
 #include "job_checks.h"
 #include "test_util.h"
 
@@ -96,6 +100,60 @@ TEST(Ending, AnEndingStuckPastTheFinishTimeoutFailsTheJob) {
   EXPECT_EQ(r.exit_code, 4) << r.output;
   EXPECT_NE(r.output.find("--finish-timeout"), std::string::npos) << r.output;
   EXPECT_LT(took, 120) << r.output;
+}
+
+// The same gap in the parameter server's ending: the finisher (the learner
+// that takes the final weights and writes final.json and checkpoint.pt)
+// dies first. Another process takes the final weights from the shards.
+TEST(Ending, AParameterServerFinisherThatDiesIsReplaced) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::string run = d.file("run");
+  auto r = run_limbo({"launch", "--mode", "async", "--servers", "2", "--workers", "2", "--protocol", "softsync",
+                      "--run-dir", run, "--", "--set", "model.name=mlp", "--set", "model.width=64",
+                      "--set", "data.train_limit=1200", "--set", "data.test_limit=300", "--set", "data.batch_size=8",
+                      "--set", "train.epochs=1", "--set", "train.threads=1", "--set", "train.progress=false",
+                      "--set", "ps.request_timeout=30", "--set", "train.testing_writer_dies_at=eval"});
+  EXPECT_NE(r.output.find("testing: the finisher dies"), std::string::npos) << r.output;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("a new process takes the final weights"), std::string::npos) << r.output;
+  ASSERT_TRUE(file_exists(run + "/final.json")) << r.output;
+  ASSERT_TRUE(file_exists(run + "/checkpoint.pt")) << r.output;
+  auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.3) << s.dump();
+  auto ev = run_limbo({"eval", "--checkpoint", run + "/checkpoint.pt"});
+  ASSERT_EQ(ev.exit_code, 0) << ev.output;
+  auto e = nlohmann::json::parse(ev.output.substr(ev.output.find('{')));
+  EXPECT_NEAR(e["test_accuracy"].get<double>(), s["test_accuracy"].get<double>(), 1e-9) << ev.output;
+}
+
+// Found by a review: the launcher killed any worker whose id or `left` it
+// could not read one second after completion, so a one-second etcd blip
+// right after training completed killed the writer in its final evaluation
+// (a large test split and model make it take seconds here), and the job had no
+// summary. A store that does not answer now decides nothing.
+TEST(Ending, AStoreHiccupRightAfterCompletionKillsNoFinishingWorker) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  limbo::testing::EtcdCluster etcd(d.file("etcd"), 1);
+  if (!etcd.ok()) GTEST_SKIP() << etcd.why();
+  const std::string run = d.file("run"), log = d.file("launch.log");
+  pid_t launcher = limbo::testing::spawn_limbo(
+      {"launch", "--nproc", "2", "--min-workers", "1", "--rdzv", "etcd://" + etcd.endpoints() + "/hiccup", "--",
+       "--run-dir", run, "--set", "model.name=mlp", "--set", "model.width=2048", "--set", "data.train_limit=640",
+       "--set", "data.test_limit=10000",
+       "--set", "data.batch_size=32", "--set", "train.epochs=1", "--set", "train.threads=1",
+       "--set", "train.progress=false", "--set", "train.eval_every_epochs=0"},
+      log);
+  ASSERT_TRUE(limbo::testing::wait_for_text(log, "training completed", 120)) << slurp(log);
+  etcd.signal(0, SIGSTOP);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  etcd.signal(0, SIGCONT);
+  auto r = limbo::testing::wait_child(launcher, log, 120);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("killing it"), std::string::npos) << r.output;
+  EXPECT_TRUE(file_exists(run + "/summary.json")) << r.output;
+  EXPECT_TRUE(file_exists(run + "/checkpoint.pt")) << r.output;
 }
 
 }  // namespace

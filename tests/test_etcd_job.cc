@@ -251,4 +251,45 @@ TEST_F(EtcdJob, EtcdUnavailableForSecondsTrainingGoesOn) {
 }
 
 
+// S1 and the stopped-member requirement: the etcd member that every
+// client tries first (the first endpoint) is stopped, not killed, for 3 s
+// mid-training: it keeps its connections open and answers nothing. Clients
+// pass over it within their call's time, no member is dropped, and the job
+// completes.
+TEST_F(EtcdJob, TheFirstEtcdEndpointStoppedNoMemberIsDropped) {
+  HostJob job{*hosts_, 6};
+  ASSERT_TRUE(start(job));
+  etcd_->signal(0, SIGSTOP);
+  std::this_thread::sleep_for(3s);
+  etcd_->signal(0, SIGCONT);
+  job.wait_all();
+  for (int h = 0; h < 3; ++h) EXPECT_EQ(job.results[h].exit_code, 0) << "host " << h << job.all_logs();
+  auto s = nlohmann::json::parse(slurp(job.run + "/summary.json"));
+  EXPECT_EQ(s["workers"].get<int64_t>(), 3) << job.all_logs();
+  EXPECT_EQ(s["membership_changes"].get<int64_t>(), 0) << job.all_logs();
+  limbo::testing::expect_exactly_once(job.run, 6, 3000);
+}
+
+// S2: the coordinating launcher deleted the job's keys on completion, so a
+// launcher that missed the completion (cut off from etcd, or started late
+// with the same name) started its workers into a fresh job and trained from
+// scratch. The completion is kept: such a launcher is told, and trains
+// nothing.
+TEST_F(EtcdJob, ALauncherThatMissedTheCompletionDoesNotTrainTheJobAgain) {
+  HostJob job{*hosts_, 2};
+  ASSERT_TRUE(start(job));
+  job.wait_all();
+  for (int h = 0; h < 3; ++h) ASSERT_EQ(job.results[h].exit_code, 0) << "host " << h << job.all_logs();
+  TempDir again;
+  auto t = job.train_args(1);
+  t[1] = again.file("run");
+  std::vector<std::string> a = {LIMBO_BINARY, "launch", "--nproc", "1", "--min-workers", "1", "--rdzv", job.rdzv(), "--"};
+  a.insert(a.end(), t.begin(), t.end());
+  const std::string log = again.file("launch.log");
+  auto r = limbo::testing::wait_child(limbo::testing::spawn_process(hosts_->in(1, a), log), log, 120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("has already completed"), std::string::npos) << r.output;
+  EXPECT_FALSE(limbo::file_exists(again.file("run/metrics.jsonl"))) << "trained again";
+}
+
 }  // namespace

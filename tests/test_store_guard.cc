@@ -391,8 +391,9 @@ TEST(StoreGuard, AClientNeverUsesAStoreThatFailedTheHandshake) {
 // Found by a review: at 256 connections in their handshake every new
 // connection was closed on accept, so anyone who reached the port could keep
 // every member out by holding 256 silent sockets (a member got in only after
-// they timed out). Now the connection longest in its handshake makes room:
-// the flood's sockets are closed, and a member gets in at once.
+// they timed out). Now the connection longest in its handshake makes room
+// once it has been silent for half a second (a burst of members starting
+// together is not evicted): a member gets in at once.
 TEST(StoreGuard, ConnectionsInTheirHandshakeAreCappedOldestFirst) {
   StoreServerOptions opt;
   opt.token = kSecret;
@@ -407,18 +408,15 @@ TEST(StoreGuard, ConnectionsInTheirHandshakeAreCappedOldestFirst) {
     greeted += read_frame(fd).status == kHello;
     flood.push_back(fd);
   }
-  EXPECT_EQ(greeted, 300);
+  EXPECT_GE(greeted, 256);  // (more when the burst took over half a second: the oldest then make room)
+  std::this_thread::sleep_for(600ms);
   const auto t0 = Clock::now();
   StoreClient ok("127.0.0.1", server.port(), 5s, kSecret);
   ok.set("x", "1");
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 1.0);
-  // The first 44 + 1 flood sockets were closed to make room.
-  int closed = 0;
-  for (int i = 0; i < 45; ++i) {
-    char b;
-    closed += ::recv(flood[i], &b, 1, 0) == 0;
-  }
-  EXPECT_EQ(closed, 45);
+  // The oldest flood socket was closed to make room.
+  char b;
+  EXPECT_EQ(::recv(flood[0], &b, 1, 0), 0);
   for (int fd : flood) ::close(fd);
 }
 

@@ -147,6 +147,7 @@ int run_worker_cmd(const WorkerArgs& a) {
   wo.log_every = cfg.get_int("train.log_every");
   wo.run_dir = a.run_dir;
   wo.max_steps = tc.train.max_steps;
+  wo.finish_only = a.finish_only;
   wo.part_floats = part_floats(cfg);
   wo.push_encoding = wire_encoding(cfg.get_string("comm.compression"));
   wo.pull_encoding = wire_encoding(cfg.get_string("ps.pull_compression"));

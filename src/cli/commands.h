@@ -78,6 +78,7 @@ struct WorkerArgs {
   int64_t learner_id = -1;
   std::string run_dir;
   std::string keys_file;
+  bool finish_only = false;
 };
 int run_worker_cmd(const WorkerArgs& a);
 int run_keygen(const std::string& out);

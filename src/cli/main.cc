@@ -138,6 +138,9 @@ int main(int argc, char** argv) {
       ->required();
   worker->add_option("--learner-id", worker_args.learner_id, "unique learner id (default: random)");
   worker->add_option("--run-dir", worker_args.run_dir, "job directory for learner metrics and final results");
+  worker->add_flag("--finish-only", worker_args.finish_only,
+                   "train nothing: take the final weights once no learner is left, and write final.json and "
+                   "checkpoint.pt to --run-dir (what the finisher does)");
   worker->add_option("--keys", worker_args.keys_file, "CURVE key file of the job")->check(CLI::ExistingFile);
 
   cli::SimArgs sim_args;

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <random>
 #include <cstring>
 #include <thread>
@@ -112,12 +114,37 @@ bool tls_error(httplib::Error e) {
 
 }  // namespace
 
+namespace {
+
+// The endpoint that last answered, per endpoint list, for this process: a
+// new client starts there instead of at the first endpoint, which may be a
+// member that is stopped (it keeps connections open and answers nothing, so
+// every new client would wait for its share of the call's time there).
+std::mutex g_preferred_mu;
+std::map<std::string, size_t>& preferred_endpoints() {
+  static std::map<std::string, size_t> m;
+  return m;
+}
+
+std::string endpoints_key(const EtcdOptions& o) {
+  std::string k;
+  for (const auto& e : o.endpoints) k += e + ",";
+  return k;
+}
+
+}  // namespace
+
 EtcdClient::EtcdClient(EtcdOptions opt, std::chrono::milliseconds timeout)
     : opt_(std::move(opt)), timeout_(timeout) {
   if (opt_.endpoints.empty()) throw InvalidInput("etcd: no endpoint given");
   if (opt_.tls && opt_.cert_file.empty() != opt_.key_file.empty())
     throw InvalidInput("etcd: a client certificate needs its key (give both, or neither)");
   for (const auto& ep : opt_.endpoints) conns_.push_back(std::make_unique<Conn>(Conn{ep, nullptr}));
+  {
+    std::lock_guard<std::mutex> lock(g_preferred_mu);
+    auto it = preferred_endpoints().find(endpoints_key(opt_));
+    if (it != preferred_endpoints().end() && it->second < conns_.size()) current_ = it->second;
+  }
   std::random_device rd;  // one marker per client object, unique across processes
   char name[40];
   std::snprintf(name, sizeof name, "%08x%08x%08x%08x", rd(), rd(), rd(), rd());
@@ -201,7 +228,13 @@ std::string EtcdClient::call_locked(const std::string& path, const std::string& 
     }
     if (!sent) c.http.reset();  // the trailer left the connection unusable
     reached = true;
-    if (status == 200) return answer;
+    if (status == 200) {
+      if (attempt > 0) {  // failed over: later clients of this process start here
+        std::lock_guard<std::mutex> lock(g_preferred_mu);
+        preferred_endpoints()[endpoints_key(opt_)] = current_;
+      }
+      return answer;
+    }
     int code = kUnknown;
     std::string message = answer;
     try {
@@ -317,8 +350,14 @@ bool EtcdClient::txn(const std::vector<Compare>& when, const std::vector<std::pa
 }
 
 bool EtcdClient::txn_ops(json compare, json success, int64_t* revision) {
-  const std::string seq = std::to_string(++txn_seq_);
-  success.push_back({{"request_put", {{"key", base64_encode(txn_marker_)}, {"value", base64_encode(seq)}}}});
+  // One of kMarkerSlots marker keys per client, by sequence number: threads
+  // sharing this client each read their own transaction's slot (a slot is
+  // reused only kMarkerSlots transactions later).
+  constexpr uint64_t kMarkerSlots = 16;
+  const uint64_t n = ++txn_seq_;
+  const std::string seq = std::to_string(n);
+  const std::string marker = txn_marker_ + "/" + std::to_string(n % kMarkerSlots);
+  success.push_back({{"request_put", {{"key", base64_encode(marker)}, {"value", base64_encode(seq)}}}});
   bool resent = false;
   const auto j = json::parse(call("/v3/kv/txn", json{{"compare", compare}, {"success", success}}.dump(), &resent));
   if (revision) *revision = header_revision(j);
@@ -326,8 +365,8 @@ bool EtcdClient::txn_ops(json compare, json success, int64_t* revision) {
   if (!resent) return false;
   // Refused after a lost answer: did the first attempt commit? Only this
   // client writes its marker.
-  const auto marker = get(txn_marker_);
-  return marker && marker->value == seq;
+  const auto read = get(marker);
+  return read && read->value == seq;
 }
 
 int64_t EtcdClient::grant_lease(int ttl_seconds) {

@@ -96,9 +96,10 @@ class EtcdClient {
   // Exactly once, and told truly: when an answer was lost and the request
   // was sent again (to the next endpoint), the retry's conditions no longer
   // hold if the first attempt committed. Each transaction therefore also
-  // writes this client's marker key (`<job prefix>_txn/<client>`) with its
-  // own sequence number, and a refused retry reads it back: the marker
-  // holding this transaction's number means the first attempt committed.
+  // writes one of this client's marker keys (`<job prefix>_txn/<client>/<slot>`)
+  // with its own sequence number, and a refused retry reads it back: the
+  // marker holding this transaction's number means the first attempt
+  // committed.
   bool txn(const std::vector<Compare>& when, const std::vector<std::pair<std::string, std::string>>& puts,
            int64_t lease = 0, int64_t* revision = nullptr);
   int64_t grant_lease(int ttl_seconds);

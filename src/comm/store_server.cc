@@ -51,6 +51,7 @@ constexpr size_t kMaxHandshake = 4096;  // bytes a connection may send before it
 // milliseconds, a flood's silent sockets never do), so a flood cannot keep
 // members out either by holding sockets open.
 constexpr size_t kMaxPendingHandshakes = 256;
+constexpr std::chrono::milliseconds kMinEvictAge{500};
 // Fairness: one connection's turn reads at most kReadBudget bytes and
 // answers at most kServeBudget requests; a connection with kBacklog bytes
 // of complete requests waiting is not read from until they are served (its
@@ -157,15 +158,20 @@ struct StoreServer::Impl {
     return n;
   }
 
-  // Closes (at the end of this turn) the connection longest in its handshake.
-  void evict_oldest_handshake() {
+  // Closes (at the end of this turn) the connection longest in its
+  // handshake, if it has been in it for kMinEvictAge: a member passes the
+  // handshake in milliseconds, so a burst of members starting together is
+  // not evicted, only sockets that stay silent. False when none is that old.
+  bool evict_oldest_handshake() {
     Conn* oldest = nullptr;
     for (auto& [fd, c] : conns)
       if (!c.authed && !c.closing && (!oldest || c.auth_deadline < oldest->auth_deadline)) oldest = &c;
-    if (!oldest) return;
+    const auto accepted_at = oldest ? oldest->auth_deadline - opt.handshake_timeout : SteadyClock::time_point{};
+    if (!oldest || SteadyClock::now() - accepted_at < kMinEvictAge) return false;
     over_cap_log.warn("closed the connection from " + oldest->peer + " (the longest in its handshake): " +
                       std::to_string(kMaxPendingHandshakes) + " connections are in their handshake");
     oldest->closing = true;
+    return true;
   }
 
   int poll_timeout_ms(SteadyClock::time_point now) const {
@@ -189,10 +195,15 @@ struct StoreServer::Impl {
         }
         return;  // EAGAIN, or an error to try again on the next poll
       }
-      if (!opt.token.empty() && pending_handshakes() >= kMaxPendingHandshakes) evict_oldest_handshake();
       if (conns.size() >= opt.max_connections) {
         over_cap_log.warn("closed a connection from " + peer_name(fd) + ": " + std::to_string(conns.size()) +
                           " connections open, the most it takes");
+        ::close(fd);
+        continue;
+      }
+      if (!opt.token.empty() && pending_handshakes() >= kMaxPendingHandshakes && !evict_oldest_handshake()) {
+        over_cap_log.warn("closed a connection from " + peer_name(fd) + ": " +
+                          std::to_string(kMaxPendingHandshakes) + " connections are in their handshake already");
         ::close(fd);
         continue;
       }

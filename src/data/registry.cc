@@ -33,6 +33,14 @@ DatasetSplits load_dataset(const DataSource& src) {
     const DType xt = s.train.tensors->x.dtype;
     if (src.inputs != "auto" && src.inputs != "ids" && src.inputs != "float")
       throw InvalidInput("unknown data.inputs '" + src.inputs + "'; allowed: auto, float, ids");
+    if (src.inputs == "ids" && !src.user_model)
+      throw InvalidInput("data.inputs = \"ids\" gives int64 ids, which only a TorchScript module (an embedding) "
+                         "takes; built-in models take float samples");
+    const DType tt = s.test.tensors->x.dtype;
+    if (is_integer(xt) != is_integer(tt) || ((xt == DType::U8) != (tt == DType::U8) && src.inputs == "auto"))
+      throw InvalidInput("train and test samples differ in kind: '" + s.train.tensors->x.origin + "' is " +
+                         dtype_name(xt) + ", '" + s.test.tensors->x.origin + "' is " + dtype_name(tt) +
+                         " (both integer ids, both uint8 images, or both floats)");
     const bool ids = is_integer(xt) && (src.inputs == "ids" || (src.inputs == "auto" && src.user_model && xt != DType::U8));
     if (src.inputs == "ids" && !is_integer(xt))
       throw InvalidInput("data.inputs = \"ids\" needs integer samples, but '" + s.train.tensors->x.origin +

@@ -1,6 +1,8 @@
 #include "elastic/elastic_membership.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <set>
 
@@ -33,18 +35,27 @@ std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage, std::v
 
 std::string share_records(comm::Collective& g, const train::SyncTargets& s, bool writer) {
   torch::NoGradGuard no_grad;
-  const bool missing = writer && s.records_missing && s.records_missing();
-  auto any = torch::tensor({missing ? 1.0 : 0.0}, torch::kFloat64);
+  const int64_t size = s.record_count ? s.record_count() : 0;
+  // The fullest copy (the most records; ties: the lowest rank), encoded so
+  // that a max picks it; then whether some writer's copy holds fewer.
+  const double kRanks = 65536.0;
+  auto key = torch::tensor({static_cast<double>(size) * kRanks + (kRanks - 1 - g.rank())}, torch::kFloat64);
+  g.allreduce_max(key);
+  const double v = key.item<double>();
+  const int source = static_cast<int>(kRanks - 1 - std::fmod(v, kRanks));
+  const int64_t most = static_cast<int64_t>(std::floor(v / kRanks));
+  const bool behind = writer && size < most;
+  auto any = torch::tensor({behind ? 1.0 : 0.0}, torch::kFloat64);
   g.allreduce_max(any);
   if (any.item<double>() == 0) return {};
-  std::string mine = g.rank() == 0 && s.records ? s.records() : std::string();
+  const std::string mine = g.rank() == source && s.records ? s.records() : std::string();
   auto n = torch::tensor({static_cast<int64_t>(mine.size())}, torch::kInt64);
-  g.broadcast(n, 0);
+  g.broadcast(n, source);
   if (n.item<int64_t>() == 0) return {};
   auto bytes = torch::empty({n.item<int64_t>()}, torch::kUInt8);
-  if (g.rank() == 0) std::memcpy(bytes.data_ptr<uint8_t>(), mine.data(), mine.size());
-  g.broadcast(bytes, 0);
-  if (!missing) return {};
+  if (g.rank() == source) std::memcpy(bytes.data_ptr<uint8_t>(), mine.data(), mine.size());
+  g.broadcast(bytes, source);
+  if (!behind) return {};
   return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
 }
 

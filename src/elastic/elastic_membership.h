@@ -24,9 +24,11 @@ int sync_state(comm::Collective& g, train::SyncTargets& s);
 // given, receives the ranks before this member's on the same storage.
 std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage, std::vector<int>* earlier = nullptr);
 
-// Rank 0's records (metrics.jsonl) for the writers whose storage holds
-// none yet (empty for every other member); one flag all-reduce when none
-// is missing.
+// The fullest copy of the run's records (metrics.jsonl: the most records;
+// ties, the lowest rank) for each writer whose storage holds fewer (a host
+// that joined late, or one that left and came back: its copy has a gap),
+// to replace its copy; empty for every other member. Two all-reduces of one
+// number when no copy is behind.
 std::string share_records(comm::Collective& g, const train::SyncTargets& s, bool writer);
 
 class ElasticMembership : public train::Membership {

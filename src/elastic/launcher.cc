@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
@@ -126,6 +128,7 @@ const char* phase_name(Phase p) {
 
 constexpr double kStragglerGrace = 1.0;  // s after completion before a member that has not left is killed
 constexpr double kAckGrace = 3.0;        // s the hosting launcher waits for the others to see completion
+constexpr int kDoneKeptSeconds = 3600;   // s an etcd job's completion outlives its other keys
 
 class Job {
  public:
@@ -190,9 +193,12 @@ class Job {
   // and when it changed, and whether the ending outlasted --finish-timeout.
   std::set<pid_t> finishers_;
   std::map<pid_t, std::pair<std::string, Clock::time_point>> beats_;
+  std::map<std::string, std::string> last_beats_;  // (keeper) every member's last heartbeat
+  Clock::time_point last_beat_seen_{};
   bool finish_timed_out_ = false;
   std::filesystem::file_time_type started_ = std::filesystem::file_time_type::clock::now();
   bool final_files_written() const;
+  std::string start_marker_;  // RUN_DIR/.launch-<host>-<pid>, written at the start
   int next_index_ = 0, restarts_ = 0;
   int alive_ = 0;  // workers alive in the job at the coordinator's last poll
   ThrottledLog poll_errors_;
@@ -224,6 +230,17 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
            (threads_ ? ", " + std::to_string(threads_) + " threads each" : ""));
   for (size_t i = 0; i + 1 < opt_.train_args.size(); ++i)
     if (opt_.train_args[i] == "--run-dir") run_dir_ = opt_.train_args[i + 1];
+  if (!run_dir_.empty()) {
+    try {
+      make_dirs(run_dir_);
+      char tag[24];
+      std::snprintf(tag, sizeof tag, "%016zx", std::hash<std::string>{}(comm::host_identity()));
+      start_marker_ = run_dir_ + "/.launch-" + tag + "-" + std::to_string(::getpid());
+      write_file_atomic(start_marker_, "");
+    } catch (const Error& e) {
+      start_marker_.clear();  // the workers report an unwritable run directory themselves
+    }
+  }
   if (opt_.elastic) {
     // Short calls: a store out of reach must not stall this loop; the
     // loss clock (--rdzv-timeout) decides when it counts as lost.
@@ -236,7 +253,8 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
       auto first = comm::connect_etcd(*opt_.etcd, opt_.rendezvous_timeout);
       if (first->try_get("elastic/done"))
         throw InvalidInput("job '" + opt_.etcd->job + "' in etcd at " + opt_.etcd->url() +
-                           " has already completed; give this job another name, or delete the old one's keys "
+                           " has already completed (its completion is kept for an hour); give this job another "
+                           "name, or delete the old one's keys "
                            "(etcdctl del --prefix " + opt_.etcd->prefix() + ")");
       kv_ = comm::connect_etcd(*opt_.etcd, call_timeout);
       launcher_id_ = first->add("elastic/launchers", 1);
@@ -550,7 +568,6 @@ void Job::complete_tick() {
     }
   }
   if (seconds_since(done_at_) < kStragglerGrace) return;
-  if (!acked_ && !keeper()) acked_ = with_store([&] { kv_->set("elastic/launcher_done/" + std::to_string(launcher_id_), "1"); });
   // The store gone for longer than the hosting launcher waits for the
   // others at the end: nothing can be asked any more.
   const bool store_gone = seconds_since(last_contact_) > kAckGrace;
@@ -590,10 +607,15 @@ void Job::complete_tick() {
 // The run directory holds a summary and a checkpoint written since this
 // launcher started (the job's own, not an earlier run's).
 bool Job::final_files_written() const {
+  // Compared with a file this launcher wrote into the run directory when it
+  // started: the same file system stamps both (no clock skew between the
+  // hosts that share a directory over NFS).
   std::error_code ec;
+  const auto start = start_marker_.empty() ? started_ : std::filesystem::last_write_time(start_marker_, ec);
+  if (ec) return true;  // the marker is gone (removed by hand): nothing to judge by
   for (const char* f : {"/summary.json", "/checkpoint.pt"}) {
     const auto t = std::filesystem::last_write_time(run_dir_ + f, ec);
-    if (ec || t + std::chrono::seconds(1) < started_) return false;
+    if (ec || t < start) return false;
   }
   return true;
 }
@@ -602,47 +624,76 @@ bool Job::finished() {
   if (sup_.count() > 0) return false;
   if (phase_ == Phase::Stopping || phase_ == Phase::Lost) return true;
   if (phase_ != Phase::Completing) return false;
-  if (!keeper() || !opt_.elastic || seconds_since(done_at_) > kAckGrace) return true;
-  // The hosting (etcd: coordinating) launcher keeps the store up until
-  // every other launcher has seen the completion (or the grace period ends).
+  if (!opt_.elastic) return true;
+  // This launcher's workers are gone: it tells the keeper, which keeps the
+  // store up while the others' workers may still need it to finish (final
+  // checkpoints, the final key, leaving).
+  if (!keeper()) {
+    if (!acked_) acked_ = with_store([&] { kv_->set("elastic/launcher_done/" + std::to_string(launcher_id_), "1"); });
+    return true;
+  }
+  // The keeper (the hosting launcher, or under etcd the coordinating one)
+  // waits until every other launcher has said so, or until no worker of the
+  // job has beaten for kAckGrace (their launchers are gone or cut off), at
+  // most --finish-timeout.
+  if (seconds_since(done_at_) > opt_.finish_timeout.count() / 1000.0) return true;
   bool all = true;
-  with_store([&] {
+  const bool answered = with_store([&] {
     const int64_t n = kv_->add("elastic/launchers", 0);
     for (int64_t l = 1; l <= n && all; ++l)
       if (l != launcher_id_ && !kv_->try_get("elastic/launcher_done/" + std::to_string(l))) all = false;
+    if (all) return;
+    for (const auto& [key, value] : kv_->list("elastic/hb/")) {
+      auto it = last_beats_.find(key);
+      if (it == last_beats_.end() || it->second != value) {
+        last_beats_[key] = value;
+        last_beat_seen_ = Clock::now();
+      }
+    }
   });
-  return all;
+  if (!answered) return seconds_since(last_contact_) > kAckGrace;
+  return all || seconds_since(std::max(last_beat_seen_, done_at_)) > kAckGrace;
 }
 
 int Job::finish() {
-  if (phase_ == Phase::Completing && finish_timed_out_) {
-    log_warn("launch: exit code " + std::to_string(kExitTimeout) + ": training completed, but the ending (final "
-             "evaluation, checkpoint and summary) outlasted --finish-timeout; the last checkpoint in the run "
-             "directory is the newest state");
-    return kExitTimeout;
-  }
-  // Training completed, but no member wrote the final checkpoint and
-  // summary here (each member that could died while the job ended): the job
-  // has not delivered its result.
-  if (phase_ == Phase::Completing && !run_dir_.empty() && !finishers_.empty() && !final_files_written()) {
-    log_warn("launch: exit code " + std::to_string(kExitFailure) + ": training completed, but " + run_dir_ +
-             " has no final checkpoint and summary (the members that write them died while the job ended); "
-             "the last checkpoint there is the newest state (--resume)");
-    return kExitFailure;
-  }
   if (phase_ == Phase::Completing) {
-    if (!killed_after_done_.empty()) record_killed(run_dir_, killed_after_done_);
+    int code = 0;
+    if (finish_timed_out_) {
+      code = kExitTimeout;
+      log_warn("launch: exit code " + std::to_string(code) + ": training completed, but the ending (final "
+               "evaluation, checkpoint and summary) outlasted --finish-timeout; the last checkpoint in the run "
+               "directory is the newest state");
+    } else if (!run_dir_.empty() && !finishers_.empty() && !final_files_written()) {
+      // Training completed, but no member wrote the final checkpoint and
+      // summary here (each member that could died while the job ended):
+      // the job has not delivered its result.
+      code = kExitFailure;
+      log_warn("launch: exit code " + std::to_string(code) + ": training completed, but " + run_dir_ +
+               " has no final checkpoint and summary (the members that write them died while the job ended); "
+               "the last checkpoint there is the newest state (--resume)");
+    }
+    if (!killed_after_done_.empty() && code == 0) record_killed(run_dir_, killed_after_done_);
     if (election_ && election_->leading()) {
-      // The job's keys go with it, so that its name can be used again.
+      // The job's keys go with it, but for `elastic/done` after a good
+      // ending, kept for kDoneKeptSeconds: a launcher cut off from etcd that
+      // missed the completion sees it when it gets through, instead of
+      // starting its workers into a fresh job of the same name (from
+      // scratch); and a launcher started again with this name is told the
+      // job completed. After a failed ending the name is free at once, for
+      // --resume.
       try {
-        comm::EtcdClient(*opt_.etcd, std::chrono::seconds(2)).erase(opt_.etcd->prefix(), true);
+        comm::EtcdClient c(*opt_.etcd, std::chrono::seconds(2));
+        c.erase(opt_.etcd->prefix(), true);
+        if (code == 0) c.put(opt_.etcd->prefix() + "elastic/done", "1", c.grant_lease(kDoneKeptSeconds));
         election_->resign();
       } catch (const Error& e) {
         log_warn(std::string("launch: could not delete the job's keys in etcd: ") + e.what());
       }
     }
-    return 0;
+    if (!start_marker_.empty()) std::remove(start_marker_.c_str());
+    return code;
   }
+  if (!start_marker_.empty()) std::remove(start_marker_.c_str());
   if (user_signal_ && phase_ == Phase::Stopping) {
     log_warn("launch: exit code " + std::to_string(128 + user_signal_) + ": stopped by signal " +
              std::to_string(user_signal_) + " before training completed (resume with --resume)");

@@ -11,6 +11,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "train/membership.h"
 
 namespace limbo::elastic {
 namespace {
@@ -125,6 +126,13 @@ void Member::watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen) {
       } else if (++quiet % 5 == 0) {
         if (auto k = s->try_get("elastic/round")) on_event("round " + *k);
         if (auto k = s->try_get("elastic/abort")) on_event("abort " + *k);
+        // Training completed while this member waits (for a round, or in a
+        // group's formation): no round will come after it.
+        if (!completed_ && s->try_get("elastic/done")) {
+          completed_ = true;
+          std::lock_guard<std::mutex> lock(mu_);
+          cv_.notify_all();
+        }
       }
     } catch (const std::exception& e) {
       sleep_while_running(std::chrono::milliseconds(20));  // the store is out of reach: try again
@@ -201,6 +209,9 @@ Round Member::wait_round(int64_t after) {
   const auto deadline = start + opt_.round_timeout;
   bool told = false;
   while (Clock::now() < deadline) {
+    if (completed_)
+      throw train::CompletedElsewhere("worker " + std::to_string(id_) +
+                                      ": training completed on the other members while this one waited for a round");
     const int64_t k = latest_round_.load();
     if (k > after) {
       try {
@@ -219,7 +230,8 @@ Round Member::wait_round(int64_t after) {
       told = true;
     }
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, std::chrono::milliseconds(100), [&] { return latest_round_.load() > after || stop_; });
+    cv_.wait_for(lock, std::chrono::milliseconds(100),
+                 [&] { return latest_round_.load() > after || stop_ || completed_.load(); });
   }
   throw Timeout("worker " + std::to_string(id_) + " waited " +
                 std::to_string(opt_.round_timeout.count() / 1000) +
@@ -283,8 +295,9 @@ void Member::leave() {
 }
 
 bool Member::completed() {
+  if (completed_) return true;
   try {
-    return store_->try_get("elastic/done").has_value();
+    return completed_ = store_->try_get("elastic/done").has_value();
   } catch (const Error&) {
     return false;
   }
@@ -339,7 +352,9 @@ std::shared_ptr<comm::Collective> Member::form_group(const Round& round) {
   comm::GroupOptions go = opt_.group;
   const int64_t k = round.number;
   go.prefix = "elastic/round/" + std::to_string(k);
-  go.cancelled = [this, k] { return latest_round_.load() > k || latest_abort_.load() >= k || cut_off_.load(); };
+  go.cancelled = [this, k] {
+    return latest_round_.load() > k || latest_abort_.load() >= k || cut_off_.load() || completed_.load();
+  };
   std::shared_ptr<comm::Collective> g =
       comm::make_group(go, rank_in(round), static_cast<int>(round.members.size()));
   {

@@ -95,7 +95,9 @@ class Member {
   // Sets `elastic/done`: training completed (every member reaches the same
   // last step). The launcher ends the job then, whatever else happened.
   void publish_done();
-  // `elastic/done` is set (false when the store does not answer).
+  // `elastic/done` is set (false when the store does not answer). The watch
+  // thread also looks for it every few quiet waits: then wait_round throws
+  // train::CompletedElsewhere and a group's formation is cancelled.
   bool completed();
   // The ending (docs/elastic.md, "How a job ends"). publish_final sets
   // `elastic/final/<storage>`: the final checkpoint and summary of that
@@ -137,6 +139,7 @@ class Member {
   std::atomic<int64_t> latest_round_{0};
   std::atomic<int64_t> latest_abort_{0};
   std::atomic<bool> cut_off_{false};
+  std::atomic<bool> completed_{false};  // `elastic/done` seen (watch thread, completed())
   std::atomic<double> progress_{-1};
   double published_progress_ = -1;  // (heartbeat thread only)
   std::mutex records_mu_;

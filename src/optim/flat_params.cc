@@ -55,11 +55,11 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
     trainable.push_back(p.value());
     total += p.value().numel();
   }
-  // Averaged kinds first, in this order, then the integer pieces.
+  // Averaged kinds first, in this order, then the exact pieces (member 0's).
   int64_t buffer_total = 0;
   auto named_buffers = module.named_buffers(/*recurse=*/true);
   for (Carry kind : {Carry::InPlace, Carry::Float, Carry::Float64, Carry::Integer}) {
-    if (kind == Carry::Integer) averaged_ = buffer_total;
+    if (kind == Carry::Float64) averaged_ = buffer_total;
     for (const auto& b : named_buffers) {
       if (carry_of(b.key(), b.value()) != kind) continue;
       buffer_entries_.push_back({b.key(), b.value(), kind, buffer_total});
@@ -96,17 +96,9 @@ void FlatParams::buffers_to_flat() {
     switch (b.carry) {
       case Carry::InPlace: break;
       case Carry::Float: buffers_.narrow(0, b.offset, n).copy_(v); break;
-      case Carry::Float64: {  // three float32 pieces hold float64's 53 bits
-        auto rest = v.clone();
-        for (int k = 0; k < 3; ++k) {
-          auto piece = buffers_.narrow(0, b.offset + k * n, n);
-          piece.copy_(rest);
-          rest -= piece.to(torch::kFloat64);
-        }
-        break;
-      }
+      case Carry::Float64:  // its 64 bits, as an integer's (any value, inf and NaN included)
       case Carry::Integer: {
-        auto i = v.to(torch::kInt64);
+        auto i = b.carry == Carry::Float64 ? v.contiguous().view(torch::kInt64) : v.to(torch::kInt64);
         buffers_.narrow(0, b.offset, n).copy_(torch::remainder(i, kPiece));
         auto high = torch::floor_divide(i, kPiece);
         buffers_.narrow(0, b.offset + n, n).copy_(torch::remainder(high, kPiece));
@@ -125,14 +117,11 @@ void FlatParams::flat_to_buffers() {
     switch (b.carry) {
       case Carry::InPlace: break;
       case Carry::Float: b.tensor.copy_(buffers_.narrow(0, b.offset, n).view(shape)); break;
-      case Carry::Float64: {
-        auto piece = [&](int k) { return buffers_.narrow(0, b.offset + k * n, n).to(torch::kFloat64); };
-        b.tensor.copy_((piece(0) + piece(1) + piece(2)).view(shape));
-        break;
-      }
+      case Carry::Float64:
       case Carry::Integer: {
         auto piece = [&](int k) { return buffers_.narrow(0, b.offset + k * n, n).to(torch::kInt64); };
-        b.tensor.copy_((piece(0) + (piece(1) + piece(2) * kPiece) * kPiece).view(shape));
+        auto i = piece(0) + (piece(1) + piece(2) * kPiece) * kPiece;
+        b.tensor.copy_((b.carry == Carry::Float64 ? i.view(torch::kFloat64) : i).view(shape));
         break;
       }
     }

@@ -18,12 +18,15 @@
 // Buffers of every dtype travel in one float32 region right after the
 // gradient, grad_with_slot() = [gradient | buffers | slots]:
 //   [float32 buffers, in place | float16/bfloat16 buffers as float32 copies |
-//    float64 buffers as three float32 pieces whose sum is the value (exact
-//    within float32's exponent range) | integer and bool buffers as three
-//    exact 24-bit pieces of their int64 value]
+//    float64 buffers as three exact 24-bit pieces of their 64 bits |
+//    integer and bool buffers as three exact 24-bit pieces of their int64
+//    value]
 // The first part (averaged_numel() floats) is averaged by data-parallel
-// members; the integer pieces are taken from one member (member 0 sends
-// them, the others send zeros, and a sum with zeros is exact). The module's
+// members; the pieces are taken from one member (member 0 sends them, the
+// others send zeros, and a sum with zeros is exact). So float64 buffers are
+// member 0's, exactly, as PyTorch DDP's broadcast of rank 0's buffers makes
+// them: averaging them in float32 turned values beyond float32's range into
+// NaN, and moved identical values by float32 rounding at every step. The module's
 // own buffers are what the model reads and what checkpoints hold; the
 // region is how they travel: buffers_to_flat() before a collective over it,
 // flat_to_buffers() after. Float32 buffers live in the region, so both are
@@ -58,7 +61,7 @@ class FlatParams {
   torch::Tensor& buffers() { return buffers_; }
   int64_t buffer_numel() const { return buffers_.numel(); }
   // buffers()[0, averaged_numel()) is averaged across members, the rest
-  // (integer pieces) is taken from member 0.
+  // (float64 and integer pieces) is taken from member 0.
   int64_t averaged_numel() const { return averaged_; }
   int64_t numel() const { return data_.numel(); }
   // Elements of frozen parameters (not in the flat buffers).

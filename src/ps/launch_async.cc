@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <map>
+#include <filesystem>
 #include <thread>
 
 #include "common/error.h"
@@ -91,6 +92,7 @@ class AsyncJob {
     log_info("launch: " + std::to_string(opt_.servers) + " shard(s) at " + servers + "; starting " +
              std::to_string(opt_.workers) + " learner(s)");
     auto t0 = Clock::now();
+    const auto t_start = std::filesystem::file_time_type::clock::now();
     for (int i = 0; i < opt_.workers; ++i) {
       std::vector<std::string> a = {"worker", "--servers", servers, "--learner-id", std::to_string(i),
                                     "--run-dir", opt_.run_dir};
@@ -143,6 +145,26 @@ class AsyncJob {
         wait_endpoint(s);
       }
     }
+    // The finisher (the first learner told the data is done) takes the
+    // final weights and writes final.json and checkpoint.pt. When it died
+    // before that, another process takes them from the shards, which still
+    // hold them.
+    if (finished_ok > 0 && !final_written(t_start) && !sup_.first_signal()) {
+      log_warn("launch: no learner wrote the final weights (the finisher died while the job ended, or the "
+               "learners stopped before the data was done); a new process takes them from the shards");
+      std::vector<std::string> a = {"worker", "--servers", servers, "--learner-id", std::to_string(opt_.workers),
+                                    "--run-dir", opt_.run_dir, "--finish-only", "--set", "train.progress=false"};
+      a.insert(a.end(), common_.begin(), common_.end());
+      sup_.start(opt_.self_exe, a, "finisher", opt_.workers);
+      while (sup_.count("finisher") > 0) {
+        if (auto ex = sup_.poll()) {
+          if (ex->role == "finisher" && ex->code() != 0)
+            log_warn("launch: the process taking the final weights failed (" + describe_status(ex->status) + ")");
+          continue;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
     const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
     stop_shards();
     write_summary(wall, finished_ok, failed);
@@ -156,10 +178,25 @@ class AsyncJob {
                ": every learner failed");
       return first_failure ? first_failure : kExitFailure;
     }
+    if (!final_written(t_start)) {
+      log_warn("launch: exit code " + std::to_string(kExitFailure) + ": training completed, but " + opt_.run_dir +
+               " has no final weights (final.json, checkpoint.pt); the shards' checkpoints hold them (--resume)");
+      return kExitFailure;
+    }
     return kExitOk;
   }
 
  private:
+  // final.json and checkpoint.pt written since `since` (not an earlier run's).
+  bool final_written(std::filesystem::file_time_type since) const {
+    std::error_code ec;
+    for (const char* f : {"/final.json", "/checkpoint.pt"}) {
+      const auto t = std::filesystem::last_write_time(opt_.run_dir + f, ec);
+      if (ec || t + std::chrono::seconds(1) < since) return false;
+    }
+    return true;
+  }
+
   void start_shard(Shard& s, bool resume) {
     ::unlink((s.dir + "/endpoint").c_str());
     std::vector<std::string> a = {"ps-server", "--shard", std::to_string(s.index), "--shards",

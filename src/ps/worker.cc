@@ -1,6 +1,9 @@
 #include "ps/worker.h"
 #include "ps/heartbeats.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -129,9 +132,11 @@ json Learner::run(const std::atomic<bool>& stop) {
   auto start = Clock::now();
   bool finisher = false, done = false;
 
-  // The first pull; later pulls go out together with the pushes.
+  // The first pull; later pulls go out together with the pushes. (One that
+  // only takes the final weights asks for no batch.)
+  const uint8_t lease_flag = opt_.finish_only ? 0 : kWantLease;
   std::vector<uint64_t> pull_seq(links.size());
-  for (auto& l : links) pull_seq[l->index] = shards_.send_pull(*l, l->index == 0 ? kWantLease : 0);
+  for (auto& l : links) pull_seq[l->index] = shards_.send_pull(*l, l->index == 0 ? lease_flag : 0);
   std::vector<uint64_t> push_seq(links.size(), 0);
   int64_t lease_id = -1;
   json lease;
@@ -145,7 +150,7 @@ json Learner::run(const std::atomic<bool>& stop) {
     bool acked = false, not_finite = false;  // the last push, on any shard
     for (auto& l : links) {
       ShardLink& L = *l;
-      const uint8_t flags = L.index == 0 ? kWantLease : 0;
+      const uint8_t flags = L.index == 0 ? lease_flag : 0;
       if (push_seq[L.index]) {
         Message ack = shards_.await(L, push_seq[L.index], MsgType::PushAck, [&] {
           pull_seq[L.index] = shards_.send_pull(L, flags);  // the pull sent with the push was lost too
@@ -190,7 +195,7 @@ json Learner::run(const std::atomic<bool>& stop) {
     const double step_wait = seconds_since(wait0);
     wait_seconds += step_wait;
     wait_squares += step_wait * step_wait;
-    if (done || stop || (opt_.max_steps > 0 && steps >= opt_.max_steps)) break;
+    if (done || stop || opt_.finish_only || (opt_.max_steps > 0 && steps >= opt_.max_steps)) break;
     if (lease.is_null()) {  // all batches are out; some may come back
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
       for (auto& l : links) pull_seq[l->index] = shards_.send_pull(*l, l->index == 0 ? kWantLease : 0);
@@ -268,7 +273,12 @@ json Learner::run(const std::atomic<bool>& stop) {
   if (!opt_.run_dir.empty())
     write_file_atomic(opt_.run_dir + "/learners/" + std::to_string(opt_.learner_id) + ".summary.json",
                       summary.dump(2) + "\n");
-  if (finisher && !opt_.run_dir.empty()) {
+  if ((finisher || opt_.finish_only) && !opt_.run_dir.empty()) {
+    if (cfg_.train.writer_dies_at == "eval" && !opt_.finish_only) {  // testing aid: the finisher dies
+      std::fprintf(stderr, "testing: the finisher dies before the final weights\n");
+      std::fflush(stderr);
+      ::kill(::getpid(), SIGKILL);
+    }
     // Final weights: answered by each shard once no learner is registered.
     std::vector<uint64_t> seqs;
     for (auto& l : links) seqs.push_back(shards_.send_pull(*l, kObserver | kFinal));

@@ -41,6 +41,10 @@ struct WorkerOptions {
   int64_t log_every = 50;           // steps per metrics line
   std::string run_dir;              // learners/<id>.jsonl; the finisher's final.json, checkpoint.pt
   int64_t max_steps = 0;            // leave after this many steps (0 = until the data is done)
+  // Trains nothing: takes the final weights as the finisher does and writes
+  // final.json and checkpoint.pt (the launcher runs one when the finisher
+  // died before writing them).
+  bool finish_only = false;
   int64_t part_floats = 1 << 18;    // pushes go out in parts of this many floats (0 = whole slices)
   // Values on the wire (protocol flags kFp16Values / kBf16Values, 0 = float32):
   // gradients pushed (comm.compression, with an error-feedback residual) and

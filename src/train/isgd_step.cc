@@ -1,5 +1,6 @@
 #include "train/isgd_step.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace limbo::train {
@@ -20,6 +21,9 @@ IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
   } restore{flat, flat.save_buffers()};
   IsgdExtraResult r;
   torch::Tensor phi_grad;
+  // The weights (and momentum) before the last extra update: a loss or
+  // gradient that is not finite after it puts them back.
+  torch::Tensor last_weights, last_momentum;
   for (int64_t it = 0;; ++it) {
     double psi;
     if (it < opt.stop) {
@@ -33,9 +37,19 @@ IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
     // stop here alike.
     if (!std::isfinite(psi) || (it < opt.stop && !flat.grad().isfinite().all().item<bool>())) {
       r.not_finite = true;
+      if (last_weights.defined()) {  // the last extra update made it so: undone
+        flat.data().copy_(last_weights);
+        if (opt.momentum != optim::IsgdMomentum::Untouched)
+          sgd.set_buffer(last_momentum.defined() ? last_momentum.clone() : torch::Tensor());
+        r.iterations = std::max<int64_t>(0, r.iterations - 1);
+      }
       break;
     }
     if (psi <= limit || it >= opt.stop) break;
+    if (!last_weights.defined()) last_weights = torch::empty_like(flat.data());
+    last_weights.copy_(flat.data());
+    if (opt.momentum != optim::IsgdMomentum::Untouched)
+      last_momentum = sgd.buffer().defined() ? sgd.buffer().clone() : torch::Tensor();
     if (opt.momentum == optim::IsgdMomentum::Untouched) {
       optim::isgd_plain_step(flat.data(), flat.grad(), psi, limit, anchor, opt.epsilon, zeta);
     } else {

@@ -28,12 +28,14 @@ struct SyncTargets {
   // The storage this member's run directory is on (RunDir::storage_id; 0:
   // none), so that run records are kept once per storage.
   int64_t storage = 0;
-  // The run's records so far (this member's metrics.jsonl; may be null),
-  // and whether this member's run directory holds none yet. A writer on a
-  // storage that has none receives rank 0's (Established::records), so
-  // each copy holds the whole run, also on a host that joined late.
+  // The run's records so far (this member's metrics.jsonl), and how many
+  // (either may be null). A writer whose copy holds fewer records than the
+  // fullest receives that copy (Established::records), so each copy holds
+  // the whole run, also on a host that joined late or left and came back.
+  // (Copies differ in bytes: each host's membership records carry its own
+  // worker and timings; they agree in count.)
   std::function<std::string()> records;
-  std::function<bool()> records_missing;
+  std::function<int64_t()> record_count;
 };
 
 // Training completed on other members while this member's step failed or
@@ -54,7 +56,7 @@ struct Membership {
     // whole run's metrics from the time it joined.
     bool writes_run_dir = true;
     int record_copies = 1;  // distinct storages among the members
-    std::string records;    // rank 0's records, for a writer whose storage had none
+    std::string records;    // the fullest records, for a writer whose copy was behind (replaces it)
     nlohmann::json event;  // what changed, why, and how long each part took
   };
   virtual ~Membership() = default;

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -35,7 +36,13 @@ void RunDir::append_metrics(const nlohmann::json& record) {
 
 int64_t RunDir::storage_id() const {
   if (path_.empty()) return 0;
-  const std::string file = path_ + "/.storage";
+  // Named by the directory's inode: a copy of the directory (cp -a, rsync)
+  // carries the file but not the inode, so it gets an id of its own, while
+  // hosts sharing the directory over a network file system see one inode.
+  struct stat dir {};
+  if (::stat(path_.c_str(), &dir) != 0)
+    throw Error("cannot read the run directory '" + path_ + "': " + std::strerror(errno));
+  const std::string file = path_ + "/.storage-" + std::to_string(static_cast<uint64_t>(dir.st_ino));
   if (!file_exists(file)) {
     std::random_device rd;
     const int64_t id = ((static_cast<int64_t>(rd()) << 32 | rd()) & ((int64_t{1} << 52) - 1)) | 1;
@@ -61,14 +68,14 @@ std::string RunDir::read_metrics() const {
   return path_.empty() || !file_exists(metrics_) ? std::string() : read_file(metrics_);
 }
 
-bool RunDir::metrics_empty() const {
-  struct stat st {};
-  return path_.empty() || ::stat(metrics_.c_str(), &st) != 0 || st.st_size == 0;
+int64_t RunDir::record_count() const {
+  const std::string text = read_metrics();
+  return static_cast<int64_t>(std::count(text.begin(), text.end(), '\n'));
 }
 
-void RunDir::append_earlier(const std::string& earlier) {
-  if (!enabled() || earlier.empty()) return;
-  append_line(metrics_, earlier.back() == '\n' ? earlier.substr(0, earlier.size() - 1) : earlier);
+void RunDir::replace_records(const std::string& records) {
+  if (!enabled() || records.empty()) return;
+  write_file_atomic(metrics_, records.back() == '\n' ? records : records + "\n");
 }
 
 void RunDir::write_summary(const nlohmann::json& summary) const {

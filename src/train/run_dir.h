@@ -5,7 +5,7 @@
 //   summary.json     written at the end (atomically)
 //   checkpoint.pt    the latest checkpoint (see checkpoint.h)
 //   status.url       the job's status pages, one URL per line (newest last)
-//   .storage         an id naming the storage this directory is on (below)
+//   .storage-<inode> an id naming the storage this directory is on (below)
 // metrics.jsonl is appended to on --resume, so a resumed run's history is
 // continuous. Lines are written whole as they come (a failed append throws
 // and leaves no partial line).
@@ -48,11 +48,11 @@ class RunDir {
   std::string checkpoint_path() const { return path_ + "/checkpoint.pt"; }
 
   void write_config(const std::string& toml) const;
-  // The metrics written so far ("" when none or disabled), and whether
-  // there are none; `earlier` (whole lines) is appended as it is.
+  // The metrics written so far ("" when none or disabled); `records`
+  // (whole lines; "" changes nothing) replaces them, atomically.
   std::string read_metrics() const;
-  bool metrics_empty() const;
-  void append_earlier(const std::string& earlier);
+  int64_t record_count() const;  // lines of metrics.jsonl (0 when none)
+  void replace_records(const std::string& records);
   void append_metrics(const nlohmann::json& record);
   // Also hands each record appended to `mirror`, writer or not (an elastic
   // job's rank 0 publishes them in its rendezvous, for every launcher's

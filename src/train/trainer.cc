@@ -185,7 +185,7 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
                      double detection) {
   SyncTargets targets{flat_->data(), flat_->buffers(), *sgd_, state_, *batch_policy_, isgd_.get(),
                       r.storage, [&r] { return r.run_dir.read_metrics(); },
-                      [&r] { return r.run_dir.metrics_empty(); }};
+                      [&r] { return r.run_dir.record_count(); }};
   flat_->buffers_to_flat();  // the module's buffers travel in the state sync
   auto est = membership_->establish(targets, reason);
   flat_->flat_to_buffers();
@@ -196,7 +196,7 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
   rank0_ = est.rank == 0;
   writer_ = est.writes_run_dir;
   r.run_dir.set_writer(writer_);
-  r.run_dir.append_earlier(est.records);  // a new host's copy begins with the run so far
+  r.run_dir.replace_records(est.records);  // a copy that was behind now holds the whole run
   if (rank0_) r.run_dir.set_mirror([m = membership_.get()](const nlohmann::json& rec) { m->publish_record(rec); });
   else r.run_dir.set_mirror(nullptr);
   r.loader->restart(state_.cursor, r.world, est.rank);
@@ -501,7 +501,6 @@ nlohmann::json Trainer::run() {
       reform(r, "start", Clock::now(), 0.0);
     } catch (const CompletedElsewhere& e) {
       log_warn(std::string(e.what()) + "; nothing left to train");
-      membership_->leave();
       return {{"left", true}, {"completed_elsewhere", true}, {"steps", state_.step}};
     }
   } else {
@@ -522,9 +521,9 @@ nlohmann::json Trainer::run() {
       after_epoch_and_step(r);
     } catch (const CompletedElsewhere& e) {
       // The members that completed write the final checkpoint and summary.
+      // (It does not leave: it took no part in the ending.)
       log_warn(std::string(e.what()) + " (at step " + std::to_string(state_.step) +
                "); this member ends without redoing its step");
-      membership_->leave();
       return {{"left", true}, {"completed_elsewhere", true}, {"steps", state_.step}};
     }
     if (r.left) return {{"left", true}, {"steps", state_.step}};
