@@ -23,24 +23,24 @@ ALLOWED = [
 def skipped_tests(log_text):
     """(test name, reason) for every skipped test in a LastTest.log."""
     out = []
-    for block in re.split(r"\n-{58}\n(?=\d+/\d+ Testing: )", log_text):
-        m = re.search(r"^\d+/\d+ Test: (\S+)", block, re.M)
+    blocks = re.split(r"^(?=\d+/\d+ Testing: )", log_text, flags=re.M)
+    for block in blocks:
+        m = re.match(r"\d+/\d+ Testing: (\S+)", block)
         if not m:
             continue
-        name = m.group(1)
-        body = block.split("<end of output>")[0]
-        if "[  SKIPPED ]" not in body and "Skipped" not in block.split("<end of output>")[-1]:
+        body, _, tail = block.partition("<end of output>")
+        gtest_skip = "[  SKIPPED ]" in body
+        ctest_skip = re.search(r"^Test Skipped", tail, re.M) is not None  # e.g. exit code 77
+        if not gtest_skip and not ctest_skip:
             continue
-        if "[  SKIPPED ]" not in body and not re.search(r"exit code 77|Skipped", body):
-            continue
-        reason = ""
         r = re.search(r": Skipped\n(.*)", body)
-        if r:
+        if r and r.group(1).strip():
             reason = r.group(1).strip()
-        elif "[  SKIPPED ]" not in body:
-            tail = [l for l in body.strip().splitlines() if l.strip()]
-            reason = tail[-1].strip() if tail else ""
-        out.append((name, reason or "(no reason given)"))
+        else:
+            lines = [l.strip() for l in body.splitlines()
+                     if l.strip() and not l.startswith(("[", "Running main", "Note:", "Output:", "-----"))]
+            reason = lines[-1] if lines else ""
+        out.append((m.group(1), reason or "(no reason given)"))
     return out
 
 

@@ -206,6 +206,46 @@ TEST(Coordinator, ATakeOverFinishesARoundItsPredecessorLeftHalfWritten) {
   EXPECT_FALSE(f.kv->try_get("elastic/event/" + std::to_string(events + 2)).has_value());
 }
 
+// S1, found with an etcd cluster whose leader (also the first endpoint) was
+// stopped: reads went on, writes stalled until another leader was elected,
+// and the coordinator dropped every member one after the other. Silence
+// now counts only while some member's heartbeat advances; when beats come
+// again after everyone was quiet, every member starts a fresh timeout.
+TEST(Coordinator, WhenNoHeartbeatAdvancesNobodyIsDroppedForIt) {
+  Fixture f(3);
+  const int64_t a = f.join(), b = f.join(), c = f.join();
+  ASSERT_EQ(f.coord->poll().round.number, 1);
+  for (int i = 0; i < 10; ++i) {  // 5 s without any beat reaching the store
+    f.advance(0.5);
+    auto r = f.coord->poll();
+    EXPECT_FALSE(r.new_round) << r.reason;
+    EXPECT_EQ(r.alive, 3);
+  }
+  // Writes go through again; a and b beat at once, c a little later.
+  f.beat(a);
+  f.beat(b);
+  EXPECT_FALSE(f.coord->poll().new_round);
+  f.advance(1.0);
+  f.beat(a);
+  f.beat(b);
+  f.beat(c);
+  EXPECT_FALSE(f.coord->poll().new_round) << "c was dropped for the store's silence";
+  // Now c stops while the others beat: dropped after the timeout.
+  bool dropped = false;
+  for (int i = 0; i < 10 && !dropped; ++i) {
+    f.advance(0.5);
+    f.beat(a);
+    f.beat(b);
+    auto r = f.coord->poll();
+    if (r.new_round) {
+      EXPECT_EQ(r.round.members, (std::vector<int64_t>{a, b}));
+      EXPECT_GT(i, 4);
+      dropped = true;
+    }
+  }
+  EXPECT_TRUE(dropped);
+}
+
 TEST(Coordinator, BelowTheMinimumItWaitsThenTimesOut) {
   Fixture f(2, 2);
   f.join();
@@ -609,9 +649,13 @@ TEST(Elastic, AWorkerLostDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
 TEST(Elastic, AWorkerStartedByHandJoinsARunningJob) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   Job job;
-  job.start(2, 1, 8, {}, paced_for_a_joiner({}));
+  // 20 ms a step until the joiner is in (30 s for the whole run), then at
+  // full speed: the job cannot end before a new process gets in.
+  const std::vector<std::string> paced = {"--set", "train.slow_step_ms=20", "--set",
+                                          "train.testing_pace_until_workers=3"};
+  job.start(2, 1, 8, {}, paced);
   ASSERT_TRUE(job.training()) << slurp(job.log);
-  auto joiner = job.join_by_hand(8, paced_for_a_joiner({}), {});
+  auto joiner = job.join_by_hand(8, paced, {});
   EXPECT_EQ(joiner.exit_code, 0) << joiner.output;
   auto r = job.finish();
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -279,6 +280,94 @@ TEST(JobSecret, RogueClientsAreRefusedAndLoggedWhileTheJobTrains) {
   EXPECT_EQ(s["workers"].get<int64_t>(), 2);
   EXPECT_EQ(s["membership_changes"].get<int64_t>(), 0) << "a rogue client changed the membership";
   limbo::testing::expect_identical_finals(run, 2);
+}
+
+// The review's flood at scale: 1,000 connections without the secret held
+// open and reopened at the store's port for the whole job. Members with the
+// secret still join (a worker started by hand) and re-form (a worker
+// killed), no live member misses a heartbeat long enough to be cut off or
+// counted lost, and the job completes.
+TEST(JobSecret, AFloodOfAThousandSilentConnectionsKeepsNoMemberOut) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::string token = d.file("job.token"), log = d.file("launch.log"), run = d.file("run");
+  std::ofstream(token) << "s3cret-of-this-job-0123456789abcdef\n";
+  ::chmod(token.c_str(), 0600);
+  // Paced at 30 ms a step until the joiner is in (11 s), so the job cannot
+  // end before it gets in.
+  const std::vector<std::string> train = {
+      "--run-dir", run, "--set", "model.name=mlp", "--set", "model.width=64", "--set", "data.train_limit=3000",
+      "--set", "data.test_limit=300", "--set", "data.batch_size=16", "--set", "train.epochs=4",
+      "--set", "train.threads=1", "--set", "train.progress=false", "--set", "train.slow_step_ms=30",
+      "--set", "train.testing_pace_until_workers=3", "--set", "train.sample_log=true"};
+  std::vector<std::string> a = {"launch", "--nproc", "2", "--min-workers", "1", "--token-file", token, "--"};
+  a.insert(a.end(), train.begin(), train.end());
+  pid_t launcher = limbo::testing::spawn_limbo(a, log);
+  limbo::testing::KillOnExit guard{{launcher}};
+  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60)) << slurp(log);
+  std::smatch m;
+  std::string text = slurp(log);
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("store at 127.0.0.1:([0-9]+)"))) << text;
+  const int port = std::stoi(m[1]);
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> opened{0};
+  std::thread flooder([&] {
+    std::vector<int> held;
+    size_t next = 0;
+    while (!stop) {
+      const size_t want = held.size() < 1000 ? 1000 - held.size() : 50;
+      for (size_t i = 0; i < want && !stop; ++i) {
+        int fd = -1;
+        try {
+          fd = limbo::testing::connect_loopback(port);
+        } catch (const std::exception&) {
+          continue;
+        }
+        opened += 1;
+        if (held.size() < 1000) {
+          held.push_back(fd);
+        } else {
+          ::close(held[next]);
+          held[next] = fd;
+          next = (next + 1) % held.size();
+        }
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+    for (int fd : held) ::close(fd);
+  });
+  while (opened < 1000) std::this_thread::sleep_for(10ms);
+  std::vector<std::string> j = {"train", "--elastic", "--dist-rdzv", "127.0.0.1:" + m[1].str(), "--token-file", token};
+  j.insert(j.end(), train.begin(), train.end());
+  const std::string jlog = d.file("joiner.log");
+  pid_t joiner = limbo::testing::spawn_limbo(j, jlog);
+  guard.pids.push_back(joiner);
+  EXPECT_TRUE(limbo::testing::wait_for_text(log, "(joined 3)", 60)) << slurp(log);
+  std::regex rank1("worker rank 1 pid ([0-9]+)");
+  text = slurp(log);
+  ASSERT_TRUE(std::regex_search(text, m, rank1)) << text;
+  ASSERT_EQ(::kill(std::stoi(m[1]), SIGKILL), 0);
+  auto r = limbo::testing::wait_child(launcher, log, 240);
+  auto jr = limbo::testing::wait_child(joiner, jlog, 60);
+  guard.pids.clear();
+  stop = true;
+  flooder.join();
+  EXPECT_GT(opened.load(), 1500);  // the flood went on
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(jr.exit_code, 0) << jr.output;
+  EXPECT_NE(r.output.find("joined 3"), std::string::npos) << r.output;
+  for (const auto* out : {&r.output, &jr.output})
+    EXPECT_EQ(out->find("out of its round"), std::string::npos) << "a member was cut off\n" << *out;
+  // One member lost in all: the one killed.
+  int lost_rounds = 0;
+  const std::regex lost_round("membership round [0-9]+: workers \\[[0-9,]*\\] \\([^)]*lost [0-9]+");
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), lost_round); it != std::sregex_iterator(); ++it)
+    ++lost_rounds;
+  EXPECT_EQ(lost_rounds, 1) << r.output;
+  auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_GE(s["membership_changes"].get<int64_t>(), 2);
+  limbo::testing::expect_exactly_once(run, 4, 3000);
 }
 
 }  // namespace

@@ -116,20 +116,29 @@ bool tls_error(httplib::Error e) {
 
 namespace {
 
-// The endpoint that last answered, per endpoint list, for this process: a
-// new client starts there instead of at the first endpoint, which may be a
-// member that is stopped (it keeps connections open and answers nothing, so
-// every new client would wait for its share of the call's time there).
-std::mutex g_preferred_mu;
-std::map<std::string, size_t>& preferred_endpoints() {
-  static std::map<std::string, size_t> m;
+// Endpoints that went silent (an attempt got no answer in its time), for
+// this process: every client passes over them for kSilentFor unless all are
+// silent. A stopped member keeps its connections open and answers nothing;
+// without this, each client would spend its share of a call's time there
+// again whenever its rotation came back to it (a heartbeat of 0.4 s has
+// none to spare), and every new client would start there.
+constexpr auto kSilentFor = std::chrono::seconds(5);
+std::mutex g_silent_mu;
+std::map<std::string, std::chrono::steady_clock::time_point>& silent_until() {
+  static std::map<std::string, std::chrono::steady_clock::time_point> m;
   return m;
 }
 
-std::string endpoints_key(const EtcdOptions& o) {
-  std::string k;
-  for (const auto& e : o.endpoints) k += e + ",";
-  return k;
+bool silent_now(const std::string& endpoint) {
+  std::lock_guard<std::mutex> lock(g_silent_mu);
+  auto it = silent_until().find(endpoint);
+  return it != silent_until().end() && std::chrono::steady_clock::now() < it->second;
+}
+
+void mark_silent(const std::string& endpoint, bool silent) {
+  std::lock_guard<std::mutex> lock(g_silent_mu);
+  if (silent) silent_until()[endpoint] = std::chrono::steady_clock::now() + kSilentFor;
+  else silent_until().erase(endpoint);
 }
 
 }  // namespace
@@ -140,11 +149,6 @@ EtcdClient::EtcdClient(EtcdOptions opt, std::chrono::milliseconds timeout)
   if (opt_.tls && opt_.cert_file.empty() != opt_.key_file.empty())
     throw InvalidInput("etcd: a client certificate needs its key (give both, or neither)");
   for (const auto& ep : opt_.endpoints) conns_.push_back(std::make_unique<Conn>(Conn{ep, nullptr}));
-  {
-    std::lock_guard<std::mutex> lock(g_preferred_mu);
-    auto it = preferred_endpoints().find(endpoints_key(opt_));
-    if (it != preferred_endpoints().end() && it->second < conns_.size()) current_ = it->second;
-  }
   std::random_device rd;  // one marker per client object, unique across processes
   char name[40];
   std::snprintf(name, sizeof name, "%08x%08x%08x%08x", rd(), rd(), rd(), rd());
@@ -182,6 +186,8 @@ std::string EtcdClient::call_locked(const std::string& path, const std::string& 
   bool reached = false;
   bool reauthenticated = false;
   for (int attempt = 0; Clock::now() < deadline; ++attempt) {
+    for (size_t k = 0; k < conns_.size() && silent_now(conns_[current_]->endpoint); ++k)
+      current_ = (current_ + 1) % conns_.size();  // (all silent: the one reached first)
     Conn& c = *conns_[current_];
     if (!c.http) c.http = make_http(opt_, c.endpoint);
     // One attempt lasts at most a second: a request proposed while the
@@ -222,19 +228,15 @@ std::string EtcdClient::call_locked(const std::string& path, const std::string& 
       // Unless no connection was made, etcd may have received the request
       // (and committed it) before its answer was lost.
       if (resent && err != httplib::Error::Connection) *resent = true;
+      if (conns_.size() > 1) mark_silent(c.endpoint, true);
       c.http.reset();  // a fresh connection next time
       current_ = (current_ + 1) % conns_.size();
       continue;
     }
     if (!sent) c.http.reset();  // the trailer left the connection unusable
     reached = true;
-    if (status == 200) {
-      if (attempt > 0) {  // failed over: later clients of this process start here
-        std::lock_guard<std::mutex> lock(g_preferred_mu);
-        preferred_endpoints()[endpoints_key(opt_)] = current_;
-      }
-      return answer;
-    }
+    if (silent_now(c.endpoint)) mark_silent(c.endpoint, false);  // it answers again
+    if (status == 200) return answer;
     int code = kUnknown;
     std::string message = answer;
     try {

@@ -103,7 +103,30 @@ Coordinator::Result Coordinator::poll_once() {
   // store: after polls that failed for a while (the store out of reach)
   // every member starts a fresh timeout, so an outage of the store is not
   // taken for the loss of every member.
-  const bool gap = failed_ && now - last_poll_ > opt_.heartbeat_timeout / 2;
+  //
+  // The same holds when the store takes no writes while it still answers
+  // reads (an etcd cluster whose leader was stopped, until it elects
+  // another): then no member's heartbeat advances. Silence counts only while
+  // some member's heartbeat advances (within half a timeout); when beats
+  // come again after everyone was quiet that long, every member starts a
+  // fresh timeout.
+  std::map<int64_t, int64_t> beat_of;
+  bool advanced = false;
+  for (const auto& [id, unused] : joined) {
+    auto hb = beats.find(id);
+    int64_t beat = 0;
+    try {
+      beat = hb == beats.end() ? 0 : std::stoll(hb->second);
+    } catch (const std::exception&) {
+    }
+    beat_of[id] = beat;
+    auto it = heartbeats_.find(id);
+    advanced = advanced || (it != heartbeats_.end() && it->second.first != beat);
+  }
+  const bool everyone_quiet =
+      last_any_beat_ != std::chrono::steady_clock::time_point{} && now - last_any_beat_ > opt_.heartbeat_timeout / 2;
+  const bool gap = (failed_ && now - last_poll_ > opt_.heartbeat_timeout / 2) || (advanced && everyone_quiet);
+  if (advanced || last_any_beat_ == std::chrono::steady_clock::time_point{}) last_any_beat_ = now;
   std::vector<int64_t> alive;
   std::set<int64_t> left;
   for (const auto& [id, unused] : joined) {
@@ -112,18 +135,13 @@ Coordinator::Result Coordinator::poll_once() {
       left.insert(id);
       continue;
     }
-    auto hb = beats.find(id);
-    int64_t beat = 0;
-    try {
-      beat = hb == beats.end() ? 0 : std::stoll(hb->second);
-    } catch (const std::exception&) {
-    }
+    const int64_t beat = beat_of[id];
     auto it = heartbeats_.find(id);
     if (it != heartbeats_.end() && it->second.first != beat) beat_since_resume_.insert(id);
     if (it == heartbeats_.end() || it->second.first != beat || gap) {
       heartbeats_[id] = {beat, now};
-    } else if (now - it->second.second > opt_.heartbeat_timeout) {
-      continue;  // silent for too long (crashed, stopped or cut off)
+    } else if (now - it->second.second > opt_.heartbeat_timeout && !everyone_quiet) {
+      continue;  // silent for too long (crashed, stopped or cut off) while others beat
     }
     alive.push_back(id);
   }

@@ -100,6 +100,8 @@ class Coordinator {
   std::chrono::steady_clock::time_point resumed_at_{};
   std::set<int64_t> beat_since_resume_;
   std::chrono::steady_clock::time_point last_poll_{};
+  // When any member's heartbeat last advanced (0: none yet).
+  std::chrono::steady_clock::time_point last_any_beat_{};
 };
 
 }  // namespace limbo::elastic
