@@ -266,7 +266,12 @@ TEST_F(EtcdJob, TheFirstEtcdEndpointStoppedNoMemberIsDropped) {
   for (int h = 0; h < 3; ++h) EXPECT_EQ(job.results[h].exit_code, 0) << "host " << h << job.all_logs();
   auto s = nlohmann::json::parse(slurp(job.run + "/summary.json"));
   EXPECT_EQ(s["workers"].get<int64_t>(), 3) << job.all_logs();
-  EXPECT_EQ(s["membership_changes"].get<int64_t>(), 0) << job.all_logs();
+  // Only the third host's join at the start (when a step committed before
+  // it) changed the membership.
+  EXPECT_LE(s["membership_changes"].get<int64_t>(), 1) << job.all_logs();
+  const std::string logs = job.all_logs();
+  EXPECT_EQ(logs.find("(lost"), std::string::npos) << logs;
+  EXPECT_EQ(logs.find("went silent"), std::string::npos) << logs;
   limbo::testing::expect_exactly_once(job.run, 6, 3000);
 }
 

@@ -293,13 +293,13 @@ TEST(JobSecret, AFloodOfAThousandSilentConnectionsKeepsNoMemberOut) {
   const std::string token = d.file("job.token"), log = d.file("launch.log"), run = d.file("run");
   std::ofstream(token) << "s3cret-of-this-job-0123456789abcdef\n";
   ::chmod(token.c_str(), 0600);
-  // Paced at 30 ms a step until the joiner is in (11 s), so the job cannot
-  // end before it gets in.
+  // Paced at 30 ms a step (17 s for the run), so the job cannot end before
+  // the joiner gets in and a worker is killed.
   const std::vector<std::string> train = {
       "--run-dir", run, "--set", "model.name=mlp", "--set", "model.width=64", "--set", "data.train_limit=3000",
-      "--set", "data.test_limit=300", "--set", "data.batch_size=16", "--set", "train.epochs=4",
+      "--set", "data.test_limit=300", "--set", "data.batch_size=16", "--set", "train.epochs=6",
       "--set", "train.threads=1", "--set", "train.progress=false", "--set", "train.slow_step_ms=30",
-      "--set", "train.testing_pace_until_workers=3", "--set", "train.sample_log=true"};
+      "--set", "train.sample_log=true"};
   std::vector<std::string> a = {"launch", "--nproc", "2", "--min-workers", "1", "--token-file", token, "--"};
   a.insert(a.end(), train.begin(), train.end());
   pid_t launcher = limbo::testing::spawn_limbo(a, log);
@@ -343,6 +343,9 @@ TEST(JobSecret, AFloodOfAThousandSilentConnectionsKeepsNoMemberOut) {
   pid_t joiner = limbo::testing::spawn_limbo(j, jlog);
   guard.pids.push_back(joiner);
   EXPECT_TRUE(limbo::testing::wait_for_text(log, "(joined 3)", 60)) << slurp(log);
+  // The joiner trains with the others before one of them is killed.
+  EXPECT_TRUE(limbo::testing::wait_for_text(jlog, "3 workers, rank", 60)) << slurp(jlog);
+  std::this_thread::sleep_for(500ms);
   std::regex rank1("worker rank 1 pid ([0-9]+)");
   text = slurp(log);
   ASSERT_TRUE(std::regex_search(text, m, rank1)) << text;
@@ -367,7 +370,7 @@ TEST(JobSecret, AFloodOfAThousandSilentConnectionsKeepsNoMemberOut) {
   auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
   EXPECT_EQ(s["workers"].get<int64_t>(), 2);
   EXPECT_GE(s["membership_changes"].get<int64_t>(), 2);
-  limbo::testing::expect_exactly_once(run, 4, 3000);
+  limbo::testing::expect_exactly_once(run, 6, 3000);
 }
 
 }  // namespace
