@@ -38,8 +38,12 @@ COMMON = ["--set", "model.name=mlp", "--set", "model.width=64", "--set", "data.t
           "--set", "data.test_limit=2000", "--set", "data.batch_size=8", "--set", "train.threads=1",
           "--set", "train.progress=false"]
 EPOCHS, SAMPLES = 3, 12000
+# Steps paced to at least 3 ms (4.5 s of training for 1,500 steps): a fault
+# is injected within 2 s of the first step, and over shared memory the
+# job's steps take about 2 ms, so an unpaced job could end first.
 ELASTIC = COMMON + ["--set", f"train.epochs={EPOCHS}", "--set", "train.sample_log=true",
-                    "--set", "elastic.collective_timeout=30", "--set", "train.checkpoint_every_steps=100"]
+                    "--set", "elastic.collective_timeout=30", "--set", "train.checkpoint_every_steps=100",
+                    "--set", "train.slow_step_ms=3"]
 PS = COMMON + ["--set", "train.epochs=5", "--set", "optim.lr=0.02", "--set", "ps.heartbeat_timeout=2",
                "--set", "ps.request_timeout=30", "--set", "ps.checkpoint_every=20"]
 FAULTS = ["elastic-kill", "elastic-stop", "elastic-term", "ps-learner-kill", "ps-shard-kill", "ps-restart"]
