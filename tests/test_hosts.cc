@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -309,34 +310,8 @@ TEST(JobSecret, AFloodOfAThousandSilentConnectionsKeepsNoMemberOut) {
   std::string text = slurp(log);
   ASSERT_TRUE(std::regex_search(text, m, std::regex("store at 127.0.0.1:([0-9]+)"))) << text;
   const int port = std::stoi(m[1]);
-  std::atomic<bool> stop{false};
-  std::atomic<int64_t> opened{0};
-  std::thread flooder([&] {
-    std::vector<int> held;
-    size_t next = 0;
-    while (!stop) {
-      const size_t want = held.size() < 1000 ? 1000 - held.size() : 50;
-      for (size_t i = 0; i < want && !stop; ++i) {
-        int fd = -1;
-        try {
-          fd = limbo::testing::connect_loopback(port);
-        } catch (const std::exception&) {
-          continue;
-        }
-        opened += 1;
-        if (held.size() < 1000) {
-          held.push_back(fd);
-        } else {
-          ::close(held[next]);
-          held[next] = fd;
-          next = (next + 1) % held.size();
-        }
-      }
-      std::this_thread::sleep_for(50ms);
-    }
-    for (int fd : held) ::close(fd);
-  });
-  while (opened < 1000) std::this_thread::sleep_for(10ms);
+  auto flood = std::make_unique<limbo::testing::ConnectionFlood>(port);
+  flood->wait_full();
   std::vector<std::string> j = {"train", "--elastic", "--dist-rdzv", "127.0.0.1:" + m[1].str(), "--token-file", token};
   j.insert(j.end(), train.begin(), train.end());
   const std::string jlog = d.file("joiner.log");
@@ -353,9 +328,9 @@ TEST(JobSecret, AFloodOfAThousandSilentConnectionsKeepsNoMemberOut) {
   auto r = limbo::testing::wait_child(launcher, log, 240);
   auto jr = limbo::testing::wait_child(joiner, jlog, 60);
   guard.pids.clear();
-  stop = true;
-  flooder.join();
-  EXPECT_GT(opened.load(), 1500);  // the flood went on
+  const int64_t opened = flood->opened();
+  flood.reset();
+  EXPECT_GT(opened, 1500);  // the flood went on
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(jr.exit_code, 0) << jr.output;
   EXPECT_NE(r.output.find("joined 3"), std::string::npos) << r.output;

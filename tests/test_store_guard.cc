@@ -16,6 +16,7 @@
 #include <map>
 #include <cerrno>
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -437,35 +438,8 @@ TEST(StoreGuard, MembersGetInAndAreAnsweredThroughAFloodOfAThousandSilentConnect
   opt.handshake_timeout = 10s;
   StoreServer server("127.0.0.1", 0, opt);
   StoreClient member("127.0.0.1", server.port(), 5s, kSecret);
-  std::atomic<bool> stop{false};
-  std::atomic<int64_t> opened{0};
-  std::thread flooder([&] {
-    std::vector<int> held;
-    size_t next = 0;
-    while (!stop) {
-      // Up to 1,000 held; then the oldest 50 are reopened every 50 ms.
-      const size_t want = held.size() < 1000 ? 1000 - held.size() : 50;
-      for (size_t i = 0; i < want && !stop; ++i) {
-        int fd = -1;
-        try {
-          fd = limbo::testing::connect_loopback(server.port());
-        } catch (const std::exception&) {
-          continue;  // the listen queue is full for a moment
-        }
-        opened += 1;
-        if (held.size() < 1000) {
-          held.push_back(fd);
-        } else {
-          ::close(held[next]);
-          held[next] = fd;
-          next = (next + 1) % held.size();
-        }
-      }
-      std::this_thread::sleep_for(50ms);
-    }
-    for (int fd : held) ::close(fd);
-  });
-  while (opened < 1000) std::this_thread::sleep_for(10ms);
+  auto flood = std::make_unique<limbo::testing::ConnectionFlood>(server.port());
+  flood->wait_full();
   double worst_call = 0, worst_join = 0;
   for (int i = 0; i < 20; ++i) {
     auto t0 = Clock::now();
@@ -478,9 +452,9 @@ TEST(StoreGuard, MembersGetInAndAreAnsweredThroughAFloodOfAThousandSilentConnect
     worst_join = std::max(worst_join, std::chrono::duration<double>(Clock::now() - t0).count());
     std::this_thread::sleep_for(50ms);
   }
-  stop = true;
-  flooder.join();
-  EXPECT_GT(opened.load(), 1500);  // the flood was reopening throughout
+  const int64_t opened = flood->opened();
+  flood.reset();
+  EXPECT_GT(opened, 1500);  // the flood was reopening throughout
   EXPECT_LT(worst_call, 0.5);
   EXPECT_LT(worst_join, 2.0);
 }

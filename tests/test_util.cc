@@ -11,6 +11,7 @@
 #include <zlib.h>
 
 #include <chrono>
+#include <vector>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -114,6 +115,43 @@ int connect_loopback(int port) {
   if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
     throw std::runtime_error("cannot connect to 127.0.0.1:" + std::to_string(port));
   return fd;
+}
+
+ConnectionFlood::ConnectionFlood(int port, size_t held) : port_(port), held_(held) {
+  thread_ = std::thread([this] {
+    std::vector<int> fds;
+    size_t next = 0;
+    while (!stop_) {
+      const size_t want = fds.size() < held_ ? held_ - fds.size() : 50;
+      for (size_t i = 0; i < want && !stop_; ++i) {
+        int fd = -1;
+        try {
+          fd = connect_loopback(port_);
+        } catch (const std::exception&) {
+          continue;  // the listen queue is full for a moment
+        }
+        opened_ += 1;
+        if (fds.size() < held_) {
+          fds.push_back(fd);
+        } else {
+          ::close(fds[next]);
+          fds[next] = fd;
+          next = (next + 1) % fds.size();
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    for (int fd : fds) ::close(fd);
+  });
+}
+
+ConnectionFlood::~ConnectionFlood() {
+  stop_ = true;
+  thread_.join();
+}
+
+void ConnectionFlood::wait_full() const {
+  while (opened_.load() < static_cast<int64_t>(held_)) std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 KillOnExit::~KillOnExit() {

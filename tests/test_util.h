@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <atomic>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -68,5 +70,24 @@ std::string slurp(const std::string& path);
 
 // A plain TCP connection to 127.0.0.1:port (for clients that misbehave).
 int connect_loopback(int port);
+
+// A flood of silent connections to 127.0.0.1:port from a thread of its own:
+// `held` are kept open, and every 50 ms the oldest 50 are closed and
+// opened again, until the object is destroyed.
+class ConnectionFlood {
+ public:
+  ConnectionFlood(int port, size_t held = 1000);
+  ~ConnectionFlood();
+  int64_t opened() const { return opened_.load(); }
+  // Waits until the first `held` connections are open.
+  void wait_full() const;
+
+ private:
+  int port_;
+  size_t held_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> opened_{0};
+  std::thread thread_;
+};
 
 }  // namespace limbo::testing
