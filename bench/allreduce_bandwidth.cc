@@ -125,7 +125,9 @@ OverlapResult measure_overlap(int rank, int port, int64_t width, int64_t depth, 
   auto net = limbo::models::make_mlp(mo, {1, 28, 28, 10});
   limbo::optim::FlatParams flat(*net);
   limbo::train::TrainStep step(*net, flat, limbo::train::LossKind::CrossEntropy, false);
-  auto sgd = std::make_shared<limbo::optim::Sgd>(limbo::optim::SgdOptions{0.9, 0, 0, false});
+  limbo::optim::OptimizerOptions so;
+  so.momentum = 0.9;
+  auto sgd = std::make_shared<limbo::train::OptimizerStep>(limbo::optim::make_optimizer(so), 0.0);
   limbo::comm::GroupOptions go;
   go.store_port = port;
   go.prefix = "bench/overlap";
@@ -141,7 +143,7 @@ OverlapResult measure_overlap(int rank, int port, int64_t width, int64_t depth, 
                                   0.01, 0, {}};
     if (!rule) {
       step.gradient(x, y);
-      sgd->step(flat.data(), flat.grad(), 0.01);
+      sgd->apply(flat.data(), flat.grad(), 0.01);
       return seconds(t0);
     }
     ctx.loss = step.gradient(x, y, [&](double loss) {

@@ -156,8 +156,8 @@ struct LimboPair {
     limbo::ps::ServerOptions o;
     o.dir = dir;
     o.agg.alpha0 = 1e-3;
-    o.momentum = momentum;
-    o.weight_decay = weight_decay;
+    o.optimizer.momentum = momentum;
+    o.optimizer.weight_decay = weight_decay;
     o.checkpoint_every = 0;
     o.log_every = 1 << 30;
     o.part_floats = static_cast<int64_t>(part_floats);

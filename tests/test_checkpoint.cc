@@ -23,8 +23,8 @@ TrainerConfig small_config(const std::string& run_dir, int64_t epochs) {
   c.source.test_limit = 100;
   c.model.name = "lenet";
   c.loader.batch_size = 32;
-  c.sgd.momentum = 0.9;
-  c.sgd.weight_decay = 1e-4;
+  c.optimizer.momentum = 0.9;
+  c.optimizer.weight_decay = 1e-4;
   c.lr.kind = "step";
   c.lr.base_lr = 0.02;
   c.lr.step_epochs = 1;
@@ -45,9 +45,9 @@ TEST(Checkpoint, RoundTripRestoresWeightsMomentumAndState) {
   a.run();
   Trainer b(small_config("", 1));
   EXPECT_FALSE(torch::equal(a.params().data(), b.params().data()));
-  auto st = load_checkpoint(d.file("checkpoint.pt"), b.model(), &b.sgd());
+  auto st = load_checkpoint(d.file("checkpoint.pt"), b.model(), &b.optimizer());
   EXPECT_TRUE(torch::equal(a.params().data(), b.params().data()));
-  EXPECT_TRUE(torch::equal(a.sgd().buffer(), b.sgd().buffer()));
+  EXPECT_TRUE(torch::equal(a.optimizer().state()[0], b.optimizer().state()[0]));
   EXPECT_EQ(st.step, 4);
   EXPECT_EQ(st.cursor.epoch, 0);
   EXPECT_EQ(st.cursor.position, 128);
@@ -76,7 +76,7 @@ TEST(Checkpoint, ResumeIsExact) {
   EXPECT_EQ(sa["samples"], sc["samples"]);
   // Same thread count and data order: bit-identical.
   EXPECT_TRUE(torch::equal(a.params().data(), c.params().data()));
-  EXPECT_TRUE(torch::equal(a.sgd().buffer(), c.sgd().buffer()));
+  EXPECT_TRUE(torch::equal(a.optimizer().state()[0], c.optimizer().state()[0]));
   EXPECT_DOUBLE_EQ(sa["test_accuracy"].get<double>(), sc["test_accuracy"].get<double>());
 }
 

@@ -71,7 +71,7 @@ TEST(Durability, AFailedFlushStopsTheCheckpointAndKeepsTheOldOne) {
   TempDir d;
   const std::string path = d.file("checkpoint.pt");
   torch::nn::Linear model(4, 2);
-  optim::Sgd sgd(optim::SgdOptions{});
+  optim::Sgd sgd(optim::OptimizerOptions{});
   train::TrainState st;
   st.step = 7;
   train::save_checkpoint(path, *model, sgd, st);
@@ -101,7 +101,7 @@ TEST(Durability, AtomicWritesFlushTheFileAndThenItsDirectory) {
   EXPECT_EQ(g_files_flushed.size(), 1u);
   g_dirs_flushed.clear();
   torch::nn::Linear model(4, 2);
-  train::save_checkpoint(d.file("checkpoint.pt"), *model, optim::Sgd(optim::SgdOptions{}), {});
+  train::save_checkpoint(d.file("checkpoint.pt"), *model, optim::Sgd(optim::OptimizerOptions{}), {});
   EXPECT_EQ(g_dirs_flushed.count(inode(d.path())), 1u) << "the checkpoint's directory was not flushed";
   EXPECT_EQ(g_files_flushed.count(inode(d.file("checkpoint.pt"))), 1u);
 }

@@ -13,6 +13,7 @@
 #include <thread>
 #include <sstream>
 
+#include "optim/sgd.h"
 #include "comm/kv_store.h"
 #include "common/error.h"
 #include "common/files.h"
@@ -363,7 +364,7 @@ TEST(RunRecords, AWriterWhoseCopyIsBehindReceivesTheFullestCopy) {
   std::vector<std::string> got(4, "unset");
   with_members(4, [&](comm::Collective& g, int r) {
     torch::Tensor w, b;
-    optim::Sgd sgd(optim::SgdOptions{});
+    optim::Sgd sgd(optim::OptimizerOptions{});
     train::TrainState st;
     optim::BatchSizePolicy policy(optim::BatchPolicyOptions{});
     train::SyncTargets s{w, b, sgd, st, policy, nullptr, 0, [&, r] { return held[r]; },
@@ -378,7 +379,7 @@ TEST(RunRecords, AWriterWhoseCopyIsBehindReceivesTheFullestCopy) {
   std::vector<std::string> none(2, "unset");
   with_members(2, [&](comm::Collective& g, int r) {
     torch::Tensor w, b;
-    optim::Sgd sgd(optim::SgdOptions{});
+    optim::Sgd sgd(optim::OptimizerOptions{});
     train::TrainState st;
     optim::BatchSizePolicy policy(optim::BatchPolicyOptions{});
     train::SyncTargets s{w, b, sgd, st, policy, nullptr, 0, [] { return std::string("x\n"); },
@@ -408,7 +409,7 @@ TEST(RunRecords, StateSyncCarriesTheCountsOfSkippedSteps) {
   std::vector<std::pair<int64_t, int64_t>> got(3);
   with_members(3, [&](comm::Collective& g, int r) {
     torch::Tensor w = torch::zeros({4}), b = torch::zeros({0});
-    optim::Sgd sgd(optim::SgdOptions{});
+    optim::Sgd sgd(optim::OptimizerOptions{});
     train::TrainState st;
     if (r == 1) {  // the newest state: 2 skipped in a row, 5 in all
       st.step = 12;

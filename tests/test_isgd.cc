@@ -7,6 +7,7 @@
 #include <random>
 #include <sstream>
 
+#include "optim/sgd.h"
 #include "cli/schema.h"
 #include "common/error.h"
 #include "optim/isgd.h"
@@ -133,7 +134,7 @@ train::TrainerConfig isgd_config(int64_t epochs, double k) {
   c.model.width = 32;
   c.loader.batch_size = 32;
   c.loader.order = data::Order::FixedCycle;
-  c.sgd.momentum = 0.9;
+  c.optimizer.momentum = 0.9;
   c.lr.base_lr = 0.05;
   c.algorithm = "isgd";
   c.isgd.k = k;
@@ -150,8 +151,8 @@ TEST(IsgdStep, SubproblemLowersTheBatchLossAndRespectsStop) {
   auto b = data::make_batch(t.data().train, t.normalization(), {0, 1, 2, 3, 4, 5, 6, 7});
   optim::IsgdOptions o;
   o.stop = 3;
-  train::LocalUpdate rule(std::make_shared<Sgd>(SgdOptions{}));
-  Sgd sgd(SgdOptions{});
+  train::LocalUpdate rule(std::make_shared<train::OptimizerStep>(std::make_unique<Sgd>(OptimizerOptions{}), 0.0));
+  Sgd sgd(OptimizerOptions{});
   auto anchor = t.params().data().clone();
   // An unreachable limit: exactly `stop` updates, and the loss goes down.
   auto r = train::isgd_extra_updates(t.step(), t.params(), b.x, b.y, rule, sgd, o, 0.0, anchor, 0.05);
@@ -178,8 +179,8 @@ TEST(IsgdStep, ANonFiniteLossOrGradientEndsTheExtraPassesWithTheWeightsUntouched
   train::Trainer t(cfg);
   optim::IsgdOptions o;
   o.stop = 5;
-  train::LocalUpdate rule(std::make_shared<Sgd>(SgdOptions{}));
-  Sgd sgd(SgdOptions{});
+  train::LocalUpdate rule(std::make_shared<train::OptimizerStep>(std::make_unique<Sgd>(OptimizerOptions{}), 0.0));
+  Sgd sgd(OptimizerOptions{});
   for (bool nan_in_x : {true, false}) {
     SCOPED_TRACE(nan_in_x ? "NaN samples" : "a NaN weight");
     auto b = data::make_batch(t.data().train, t.normalization(), {0, 1, 2, 3, 4, 5, 6, 7});

@@ -16,6 +16,15 @@ using namespace limbo::optim;
 
 namespace {
 
+OptimizerOptions sgd_options(double momentum, double dampening, double wd, bool nesterov) {
+  OptimizerOptions o;
+  o.momentum = momentum;
+  o.dampening = dampening;
+  o.weight_decay = wd;
+  o.nesterov = nesterov;
+  return o;
+}
+
 struct SgdCase {
   double momentum, dampening, wd;
   bool nesterov;
@@ -34,7 +43,7 @@ TEST_P(SgdMatchesTorch, OverManySteps) {
   torch::manual_seed(0);
   auto ref = models::make_model(mo, in);
   FlatParams flat(*ours);
-  Sgd sgd({c.momentum, c.dampening, c.wd, c.nesterov});
+  Sgd sgd(sgd_options(c.momentum, c.dampening, c.wd, c.nesterov));
   torch::optim::SGD tsgd(ref->parameters(), torch::optim::SGDOptions(0.05)
                                                 .momentum(c.momentum)
                                                 .dampening(c.dampening)
@@ -63,7 +72,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, SgdMatchesTorch,
                                            SgdCase{0.9, 0, 5e-4, true}, SgdCase{0.5, 0.3, 1e-3, false}));
 
 TEST(Sgd, RejectsNesterovWithoutMomentum) {
-  EXPECT_THROW(Sgd({0.0, 0.0, 0.0, true}), InvalidInput);
+  EXPECT_THROW(Sgd(sgd_options(0.0, 0.0, 0.0, true)), InvalidInput);
 }
 
 TEST(FlatParams, ParametersAndGradientsLiveInTheFlatBuffers) {

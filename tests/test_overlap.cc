@@ -65,11 +65,17 @@ struct ScaledMlp : models::Net {
 using NetFactory = std::function<std::shared_ptr<models::Net>()>;
 NetFactory g_factory = [] { return std::make_shared<BnMlp>(); };
 
+std::shared_ptr<train::OptimizerStep> sgd_with_momentum(double mu) {
+  optim::OptimizerOptions o;
+  o.momentum = mu;
+  return std::make_shared<train::OptimizerStep>(optim::make_optimizer(o), 0.0);
+}
+
 // One member: model, flat parameters, optimizer, its data.
 struct Member {
   std::shared_ptr<models::Net> net = g_factory();
   optim::FlatParams flat{*net};
-  std::shared_ptr<optim::Sgd> sgd = std::make_shared<optim::Sgd>(optim::SgdOptions{0.9, 0, 0, false});
+  std::shared_ptr<train::OptimizerStep> sgd = sgd_with_momentum(0.9);
   train::TrainStep step{*net, flat, train::LossKind::CrossEntropy, false};
   std::vector<torch::Tensor> xs, ys;
 };
@@ -302,7 +308,7 @@ TEST(Overlap, AFailureDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
           rules[r]->start(ms[r]->flat.data(), ms[r]->flat.buffers());
           step(r, 0, false);
           w_before[r] = ms[r]->flat.data().clone();
-          v_before[r] = ms[r]->sgd->buffer().clone();
+          v_before[r] = ms[r]->sgd->optimizer().state()[0].clone();
           buf_before[r] = ms[r]->flat.save_buffers();
           try {
             step(r, 1, r == 1);
@@ -314,7 +320,7 @@ TEST(Overlap, AFailureDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
           }
           // Nothing of the failed step was applied.
           EXPECT_TRUE(torch::equal(ms[r]->flat.data(), w_before[r])) << "member " << r;
-          EXPECT_TRUE(torch::equal(ms[r]->sgd->buffer(), v_before[r])) << "member " << r;
+          EXPECT_TRUE(torch::equal(ms[r]->sgd->optimizer().state()[0], v_before[r])) << "member " << r;
           const auto buf_after = ms[r]->flat.save_buffers();
           for (size_t i = 0; i < buf_after.size(); ++i)
             EXPECT_TRUE(torch::equal(buf_after[i], buf_before[r][i])) << "member " << r << " buffer " << i;

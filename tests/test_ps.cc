@@ -426,7 +426,10 @@ TEST(ShardStateTest, StreamsWithMomentumAndWeightDecay) {
     g1[i] = 0.01f * static_cast<float>(i % 13) - 0.05f;
     g2[i] = -0.02f * static_cast<float>(i % 7) + 0.03f;
   }
-  ShardState s(n, w.data(), UpdateOptions{alpha0, mu, wd});
+  optim::OptimizerOptions so;
+  so.momentum = mu;
+  so.weight_decay = wd;
+  ShardState s(n, w.data(), UpdateOptions{alpha0, so});
   ASSERT_TRUE(s.streams());
   auto stream = [&](const std::vector<float>& g, double alpha, int64_t parts, bool finish = true) {
     StreamedStep st = s.begin_step(alpha);
@@ -457,7 +460,7 @@ TEST(ShardStateTest, StreamsWithMomentumAndWeightDecay) {
     want[i] = want[i] - v[i];
   }
   const float* got = s.weights()->data_ptr<float>();
-  const float* mom = s.momentum_buffer().data_ptr<float>();
+  const float* mom = s.optimizer().state()[0].data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     ASSERT_NEAR(got[i], want[i], 1e-6) << i;
     ASSERT_NEAR(mom[i], v[i], 1e-6) << i;
@@ -469,7 +472,7 @@ TEST(ShardStateTest, StreamsWithMomentumAndWeightDecay) {
   std::vector<float> mom_before(mom, mom + n);
   EXPECT_FALSE(stream(bad, 0.1, 3));
   EXPECT_EQ(s.weights(), before);
-  EXPECT_EQ(std::memcmp(s.momentum_buffer().data_ptr<float>(), mom_before.data(), n * 4), 0);
+  EXPECT_EQ(std::memcmp(s.optimizer().state()[0].data_ptr<float>(), mom_before.data(), n * 4), 0);
 }
 
 // Shard 0's buffers: an update makes them the mean of the buffers its

@@ -30,7 +30,7 @@ std::unique_ptr<train::Trainer> load(const CheckpointArgs& a) {
   auto tc = trainer_config(cfg);
   tc.run_dir.clear();
   auto trainer = std::make_unique<train::Trainer>(tc);
-  train::load_checkpoint(a.checkpoint, trainer->model(), &trainer->sgd());
+  train::load_checkpoint(a.checkpoint, trainer->model(), &trainer->optimizer());
   return trainer;
 }
 

@@ -67,8 +67,10 @@ std::vector<std::string> split_commas(const std::string& s) {
 }
 
 void check_async_config(const Config& cfg) {
-  if (cfg.get_string("optim.algorithm") != "sgd")
-    throw InvalidInput("asynchronous training supports optim.algorithm = \"sgd\" only");
+  const std::string algo = cfg.get_string("optim.algorithm");
+  if (algo != "sgd" && algo != "adam" && algo != "adamw")
+    throw InvalidInput("asynchronous training supports optim.algorithm = \"sgd\", \"adam\" or \"adamw\", not \"" +
+                       algo + "\" (ISGD's extra updates need the whole group's loss on one batch)");
   if (cfg.get_string("optim.schedule") != "constant")
     throw InvalidInput("asynchronous training uses the staleness-dependent rate alpha(tau) from optim.lr; "
                        "set optim.schedule = \"constant\"");
@@ -105,8 +107,7 @@ int run_ps_server(const PsServerArgs& a) {
   so.dir = a.dir;
   so.resume = a.resume;
   so.agg = aggregator_options(cfg);
-  so.momentum = cfg.get_float("optim.momentum");
-  so.weight_decay = cfg.get_float("optim.weight_decay");
+  so.optimizer = tc.optimizer;
   so.heartbeat_timeout = millis(cfg.get_float("ps.heartbeat_timeout"));
   so.checkpoint_every = cfg.get_int("ps.checkpoint_every");
   so.log_every = cfg.get_int("ps.log_every");
@@ -170,8 +171,8 @@ int run_keygen(const std::string& out) {
 int run_sim(const SimArgs& a) {
   Config cfg = resolve_config(a.config_file, a.overrides);
   const bool elastic = cfg.get_string("sim.mode") == "elastic";
-  if (elastic && cfg.get_string("optim.algorithm") != "sgd")
-    throw InvalidInput("the elastic simulation supports optim.algorithm = \"sgd\" only");
+  if (elastic && cfg.get_string("optim.algorithm") == "isgd")
+    throw InvalidInput("the elastic simulation supports optim.algorithm = \"sgd\", \"adam\" or \"adamw\", not \"isgd\"");
   if (!elastic) check_async_config(cfg);
   auto tc = trainer_config(cfg);
   tc.run_dir.clear();
@@ -195,7 +196,7 @@ int run_sim(const SimArgs& a) {
   sim::AsyncSimOptions so;
   so.learners = static_cast<int>(cfg.get_int("sim.learners"));
   so.agg = aggregator_options(cfg);
-  so.update = {so.agg.alpha0, cfg.get_float("optim.momentum"), cfg.get_float("optim.weight_decay")};
+  so.update = {so.agg.alpha0, tc.optimizer};
   so.compute.kind = sim::parse_compute_kind(cfg.get_string("sim.compute"));
   so.compute.mean = cfg.get_float("sim.compute_mean");
   so.compute.cv = cfg.get_float("sim.compute_cv");

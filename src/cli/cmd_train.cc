@@ -104,7 +104,7 @@ int run_train(const TrainArgs& a) {
     go.hierarchical = cfg.get_bool("comm.hierarchical");
     auto group = comm::make_group(go, a.dist_rank, a.dist_world);
     trainer.set_update_rule(std::make_shared<elastic::AllReduceUpdate>(
-        std::shared_ptr<comm::Collective>(std::move(group)), trainer.sgd_ptr(), trainer.params(),
+        std::shared_ptr<comm::Collective>(std::move(group)), trainer.optimizer_step(), trainer.params(),
         reduce_options));
   }
   if (a.elastic) {
@@ -142,7 +142,7 @@ int run_train(const TrainArgs& a) {
     }
     mo.group = go;
     auto member = std::make_unique<elastic::Member>(std::move(kv), mo);
-    auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.sgd_ptr(), trainer.params(),
+    auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.optimizer_step(), trainer.params(),
                                                            reduce_options);
     trainer.set_update_rule(rule);
     // SIGTERM and SIGINT (Ctrl-C reaches every process of the terminal's

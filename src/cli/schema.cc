@@ -104,12 +104,18 @@ std::shared_ptr<const Schema> train_schema() {
              "(pad P zero pixels, crop back at a random offset), hflip (mirror with probability "
              "1/2); drawn from (train.seed, epoch, sample id); empty = none"));
 
-    s->add(S("optim.algorithm", "sgd", {"sgd", "isgd"},
-             "sgd, or ISGD (SGD plus extra conservative updates on under-trained batches)"));
+    s->add(S("optim.algorithm", "sgd", {"sgd", "isgd", "adam", "adamw"},
+             "sgd; ISGD (SGD plus extra conservative updates on under-trained batches); adam; or "
+             "adamw (Adam with decoupled weight decay)"));
     s->add(F("optim.lr", 0.01, 0.0, 100.0, "base learning rate", true));
     s->add(F("optim.momentum", 0.9, 0.0, 1.0, "momentum coefficient", false, true));
     s->add(B("optim.nesterov", false, "Nesterov momentum"));
-    s->add(F("optim.weight_decay", 0.0, 0.0, 1.0, "L2 weight decay"));
+    s->add(F("optim.weight_decay", 0.0, 0.0, 1.0, "weight decay: L2 (sgd, adam) or decoupled (adamw)"));
+    s->add(F("optim.beta1", 0.9, 0.0, 1.0, "adam/adamw: decay of the first moment (exp_avg)", false, true));
+    s->add(F("optim.beta2", 0.999, 0.0, 1.0, "adam/adamw: decay of the second moment (exp_avg_sq)", false, true));
+    s->add(F("optim.eps", 1e-8, 0.0, 1.0, "adam/adamw: added to the root of the second moment"));
+    s->add(F("optim.clip_grad_norm", 0.0, 0.0, std::nullopt,
+             "clip the gradient to this global L2 norm (as torch.nn.utils.clip_grad_norm_); 0 = off"));
     s->add(F("optim.dampening", 0.0, 0.0, 1.0, "momentum dampening", false, true));
     s->add(S("optim.schedule", "constant", {"constant", "step", "multistep", "cosine", "inv"},
              "learning-rate schedule"));
@@ -313,13 +319,21 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.loss = train::parse_loss(c.get_string("model.loss"));
   t.normalize = c.get_string("data.normalize");
 
-  t.sgd.momentum = c.get_float("optim.momentum");
-  t.sgd.nesterov = c.get_bool("optim.nesterov");
-  t.sgd.weight_decay = c.get_float("optim.weight_decay");
-  t.sgd.dampening = c.get_float("optim.dampening");
-  if (t.sgd.nesterov && t.sgd.momentum <= 0)
+  auto& o = t.optimizer;
+  o.algorithm = t.algorithm == "isgd" ? "sgd" : t.algorithm;
+  o.momentum = c.get_float("optim.momentum");
+  o.nesterov = c.get_bool("optim.nesterov");
+  o.weight_decay = c.get_float("optim.weight_decay");
+  o.dampening = c.get_float("optim.dampening");
+  o.beta1 = c.get_float("optim.beta1");
+  o.beta2 = c.get_float("optim.beta2");
+  o.eps = c.get_float("optim.eps");
+  t.clip_grad_norm = c.get_float("optim.clip_grad_norm");
+  if (o.nesterov && o.algorithm != "sgd")
+    throw InvalidInput("optim.nesterov = true is an SGD setting; optim.algorithm = \"" + o.algorithm + "\" has none");
+  if (o.nesterov && o.momentum <= 0)
     throw InvalidInput("optim.nesterov = true needs optim.momentum > 0");
-  if (t.sgd.nesterov && t.sgd.dampening != 0)
+  if (o.nesterov && o.dampening != 0)
     throw InvalidInput("optim.nesterov = true needs optim.dampening = 0");
 
   t.lr.kind = c.get_string("optim.schedule");

@@ -3,10 +3,10 @@
 namespace limbo::elastic {
 
 AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
-                                 std::shared_ptr<optim::Sgd> sgd, optim::FlatParams& flat,
+                                 std::shared_ptr<train::OptimizerStep> optimizer, optim::FlatParams& flat,
                                  const ReduceOptions& opt)
     : group_(std::move(group)),
-      sgd_(std::move(sgd)),
+      opt_(std::move(optimizer)),
       flat_(flat),
       reducer_(flat, opt.bucket_bytes, opt.overlap, opt.compression),
       loss_buf_(torch::zeros({1}, torch::kFloat64)) {
@@ -53,7 +53,7 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   flag_sum_ = buf[n + 1].item<double>();
   if (!reducer_.finite()) return {global_loss, ctx.global_batch, /*skipped=*/true};
   if (ctx.before_update) ctx.before_update(global_loss);
-  sgd_->step(ctx.weights, ctx.grad, ctx.lr);
+  opt_->apply(ctx.weights, ctx.grad, ctx.lr);
   return {global_loss, ctx.global_batch};
 }
 

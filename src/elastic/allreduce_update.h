@@ -1,6 +1,6 @@
 // Synchronous data-parallel update: every member averages its gradient with
 // all others (Gloo all-reduce over the flat gradient, in buckets) and applies
-// the same SGD step, so all members keep identical weights.
+// the same optimizer step, so all members keep identical weights.
 //
 // Members' batches may differ by one sample (the last batch of an epoch), so
 // each gradient is weighted by its share of the global batch before the sum:
@@ -20,7 +20,6 @@
 #include "comm/collective.h"
 #include "comm/compression.h"
 #include "elastic/bucket_reducer.h"
-#include "optim/sgd.h"
 #include "train/update_rule.h"
 
 namespace limbo::elastic {
@@ -35,7 +34,7 @@ struct ReduceOptions {
 class AllReduceUpdate : public train::UpdateRule {
  public:
   // `flat` (the trainer's flat parameters) must outlive the rule.
-  AllReduceUpdate(std::shared_ptr<comm::Collective> group, std::shared_ptr<optim::Sgd> sgd,
+  AllReduceUpdate(std::shared_ptr<comm::Collective> group, std::shared_ptr<train::OptimizerStep> optimizer,
                   optim::FlatParams& flat, const ReduceOptions& opt);
   // Broadcasts member 0's weights and buffers to everyone.
   void start(torch::Tensor& weights, torch::Tensor& buffers) override;
@@ -56,7 +55,7 @@ class AllReduceUpdate : public train::UpdateRule {
 
  private:
   std::shared_ptr<comm::Collective> group_;
-  std::shared_ptr<optim::Sgd> sgd_;
+  std::shared_ptr<train::OptimizerStep> opt_;
   optim::FlatParams& flat_;
   BucketReducer reducer_;
   torch::Tensor loss_buf_;

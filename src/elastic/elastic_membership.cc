@@ -70,19 +70,26 @@ int sync_state(comm::Collective& g, train::SyncTargets& s) {
   const double v = key.item<double>();
   const int source = static_cast<int>(kRanks - 1 - std::fmod(v, kRanks));
 
+  auto& opt = s.optimizer;
   auto meta = torch::tensor({s.state.step, s.state.cursor.epoch, s.state.cursor.position,
-                             s.state.samples, static_cast<int64_t>(s.sgd.buffer().defined()),
-                             s.state.skipped_steps, s.state.skipped_in_a_row},
+                             s.state.samples, static_cast<int64_t>(opt.has_state()),
+                             s.state.skipped_steps, s.state.skipped_in_a_row, opt.steps()},
                             torch::kInt64);
   g.broadcast(meta, source);
   g.broadcast(s.weights, source);
   if (s.buffers.numel() > 0) g.broadcast(s.buffers, source);
+  // The optimizer's state, tensor by tensor in the order of its names (every
+  // member runs the same configuration, so the names agree).
   if (meta[4].item<int64_t>() != 0) {
-    torch::Tensor buf = s.sgd.buffer().defined() ? s.sgd.buffer() : torch::zeros_like(s.weights);
-    g.broadcast(buf, source);
-    s.sgd.set_buffer(buf);
+    std::vector<torch::Tensor> tensors;
+    for (size_t i = 0; i < opt.state_names().size(); ++i) {
+      torch::Tensor t = opt.has_state() ? opt.state()[i] : torch::empty_like(s.weights);
+      g.broadcast(t, source);
+      tensors.push_back(t);
+    }
+    opt.set_state(std::move(tensors), meta[7].item<int64_t>());
   } else {
-    s.sgd.set_buffer(torch::Tensor());
+    opt.set_state({}, meta[7].item<int64_t>());
   }
   auto policy = s.policy.state();
   g.broadcast(policy, source);

@@ -497,9 +497,8 @@ struct Server::Impl {
                  {"accepted", accepted}, {"dropped", dropped}, {"hist", hist_to_json(hist_total)}};
     if (leases) meta["leases"] = leases_to_json(leases->snapshot());
     buffers.write(meta);
-    const torch::Tensor& mom = state->momentum_buffer();
     write_shard_checkpoint(opt.dir + "/checkpoint.bin", meta, state->weights()->data_ptr<float>(),
-                           mom.defined() ? mom.data_ptr<float>() : nullptr, range.numel);
+                           state->optimizer(), range.numel);
     write_file_atomic(opt.dir + "/summary.json", summary().dump(2) + "\n");
     last_ckpt_clock = agg.clock();
     checkpoints += 1;
@@ -516,7 +515,12 @@ struct Server::Impl {
                          meta["shards"].dump() + " of model " + meta["fingerprint"].dump() + ", this is shard " +
                          std::to_string(opt.shard) + " of " + std::to_string(opt.shards) + " of model " +
                          hex64(fp.hash));
-    state->restore(c.weights.data(), c.momentum.empty() ? nullptr : c.momentum.data());
+    const auto names = state->optimizer().state_names();
+    if (!c.state.empty() && c.state_names != names)
+      throw InvalidInput("shard checkpoint '" + path + "' holds the state of another optimizer (" +
+                         nlohmann::json(c.state_names).dump() + "; this shard's optimizer '" +
+                         state->optimizer().algorithm() + "' keeps " + nlohmann::json(names).dump() + ")");
+    state->restore(c.weights.data(), c.state, c.steps);
     agg.set_clock(meta["clock"].get<uint64_t>());
     last_ckpt_clock = agg.clock();
     updates = meta["updates"];
@@ -540,7 +544,7 @@ Server::Server(ServerOptions opt, ModelFingerprint fp, const float* initial, int
   s.range = partition(total, s.opt.shards)[s.opt.shard];
   s.pushes = std::make_unique<PushAssembler>(s.range.numel);
   s.state = std::make_unique<ShardState>(s.range.numel, initial + s.range.offset,
-                                         UpdateOptions{s.opt.agg.alpha0, s.opt.momentum, s.opt.weight_decay});
+                                         UpdateOptions{s.opt.agg.alpha0, s.opt.optimizer});
   if (s.opt.shard == 0 && s.opt.dataset_size > 0)
     s.leases = std::make_unique<LeaseBook>(s.opt.dataset_size, s.opt.batch, s.opt.epochs);
   make_dirs(s.opt.dir);

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "optim/optimizer.h"
 #include "ps/aggregator.h"
 #include "ps/leases.h"
 #include "ps/model_layout.h"
@@ -32,7 +33,7 @@ struct ServerOptions {
   std::string bind = "tcp://127.0.0.1:*";
   std::string dir;  // shard directory (required)
   AggregatorOptions agg;
-  double momentum = 0, weight_decay = 0;  // applied to the aggregated update
+  optim::OptimizerOptions optimizer;       // makes the update from the aggregated gradient
   std::chrono::milliseconds heartbeat_timeout{10000};  // without a message before a learner is dropped
   int64_t checkpoint_every = 500;         // updates; 0 = only at exit
   int64_t log_every = 100;                // updates per metrics line

@@ -11,8 +11,9 @@ constexpr char kShardCheckpointMagic[8] = {'L', 'B', 'P', 'S', 'C', 'K', 'P', 'T
 }
 
 void write_shard_checkpoint(const std::string& path, nlohmann::json meta, const float* weights,
-                            const float* momentum, int64_t numel) {
-  meta["momentum"] = momentum != nullptr;
+                            const optim::Optimizer& opt, int64_t numel) {
+  const auto names = opt.has_state() ? opt.state_names() : std::vector<std::string>();
+  meta["optimizer"] = {{"algorithm", opt.algorithm()}, {"state", names}, {"steps", opt.steps()}};
   const std::string m = meta.dump();
   const size_t n = static_cast<size_t>(numel) * 4;
   std::string bytes(kShardCheckpointMagic, 8);
@@ -20,7 +21,8 @@ void write_shard_checkpoint(const std::string& path, nlohmann::json meta, const 
   bytes.append(reinterpret_cast<const char*>(&len), 8);
   bytes += m;
   bytes.append(reinterpret_cast<const char*>(weights), n);
-  if (momentum) bytes.append(reinterpret_cast<const char*>(momentum), n);
+  for (size_t i = 0; i < names.size(); ++i)
+    bytes.append(reinterpret_cast<const char*>(opt.state()[i].data_ptr<float>()), n);
   write_file_atomic(path, bytes);
 }
 
@@ -33,17 +35,27 @@ ShardCheckpoint read_shard_checkpoint(const std::string& path, int64_t numel) {
   if (len > bytes.size() - 16) throw bad("truncated");
   ShardCheckpoint c;
   c.meta = nlohmann::json::parse(bytes.substr(16, len), nullptr, /*allow_exceptions=*/false);
-  if (!c.meta.is_object() || !c.meta.contains("momentum")) throw bad("unreadable metadata");
-  const bool has_m = c.meta["momentum"].get<bool>();
+  if (!c.meta.is_object() || !(c.meta.contains("optimizer") || c.meta.contains("momentum")))
+    throw bad("unreadable metadata");
+  try {
+    if (c.meta.contains("optimizer")) {
+      c.state_names = c.meta["optimizer"]["state"].get<std::vector<std::string>>();
+      c.steps = c.meta["optimizer"]["steps"].get<int64_t>();
+    } else if (c.meta["momentum"].get<bool>()) {  // an earlier version's file
+      c.state_names = {"momentum_buffer"};
+    }
+  } catch (const nlohmann::json::exception&) {
+    throw bad("unreadable optimizer metadata");
+  }
   const size_t n = static_cast<size_t>(numel) * 4;
-  const size_t need = 16 + len + n * (has_m ? 2 : 1);
+  const size_t need = 16 + len + n * (1 + c.state_names.size());
   if (bytes.size() != need) throw bad("size " + std::to_string(bytes.size()) + ", expected " + std::to_string(need));
   const char* p = bytes.data() + 16 + len;
   c.weights.resize(static_cast<size_t>(numel));
   std::memcpy(c.weights.data(), p, n);
-  if (has_m) {
-    c.momentum.resize(static_cast<size_t>(numel));
-    std::memcpy(c.momentum.data(), p + n, n);
+  for (size_t i = 0; i < c.state_names.size(); ++i) {
+    c.state.emplace_back(static_cast<size_t>(numel));
+    std::memcpy(c.state.back().data(), p + n * (i + 1), n);
   }
   return c;
 }

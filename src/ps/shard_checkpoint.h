@@ -2,9 +2,11 @@
 //   "LBPSCKPT"  8 bytes
 //   meta length 8 bytes, little-endian
 //   meta        JSON: shard, shards, range, model fingerprint, clock,
-//               counters, staleness histogram, shard 0's leases, "momentum"
+//               counters, staleness histogram, shard 0's leases,
+//               "optimizer": {"algorithm", "state": [names], "steps"}
 //   weights     numel float32
-//   momentum    numel float32, present when meta.momentum is true
+//   state       numel float32 per name in meta.optimizer.state, in order
+//               (files of earlier versions: "momentum": true and one buffer)
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -12,17 +14,21 @@
 #include <string>
 #include <vector>
 
+#include "optim/optimizer.h"
 #include "ps/leases.h"
 
 namespace limbo::ps {
 
-// Adds meta["momentum"] and writes the file atomically.
+// Adds meta["optimizer"] and writes the file atomically.
 void write_shard_checkpoint(const std::string& path, nlohmann::json meta, const float* weights,
-                            const float* momentum /* may be null */, int64_t numel);
+                            const optim::Optimizer& opt, int64_t numel);
 
 struct ShardCheckpoint {
   nlohmann::json meta;
-  std::vector<float> weights, momentum;  // momentum empty when none was saved
+  std::vector<float> weights;
+  std::vector<std::vector<float>> state;  // the optimizer's, in meta.optimizer.state order; none saved: empty
+  std::vector<std::string> state_names;
+  int64_t steps = 0;
 };
 // Reads and checks the layout (magic, sizes for `numel` floats); throws
 // InvalidInput naming the file. The caller checks meta against itself.

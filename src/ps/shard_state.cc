@@ -17,51 +17,10 @@ namespace {
 constexpr int64_t kParallelGrain = 1 << 20;  // floats per task of a parallel pass
 constexpr size_t kSpareVersions = 4;          // released versions kept for re-use
 
-#if defined(__SSE2__)
-// Ends a pass of streaming stores and folds the per-lane exponent checks.
-inline uint32_t finish_stream(__m128i acc) {
-  _mm_sfence();
-  alignas(16) uint32_t lanes[4];
-  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), acc);
-  return lanes[0] | lanes[1] | lanes[2] | lanes[3];
-}
-#endif
-
-// out = w - alpha * g in one pass that also checks g (see all_finite()).
-// The new version is written with streaming (non-temporal) stores where the
-// CPU has them: it is far larger than the caches and is only read again when
-// it is sent, so reading its old contents first (a normal store's
-// read-for-ownership) would be a wasted third of the memory traffic.
-__attribute__((optimize("O3"))) bool fused_sgd_chunk(float* __restrict out, const float* __restrict w,
-                                                     const float* __restrict g, float alpha, size_t n) {
-  // (exponent bits + 1 ulp of exponent) sets bit 31 only for all-ones
-  // exponents; an OR of that vectorises with plain SSE2.
-  uint32_t m = 0;
-  size_t i = 0;
-  auto scalar = [&](size_t k) {
-    uint32_t u;
-    std::memcpy(&u, g + k, 4);
-    m |= (u & 0x7f800000u) + 0x00800000u;
-    out[k] = w[k] - alpha * g[k];
-  };
-#if defined(__SSE2__)
-  for (; i < n && (reinterpret_cast<uintptr_t>(out + i) & 15) != 0; ++i) scalar(i);
-  const __m128 va = _mm_set1_ps(alpha);
-  const __m128i exponent = _mm_set1_epi32(0x7f800000), ulp = _mm_set1_epi32(0x00800000);
-  __m128i acc = _mm_setzero_si128();
-  for (; i + 4 <= n; i += 4) {
-    const __m128 gv = _mm_loadu_ps(g + i);
-    acc = _mm_or_si128(acc, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), exponent), ulp));
-    _mm_stream_ps(out + i, _mm_sub_ps(_mm_loadu_ps(w + i), _mm_mul_ps(va, gv)));
-  }
-  m |= finish_stream(acc);
-#endif
-  for (; i < n; ++i) scalar(i);
-  return (m & 0x80000000u) == 0;
-}
-
-// memcpy with streaming stores (see above); a learner's copy of the weights
-// it pulled is read again only by the next forward pass.
+// memcpy with streaming (non-temporal) stores: a learner's copy of the
+// weights it pulled is far larger than the caches and is read again only by
+// the next forward pass, so a normal store's read-for-ownership would be
+// wasted memory traffic.
 void stream_copy(unsigned char* __restrict to, const unsigned char* __restrict from, size_t n) {
   size_t i = 0;
 #if defined(__SSE2__)
@@ -85,54 +44,6 @@ void stream_copy(unsigned char* __restrict to, const unsigned char* __restrict f
   std::memcpy(to + i, from + i, n - i);
 }
 
-// With weight decay and/or momentum, in one pass that also checks g:
-//   d = alpha g + decay w;  v' = mu v + d (v' = d on the first step);
-//   out = w - v'           (out = w - d without momentum).
-__attribute__((optimize("O3"))) bool fused_momentum_chunk(float* __restrict out, float* __restrict vout,
-                                                          const float* __restrict w, const float* __restrict v,
-                                                          const float* __restrict g, float alpha, float decay,
-                                                          float mu, size_t n) {
-  uint32_t m = 0;
-  size_t i = 0;
-  auto scalar = [&](size_t k) {
-    uint32_t u;
-    std::memcpy(&u, g + k, 4);
-    m |= (u & 0x7f800000u) + 0x00800000u;
-    const float d = alpha * g[k] + decay * w[k];
-    const float nv = v ? mu * v[k] + d : d;
-    if (vout) vout[k] = nv;
-    out[k] = w[k] - nv;
-  };
-#if defined(__SSE2__)
-  // As fused_sgd_chunk: the new version goes out with streaming stores (the
-  // momentum, read again next step, with normal ones).
-  for (; i < n && (reinterpret_cast<uintptr_t>(out + i) & 15) != 0; ++i) scalar(i);
-  const __m128 va = _mm_set1_ps(alpha), vd = _mm_set1_ps(decay), vm = _mm_set1_ps(mu);
-  const __m128i exponent = _mm_set1_epi32(0x7f800000), ulp = _mm_set1_epi32(0x00800000);
-  __m128i acc = _mm_setzero_si128();
-  for (; i + 4 <= n; i += 4) {
-    const __m128 gv = _mm_loadu_ps(g + i), wv = _mm_loadu_ps(w + i);
-    acc = _mm_or_si128(acc, _mm_add_epi32(_mm_and_si128(_mm_castps_si128(gv), exponent), ulp));
-    __m128 nv = _mm_add_ps(_mm_mul_ps(va, gv), _mm_mul_ps(vd, wv));
-    if (v) nv = _mm_add_ps(_mm_mul_ps(vm, _mm_loadu_ps(v + i)), nv);
-    if (vout) _mm_storeu_ps(vout + i, nv);
-    _mm_stream_ps(out + i, _mm_sub_ps(wv, nv));
-  }
-  m |= finish_stream(acc);
-#endif
-  for (; i < n; ++i) scalar(i);
-  return (m & 0x80000000u) == 0;
-}
-
-// Large slices are split over the intra-op threads.
-bool fused_sgd_step(float* out, const float* w, const float* g, float alpha, size_t n) {
-  std::atomic<bool> ok{true};
-  at::parallel_for(0, static_cast<int64_t>(n), kParallelGrain, [&](int64_t a, int64_t b) {
-    if (!fused_sgd_chunk(out + a, w + a, g + a, alpha, static_cast<size_t>(b - a))) ok = false;
-  });
-  return ok;
-}
-
 bool parts_finite(const std::vector<GradPart>& g) {
   for (const auto& p : g)
     if (!all_finite(p.data, static_cast<size_t>(p.n))) return false;
@@ -153,7 +64,10 @@ void copy_floats(float* dst, const void* src, size_t bytes) {
   });
 }
 
-ShardState::ShardState(int64_t numel, const float* initial, UpdateOptions opt) : numel_(numel), opt_(opt) {
+ShardState::ShardState(int64_t numel, const float* initial, UpdateOptions opt)
+    : numel_(numel), alpha0_(opt.alpha0) {
+  opt.optimizer.lr_in_buffer = true;  // see the header: the rate scales only its own gradient
+  opt_ = optim::make_optimizer(opt.optimizer);
   weights_ = std::make_shared<torch::Tensor>(torch::empty({numel}, torch::kFloat32));
   std::memcpy(weights_->data_ptr<float>(), initial, static_cast<size_t>(numel) * 4);
   accum_ = torch::zeros({numel}, torch::kFloat32);
@@ -175,36 +89,43 @@ void ShardState::publish(std::shared_ptr<torch::Tensor> next) {
   weights_ = std::move(next);
 }
 
+bool ShardState::update_range(float* out, const float* w, const float* g, int64_t offset, int64_t n, double lr,
+                              const std::vector<torch::Tensor>& state_out) {
+  const auto& in = opt_->state();
+  const bool have = opt_->has_state();
+  const optim::UpdateScalars k{lr, alpha0_, opt_->steps() + 1};
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, n, kParallelGrain, [&](int64_t a, int64_t b) {
+    optim::UpdateSlice sl;
+    sl.w_out = out + a;
+    sl.w = w + a;
+    sl.g = g + a;
+    for (size_t i = 0; i < state_out.size(); ++i) {
+      sl.s_out[i] = state_out[i].data_ptr<float>() + offset + a;
+      sl.s[i] = have ? in[i].data_ptr<float>() + offset + a : nullptr;
+    }
+    sl.n = b - a;
+    if (!opt_->update(sl, k)) ok = false;
+  });
+  return ok;
+}
+
 bool ShardState::step_single(const float* g, double alpha) { return step_single({{0, g, numel_}}, alpha); }
 
 bool ShardState::accumulate(const float* g, double alpha) { return accumulate({{0, g, numel_}}, alpha); }
 
 bool ShardState::step_single(const std::vector<GradPart>& g, double alpha) {
   torch::NoGradGuard ng;
-  if (streams()) {
-    StreamedStep s = begin_step(alpha);
-    for (const auto& p : g) step_part(s, p);
-    return finish_step(s);
-  }
-  if (!parts_finite(g)) return false;
-  torch::Tensor d = torch::empty({numel_}, torch::kFloat32);
-  for (const auto& p : g) {
-    torch::Tensor slice = d.narrow(0, p.offset, p.n);
-    torch::mul_out(slice, view_of(p.data, p.n), torch::scalar_tensor(alpha));
-  }
-  if (opt_.weight_decay != 0) d.add_(*weights_, opt_.alpha0 * opt_.weight_decay);
-  if (!momentum_.defined()) momentum_ = d;
-  else momentum_.mul_(opt_.momentum).add_(d);
-  auto next = fresh_version();
-  torch::sub_out(*next, *weights_, momentum_);
-  publish(std::move(next));
-  return true;
+  StreamedStep s = begin_step(alpha);
+  for (const auto& p : g) step_part(s, p);
+  return finish_step(s);
 }
 
 bool ShardState::accumulate(const std::vector<GradPart>& g, double alpha) {
   if (!parts_finite(g)) return false;
   torch::NoGradGuard ng;
   for (const auto& p : g) accum_.narrow(0, p.offset, p.n).add_(view_of(p.data, p.n), alpha);
+  alpha_sum_ += alpha;
   return true;
 }
 
@@ -212,36 +133,19 @@ StreamedStep ShardState::begin_step(double alpha) {
   StreamedStep s;
   s.base = weights_;
   s.next = fresh_version();
-  s.alpha = static_cast<float>(alpha);
-  if (opt_.momentum != 0) {
-    // The new momentum is written beside the current one, which stays as it
-    // is until the step is published (an abandoned step changes nothing).
-    if (!spare_momentum_.defined()) spare_momentum_ = torch::empty({numel_}, torch::kFloat32);
-    s.momentum_next = spare_momentum_;
-  }
+  s.alpha = alpha;
+  // The new state is written beside the current one, which stays as it is
+  // until the step is published (an abandoned step changes nothing).
+  const size_t k = opt_->state_names().size();
+  while (spare_state_.size() < k) spare_state_.push_back(torch::empty({numel_}, torch::kFloat32));
+  s.state_next = spare_state_;
   return s;
 }
 
 void ShardState::step_part(StreamedStep& s, const GradPart& g) {
   if (!s.finite) return;  // the step is lost anyway
-  const size_t n = static_cast<size_t>(g.n);
-  float* out = s.next->data_ptr<float>() + g.offset;
-  const float* w = s.base->data_ptr<float>() + g.offset;
-  if (opt_.momentum == 0 && opt_.weight_decay == 0) {
-    s.finite = fused_sgd_step(out, w, g.data, s.alpha, n);
-    return;
-  }
-  float* vout = s.momentum_next.defined() ? s.momentum_next.data_ptr<float>() + g.offset : nullptr;
-  const float* v = vout && momentum_.defined() ? momentum_.data_ptr<float>() + g.offset : nullptr;
-  const float decay = static_cast<float>(opt_.alpha0 * opt_.weight_decay);
-  const float mu = static_cast<float>(opt_.momentum);
-  std::atomic<bool> ok{true};
-  at::parallel_for(0, static_cast<int64_t>(n), kParallelGrain, [&](int64_t a, int64_t b) {
-    if (!fused_momentum_chunk(out + a, vout ? vout + a : nullptr, w + a, v ? v + a : nullptr, g.data + a, s.alpha,
-                              decay, mu, static_cast<size_t>(b - a)))
-      ok = false;
-  });
-  s.finite = ok;
+  s.finite = update_range(s.next->data_ptr<float>() + g.offset, s.base->data_ptr<float>() + g.offset, g.data,
+                          g.offset, g.n, s.alpha, s.state_next);
 }
 
 bool ShardState::finish_step(StreamedStep& s) {
@@ -249,10 +153,9 @@ bool ShardState::finish_step(StreamedStep& s) {
   const bool ok = s.finite;
   if (ok) {
     publish(std::move(s.next));
-    if (s.momentum_next.defined()) {
-      spare_momentum_ = momentum_;  // undefined after the first step: allocated again
-      momentum_ = s.momentum_next;
-    }
+    // The old state becomes the next step's spare (none before the first update).
+    spare_state_ = opt_->has_state() ? opt_->state() : std::vector<torch::Tensor>();
+    opt_->set_state(s.state_next, opt_->steps() + 1);
   } else {
     abandon(s);
   }
@@ -267,28 +170,33 @@ void ShardState::abandon(StreamedStep& s) {
 
 void ShardState::apply(int64_t k) {
   torch::NoGradGuard ng;
-  accum_.div_(static_cast<double>(k));
-  if (opt_.weight_decay != 0) accum_.add_(*weights_, opt_.alpha0 * opt_.weight_decay);
-  torch::Tensor step = accum_;
-  if (opt_.momentum != 0) {
-    if (!momentum_.defined()) momentum_ = accum_.clone();
-    else momentum_.mul_(opt_.momentum).add_(accum_);
-    step = momentum_;
+  if (alpha_sum_ > 0) {
+    // The alpha-weighted mean gradient at the mean rate: for SGD, rate times
+    // gradient is sum alpha_l g_l / k.
+    accum_.div_(alpha_sum_);
+    const size_t n = opt_->state_names().size();
+    std::vector<torch::Tensor> state = opt_->has_state() ? opt_->state() : std::vector<torch::Tensor>();
+    for (size_t i = state.size(); i < n; ++i) state.push_back(torch::empty({numel_}, torch::kFloat32));
+    auto next = fresh_version();
+    update_range(next->data_ptr<float>(), weights_->data_ptr<float>(), accum_.data_ptr<float>(), 0, numel_,
+                 alpha_sum_ / static_cast<double>(k), state);
+    publish(std::move(next));
+    opt_->set_state(std::move(state), opt_->steps() + 1);
   }
-  auto next = fresh_version();
-  torch::sub_out(*next, *weights_, step);
-  publish(std::move(next));
   accum_.zero_();
+  alpha_sum_ = 0;
 }
 
-void ShardState::restore(const float* weights, const float* momentum) {
+void ShardState::restore(const float* weights, const std::vector<std::vector<float>>& state, int64_t steps) {
   std::memcpy(weights_->data_ptr<float>(), weights, static_cast<size_t>(numel_) * 4);
-  if (momentum) {
-    momentum_ = torch::empty({numel_}, torch::kFloat32);
-    std::memcpy(momentum_.data_ptr<float>(), momentum, static_cast<size_t>(numel_) * 4);
-  } else {
-    momentum_ = torch::Tensor();
+  std::vector<torch::Tensor> tensors;
+  for (const auto& v : state) {
+    torch::Tensor t = torch::empty({numel_}, torch::kFloat32);
+    std::memcpy(t.data_ptr<float>(), v.data(), static_cast<size_t>(numel_) * 4);
+    tensors.push_back(t);
   }
+  opt_->set_state(std::move(tensors), steps);
+  spare_state_.clear();
 }
 
 }  // namespace limbo::ps

@@ -1,7 +1,9 @@
 // The tensor side of one parameter-server shard: the published weights, the
-// accumulator of staleness-weighted gradients, and server-side momentum and
-// weight decay. The shard server and the simulator both drive it the same
-// way, next to an Aggregator that makes the decisions:
+// accumulator of staleness-weighted gradients, and the optimizer that turns
+// them into an update (optim/optimizer.h: SGD with momentum and weight decay,
+// Adam, AdamW), with its state for this shard's slice. The shard server and
+// the simulator both drive it the same way, next to an Aggregator that makes
+// the decisions:
 //
 //   offer = agg.offer(...)                  // accepted with alpha(tau)?
 //   single = agg.pending() == 1 && agg.ready()
@@ -10,8 +12,12 @@
 //   else if (single) state.published(agg.commit())
 //   else while (agg.ready()) state.apply(agg.commit().size())
 //
-// Update: g = (1/k) sum alpha_l g_l (+ alpha0 * wd * w); buf = m * buf + g;
-// w <- w - buf (w <- w - g without momentum).
+// Update: one gradient g of rate alpha is the optimizer's update at rate
+// alpha (the staleness rule divides it). k gradients are applied as one: their
+// alpha-weighted mean g = sum alpha_l g_l / sum alpha_l at the mean rate
+// sum alpha_l / k. SGD runs in its lr_in_buffer form (buf = m buf + alpha g +
+// alpha0 wd w; w <- w - buf), so a stale gradient's smaller rate scales only
+// that gradient; weight decay runs at the base rate alpha0.
 //
 // Published versions are never written again: a holder of weights() (a send
 // in flight, a simulated learner's snapshot) keeps its version alive; old
@@ -23,6 +29,7 @@
 #include <memory>
 #include <vector>
 
+#include "optim/optimizer.h"
 #include "ps/protocol.h"
 
 namespace limbo::ps {
@@ -32,15 +39,14 @@ namespace limbo::ps {
 struct StreamedStep {
   std::shared_ptr<torch::Tensor> base;  // the version it reads
   std::shared_ptr<torch::Tensor> next;  // the version it writes
-  torch::Tensor momentum_next;          // with momentum: the buffer it writes
-  float alpha = 0;
+  std::vector<torch::Tensor> state_next;  // the optimizer state it writes
+  double alpha = 0;
   bool finite = true;
 };
 
 struct UpdateOptions {
-  double alpha0 = 0.01;  // for weight decay
-  double momentum = 0;
-  double weight_decay = 0;
+  double alpha0 = 0.01;               // the base rate (weight decay runs at it)
+  optim::OptimizerOptions optimizer;  // optim.* (SGD: momentum 0 = plain steps)
 };
 
 class ShardState {
@@ -51,8 +57,8 @@ class ShardState {
   const std::shared_ptr<torch::Tensor>& weights() const { return weights_; }
   int64_t numel() const { return numel_; }
 
-  // One gradient makes the whole update: w' = w - alpha g (with momentum and
-  // weight decay as configured), in one pass that also checks g. Returns
+  // One gradient makes the whole update (the optimizer's at rate alpha), in
+  // one pass that also checks g. Returns
   // false and changes nothing when g holds NaN or Inf.
   bool step_single(const float* g, double alpha);
   bool step_single(const std::vector<GradPart>& g, double alpha);
@@ -60,14 +66,14 @@ class ShardState {
   bool accumulate(const float* g, double alpha);
   bool accumulate(const std::vector<GradPart>& g, double alpha);
 
-  // Streaming a single-gradient update, with or without momentum and weight
-  // decay: begin_step() on the current version, step_part() as each part
-  // arrives (the update above on that range, checking g; the new momentum
-  // goes to a buffer of the step's own), then finish_step(), which publishes
-  // w' and adopts the new momentum unless a part held NaN/Inf (then it
-  // returns false and changes nothing). finish_step() requires current():
-  // no other update since begin_step(); otherwise abandon() the step (the
-  // momentum is untouched) and make the update again with step_single().
+  // Streaming a single-gradient update: begin_step() on the current
+  // version, step_part() as each part arrives (the update above on that
+  // range, checking g; the new optimizer state goes to buffers of the step's
+  // own), then finish_step(), which publishes w' and adopts the new state
+  // unless a part held NaN/Inf (then it returns false and changes nothing).
+  // finish_step() requires current(): no other update since begin_step();
+  // otherwise abandon() the step (the state is untouched) and make the
+  // update again with step_single().
   bool streams() const { return true; }
   StreamedStep begin_step(double alpha);
   void step_part(StreamedStep& s, const GradPart& g);
@@ -77,19 +83,28 @@ class ShardState {
   // Applies the accumulated k gradients and clears the accumulator.
   void apply(int64_t k);
 
-  // Checkpointing.
-  torch::Tensor& momentum_buffer() { return momentum_; }
-  void restore(const float* weights, const float* momentum);  // momentum may be null
+  // Checkpointing: the optimizer (its state by name and its update count).
+  const optim::Optimizer& optimizer() const { return *opt_; }
+  // `state`: one vector of numel floats per state_names() entry, or none.
+  void restore(const float* weights, const std::vector<std::vector<float>>& state, int64_t steps);
 
  private:
   std::shared_ptr<torch::Tensor> fresh_version();
   void publish(std::shared_ptr<torch::Tensor> next);
 
+  // One optimizer update of [offset, offset + n) from `w` (and the current
+  // state) into `out` and `state_out`; false when g held NaN/Inf.
+  bool update_range(float* out, const float* w, const float* g, int64_t offset, int64_t n, double lr,
+                    const std::vector<torch::Tensor>& state_out);
+
   int64_t numel_;
-  UpdateOptions opt_;
+  double alpha0_;
+  std::unique_ptr<optim::Optimizer> opt_;
   std::shared_ptr<torch::Tensor> weights_;
   std::vector<std::shared_ptr<torch::Tensor>> spare_;
-  torch::Tensor accum_, momentum_, spare_momentum_;
+  torch::Tensor accum_;
+  double alpha_sum_ = 0;                   // of the accumulated gradients
+  std::vector<torch::Tensor> spare_state_;  // buffers a streamed step writes its state into
 };
 
 // Copies a received payload into place, split over the intra-op threads for

@@ -21,6 +21,7 @@
 #include "ps/buffer_mean.h"
 #include "ps/shard_links.h"
 #include "ps/shard_state.h"
+#include "optim/clip.h"
 #include "train/checkpoint.h"
 
 namespace limbo::ps {
@@ -127,7 +128,8 @@ json Learner::run(const std::atomic<bool>& stop) {
   };
 
   int64_t steps = 0, samples = 0, accepted = 0, dropped = 0, lost = 0, rejected = 0, tau_sum = 0, tau_n = 0;
-  double loss_sum = 0;
+  double loss_sum = 0, norm_sum = 0;
+  int64_t norm_n = 0;
   train::MetricsWindow window;
   auto start = Clock::now();
   bool finisher = false, done = false;
@@ -213,6 +215,10 @@ json Learner::run(const std::atomic<bool>& stop) {
 
     while (in_flight->load() > 0) std::this_thread::yield();
     const double lv = t_.step().gradient(batch);
+    if (cfg_.clip_grad_norm > 0) {  // this learner's own gradient, before the push
+      norm_sum += optim::clip_grad_norm(flat.grad(), cfg_.clip_grad_norm);
+      norm_n += 1;
+    }
     const double step_compute = seconds_since(compute0);
     compute_seconds += step_compute;
     compute_squares += step_compute * step_compute;
@@ -244,6 +250,9 @@ json Learner::run(const std::atomic<bool>& stop) {
       rec.samples = samples;
       rec.batch_size = count;
       rec.skipped_steps = nonfinite_;
+      if (norm_n > 0) rec.grad_norm = norm_sum / static_cast<double>(norm_n);
+      norm_sum = 0;
+      norm_n = 0;
       json line = train::step_record(rec, window, "learner");
       line["learner"] = opt_.learner_id;
       line["staleness_mean"] = tau_n ? static_cast<double>(tau_sum) / tau_n : 0.0;
@@ -298,7 +307,7 @@ json Learner::run(const std::atomic<bool>& stop) {
     st.step = static_cast<int64_t>(clock0);
     st.cursor = {cfg_.train.epochs, 0};
     st.config_toml = cfg_.config_toml;
-    train::save_checkpoint(opt_.run_dir + "/checkpoint.pt", model, t_.sgd(), st);
+    train::save_checkpoint(opt_.run_dir + "/checkpoint.pt", model, t_.optimizer(), st);
     json fin = {{"test_accuracy", std::isnan(ev.accuracy) ? json() : json(ev.accuracy)}, {"test_loss", ev.loss}, {"test_samples", ev.samples},
                 {"clock_shard0", clock0}, {"learner", opt_.learner_id}};
     write_file_atomic(opt_.run_dir + "/final.json", fin.dump(2) + "\n");

@@ -178,7 +178,10 @@ class AsyncSim {
     const auto& order = sampler_->epoch_order(L.lease.epoch);
     std::vector<int64_t> ids(order.begin() + L.lease.position, order.begin() + L.lease.position + L.lease.count);
     auto batch = data::make_train_batch(t_.data().train, t_.normalization(), ids, L.lease.epoch, cfg_.loader.augment);
-    return t_.step().gradient(batch);
+    const double loss = t_.step().gradient(batch);
+    // A learner clips its own gradient before the push.
+    if (cfg_.clip_grad_norm > 0) optim::clip_grad_norm(t_.params().grad(), cfg_.clip_grad_norm);
+    return loss;
   }
 
   void track_snapshots() {

@@ -32,7 +32,7 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
     if (w < 1) throw InvalidInput("sim.elastic_schedule: worker counts must be >= 1");
   auto& flat = t.params();
   auto& model = t.model();
-  auto& sgd = t.sgd();
+  auto& update = *t.optimizer_step();  // clipping, then the optimizer
   const auto& train_set = t.data().train;
   const int64_t n = train_set.size();
   const int64_t b = cfg.loader.batch_size;
@@ -75,8 +75,8 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
       loss += share * l;
     }
     grad_seconds += seconds_since(g0);
-    auto p = train::policy_step(policy, schedule, sgd, epoch_now, step, b * r);
-    sgd.step(flat.data(), gsum, p.lr);
+    auto p = train::policy_step(policy, schedule, update.optimizer(), epoch_now, step, b * r);
+    update.apply(flat.data(), gsum, p.lr);
     cur = head.end;
     step += 1;
     samples += head.global_size;

@@ -65,7 +65,7 @@ std::string text(const json& r, const char* key) {
 
 Board::Board(std::string job) : job_(std::move(job)), start_(std::chrono::steady_clock::now()) {
   series_ = {{"t", json::array()}, {"members", json::array()}, {"samples_per_second", json::array()},
-             {"loss", json::array()}, {"lr", json::array()}, {"lr_multiplier", json::array()},
+             {"loss", json::array()}, {"lr", json::array()}, {"lr_multiplier", json::array()}, {"grad_norm", json::array()},
              {"batch_size", json::array()}, {"isgd_triggers", json::array()}, {"updates_per_second", json::array()}};
   accuracy_ = {{"t", json::array()}, {"test_accuracy", json::array()}, {"test_loss", json::array()}};
   if (job_ == "train") members_ = 1;
@@ -82,6 +82,7 @@ void Board::push_point() {
   append(series_["loss"], opt(loss_));
   append(series_["lr"], opt(lr_));
   append(series_["lr_multiplier"], opt(lr_multiplier_));
+  append(series_["grad_norm"], opt(grad_norm_));
   append(series_["batch_size"], batch_size_ ? json(*batch_size_) : json());
   append(series_["isgd_triggers"], isgd_triggers_);
   double ups = 0;
@@ -106,6 +107,7 @@ void Board::add_record(const json& r) {
     if (auto v = number(r, "loss")) loss_ = v;
     if (auto v = number(r, "lr")) lr_ = v;
     if (auto v = number(r, "lr_multiplier")) lr_multiplier_ = v;
+    if (auto v = number(r, "grad_norm")) grad_norm_ = v;
     if (auto v = number(r, "samples_per_second")) samples_per_second_ = v;
     skipped_steps_ = std::max(skipped_steps_, integer(r, "skipped_steps", 0));
     push_point();
@@ -196,6 +198,7 @@ json Board::snapshot() const {
             {"loss", opt(loss_)},
             {"lr", opt(lr_)},
             {"lr_multiplier", opt(lr_multiplier_)},
+            {"grad_norm", opt(grad_norm_)},
             {"batch_size", batch_size_ ? json(*batch_size_) : json()},
             {"test_accuracy", opt(test_accuracy_)},
             {"test_loss", opt(test_loss_)},
@@ -252,6 +255,8 @@ std::string Board::prometheus() const {
   gauge("limbo_loss", "loss", "Training loss over the last logged window.");
   gauge("limbo_learning_rate", "lr", "Learning rate of the last logged step.");
   gauge("limbo_lr_multiplier", "lr_multiplier", "Dynamic SGD / batch-size policy multiplier of the learning rate.");
+  gauge("limbo_grad_norm", "grad_norm",
+        "Global L2 norm of the gradient before clipping (optim.clip_grad_norm), mean over the last logged window.");
   gauge("limbo_global_batch_size", "batch_size", "Global batch size of the last logged step.");
   gauge("limbo_test_accuracy", "test_accuracy", "Test accuracy of the last evaluation (0-1).");
   family(o, "limbo_membership_changes_total", "counter", "Membership events by kind.");

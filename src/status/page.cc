@@ -42,6 +42,7 @@ const std::string& page_html() {
  <div class="card"><canvas id="c_loss"></canvas></div>
  <div class="card"><canvas id="c_lr"></canvas></div>
  <div class="card"><canvas id="c_batch"></canvas></div>
+ <div class="card gnorm"><canvas id="c_gnorm"></canvas></div>
  <div class="card ps"><canvas id="c_stale"></canvas></div>
  <div class="card ps"><canvas id="c_ups"></canvas></div>
  <div class="card ps"><canvas id="c_shards"></canvas></div>
@@ -82,6 +83,7 @@ function render(s) {
   document.getElementById("batch").textContent = fmt(s.batch_size, 0);
   show("ps", s.ps !== null);
   show("isgd", s.isgd !== null);
+  show("gnorm", s.grad_norm !== null);
   const ev = s.events.map(e => ({x: e.t, y: e.members, kind: e.kind}));
   let c = chart("c_members", "line", [line("members", "#333", [], {stepped: true}),
       line("events", "#d22", [], {showLine: false, pointRadius: 5})], {title: "members (events marked)"});
@@ -110,6 +112,10 @@ function render(s) {
     c = chart("c_shards", "bar", [{label: "busy fraction", backgroundColor: "#c52", data: []}],
         {title: "load per shard", scales: {x: {title: {display: true, text: "shard"}}, y: {min: 0, max: 1}}});
     c.data.labels = s.ps.shards.map(x => x.shard); c.data.datasets[0].data = s.ps.shards.map(x => x.busy_fraction); c.update("none");
+  }
+  if (s.grad_norm !== null) {
+    c = chart("c_gnorm", "line", [line("gradient norm before clipping", "#c52", [])], {title: "gradient norm"});
+    c.data.datasets[0].data = xy(t, S.grad_norm); c.update("none");
   }
   if (s.isgd !== null) {
     document.getElementById("triggers").textContent = s.isgd.triggers_total;

@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "common/log.h"
 
 namespace limbo::train {
 namespace {
@@ -80,13 +81,47 @@ torch::serialize::InputArchive open_archive(const std::string& path) {
   return ar;
 }
 
+// The optimizer's section: every state tensor its configuration names, or
+// none (a checkpoint before the first update, or of another algorithm).
+void load_optimizer(torch::serialize::InputArchive& root, optim::Optimizer& opt, const std::string& path) {
+  torch::serialize::InputArchive o;
+  if (!root.try_read("optim", o)) {
+    opt.reset_state();
+    return;
+  }
+  // (try_read into a defined tensor resizes it in place: a fresh one each time)
+  torch::Tensor step_t, algo_t;
+  const int64_t steps = o.try_read("step", step_t) ? step_t.item<int64_t>() : 0;
+  const std::string algorithm = o.try_read("algorithm", algo_t) ? tensor_bytes(algo_t) : std::string("sgd");
+  std::vector<torch::Tensor> tensors;
+  for (const auto& name : opt.state_names()) {
+    torch::Tensor t;
+    if (!o.try_read(name, t)) break;
+    tensors.push_back(t);
+  }
+  if (algorithm != opt.algorithm()) {
+    log_warn("checkpoint '" + path + "' holds the state of optimizer '" + algorithm + "'; optimizer '" +
+             opt.algorithm() + "' starts with none");
+    opt.reset_state();
+  } else if (tensors.size() != opt.state_names().size()) {
+    opt.set_state({}, steps);
+  } else {
+    opt.set_state(std::move(tensors), steps);
+  }
+}
+
 }  // namespace
 
-void save_checkpoint(const std::string& path, torch::nn::Module& model, const optim::Sgd& sgd,
+void save_checkpoint(const std::string& path, torch::nn::Module& model, const optim::Optimizer& opt,
                      const TrainState& st) {
   torch::serialize::OutputArchive root, m, o, s;
   model.save(m);
-  if (sgd.buffer().defined()) o.write("momentum_buffer", sgd.buffer());
+  if (opt.has_state()) {
+    const auto names = opt.state_names();
+    for (size_t i = 0; i < names.size(); ++i) o.write(names[i], opt.state()[i]);
+  }
+  o.write("step", scalar(opt.steps()));
+  o.write("algorithm", bytes_tensor(opt.algorithm()));
   s.write("format_version", scalar(kFormatVersion));
   s.write("step", scalar(st.step));
   s.write("epoch", scalar(st.cursor.epoch));
@@ -126,7 +161,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
   }
 }
 
-TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Sgd* sgd) {
+TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Optimizer* opt) {
   auto root = open_archive(path);
   torch::serialize::InputArchive m, o, s;
   if (!root.try_read("model", m) || !root.try_read("state", s))
@@ -145,11 +180,7 @@ TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, op
                          " (another model.path, model or dataset?)");
   }
   load_into(model, m, path, "");
-  if (sgd) {
-    torch::Tensor buf;
-    if (root.try_read("optim", o) && o.try_read("momentum_buffer", buf)) sgd->set_buffer(buf);
-    else sgd->set_buffer(torch::Tensor());
-  }
+  if (opt) load_optimizer(root, *opt, path);
   TrainState st;
   st.step = read_int(s, "step", path);
   st.cursor.epoch = read_int(s, "epoch", path);

@@ -1,7 +1,10 @@
 // Checkpoints: one libtorch archive holding everything needed to resume.
 //
 //   model/   parameters and buffers, nested by submodule (nn::Module layout)
-//   optim/   momentum_buffer (absent before the first momentum step)
+//   optim/   the optimizer's state tensors by name (SGD: momentum_buffer;
+//            Adam: exp_avg, exp_avg_sq; each flat over the trainable
+//            parameters in named_parameters() order; absent before the first
+//            update), step (its update count), algorithm (uint8 bytes)
 //   state/   step, epoch, position, samples, format_version, rng (torch CPU
 //            generator state), config (resolved TOML, as uint8 bytes),
 //            model_description (every parameter's and buffer's name, shape
@@ -20,7 +23,7 @@
 #include <vector>
 
 #include "data/sampler.h"
-#include "optim/sgd.h"
+#include "optim/optimizer.h"
 
 namespace limbo::train {
 
@@ -37,13 +40,13 @@ struct TrainState {
   std::map<std::string, torch::Tensor> extra;  // component state, by name
 };
 
-void save_checkpoint(const std::string& path, torch::nn::Module& model, const optim::Sgd& sgd,
+void save_checkpoint(const std::string& path, torch::nn::Module& model, const optim::Optimizer& opt,
                      const TrainState& state);
 
 // Loads into an existing model (values copied in place, so flat-parameter
-// views survive) and optimizer; restores the torch RNG. Throws InvalidInput
+// views survive) and optimizer (state of another algorithm: started afresh); restores the torch RNG. Throws InvalidInput
 // naming the file and the mismatching tensor on a missing file or shape clash.
-TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Sgd* sgd);
+TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Optimizer* opt);
 
 // The model's fingerprint stored in every checkpoint (state/model_description)
 // and checked on load: one "parameter|buffer NAME[SHAPE]:DTYPE" per tensor.

@@ -7,7 +7,7 @@ namespace limbo::train {
 
 IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
                                    torch::Tensor x, const torch::Tensor& y,
-                                   UpdateRule& rule, optim::Sgd& sgd,
+                                   UpdateRule& rule, optim::Optimizer& optimizer,
                                    const optim::IsgdOptions& opt, double limit,
                                    const torch::Tensor& anchor, double lr) {
   const double zeta = opt.zeta > 0 ? opt.zeta : lr;
@@ -23,7 +23,8 @@ IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
   torch::Tensor phi_grad;
   // The weights (and momentum) before the last extra update: a loss or
   // gradient that is not finite after it puts them back.
-  torch::Tensor last_weights, last_momentum;
+  torch::Tensor last_weights;
+  optim::Optimizer::Snapshot last_state;
   for (int64_t it = 0;; ++it) {
     double psi;
     if (it < opt.stop) {
@@ -40,7 +41,7 @@ IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
       if (last_weights.defined()) {  // the last extra update made it so: undone
         flat.data().copy_(last_weights);
         if (opt.momentum != optim::IsgdMomentum::Untouched)
-          sgd.set_buffer(last_momentum.defined() ? last_momentum.clone() : torch::Tensor());
+          optimizer.restore(last_state);
         r.iterations = std::max<int64_t>(0, r.iterations - 1);
       }
       break;
@@ -49,13 +50,13 @@ IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
     if (!last_weights.defined()) last_weights = torch::empty_like(flat.data());
     last_weights.copy_(flat.data());
     if (opt.momentum != optim::IsgdMomentum::Untouched)
-      last_momentum = sgd.buffer().defined() ? sgd.buffer().clone() : torch::Tensor();
+      last_state = optimizer.snapshot();
     if (opt.momentum == optim::IsgdMomentum::Untouched) {
       optim::isgd_plain_step(flat.data(), flat.grad(), psi, limit, anchor, opt.epsilon, zeta);
     } else {
       if (!phi_grad.defined()) phi_grad = torch::empty_like(flat.grad());
       optim::isgd_phi_grad(phi_grad, flat.data(), flat.grad(), psi, limit, anchor, opt.epsilon);
-      sgd.step(flat.data(), phi_grad, zeta);
+      optimizer.step(flat.data(), phi_grad, zeta);
     }
     r.iterations = it + 1;
   }

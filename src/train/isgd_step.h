@@ -8,7 +8,6 @@
 
 #include "optim/flat_params.h"
 #include "optim/isgd.h"
-#include "optim/sgd.h"
 #include "train/step.h"
 #include "train/update_rule.h"
 
@@ -25,7 +24,7 @@ struct IsgdExtraResult {
 
 IsgdExtraResult isgd_extra_updates(TrainStep& step, optim::FlatParams& flat,
                                    torch::Tensor x, const torch::Tensor& y,
-                                   UpdateRule& rule, optim::Sgd& sgd,
+                                   UpdateRule& rule, optim::Optimizer& optimizer,
                                    const optim::IsgdOptions& opt, double limit,
                                    const torch::Tensor& anchor, double lr);
 

@@ -11,7 +11,7 @@
 
 #include "optim/batch_policy.h"
 #include "optim/isgd.h"
-#include "optim/sgd.h"
+#include "optim/optimizer.h"
 #include "common/error.h"
 #include "train/checkpoint.h"
 
@@ -21,7 +21,7 @@ namespace limbo::train {
 struct SyncTargets {
   torch::Tensor& weights;
   torch::Tensor& buffers;  // float buffers (BatchNorm statistics); may be empty
-  optim::Sgd& sgd;
+  optim::Optimizer& optimizer;  // its named state and update count
   TrainState& state;
   optim::BatchSizePolicy& policy;
   optim::IsgdController* isgd;  // may be null

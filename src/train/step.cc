@@ -190,11 +190,11 @@ void TrainStep::check_data(const data::DatasetSplits& d, const data::Normalizati
   }
 }
 
-PolicyStep policy_step(optim::BatchSizePolicy& policy, const optim::LrSchedule& schedule, optim::Sgd& sgd,
+PolicyStep policy_step(optim::BatchSizePolicy& policy, const optim::LrSchedule& schedule, optim::Optimizer& opt,
                        double epoch, int64_t step, int64_t nominal_global_batch) {
   PolicyStep p;
   p.policy = policy.step(step, nominal_global_batch);
-  if (p.policy.changed && p.policy.momentum_factor != 1.0) sgd.scale_buffer(p.policy.momentum_factor);
+  if (p.policy.changed && p.policy.momentum_factor != 1.0) opt.scale_momentum(p.policy.momentum_factor);
   p.lr = schedule.lr(epoch, step) * p.policy.multiplier;
   return p;
 }
@@ -203,6 +203,7 @@ nlohmann::json step_record(const StepRecord& r, const MetricsWindow& window, con
   nlohmann::json j = {{"kind", kind}, {"step", r.step}, {"epoch", r.epoch}, {"loss", window.mean_loss()}};
   if (r.lr) j["lr"] = *r.lr;
   if (r.lr_multiplier) j["lr_multiplier"] = *r.lr_multiplier;
+  if (r.grad_norm) j["grad_norm"] = *r.grad_norm;
   if (r.batch_size) j["batch_size"] = *r.batch_size;
   j["samples"] = r.samples;
   if (r.skipped_steps) j["skipped_steps"] = *r.skipped_steps;

@@ -31,7 +31,7 @@
 #include "optim/batch_policy.h"
 #include "optim/flat_params.h"
 #include "optim/lr_schedule.h"
-#include "optim/sgd.h"
+#include "optim/optimizer.h"
 
 namespace limbo::train {
 
@@ -124,14 +124,14 @@ class MetricsWindow {
 
 // The learning rate of a step: the schedule at `epoch`, times the batch-size
 // policy's multiplier for the nominal global batch (b * workers, so only
-// membership changes move it). At a change of that multiplier the momentum
-// buffer is kept, reset or rescaled as elastic.momentum says. Every loop
+// membership changes move it). At a change of that multiplier the optimizer's
+// momentum (SGD's buffer, Adam's exp_avg) is kept, reset or rescaled as elastic.momentum says. Every loop
 // that steps (trainer, simulators) calls this once per step.
 struct PolicyStep {
   optim::BatchSizePolicy::Step policy;
   double lr = 0;
 };
-PolicyStep policy_step(optim::BatchSizePolicy& policy, const optim::LrSchedule& schedule, optim::Sgd& sgd,
+PolicyStep policy_step(optim::BatchSizePolicy& policy, const optim::LrSchedule& schedule, optim::Optimizer& opt,
                        double epoch, int64_t step, int64_t nominal_global_batch);
 
 // A training-metrics line, the same fields from every loop (the status page,
@@ -144,6 +144,7 @@ struct StepRecord {
   double epoch = 0;
   int64_t samples = 0;
   std::optional<double> lr, lr_multiplier;
+  std::optional<double> grad_norm;  // mean pre-clip norm over the window (clipping on)
   std::optional<int64_t> batch_size, skipped_steps, workers;
 };
 nlohmann::json step_record(const StepRecord& r, const MetricsWindow& window, const char* kind = "train");

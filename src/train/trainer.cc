@@ -64,17 +64,22 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   step_ = std::make_unique<TrainStep>(*model_, *flat_, cfg_.loss, cfg_.model.channels_last);
   step_->set_testing_delay(cfg_.train.slow_step);
   step_->check_data(*splits_, norm_);
-  sgd_ = std::make_shared<optim::Sgd>(cfg_.sgd);
+  if (cfg_.algorithm != "isgd" && cfg_.algorithm != "sgd" && cfg_.algorithm != "adam" && cfg_.algorithm != "adamw")
+    throw InvalidInput("unknown optim.algorithm '" + cfg_.algorithm + "'; allowed: sgd, isgd, adam, adamw" +
+                       (cfg_.algorithm.find("isgd") != std::string::npos
+                            ? " (ISGD runs on SGD: its extra updates are SGD steps; it is not combined with Adam)"
+                            : ""));
+  auto opt = cfg_.optimizer;
+  opt.algorithm = cfg_.algorithm == "isgd" ? "sgd" : cfg_.algorithm;
+  opt_ = std::make_shared<OptimizerStep>(optim::make_optimizer(opt), cfg_.clip_grad_norm);
   schedule_ = std::make_unique<optim::LrSchedule>(cfg_.lr);
-  rule_ = std::make_shared<LocalUpdate>(sgd_);
+  rule_ = std::make_shared<LocalUpdate>(opt_);
   batch_policy_ = std::make_unique<optim::BatchSizePolicy>(cfg_.batch_policy);
   state_.config_toml = cfg_.config_toml;
   if (cfg_.algorithm == "isgd") {
     const int64_t global = cfg_.loader.batch_size * cfg_.loader.world;
     isgd_ = std::make_unique<optim::IsgdController>(
         cfg_.isgd, data::batches_per_epoch(splits_->train.size(), global, cfg_.loader.drop_last));
-  } else if (cfg_.algorithm != "sgd") {
-    throw InvalidInput("unknown optim.algorithm '" + cfg_.algorithm + "'; allowed: sgd, isgd");
   }
   if (!cfg_.run_dir.empty()) checkpoint_path_ = cfg_.run_dir + "/checkpoint.pt";
 }
@@ -94,7 +99,7 @@ void Trainer::checkpoint(const std::string& why) {
   if (checkpoint_path_.empty() || !writer_) return;
   if (isgd_) state_.extra["isgd"] = isgd_->state();
   state_.extra["batch_policy"] = batch_policy_->state();
-  save_checkpoint(checkpoint_path_, *model_, *sgd_, state_);
+  save_checkpoint(checkpoint_path_, *model_, optimizer(), state_);
   log_debug("checkpoint (" + why + ") at step " + std::to_string(state_.step));
 }
 
@@ -132,6 +137,8 @@ struct Trainer::Run {
   int64_t last_eval_step = -1, samples_this_run = 0;
   double train_seconds = 0, last_loss = NAN;
   MetricsWindow window;
+  double norm_sum = 0;  // pre-clip gradient norms in the window (clipping on)
+  int64_t norm_n = 0;
   double isgd_extra_seconds = 0, plain_step_seconds = 0;
   int64_t plain_steps = 0;
 
@@ -143,7 +150,7 @@ struct Trainer::Run {
 void Trainer::resume() {
   if (checkpoint_path_.empty() || !file_exists(checkpoint_path_))
     throw InvalidInput("--resume: no checkpoint at '" + checkpoint_path_ + "'");
-  state_ = load_checkpoint(checkpoint_path_, *model_, sgd_.get());
+  state_ = load_checkpoint(checkpoint_path_, *model_, &optimizer());
   state_.config_toml = cfg_.config_toml;
   if (auto bp = state_.extra.find("batch_policy"); bp != state_.extra.end())
     batch_policy_->load_state(bp->second);
@@ -183,7 +190,7 @@ void Trainer::skip_step(Run& r, const std::vector<torch::Tensor>& buffers_before
 // (Re)joins the group: new world/rank, newest state everywhere, loader moved.
 void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detected,
                      double detection) {
-  SyncTargets targets{flat_->data(), flat_->buffers(), *sgd_, state_, *batch_policy_, isgd_.get(),
+  SyncTargets targets{flat_->data(), flat_->buffers(), optimizer(), state_, *batch_policy_, isgd_.get(),
                       r.storage, [&r] { return r.run_dir.read_metrics(); },
                       [&r] { return r.run_dir.record_count(); }};
   flat_->buffers_to_flat();  // the module's buffers travel in the state sync
@@ -244,7 +251,7 @@ bool Trainer::train_step(Run& r) {
   r.epoch_progress = r.epoch_now(batch.plan.begin);
   // The policy sees the nominal global batch (b * workers), not the smaller
   // last batch of an epoch, so only membership changes move it.
-  auto ps = policy_step(*batch_policy_, *schedule_, *sgd_, r.epoch_progress, state_.step,
+  auto ps = policy_step(*batch_policy_, *schedule_, optimizer(), r.epoch_progress, state_.step,
                         cfg_.loader.batch_size * r.world);
   r.policy = ps.policy;
   r.lr = ps.lr;
@@ -288,8 +295,15 @@ bool Trainer::train_step(Run& r) {
   if (cfg_.train.writer_dies_at == "last_step" && writer_ && r.elastic &&
       (batch.plan.end.epoch >= r.t.epochs || (r.t.max_steps > 0 && state_.step + 1 >= r.t.max_steps)))
     writer_dies_at("last_step");
-  if (r.res.skipped) skip_step(r, buffers_before);
-  else state_.skipped_in_a_row = 0;
+  if (r.res.skipped) {
+    skip_step(r, buffers_before);
+  } else {
+    state_.skipped_in_a_row = 0;
+    if (opt_->clip_norm() > 0) {
+      r.norm_sum += opt_->last_norm();
+      r.norm_n += 1;
+    }
+  }
   // Commit: from here this step counts (state sync takes the newest step).
   state_.step += 1;
   state_.samples += r.res.global_batch;
@@ -312,7 +326,7 @@ bool Trainer::train_step(Run& r) {
     IsgdExtraResult ir;
     if (r.t.die_in_isgd) ::kill(::getpid(), SIGKILL);
     try {
-      ir = isgd_extra_updates(*step_, *flat_, batch.x, batch.y, *rule_, *sgd_,
+      ir = isgd_extra_updates(*step_, *flat_, batch.x, batch.y, *rule_, optimizer(),
                               isgd_->options(), decision.limit, anchor, r.lr);
     } catch (const Error& e) {
       if (!r.elastic || !recoverable(e)) throw;
@@ -358,8 +372,11 @@ void Trainer::log_step(Run& r) {
     rec.lr_multiplier = r.policy.multiplier;
     rec.batch_size = r.res.global_batch;
     rec.skipped_steps = state_.skipped_steps;
+    if (r.norm_n > 0) rec.grad_norm = r.norm_sum / static_cast<double>(r.norm_n);
     r.run_dir.append_metrics(step_record(rec, r.window));
     r.window.reset();
+    r.norm_sum = 0;
+    r.norm_n = 0;
   }
   if (r.t.progress) {
     char buf[96];

@@ -24,7 +24,7 @@
 #include "optim/flat_params.h"
 #include "optim/isgd.h"
 #include "optim/lr_schedule.h"
-#include "optim/sgd.h"
+#include "optim/optimizer.h"
 #include "train/checkpoint.h"
 #include "train/membership.h"
 #include "train/step.h"
@@ -82,10 +82,12 @@ struct TrainerConfig {
   std::string normalize = "auto";
   models::ModelOptions model;
   LossKind loss = LossKind::CrossEntropy;
-  optim::SgdOptions sgd;
+  // optim.algorithm's optimizer (ISGD runs on SGD) and its settings.
+  optim::OptimizerOptions optimizer;
+  double clip_grad_norm = 0;  // optim.clip_grad_norm; 0 = off
   optim::LrScheduleOptions lr;
   optim::BatchPolicyOptions batch_policy;  // learning rate vs. global batch
-  std::string algorithm = "sgd";  // "sgd" | "isgd"
+  std::string algorithm = "sgd";  // "sgd" | "isgd" | "adam" | "adamw"
   optim::IsgdOptions isgd;
   TrainOptions train;
   ThreadSettings threads;
@@ -106,8 +108,9 @@ class Trainer {
   // Loss and accuracy of the current weights on the test split.
   EvalResult evaluate_test() { return step_->evaluate(splits_->test, norm_); }
   optim::FlatParams& params() { return *flat_; }
-  optim::Sgd& sgd() { return *sgd_; }
-  std::shared_ptr<optim::Sgd> sgd_ptr() { return sgd_; }
+  optim::Optimizer& optimizer() { return opt_->optimizer(); }
+  // The optimizer as the update rules apply it (clipping, then the update).
+  std::shared_ptr<OptimizerStep> optimizer_step() { return opt_; }
   const data::DatasetSplits& data() const { return *splits_; }
   const data::Normalization& normalization() const { return norm_; }
   const TrainState& state() const { return state_; }
@@ -140,7 +143,7 @@ class Trainer {
   models::NetPtr model_;
   std::unique_ptr<optim::FlatParams> flat_;
   std::unique_ptr<TrainStep> step_;
-  std::shared_ptr<optim::Sgd> sgd_;
+  std::shared_ptr<OptimizerStep> opt_;
   std::unique_ptr<optim::LrSchedule> schedule_;
   std::shared_ptr<UpdateRule> rule_;
   std::unique_ptr<optim::IsgdController> isgd_;

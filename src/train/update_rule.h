@@ -16,7 +16,8 @@
 #include <functional>
 #include <memory>
 
-#include "optim/sgd.h"
+#include "optim/clip.h"
+#include "optim/optimizer.h"
 
 namespace limbo::train {
 
@@ -49,6 +50,30 @@ inline bool finite_step(const torch::Tensor& grad, double loss) {
   return std::isfinite(loss) && (grad.numel() == 0 || std::isfinite(grad.sum().item<float>()));
 }
 
+// The optimizer as the rules apply it: clipping by global norm
+// (optim.clip_grad_norm; 0 = off) of the gradient they decided on, then the
+// optimizer's update. Data-parallel rules call it with the reduced gradient,
+// so every member clips alike.
+class OptimizerStep {
+ public:
+  OptimizerStep(std::unique_ptr<optim::Optimizer> opt, double clip_norm)
+      : opt_(std::move(opt)), clip_(clip_norm) {}
+  void apply(torch::Tensor& w, torch::Tensor& g, double lr) {
+    if (clip_ > 0) last_norm_ = optim::clip_grad_norm(g, clip_);
+    opt_->step(w, g, lr);
+  }
+  optim::Optimizer& optimizer() { return *opt_; }
+  const optim::Optimizer& optimizer() const { return *opt_; }
+  double clip_norm() const { return clip_; }
+  // The norm before clipping at the last apply() (NaN while clipping is off).
+  double last_norm() const { return last_norm_; }
+
+ private:
+  std::unique_ptr<optim::Optimizer> opt_;
+  double clip_;
+  double last_norm_ = std::nan("");
+};
+
 class UpdateRule {
  public:
   virtual ~UpdateRule() = default;
@@ -70,21 +95,21 @@ class UpdateRule {
   virtual nlohmann::json summary() const { return nlohmann::json::object(); }
 };
 
-// Single process: w <- SGD step with the local gradient.
+// Single process: the optimizer's step with the local gradient.
 class LocalUpdate : public UpdateRule {
  public:
-  explicit LocalUpdate(std::shared_ptr<optim::Sgd> sgd) : sgd_(std::move(sgd)) {}
+  explicit LocalUpdate(std::shared_ptr<OptimizerStep> opt) : opt_(std::move(opt)) {}
   StepResult apply(StepContext& ctx) override {
     if (!finite_step(ctx.grad, ctx.loss)) return {ctx.loss, ctx.batch_size, /*skipped=*/true};
     if (ctx.before_update) ctx.before_update(ctx.loss);
-    sgd_->step(ctx.weights, ctx.grad, ctx.lr);
+    opt_->apply(ctx.weights, ctx.grad, ctx.lr);
     return {ctx.loss, ctx.batch_size};
   }
   double reduce(torch::Tensor*, double loss) override { return loss; }
   const char* name() const override { return "local"; }
 
  private:
-  std::shared_ptr<optim::Sgd> sgd_;
+  std::shared_ptr<OptimizerStep> opt_;
 };
 
 }  // namespace limbo::train

@@ -1,0 +1,30 @@
+// Adam (Kingma and Ba) and AdamW (Loshchilov and Hutter), with PyTorch's
+// torch.optim.Adam / AdamW update rule (amsgrad off), at update t >= 1:
+//
+//   AdamW:  w = w * (1 - lr * wd)          decoupled weight decay
+//   Adam:   g = g + wd * w                 L2 weight decay
+//   m = beta1 * m + (1 - beta1) * g        state `exp_avg` (zeros at first)
+//   v = beta2 * v + (1 - beta2) * g * g    state `exp_avg_sq`
+//   w = w - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//
+// t is the optimizer's update count (Optimizer::steps() + 1), kept with the
+// state. On a parameter-server shard `lr` is the staleness-divided rate of
+// the update and the decoupled decay runs at the shard's base rate
+// (UpdateScalars::decay_lr).
+#pragma once
+
+#include "optim/optimizer.h"
+
+namespace limbo::optim {
+
+class Adam : public Optimizer {
+ public:
+  explicit Adam(OptimizerOptions opt);  // algorithm "adam" or "adamw"; throws InvalidInput on bad betas / eps
+  std::vector<std::string> state_names() const override { return {"exp_avg", "exp_avg_sq"}; }
+  bool update(const UpdateSlice& s, const UpdateScalars& k) const override;
+
+ private:
+  bool decoupled_;
+};
+
+}  // namespace limbo::optim
