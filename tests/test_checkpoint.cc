@@ -59,15 +59,32 @@ TEST(Checkpoint, RoundTripRestoresWeightsMomentumAndState) {
   EXPECT_EQ(b.model().parameters()[0].abs().sum().item<float>(), 0.0f);
 }
 
-TEST(Checkpoint, ResumeIsExact) {
+TrainerConfig with_algorithm(TrainerConfig c, const std::string& algo) {
+  c.algorithm = algo;
+  c.optimizer.algorithm = algo;
+  if (algo != "sgd") {
+    c.lr.base_lr = 1e-3;
+    c.optimizer.weight_decay = 0.01;
+    c.clip_grad_norm = 1.0;
+  }
+  return c;
+}
+
+class ResumeIsExact : public ::testing::TestWithParam<std::string> {};
+
+// Two epochs straight, or one and a resume from its checkpoint: the same
+// weights and optimizer state, bit for bit (SGD's momentum; AdamW's moments
+// and update count, which its bias correction needs).
+TEST_P(ResumeIsExact, ForEachOptimizer) {
+  const std::string algo = GetParam();
   limbo::testing::TempDir full, part;
-  Trainer a(small_config(full.path(), 2));
+  Trainer a(with_algorithm(small_config(full.path(), 2), algo));
   auto sa = a.run();
   {
-    Trainer b(small_config(part.path(), 1));  // stops after epoch 1
+    Trainer b(with_algorithm(small_config(part.path(), 1), algo));  // stops after epoch 1
     b.run();
   }
-  auto cfg = small_config(part.path(), 2);
+  auto cfg = with_algorithm(small_config(part.path(), 2), algo);
   cfg.train.resume = true;
   Trainer c(cfg);
   auto sc = c.run();
@@ -76,8 +93,63 @@ TEST(Checkpoint, ResumeIsExact) {
   EXPECT_EQ(sa["samples"], sc["samples"]);
   // Same thread count and data order: bit-identical.
   EXPECT_TRUE(torch::equal(a.params().data(), c.params().data()));
-  EXPECT_TRUE(torch::equal(a.optimizer().state()[0], c.optimizer().state()[0]));
+  ASSERT_EQ(a.optimizer().state().size(), c.optimizer().state().size());
+  for (size_t i = 0; i < a.optimizer().state().size(); ++i)
+    EXPECT_TRUE(torch::equal(a.optimizer().state()[i], c.optimizer().state()[i])) << a.optimizer().state_names()[i];
+  EXPECT_EQ(a.optimizer().steps(), c.optimizer().steps());
   EXPECT_DOUBLE_EQ(sa["test_accuracy"].get<double>(), sc["test_accuracy"].get<double>());
+}
+
+INSTANTIATE_TEST_SUITE_P(Optimizers, ResumeIsExact, ::testing::Values("sgd", "adamw"));
+
+// A checkpoint's AdamW state loads into torch.optim.AdamW of PyTorch for
+// Python (cut from the flat buffer into the parameters' shapes), and the
+// next step there equals Limbo's next step from the same checkpoint.
+TEST(Checkpoint, AdamWStateLoadsIntoPyTorchAndTheNextStepAgrees) {
+  if (!limbo::testing::have_python_torch()) GTEST_SKIP() << "python3-torch is not installed";
+  limbo::testing::TempDir d;
+  auto cfg = with_algorithm(small_config(d.path(), 1), "adamw");
+  cfg.model.name = "mlp";
+  cfg.optimizer.beta2 = 0.99;
+  cfg.train.max_steps = 5;
+  Trainer(cfg).run();
+  auto tc = cfg;
+  tc.run_dir.clear();
+  Trainer b(tc);
+  auto st = load_checkpoint(d.file("checkpoint.pt"), b.model(), &b.optimizer());
+  ASSERT_EQ(b.optimizer().steps(), 5);
+  torch::manual_seed(11);
+  torch::Tensor g = torch::randn({b.params().numel()}) * 0.01;
+  const double lr = 2e-3;
+  b.optimizer().step(b.params().data(), g, lr);
+  std::string names;
+  for (const auto& p : b.model().named_parameters(true))
+    if (p.value().requires_grad()) names += p.key() + "\n";
+  limbo::testing::write_bytes(d.file("names.txt"), names, false);
+  auto all = torch::cat({g, b.params().data()});
+  limbo::testing::write_bytes(
+      d.file("step.bin"), std::string(reinterpret_cast<const char*>(all.data_ptr<float>()), all.numel() * 4), false);
+  std::string out;
+  const int rc = limbo::testing::run_python("check_adam_state.py",
+                                            {d.file("checkpoint.pt"), d.file("names.txt"), d.file("step.bin"),
+                                             "0.002", "0.9", "0.99", "1e-08", "0.01"},
+                                            &out);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("adamw state ok"), std::string::npos) << out;
+  std::printf("%s", out.c_str());
+}
+
+// A checkpoint of SGD's state resumed by AdamW: the weights load, the
+// optimizer starts afresh (and says so), nothing is mixed.
+TEST(Checkpoint, AnotherOptimizersStateIsNotLoaded) {
+  limbo::testing::TempDir d;
+  auto cfg = small_config(d.path(), 1);
+  cfg.train.max_steps = 2;
+  Trainer(cfg).run();
+  Trainer b(with_algorithm(small_config("", 1), "adamw"));
+  load_checkpoint(d.file("checkpoint.pt"), b.model(), &b.optimizer());
+  EXPECT_FALSE(b.optimizer().has_state());
+  EXPECT_EQ(b.optimizer().steps(), 0);
 }
 
 TEST(Trainer, DeterministicForASeedAndThreadCount) {

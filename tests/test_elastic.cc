@@ -449,6 +449,33 @@ TEST(Elastic, SigkilledWorkerMidEpochSurvivorsGoOnWithEverySampleOnce) {
   EXPECT_NE(slurp(job.run + "/metrics.jsonl").find("\"first_step_seconds\""), std::string::npos);
 }
 
+// AdamW with clipping through a SIGKILL and a join: the survivors go on, the
+// joiner receives the moments and the update count by state sync, every
+// sample is trained once, and every member ends with the same weights and
+// the same optimizer state (final-*.txt fingerprints both).
+TEST(Elastic, AdamWSurvivesASigkillAndAJoinWithIdenticalMembersAndState) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  // Paced the whole run (20 ms a step): the joiner cannot miss the job.
+  const std::vector<std::string> adamw = {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002",
+                                          "--set", "optim.clip_grad_norm=1.0", "--set", "train.slow_step_ms=20",
+                                          "--set", "train.testing_pace_until_workers=3"};
+  job.start(2, 1, 6, {}, adamw);
+  ASSERT_TRUE(job.training()) << slurp(job.log);
+  ASSERT_EQ(::kill(rank_pid(job.log, 1), SIGKILL), 0);
+  auto joiner = job.join_by_hand(6, adamw, {});
+  EXPECT_EQ(joiner.exit_code, 0) << joiner.output;
+  auto r = job.finish();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(lost "), std::string::npos) << r.output;
+  auto s = job.summary();
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  expect_exactly_once(job.run, 6, 3000);
+  expect_identical_finals(job.run, 2);
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.6);
+  EXPECT_NE(slurp(job.run + "/metrics.jsonl").find("\"grad_norm\""), std::string::npos);
+}
+
 // A stopped worker keeps its connections open, so the others' all-reduce
 // cannot see it fail. Its heartbeats stop: the coordinator drops it after the
 // heartbeat timeout (0.4 s) and aborts the round, and the survivors re-form

@@ -1,15 +1,21 @@
-// SGD (against libtorch's own torch::optim::SGD, which implements PyTorch's
-// rule), flat parameter storage, and learning-rate schedules.
+// The optimizers (SGD against libtorch's own torch::optim::SGD; Adam and
+// AdamW against torch::optim::Adam / AdamW and against PyTorch for Python on
+// recorded gradients), gradient clipping, flat parameter storage, and
+// learning-rate schedules.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <limits>
 
 #include "common/error.h"
 #include "models/net.h"
 #include "optim/flat_params.h"
 #include "optim/lr_schedule.h"
+#include "optim/adam.h"
+#include "optim/clip.h"
 #include "optim/sgd.h"
+#include "test_util.h"
 
 using namespace limbo;
 using namespace limbo::optim;
@@ -73,6 +79,208 @@ INSTANTIATE_TEST_SUITE_P(Variants, SgdMatchesTorch,
 
 TEST(Sgd, RejectsNesterovWithoutMomentum) {
   EXPECT_THROW(Sgd(sgd_options(0.0, 0.0, 0.0, true)), InvalidInput);
+}
+
+OptimizerOptions adam_options(const std::string& algo) {
+  OptimizerOptions o;
+  o.algorithm = algo;
+  o.beta1 = 0.9;
+  o.beta2 = 0.98;
+  o.eps = 1e-6;
+  o.weight_decay = 0.01;
+  return o;
+}
+
+// Recorded gradients: mixed scales (so eps matters for some weights), signs
+// that change, a few exact zeros.
+torch::Tensor recorded_gradients(int64_t steps, int64_t n) {
+  torch::manual_seed(7);
+  auto g = torch::randn({steps, n});
+  auto scale = torch::logspace(-6, 1, n);
+  g = g * scale;
+  g.index_put_({torch::indexing::Slice(), torch::indexing::Slice(0, 5)}, 0.0);
+  return g.contiguous();
+}
+
+class AdamMatchesTorch : public ::testing::TestWithParam<std::string> {};
+
+// 100 steps of Limbo's Adam / AdamW on one flat tensor against libtorch's
+// torch::optim::Adam / AdamW on the same tensor, with a learning rate that
+// changes every step (schedules and policies pass it per step).
+TEST_P(AdamMatchesTorch, OnRecordedGradients) {
+  const std::string algo = GetParam();
+  const int64_t n = 2000, steps = 100;
+  auto g = recorded_gradients(steps, n);
+  torch::manual_seed(3);
+  torch::Tensor w = torch::randn({n});
+  auto ref = w.clone().requires_grad_(true);
+  auto o = adam_options(algo);
+  auto ours = make_optimizer(o);
+  std::unique_ptr<torch::optim::Optimizer> theirs;
+  if (algo == "adamw")
+    theirs = std::make_unique<torch::optim::AdamW>(
+        std::vector<torch::Tensor>{ref},
+        torch::optim::AdamWOptions(1e-3).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  else
+    theirs = std::make_unique<torch::optim::Adam>(
+        std::vector<torch::Tensor>{ref},
+        torch::optim::AdamOptions(1e-3).betas({o.beta1, o.beta2}).eps(o.eps).weight_decay(o.weight_decay));
+  double worst = 0;
+  for (int64_t t = 0; t < steps; ++t) {
+    const double lr = 3e-3 * (1.0 - 0.005 * t);
+    theirs->param_groups()[0].options().set_lr(lr);
+    ref.mutable_grad() = g[t].clone();
+    theirs->step();
+    ASSERT_TRUE(ours->step(w, g[t].contiguous(), lr));
+    worst = std::max(worst, (w - ref.detach()).abs().max().item<double>());
+  }
+  EXPECT_EQ(ours->steps(), steps);
+  EXPECT_EQ(ours->state_names(), (std::vector<std::string>{"exp_avg", "exp_avg_sq"}));
+  // libtorch's own kernels round differently from one fused pass by a few
+  // ulps of the weights (|w| < 5 here).
+  EXPECT_LT(worst, 2e-6) << algo;
+  RecordProperty("max_abs_diff", std::to_string(worst));
+}
+
+INSTANTIATE_TEST_SUITE_P(Algorithms, AdamMatchesTorch, ::testing::Values("adam", "adamw"));
+
+// The requirement's oracle: torch.optim.Adam and torch.optim.AdamW of
+// PyTorch for Python, replaying the same recorded gradients at a constant
+// rate; every weight after every step within 4 float32 ulps (+1e-7).
+TEST(Adam, EqualsPyTorchForPythonOnRecordedGradients) {
+  if (!limbo::testing::have_python_torch()) GTEST_SKIP() << "python3-torch is not installed";
+  const int64_t n = 2000, steps = 100;
+  const double lr = 3e-3;
+  auto g = recorded_gradients(steps, n);
+  limbo::testing::TempDir d;
+  for (std::string algo : {"adam", "adamw"}) {
+    torch::manual_seed(3);
+    torch::Tensor w0 = torch::randn({n});
+    torch::Tensor w = w0.clone();
+    auto o = adam_options(algo);
+    auto opt = make_optimizer(o);
+    std::vector<torch::Tensor> after;
+    for (int64_t t = 0; t < steps; ++t) {
+      opt->step(w, g[t].contiguous(), lr);
+      after.push_back(w.clone());
+    }
+    auto all = torch::cat({w0, g.view({-1}), torch::stack(after).view({-1})});
+    const std::string file = d.file(algo + ".bin");
+    std::ofstream(file, std::ios::binary)
+        .write(reinterpret_cast<const char*>(all.data_ptr<float>()), all.numel() * 4);
+    std::string out;
+    const int rc = limbo::testing::run_python(
+        "check_adam.py", {file, algo, std::to_string(n), std::to_string(steps), "0.003", "0.9", "0.98", "1e-06", "0.01"},
+        &out);
+    EXPECT_EQ(rc, 0) << out;
+    EXPECT_NE(out.find("0 beyond tolerance"), std::string::npos) << out;
+    std::printf("%s", out.c_str());
+  }
+}
+
+TEST(Adam, RefusesBadSettings) {
+  auto o = adam_options("adam");
+  o.beta1 = 1.0;
+  EXPECT_THROW(make_optimizer(o), InvalidInput);
+  o = adam_options("adamw");
+  o.eps = -1;
+  EXPECT_THROW(make_optimizer(o), InvalidInput);
+  o.algorithm = "lamb";
+  EXPECT_THROW(make_optimizer(o), InvalidInput);
+}
+
+// The state goes by name and count: a snapshot restores the next update
+// exactly, set_state() adopts a peer's state, and scale_momentum() touches
+// exp_avg only (0: everything starts afresh).
+TEST(Optimizer, StateSnapshotsRestoreTheNextUpdateExactly) {
+  const int64_t n = 300;
+  auto g = recorded_gradients(4, n);
+  torch::Tensor w = torch::ones({n});
+  auto a = make_optimizer(adam_options("adamw"));
+  EXPECT_FALSE(a->has_state());
+  a->step(w, g[0].contiguous(), 1e-2);
+  a->step(w, g[1].contiguous(), 1e-2);
+  auto snap = a->snapshot();
+  torch::Tensor w_snap = w.clone();
+  a->step(w, g[2].contiguous(), 1e-2);
+  torch::Tensor w_next = w.clone();
+  a->restore(snap);
+  EXPECT_EQ(a->steps(), 2);
+  torch::Tensor w2 = w_snap.clone();
+  a->step(w2, g[2].contiguous(), 1e-2);
+  EXPECT_TRUE(torch::equal(w2, w_next));
+  // A second optimizer given the first's state makes the same next update.
+  auto b = make_optimizer(adam_options("adamw"));
+  b->set_state(a->snapshot().tensors, a->steps());
+  torch::Tensor w3 = w2.clone(), w4 = w2.clone();
+  a->step(w3, g[3].contiguous(), 1e-2);
+  b->step(w4, g[3].contiguous(), 1e-2);
+  EXPECT_TRUE(torch::equal(w3, w4));
+  auto v_before = b->state()[1].clone();
+  auto m_before = b->state()[0].clone();
+  b->scale_momentum(0.5);
+  EXPECT_TRUE(torch::equal(b->state()[0], m_before * 0.5));
+  EXPECT_TRUE(torch::equal(b->state()[1], v_before));
+  b->scale_momentum(0);
+  EXPECT_FALSE(b->has_state());
+  EXPECT_EQ(b->steps(), 0);
+  // Wrong shapes are refused, naming the tensor.
+  EXPECT_THROW(b->set_state({torch::zeros({n})}, 1), InvalidInput);
+}
+
+// The parameter server's SGD form (rate inside the buffer) equals PyTorch's
+// form at a constant rate.
+TEST(Sgd, TheRateInsideTheBufferAgreesAtAConstantRate) {
+  const int64_t n = 500;
+  auto g = recorded_gradients(10, n);
+  auto o = sgd_options(0.9, 0, 1e-3, false);
+  Sgd torch_form(o);
+  o.lr_in_buffer = true;
+  Sgd ps_form(o);
+  torch::Tensor w1 = torch::ones({n}), w2 = torch::ones({n});
+  for (int t = 0; t < 10; ++t) {
+    torch_form.step(w1, g[t].contiguous(), 0.05);
+    ps_form.step(w2, g[t].contiguous(), 0.05);
+  }
+  EXPECT_TRUE(torch::allclose(w1, w2, 1e-5, 1e-6));
+  EXPECT_TRUE(torch::allclose(ps_form.state()[0], torch_form.state()[0] * 0.05, 1e-5, 1e-7));
+}
+
+// optim.clip_grad_norm on the flat gradient equals
+// torch::nn::utils::clip_grad_norm_ (PyTorch's rule) on the parameters'
+// own gradients: the same norm, the same clipped values.
+TEST(Clip, EqualsTorchClipGradNormOverTheParameters) {
+  torch::manual_seed(0);
+  models::ModelOptions mo;
+  mo.name = "mlp";
+  mo.width = 32;
+  auto net = models::make_model(mo, {1, 8, 8, 10});
+  FlatParams flat(*net);
+  auto x = torch::randn({16, 1, 8, 8});
+  auto y = torch::randint(0, 10, {16});
+  for (double max_norm : {0.05, 1e6}) {
+    flat.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    std::vector<torch::Tensor> grads;
+    for (auto& p : net->parameters()) grads.push_back(p.grad().clone());
+    // The reference on copies of the per-parameter gradients.
+    std::vector<torch::Tensor> ref;
+    for (auto& gr : grads) ref.push_back(torch::zeros_like(gr).requires_grad_(true));
+    for (size_t i = 0; i < ref.size(); ++i) ref[i].mutable_grad() = grads[i].clone();
+    const double want = torch::nn::utils::clip_grad_norm_(ref, max_norm);
+    const double got = clip_grad_norm(flat.grad(), max_norm);
+    EXPECT_NEAR(got, want, 1e-6 * want);
+    auto params = net->parameters();
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(torch::allclose(params[i].grad(), ref[i].grad(), 1e-6, 1e-9)) << "parameter " << i;
+    if (max_norm < want) EXPECT_NEAR(grad_norm(flat.grad()), max_norm, 1e-5 * max_norm);
+    else EXPECT_TRUE(torch::equal(torch::cat(grads.empty() ? std::vector<torch::Tensor>{} : [&] {
+                       std::vector<torch::Tensor> v;
+                       for (auto& t : grads) v.push_back(t.view({-1}));
+                       return v;
+                     }()), flat.grad()))
+        << "a gradient below the limit is left exactly as it was";
+  }
 }
 
 TEST(FlatParams, ParametersAndGradientsLiveInTheFlatBuffers) {

@@ -321,6 +321,7 @@ TEST(Overlap, AFailureDuringAnOverlappedBucketFailsTheStepWhichIsRedone) {
           // Nothing of the failed step was applied.
           EXPECT_TRUE(torch::equal(ms[r]->flat.data(), w_before[r])) << "member " << r;
           EXPECT_TRUE(torch::equal(ms[r]->sgd->optimizer().state()[0], v_before[r])) << "member " << r;
+          EXPECT_EQ(ms[r]->sgd->optimizer().steps(), 1) << "member " << r;
           const auto buf_after = ms[r]->flat.save_buffers();
           for (size_t i = 0; i < buf_after.size(); ++i)
             EXPECT_TRUE(torch::equal(buf_after[i], buf_before[r][i])) << "member " << r << " buffer " << i;

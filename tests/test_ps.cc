@@ -475,6 +475,62 @@ TEST(ShardStateTest, StreamsWithMomentumAndWeightDecay) {
   EXPECT_EQ(std::memcmp(s.optimizer().state()[0].data_ptr<float>(), mom_before.data(), n * 4), 0);
 }
 
+// Each shard keeps the AdamW state of its own slice: two shards of half the
+// weights, fed the halves of the same gradients at the same rates, hold
+// exactly what one shard of all of them holds and what the optimizer's own
+// update gives at lr = alpha (the staleness rule divides Adam's rate; its
+// decoupled decay runs at the base rate alpha0). An abandoned streamed step
+// leaves the state and the update count as they were.
+TEST(ShardStateTest, EachShardKeepsTheAdamStateOfItsSlice) {
+  const int64_t n = 1000, half = 500;
+  const double alpha0 = 1e-3;
+  torch::manual_seed(5);
+  auto w0 = torch::randn({n});
+  auto grads = torch::randn({4, n});
+  optim::OptimizerOptions oo;
+  oo.algorithm = "adamw";
+  oo.weight_decay = 0.1;
+  ShardState whole(n, w0.data_ptr<float>(), UpdateOptions{alpha0, oo});
+  ShardState lo(half, w0.data_ptr<float>(), UpdateOptions{alpha0, oo});
+  ShardState hi(half, w0.data_ptr<float>() + half, UpdateOptions{alpha0, oo});
+  auto ref_opt = optim::make_optimizer(oo);
+  torch::Tensor ref = w0.clone();
+  std::vector<torch::Tensor> ref_state = {torch::zeros({n}), torch::zeros({n})};
+  const double alphas[] = {alpha0, alpha0 / 2, alpha0 / 3, alpha0};  // staleness 0, 2, 3, 0
+  for (int t = 0; t < 4; ++t) {
+    auto g = grads[t].contiguous();
+    const float* gp = g.data_ptr<float>();
+    ASSERT_TRUE(whole.step_single(gp, alphas[t]));
+    ASSERT_TRUE(lo.step_single(gp, alphas[t]));
+    ASSERT_TRUE(hi.step_single(gp + half, alphas[t]));
+    optim::UpdateSlice sl;
+    sl.w_out = ref.data_ptr<float>();
+    sl.w = ref.data_ptr<float>();
+    sl.g = gp;
+    for (int i = 0; i < 2; ++i) {
+      sl.s_out[i] = ref_state[i].data_ptr<float>();
+      sl.s[i] = t == 0 ? nullptr : ref_state[i].data_ptr<float>();
+    }
+    sl.n = n;
+    ASSERT_TRUE(ref_opt->update(sl, optim::UpdateScalars{alphas[t], alpha0, t + 1}));
+    if (t == 1) {  // an overtaken step, abandoned half way: nothing changes
+      StreamedStep st = whole.begin_step(alpha0);
+      whole.step_part(st, GradPart{0, gp, half});
+      whole.abandon(st);
+    }
+  }
+  auto joined = torch::cat({*lo.weights(), *hi.weights()});
+  EXPECT_TRUE(torch::equal(*whole.weights(), joined));
+  EXPECT_TRUE(torch::equal(*whole.weights(), ref));
+  EXPECT_EQ(whole.optimizer().steps(), 4);
+  EXPECT_EQ(whole.optimizer().state_names(), (std::vector<std::string>{"exp_avg", "exp_avg_sq"}));
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(torch::equal(whole.optimizer().state()[i],
+                             torch::cat({lo.optimizer().state()[i], hi.optimizer().state()[i]})));
+    EXPECT_TRUE(torch::equal(whole.optimizer().state()[i], ref_state[i]));
+  }
+}
+
 // Shard 0's buffers: an update makes them the mean of the buffers its
 // gradients brought (the first `averaged` floats), the rest from the first
 // of them; pushes without buffers or that do not fit change nothing.

@@ -339,6 +339,29 @@ TEST(PsJob, AnInterruptedJobResumesFromItsShardCheckpoints) {
   EXPECT_GT(read_json(run + "/summary.json")["test_accuracy"].get<double>(), 0.65);
 }
 
+// AdamW on the parameter server: each shard keeps the moments of its slice
+// (in its checkpoint too), learners clip their own gradients, and the job
+// learns; stale gradients are still counted and divided (softsync, 3 learners).
+TEST(PsJob, AdamWOnTheShardsLearnsAndCheckpointsItsMoments) {
+  TempDir d;
+  const std::string run = d.file("run");
+  auto r = limbo::testing::run_limbo(cat({"launch", "--mode", "async", "--servers", "2", "--workers", "3",
+                                          "--protocol", "softsync", "--softsync-n", "1", "--run-dir", run, "--"},
+                                         cat(mlp_args(1), {"--set", "optim.algorithm=adamw", "--set", "optim.lr=0.002",
+                                                           "--set", "optim.clip_grad_norm=1.0", "--set",
+                                                           "train.log_every=10"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = read_json(run + "/summary.json");
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.6) << s.dump();
+  EXPECT_GT(s["staleness_mean"].get<double>(), 0.0) << s.dump();
+  for (int k = 0; k < 2; ++k) {
+    const std::string ckpt = slurp(run + "/shard-" + std::to_string(k) + "/checkpoint.bin");
+    EXPECT_NE(ckpt.find("\"exp_avg_sq\""), std::string::npos) << "shard " << k;
+    EXPECT_NE(ckpt.find("\"algorithm\":\"adamw\""), std::string::npos) << "shard " << k;
+  }
+  EXPECT_NE(slurp(run + "/learners/0.jsonl").find("\"grad_norm\""), std::string::npos);
+}
+
 TEST(PsJob, AMismatchedModelIsRefusedOnBothSides) {
   TempDir d;
   const std::string run = d.file("run");

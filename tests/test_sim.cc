@@ -72,6 +72,23 @@ TEST(AsyncSim, OneLearnerIsPlainSgd) {
   EXPECT_EQ(s["updates"], ref["steps"]);
 }
 
+// Adam on the simulated shard: one learner is the single-process AdamW
+// trainer (same data order, weights and rule: the shard's rate is alpha0).
+TEST(AsyncSim, OneLearnerWithAdamWIsTheSingleProcessAdamW) {
+  const std::vector<std::string> adamw = {"optim.algorithm=adamw", "optim.lr=0.002", "optim.weight_decay=0.01",
+                                          "optim.clip_grad_norm=1.0"};
+  auto o = options(1, 1);
+  o.agg.alpha0 = o.update.alpha0 = 0.002;
+  o.update.optimizer = mlp_config(adamw).optimizer;
+  auto s = simulate(o, adamw);
+  auto tc = mlp_config(adamw);
+  train::Trainer t(tc);
+  auto ref = t.run();
+  EXPECT_EQ(s["updates"], ref["steps"]);
+  EXPECT_NEAR(s["test_loss"].get<double>(), ref["test_loss"].get<double>(), 1e-3);
+  EXPECT_GT(ref["test_accuracy"].get<double>(), 0.6);
+}
+
 TEST(AsyncSim, SoftsyncStalenessFollowsN) {
   // lambda learners in lock-step: between a learner's pull and its push the
   // other lambda - 1 gradients arrive, i.e. (lambda - 1) / c updates.
@@ -144,6 +161,16 @@ json elastic(const std::string& schedule, std::vector<std::string> extra, const 
 TEST(ElasticSim, OneWorkerIsExactlyTheSingleProcessTrainer) {
   auto s = elastic("0:1", {});
   auto tc = mlp_config();
+  train::Trainer t(tc);
+  auto ref = t.run();
+  EXPECT_EQ(s["steps"], ref["steps"]);
+  EXPECT_DOUBLE_EQ(s["test_loss"].get<double>(), ref["test_loss"].get<double>());
+}
+
+TEST(ElasticSim, OneWorkerWithAdamWAndClippingIsExactlyTheSingleProcessTrainer) {
+  const std::vector<std::string> adamw = {"optim.algorithm=adamw", "optim.lr=0.002", "optim.clip_grad_norm=0.5"};
+  auto s = elastic("0:1", adamw);
+  auto tc = mlp_config(adamw);
   train::Trainer t(tc);
   auto ref = t.run();
   EXPECT_EQ(s["steps"], ref["steps"]);

@@ -59,6 +59,25 @@ std::string slurp(const std::string& path) {
   return ss.str();
 }
 
+bool have_python_torch() {
+  static const bool have = std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0;
+  return have;
+}
+
+int run_python(const std::string& script, const std::vector<std::string>& args, std::string* out) {
+  std::string cmd = std::string("/usr/bin/python3 ") + LIMBO_SOURCE_DIR + "/tests/python/" + script;
+  for (const auto& a : args) cmd += " '" + a + "'";
+  cmd += " 2>&1";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  if (!p) return -1;
+  std::string text;
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, p)) text += buf;
+  const int rc = ::pclose(p);
+  if (out) *out = text;
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
 pid_t spawn_limbo(const std::vector<std::string>& args, const std::string& log) {
   std::vector<std::string> argv = {LIMBO_BINARY};
   argv.insert(argv.end(), args.begin(), args.end());

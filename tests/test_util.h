@@ -68,6 +68,12 @@ struct KillOnExit {
 
 std::string slurp(const std::string& path);
 
+// PyTorch for Python as an oracle: whether /usr/bin/python3 imports torch,
+// and a run of one of tests/python/*.py with arguments (stdout and stderr in
+// *out; returns the exit status).
+bool have_python_torch();
+int run_python(const std::string& script, const std::vector<std::string>& args, std::string* out);
+
 // A plain TCP connection to 127.0.0.1:port (for clients that misbehave).
 int connect_loopback(int port);
 

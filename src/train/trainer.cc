@@ -480,6 +480,16 @@ double Trainer::buffer_fingerprint() const {
   return sum;
 }
 
+std::string Trainer::optimizer_fingerprint() {
+  std::string out = std::to_string(optimizer().steps());
+  char buf[32];
+  for (const auto& t : optimizer().state()) {
+    std::snprintf(buf, sizeof buf, " %.17g", t.to(torch::kFloat64).sum().item<double>());
+    out += buf;
+  }
+  return out;
+}
+
 nlohmann::json Trainer::run() {
   const auto& t = cfg_.train;
   const bool elastic = membership_ != nullptr;
@@ -555,7 +565,7 @@ nlohmann::json Trainer::run() {
     std::ofstream(cfg_.run_dir + "/final-" + std::to_string(::getpid()) + ".txt")
         << state_.step << " " << flat_->data().sum().item<double>() << " "
         << flat_->data().pow(2).sum().item<double>() << " "
-        << buffer_fingerprint() << "\n";
+        << buffer_fingerprint() << " " << optimizer_fingerprint() << "\n";
   }
   writer_dies_at("eval");
   if (r.last_eval_step != state_.step) eval_now(r);

@@ -132,6 +132,7 @@ class Trainer {
   void eval_now(Run& r);
   void skip_step(Run& r, const std::vector<torch::Tensor>& buffers_before);
   double buffer_fingerprint() const;  // the sum of every buffer (sample_log)
+  std::string optimizer_fingerprint();  // update count and each state tensor's sum (sample_log)
   nlohmann::json summary(Run& r);
   bool writer_ = true;  // this member writes the run directory and checkpoints
   bool rank0_ = true;   // publishes progress and records (elastic)
