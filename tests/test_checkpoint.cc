@@ -152,6 +152,30 @@ TEST(Checkpoint, AnotherOptimizersStateIsNotLoaded) {
   EXPECT_EQ(b.optimizer().steps(), 0);
 }
 
+// train.accumulate: 4 micro-batches of 16 make the same steps as one batch
+// of 64 (the same samples, the gradient summed in 4 parts: equal to float32
+// rounding), with the step's batch in the records.
+TEST(Accumulate, FourMicroBatchesOf16MakeTheStepsOfOneBatchOf64) {
+  auto base = small_config("", 1);
+  base.model.name = "mlp";  // no BatchNorm: micro-batches see the same weights and statistics
+  base.train.max_steps = 8;
+  base.lr.kind = "constant";
+  base.loader.batch_size = 64;
+  Trainer one(base);
+  auto so = one.run();
+  auto acc = base;
+  acc.train.accumulate = 4;  // loader.batch_size stays the step's batch (the CLI multiplies)
+  Trainer four(acc);
+  auto sf = four.run();
+  EXPECT_EQ(so["samples"], sf["samples"]);
+  EXPECT_EQ(so["steps"], sf["steps"]);
+  const double diff = (one.params().data() - four.params().data()).abs().max().item<double>();
+  EXPECT_LT(diff, 1e-5) << "weights after 8 steps";
+  EXPECT_TRUE(torch::allclose(one.optimizer().state()[0], four.optimizer().state()[0], 1e-4, 1e-6));
+  EXPECT_EQ(four.step().micro_batches(), 4);
+  std::printf("max |w(K=4, b=16) - w(K=1, b=64)| after 8 steps: %.3g\n", diff);
+}
+
 TEST(Trainer, DeterministicForASeedAndThreadCount) {
   auto cfg = small_config("", 1);
   cfg.train.max_steps = 6;

@@ -141,6 +141,35 @@ TEST(Config, CrossKeyChecks) {
   expect_has(error_of([&] { cli::trainer_config(m); }), {"ascending"});
 }
 
+TEST(Config, OptimizerClippingAndAccumulationReachTheTrainer) {
+  Config c(cli::train_schema());
+  for (const char* o : {"optim.algorithm=adamw", "optim.beta1=0.8", "optim.beta2=0.95", "optim.eps=1e-6",
+                        "optim.weight_decay=0.1", "optim.clip_grad_norm=1.5", "train.accumulate=4",
+                        "data.batch_size=16"})
+    c.apply_override(o);
+  auto t = cli::trainer_config(c);
+  EXPECT_EQ(t.optimizer.algorithm, "adamw");
+  EXPECT_DOUBLE_EQ(t.optimizer.beta1, 0.8);
+  EXPECT_DOUBLE_EQ(t.optimizer.beta2, 0.95);
+  EXPECT_DOUBLE_EQ(t.optimizer.eps, 1e-6);
+  EXPECT_DOUBLE_EQ(t.optimizer.weight_decay, 0.1);
+  EXPECT_DOUBLE_EQ(t.clip_grad_norm, 1.5);
+  EXPECT_EQ(t.train.accumulate, 4);
+  EXPECT_EQ(t.loader.batch_size, 64) << "the loader hands out a step's batch: accumulate x data.batch_size";
+  // ISGD's extra updates are SGD steps: it runs on SGD.
+  Config i(cli::train_schema());
+  i.apply_override("optim.algorithm=isgd");
+  EXPECT_EQ(cli::trainer_config(i).optimizer.algorithm, "sgd");
+  // Nesterov is an SGD setting; Adam has none. Betas outside [0, 1) are refused.
+  Config n(cli::train_schema());
+  n.apply_override("optim.algorithm=adam");
+  n.apply_override("optim.nesterov=true");
+  expect_has(error_of([&] { cli::trainer_config(n); }), {"optim.nesterov", "adam"});
+  Config b(cli::train_schema());
+  EXPECT_THROW(b.apply_override("optim.beta2=1.0"), InvalidInput);
+  EXPECT_THROW(b.apply_override("train.accumulate=0"), InvalidInput);
+}
+
 TEST(Config, SchemaMarkdownListsEveryKey) {
   auto md = cli::train_schema()->to_markdown();
   for (const auto& k : cli::train_schema()->keys())

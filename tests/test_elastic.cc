@@ -449,17 +449,21 @@ TEST(Elastic, SigkilledWorkerMidEpochSurvivorsGoOnWithEverySampleOnce) {
   EXPECT_NE(slurp(job.run + "/metrics.jsonl").find("\"first_step_seconds\""), std::string::npos);
 }
 
-// AdamW with clipping through a SIGKILL and a join: the survivors go on, the
-// joiner receives the moments and the update count by state sync, every
-// sample is trained once, and every member ends with the same weights and
-// the same optimizer state (final-*.txt fingerprints both).
-TEST(Elastic, AdamWSurvivesASigkillAndAJoinWithIdenticalMembersAndState) {
+// AdamW with clipping, two micro-batches a step and overlapped buckets,
+// through a SIGKILL and a join: the survivors go on (a step that fails
+// between micro-batches is redone whole), the joiner receives the moments and
+// the update count by state sync, every sample is trained once, and every
+// member ends with the same weights and the same optimizer state
+// (final-*.txt fingerprints both).
+TEST(Elastic, AdamWWithAccumulationSurvivesASigkillAndAJoinWithIdenticalMembersAndState) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   Job job;
   // Paced the whole run (20 ms a step): the joiner cannot miss the job.
   const std::vector<std::string> adamw = {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002",
                                           "--set", "optim.clip_grad_norm=1.0", "--set", "train.slow_step_ms=20",
-                                          "--set", "train.testing_pace_until_workers=3"};
+                                          "--set", "train.testing_pace_until_workers=3",
+                                          "--set", "train.accumulate=2", "--set", "elastic.overlap=true",
+                                          "--set", "elastic.bucket_mb=0.001"};
   job.start(2, 1, 6, {}, adamw);
   ASSERT_TRUE(job.training()) << slurp(job.log);
   ASSERT_EQ(::kill(rank_pid(job.log, 1), SIGKILL), 0);
@@ -473,7 +477,11 @@ TEST(Elastic, AdamWSurvivesASigkillAndAJoinWithIdenticalMembersAndState) {
   expect_exactly_once(job.run, 6, 3000);
   expect_identical_finals(job.run, 2);
   EXPECT_GT(s["test_accuracy"].get<double>(), 0.6);
-  EXPECT_NE(slurp(job.run + "/metrics.jsonl").find("\"grad_norm\""), std::string::npos);
+  EXPECT_GT(s["communication"]["buckets_started_in_backward"].get<int64_t>(), 0);
+  const std::string metrics = slurp(job.run + "/metrics.jsonl");
+  EXPECT_NE(metrics.find("\"grad_norm\""), std::string::npos);
+  // Two workers, two micro-batches of 8 each: a step's global batch is 32.
+  EXPECT_NE(metrics.find("\"batch_size\":32"), std::string::npos);
 }
 
 // A stopped worker keeps its connections open, so the others' all-reduce

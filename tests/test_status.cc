@@ -117,7 +117,7 @@ std::shared_ptr<Board> elastic_board() {
   b.member_event(3, "start", "joined 1,2,3");
   b.add_record({{"kind", "train"}, {"step", 50}, {"epoch", 0.5}, {"loss", 1.25}, {"lr", 0.04},
                 {"lr_multiplier", 1.75}, {"batch_size", 192}, {"samples", 9600}, {"skipped_steps", 2},
-                {"samples_per_second", 6000.0}});
+                {"samples_per_second", 6000.0}, {"grad_norm", 3.5}});
   b.add_record({{"kind", "eval"}, {"step", 50}, {"test_accuracy", 0.8}, {"test_loss", 0.5}});
   b.add_record({{"kind", "isgd_epoch"}, {"triggered", 3}, {"extra_iterations", 9}});
   b.member_event(2, "hang", "lost 2");
@@ -136,6 +136,8 @@ TEST(StatusBoard, SnapshotFollowsTheRecordsAndTheSchema) {
   EXPECT_EQ(s["samples_total"], 9600);
   EXPECT_EQ(s["skipped_steps"], 2);
   EXPECT_DOUBLE_EQ(s["lr_multiplier"].get<double>(), 1.75);
+  EXPECT_DOUBLE_EQ(s["grad_norm"].get<double>(), 3.5);
+  EXPECT_DOUBLE_EQ(s["series"]["grad_norm"].back().get<double>(), 3.5);
   EXPECT_DOUBLE_EQ(s["test_accuracy"].get<double>(), 0.8);
   EXPECT_EQ(s["isgd"]["triggers_total"], 3);
   EXPECT_TRUE(s["ps"].is_null());
@@ -177,6 +179,8 @@ TEST(StatusBoard, PrometheusTextParsesAndCarriesTheRequiredMetrics) {
   EXPECT_EQ(value_of(samples, "limbo_isgd_triggers_total"), 3);
   EXPECT_EQ(types["limbo_skipped_steps_total"], "counter");
   EXPECT_EQ(value_of(samples, "limbo_skipped_steps_total"), 2);
+  EXPECT_EQ(types["limbo_grad_norm"], "gauge");
+  EXPECT_EQ(value_of(samples, "limbo_grad_norm"), 3.5);
   EXPECT_EQ(types.count("limbo_staleness"), 0u);  // not a parameter-server job
 }
 

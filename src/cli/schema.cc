@@ -239,6 +239,9 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(I("train.checkpoint_every_steps", 0, 0, std::nullopt, "checkpoint every N steps (0 = off)"));
     s->add(I("train.checkpoint_every_epochs", 1, 0, std::nullopt,
              "checkpoint every N epochs (0 = off; a final checkpoint is always written)"));
+    s->add(I("train.accumulate", 1, 1, 4096,
+             "micro-batches of data.batch_size per optimizer step: the step's batch is accumulate x "
+             "data.batch_size a worker (gradient accumulation)"));
     s->add(I("train.max_nonfinite_steps", 10, 0, std::nullopt,
              "stop the run as diverged after this many steps in a row whose gradient or loss is "
              "not finite (each is skipped); 0 = never stop"));
@@ -368,6 +371,10 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.epochs = c.get_int("train.epochs");
   t.train.max_steps = c.get_int("train.max_steps");
   t.train.max_nonfinite_steps = c.get_int("train.max_nonfinite_steps");
+  // A step takes accumulate micro-batches: the loader, the policies and the
+  // records see the step's whole batch; TrainStep cuts it up.
+  t.train.accumulate = c.get_int("train.accumulate");
+  t.loader.batch_size = c.get_int("data.batch_size") * t.train.accumulate;
   t.train.seed = static_cast<uint64_t>(c.get_int("train.seed"));
   t.train.log_every = c.get_int("train.log_every");
   t.train.eval_every_epochs = c.get_int("train.eval_every_epochs");

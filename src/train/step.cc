@@ -62,10 +62,23 @@ torch::Tensor TrainStep::loss(const torch::Tensor& x, const torch::Tensor& y) {
 double TrainStep::gradient(torch::Tensor& x, const torch::Tensor& y, const BeforeBackward& before_backward) {
   flat_.zero_grad();
   prepare(x);
-  auto l = loss(x, y);
-  const double value = l.item<double>();
-  if (before_backward) before_backward(value);
-  l.backward();
+  const int64_t n = x.size(0), parts = std::min<int64_t>(micro_, n);
+  double value = 0;
+  if (parts <= 1) {
+    auto l = loss(x, y);
+    value = l.item<double>();
+    if (before_backward) before_backward(value);
+    l.backward();
+  } else {
+    const auto xs = x.tensor_split(parts), ys = y.tensor_split(parts);
+    for (int64_t k = 0; k < parts; ++k) {
+      const double share = static_cast<double>(xs[k].size(0)) / static_cast<double>(n);
+      auto l = loss(xs[k], ys[k]);
+      value += share * l.item<double>();
+      if (k == parts - 1 && before_backward) before_backward(value);
+      (l * share).backward();
+    }
+  }
   if (delay_.count() > 0) std::this_thread::sleep_for(delay_);
   return value;
 }

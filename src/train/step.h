@@ -62,6 +62,14 @@ class TrainStep {
   // before_backward (may be empty) is called between forward and backward
   // with the batch's loss: a data-parallel rule starts reducing gradient
   // buckets there while backward still runs (elastic.overlap).
+  //
+  // With micro-batches (train.accumulate = K > 1) the batch is cut into K
+  // parts (sizes differing by at most one), each forward and backward in
+  // turn with its loss weighted by its share of the batch, so the gradients
+  // add up to the whole batch's mean gradient while only one part's
+  // activations are alive. before_backward comes before the last part's
+  // backward, with the whole batch's loss: only that backward reduces
+  // buckets (as DDP's no_sync for the others).
   using BeforeBackward = std::function<void(double loss)>;
   double gradient(data::Batch& batch, const BeforeBackward& before_backward = {}) {
     return gradient(batch.x, batch.y, before_backward);
@@ -78,6 +86,8 @@ class TrainStep {
                       int64_t chunk = 64);
 
   bool reports_accuracy() const;
+  void set_micro_batches(int64_t k) { micro_ = k < 1 ? 1 : k; }
+  int64_t micro_batches() const { return micro_; }
   // Testing aid (train.slow_step_ms): gradient() also sleeps this long.
   void set_testing_delay(std::chrono::milliseconds d) { delay_ = d; }
   LossKind loss_kind() const { return loss_; }
@@ -93,6 +103,7 @@ class TrainStep {
   LossKind loss_;
   bool channels_last_;
   std::chrono::milliseconds delay_{0};
+  int64_t micro_ = 1;
 };
 
 // Mean loss and samples/s between two metrics lines.

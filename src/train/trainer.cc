@@ -63,6 +63,7 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   flat_ = std::make_unique<optim::FlatParams>(*model_, cfg_.model.channels_last);
   step_ = std::make_unique<TrainStep>(*model_, *flat_, cfg_.loss, cfg_.model.channels_last);
   step_->set_testing_delay(cfg_.train.slow_step);
+  step_->set_micro_batches(cfg_.train.accumulate);
   step_->check_data(*splits_, norm_);
   if (cfg_.algorithm != "isgd" && cfg_.algorithm != "sgd" && cfg_.algorithm != "adam" && cfg_.algorithm != "adamw")
     throw InvalidInput("unknown optim.algorithm '" + cfg_.algorithm + "'; allowed: sgd, isgd, adam, adamw" +

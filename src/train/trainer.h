@@ -72,6 +72,9 @@ struct TrainOptions {
   // Steps in a row whose gradient or loss is not finite (each skipped) after
   // which the run stops as diverged (0 = never).
   int64_t max_nonfinite_steps = 10;
+  // Micro-batches per optimizer step (gradient accumulation); the loader's
+  // batch_size is already the step's batch (accumulate x data.batch_size).
+  int64_t accumulate = 1;
 };
 
 struct TrainerConfig {

@@ -28,7 +28,8 @@ import urllib.request
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 JOB = ["--set", "model.name=lenet", "--set", "data.train_limit=20000", "--set", "data.test_limit=500",
-       "--set", "train.epochs=60", "--set", "train.progress=false", "--set", "train.log_every=10"]
+       "--set", "train.epochs=60", "--set", "train.progress=false", "--set", "train.log_every=10",
+       "--set", "optim.clip_grad_norm=5"]  # clipping on: the gradient-norm chart is drawn too
 
 
 def chromium(args, timeout=60):
@@ -114,7 +115,7 @@ def main():
         attrs, html = dump(url)
         print("browser, before:", {k: attrs[k] for k in ("updates", "charts", "members", "points", "canvases")})
         assert int(attrs["updates"]) >= 1, "the page never drew its data"
-        assert int(attrs["charts"]) >= 5, f"only {attrs['charts']} charts rendered"
+        assert int(attrs["charts"]) >= 6, f"only {attrs['charts']} charts rendered (with the gradient norm's)"
         assert int(attrs["points"]) >= 3, "the charts have no points"
         assert attrs["members"] == "3", f"the page shows {attrs['members']} members, expected 3"
 
