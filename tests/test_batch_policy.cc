@@ -5,6 +5,8 @@
 #include "common/error.h"
 #include "optim/batch_policy.h"
 
+#include <cmath>
+
 using namespace limbo;
 using namespace limbo::optim;
 
@@ -35,6 +37,36 @@ TEST(BatchPolicy, LinearScalesImmediately) {
     double want = t < 10 ? 1.0 : t < 30 ? 4.0 : 2.0;
     EXPECT_DOUBLE_EQ(p.step(t, schedule(t)).multiplier, want) << t;
   }
+}
+
+// Adam's square-root rule: the multiplier is sqrt(kappa), switched at once
+// (linear policy) or with kappa ramped over T (dynamic); the policy reports
+// the kappa in effect for the optimizer's betas and eps; "auto" picks the
+// rule by optimizer.
+TEST(BatchPolicy, TheSquareRootRuleFollowsKappaLinearlyRampedOrAtOnce) {
+  auto o = opts(BatchPolicyKind::Linear);
+  o.rule = ScalingRule::Sqrt;
+  BatchSizePolicy p(o);
+  for (int64_t t = 0; t < 40; ++t) {
+    const double kappa = t < 10 ? 1.0 : t < 30 ? 4.0 : 2.0;
+    auto s = p.step(t, schedule(t));
+    EXPECT_DOUBLE_EQ(s.kappa, kappa) << t;
+    EXPECT_DOUBLE_EQ(s.multiplier, std::sqrt(kappa)) << t;
+  }
+  auto d = opts(BatchPolicyKind::Dynamic, 8);
+  d.rule = ScalingRule::Sqrt;
+  BatchSizePolicy q(d);
+  for (int64_t t = 0; t < 30; ++t) {
+    auto s = q.step(t, schedule(t));
+    const double kappa = t < 10 ? 1.0 : 1.0 + 3.0 * std::min(1.0, (t - 10) / 8.0);
+    EXPECT_DOUBLE_EQ(s.kappa, kappa) << t;
+    EXPECT_DOUBLE_EQ(s.multiplier, std::sqrt(kappa)) << t;
+  }
+  EXPECT_EQ(parse_scaling_rule("auto", "adamw"), ScalingRule::Sqrt);
+  EXPECT_EQ(parse_scaling_rule("auto", "adam"), ScalingRule::Sqrt);
+  EXPECT_EQ(parse_scaling_rule("auto", "sgd"), ScalingRule::Linear);
+  EXPECT_EQ(parse_scaling_rule("linear", "adamw"), ScalingRule::Linear);
+  EXPECT_THROW(parse_scaling_rule("cubic", "sgd"), InvalidInput);
 }
 
 TEST(BatchPolicy, DynamicRampsUpOverTAndDropsAtOnce) {

@@ -228,6 +228,32 @@ TEST(Optimizer, StateSnapshotsRestoreTheNextUpdateExactly) {
   EXPECT_THROW(b->set_state({torch::zeros({n})}, 1), InvalidInput);
 }
 
+// Under the square-root rule at batch ratio kappa, Adam runs with
+// 1 - beta = kappa (1 - beta) and eps / sqrt(kappa): the same updates as an
+// Adam configured with those values.
+TEST(Adam, TheBatchScaleSetsTheSquareRootRulesBetasAndEps) {
+  const int64_t n = 400;
+  auto g = recorded_gradients(5, n);
+  auto o = adam_options("adamw");
+  auto scaled = make_optimizer(o);
+  scaled->set_batch_scale(4.0);
+  auto p = o;
+  p.beta1 = 1.0 - 4.0 * (1.0 - o.beta1);
+  p.beta2 = 1.0 - 4.0 * (1.0 - o.beta2);
+  p.eps = o.eps / 2.0;
+  auto plain = make_optimizer(p);
+  torch::Tensor w1 = torch::ones({n}), w2 = torch::ones({n});
+  for (int t = 0; t < 5; ++t) {
+    scaled->step(w1, g[t].contiguous(), 1e-3);
+    plain->step(w2, g[t].contiguous(), 1e-3);
+  }
+  EXPECT_TRUE(torch::allclose(w1, w2, 1e-6, 1e-7));
+  // A kappa so large that kappa (1 - beta1) passes 1: beta1 stops at 0.
+  scaled->set_batch_scale(1000.0);
+  EXPECT_TRUE(scaled->step(w1, g[0].contiguous(), 1e-3));
+  EXPECT_TRUE(torch::isfinite(w1).all().item<bool>());
+}
+
 // The parameter server's SGD form (rate inside the buffer) equals PyTorch's
 // form at a constant rate.
 TEST(Sgd, TheRateInsideTheBufferAgreesAtAConstantRate) {

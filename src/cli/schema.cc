@@ -153,6 +153,10 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(B("elastic.ramp_down", false, "dynamic: ramp down as well instead of dropping at once"));
     s->add(S("elastic.momentum", "keep", {"keep", "reset", "rescale"},
              "momentum buffer at a batch change: keep, zero, or rescale by the multiplier jump"));
+    s->add(S("elastic.scaling", "auto", {"auto", "linear", "sqrt"},
+             "how the learning rate follows the global batch ratio kappa: linear (x kappa), or sqrt "
+             "(x sqrt(kappa), with 1 - beta1, 1 - beta2 times kappa and eps / sqrt(kappa) for Adam); "
+             "auto = linear for sgd, sqrt for adam and adamw"));
 
     s->add(B("elastic.direct_allreduce", true,
              "gradient all-reduce on a raw Gloo context on the training thread (false: through "
@@ -367,6 +371,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.batch_policy.ramp_iterations = c.get_int("elastic.ramp_iterations");
   t.batch_policy.ramp_down = c.get_bool("elastic.ramp_down");
   t.batch_policy.momentum = optim::parse_momentum_on_change(c.get_string("elastic.momentum"));
+  t.batch_policy.rule = optim::parse_scaling_rule(c.get_string("elastic.scaling"), t.optimizer.algorithm);
 
   t.train.epochs = c.get_int("train.epochs");
   t.train.max_steps = c.get_int("train.max_steps");

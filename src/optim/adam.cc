@@ -1,5 +1,6 @@
 #include "optim/adam.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/error.h"
@@ -52,14 +53,19 @@ __attribute__((optimize("O3"))) uint32_t adam_pass(const UpdateSlice& s, AdamSca
 bool Adam::update(const UpdateSlice& s, const UpdateScalars& k) const {
   const auto& o = options();
   const double t = static_cast<double>(k.t);
-  const double bc1 = 1.0 - std::pow(o.beta1, t), bc2 = 1.0 - std::pow(o.beta2, t);
-  AdamScalars a{static_cast<float>(o.beta1),
-                static_cast<float>(1.0 - o.beta1),
-                static_cast<float>(o.beta2),
-                static_cast<float>(1.0 - o.beta2),
+  // The square-root rule's hyperparameters at batch ratio kappa (1: as set).
+  const double kappa = batch_scale();
+  const double beta1 = kappa == 1.0 ? o.beta1 : 1.0 - std::min(1.0, (1.0 - o.beta1) * kappa);
+  const double beta2 = kappa == 1.0 ? o.beta2 : 1.0 - std::min(1.0, (1.0 - o.beta2) * kappa);
+  const double eps = kappa == 1.0 ? o.eps : o.eps / std::sqrt(kappa);
+  const double bc1 = 1.0 - std::pow(beta1, t), bc2 = 1.0 - std::pow(beta2, t);
+  AdamScalars a{static_cast<float>(beta1),
+                static_cast<float>(1.0 - beta1),
+                static_cast<float>(beta2),
+                static_cast<float>(1.0 - beta2),
                 static_cast<float>(k.lr / bc1),
                 static_cast<float>(std::sqrt(bc2)),
-                static_cast<float>(o.eps),
+                static_cast<float>(eps),
                 static_cast<float>(o.weight_decay),
                 static_cast<float>(1.0 - k.decay_lr * o.weight_decay)};
   const bool first = s.s[0] == nullptr;

@@ -8,7 +8,9 @@
 //   w = w - (lr / (1 - beta1^t)) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //
 // t is the optimizer's update count (Optimizer::steps() + 1), kept with the
-// state. On a parameter-server shard `lr` is the staleness-divided rate of
+// state. Under the square-root batch rule at batch ratio kappa
+// (Optimizer::set_batch_scale), 1 - beta1 and 1 - beta2 are multiplied by
+// kappa (at most 1) and eps divided by sqrt(kappa). On a parameter-server shard `lr` is the staleness-divided rate of
 // the update and the decoupled decay runs at the shard's base rate
 // (UpdateScalars::decay_lr).
 #pragma once

@@ -1,6 +1,7 @@
 #include "optim/batch_policy.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/error.h"
 
@@ -14,6 +15,10 @@ BatchSizePolicy::BatchSizePolicy(BatchPolicyOptions opt) : opt_(opt) {
 
 double BatchSizePolicy::target(int64_t global_batch) const {
   return static_cast<double>(global_batch) / static_cast<double>(reference_);
+}
+
+double BatchSizePolicy::scaled(double kappa) const {
+  return opt_.rule == ScalingRule::Sqrt ? std::sqrt(kappa) : kappa;
 }
 
 double BatchSizePolicy::ramp_value(int64_t iteration) const {
@@ -57,11 +62,12 @@ BatchSizePolicy::Step BatchSizePolicy::step(int64_t iteration, int64_t global_ba
     switch (opt_.momentum) {
       case MomentumOnChange::Keep: break;
       case MomentumOnChange::Reset: s.momentum_factor = 0.0; break;
-      case MomentumOnChange::Rescale: s.momentum_factor = before / current_; break;
+      case MomentumOnChange::Rescale: s.momentum_factor = scaled(before) / scaled(current_); break;
     }
   }
   if (opt_.kind == BatchPolicyKind::Dynamic) current_ = ramp_value(iteration);
-  s.multiplier = current_;
+  s.kappa = current_;
+  s.multiplier = scaled(current_);
   return s;
 }
 
@@ -88,6 +94,13 @@ BatchPolicyKind parse_batch_policy(const std::string& s) {
   if (s == "linear") return BatchPolicyKind::Linear;
   if (s == "dynamic") return BatchPolicyKind::Dynamic;
   throw InvalidInput("elastic.batch_policy must be none, linear or dynamic, got '" + s + "'");
+}
+
+ScalingRule parse_scaling_rule(const std::string& s, const std::string& algorithm) {
+  if (s == "linear") return ScalingRule::Linear;
+  if (s == "sqrt") return ScalingRule::Sqrt;
+  if (s == "auto") return algorithm == "adam" || algorithm == "adamw" ? ScalingRule::Sqrt : ScalingRule::Linear;
+  throw InvalidInput("elastic.scaling must be auto, linear or sqrt, got '" + s + "'");
 }
 
 MomentumOnChange parse_momentum_on_change(const std::string& s) {

@@ -1,15 +1,23 @@
 // Learning-rate policies for a changing global batch (elastic training).
 //
 // The per-worker batch b is fixed, so the global batch is B = b * R and moves
-// when the worker count R does. The policy turns B into a multiplier on the
-// scheduled learning rate, relative to the reference batch B_ref at which the
-// base learning rate was tuned (default: the global batch at the start):
+// when the worker count R does. The policy follows the batch ratio
+// kappa = B / B_ref against the reference batch B_ref at which the
+// hyperparameters were tuned (default: the global batch at the start), and a
+// scaling rule turns kappa into a multiplier on the scheduled learning rate:
 //
-//   none     m = B_0 / B_ref, whatever happens later (no rescaling);
-//   linear   m = B / B_ref, switched immediately at a change;
+//   linear   m = kappa (SGD: Goyal et al.; Dynamic SGD), the default for SGD;
+//   sqrt     m = sqrt(kappa) (Malladi et al., NeurIPS 2022, the square-root
+//            rule for adaptive methods), the default for Adam and AdamW,
+//            which also scale (1 - beta1) and (1 - beta2) by kappa and eps
+//            by 1 / sqrt(kappa) (Optimizer::set_batch_scale).
+//
+// How kappa moves at a change of B:
+//   none     kappa = B_0 / B_ref, whatever happens later (no rescaling);
+//   linear   kappa = B / B_ref, switched immediately at a change;
 //   dynamic  Dynamic SGD (Lin et al.): after a change at iteration t0 from
-//            m_old to m_new = B / B_ref, the multiplier moves linearly,
-//            m(t) = m_old + (m_new - m_old) * min(1, (t - t0) / T),
+//            k_old to k_new = B / B_ref, kappa moves linearly,
+//            k(t) = k_old + (k_new - k_old) * min(1, (t - t0) / T),
 //            when the batch grows. When it shrinks it drops at once (default),
 //            because a ramp down keeps a too-large step for the now noisier
 //            batch; `ramp_down` ramps in both directions instead. A change
@@ -17,6 +25,9 @@
 //            shrink never raises it: when a shrink's target is still above
 //            the multiplier (an unfinished ramp up), the ramp goes on from
 //            there to the lower target.
+//
+// (Below, "the multiplier" of the original Dynamic SGD is kappa; with the
+// linear rule the two are the same.)
 //
 // Momentum at a change: keep the buffer (default, as the re-implementations
 // do), reset it to zero, or rescale it by the multiplier's jump at the change
@@ -33,6 +44,7 @@ namespace limbo::optim {
 
 enum class BatchPolicyKind { None, Linear, Dynamic };
 enum class MomentumOnChange { Keep, Reset, Rescale };
+enum class ScalingRule { Linear, Sqrt };
 
 struct BatchPolicyOptions {
   BatchPolicyKind kind = BatchPolicyKind::Dynamic;
@@ -40,6 +52,7 @@ struct BatchPolicyOptions {
   int64_t ramp_iterations = 200;  // T
   bool ramp_down = false;
   MomentumOnChange momentum = MomentumOnChange::Keep;
+  ScalingRule rule = ScalingRule::Linear;
 };
 
 class BatchSizePolicy {
@@ -48,13 +61,15 @@ class BatchSizePolicy {
 
   struct Step {
     double multiplier = 1.0;       // apply to the scheduled learning rate
+    double kappa = 1.0;            // the batch ratio in effect (ramped); Optimizer::set_batch_scale
     bool changed = false;          // the global batch changed at this step
     double momentum_factor = 1.0;  // multiply the momentum buffer by this (0 = reset)
   };
   // Called once per step, in order, with the global batch of that step.
   Step step(int64_t iteration, int64_t global_batch);
 
-  double multiplier() const { return current_; }
+  double multiplier() const { return scaled(current_); }
+  double kappa() const { return current_; }
   // Reference batch, ramp and last batch as a tensor (for checkpoints), and back.
   torch::Tensor state() const;
   void load_state(const torch::Tensor& t);
@@ -63,6 +78,7 @@ class BatchSizePolicy {
  private:
   double target(int64_t global_batch) const;
   double ramp_value(int64_t iteration) const;
+  double scaled(double kappa) const;  // the rule: kappa or sqrt(kappa)
 
   BatchPolicyOptions opt_;
   int64_t reference_ = 0;
@@ -72,6 +88,8 @@ class BatchSizePolicy {
 };
 
 BatchPolicyKind parse_batch_policy(const std::string& s);
+// "linear" | "sqrt"; "auto" picks linear for sgd, sqrt for adam / adamw.
+ScalingRule parse_scaling_rule(const std::string& s, const std::string& algorithm);
 MomentumOnChange parse_momentum_on_change(const std::string& s);
 
 }  // namespace limbo::optim

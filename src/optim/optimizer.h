@@ -95,6 +95,12 @@ class Optimizer {
   Snapshot snapshot() const;
   void restore(const Snapshot& s) { set_state(s.tensors, s.steps); }
   void reset_state() { set_state({}, 0); }
+  // The batch ratio kappa = B / B_ref of the batch-size policy in effect
+  // (optim/batch_policy.h). Adam scales (1 - beta1) and (1 - beta2) by kappa
+  // (at most 1) and eps by 1 / sqrt(kappa), the square-root rule's
+  // hyperparameters; SGD needs only the learning rate and ignores it.
+  void set_batch_scale(double kappa) { kappa_ = kappa > 0 ? kappa : 1.0; }
+  double batch_scale() const { return kappa_; }
   // Batch-change policies: multiplies the state that carries past gradients'
   // direction (SGD's momentum buffer, Adam's exp_avg); 0 clears all state.
   void scale_momentum(double factor);
@@ -107,6 +113,7 @@ class Optimizer {
   OptimizerOptions opt_;
   std::vector<torch::Tensor> state_;
   int64_t steps_ = 0;
+  double kappa_ = 1.0;
 };
 
 // The optimizer for `opt.algorithm`; throws InvalidInput naming the setting

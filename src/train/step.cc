@@ -208,6 +208,7 @@ PolicyStep policy_step(optim::BatchSizePolicy& policy, const optim::LrSchedule& 
   PolicyStep p;
   p.policy = policy.step(step, nominal_global_batch);
   if (p.policy.changed && p.policy.momentum_factor != 1.0) opt.scale_momentum(p.policy.momentum_factor);
+  opt.set_batch_scale(policy.options().rule == optim::ScalingRule::Sqrt ? p.policy.kappa : 1.0);
   p.lr = schedule.lr(epoch, step) * p.policy.multiplier;
   return p;
 }
