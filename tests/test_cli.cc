@@ -94,12 +94,15 @@ TEST(Cli, TrainsLeNetOnAFashionMnistSubsetToARealAccuracy) {
   EXPECT_GT(slurp(d.file("w.safetensors")).size(), 431080u * 4);
 }
 
+// With AdamW and clipping: the checkpoint carries the moments and the update
+// count, so `--resume` continues the same run; `limbo export` reads it.
 TEST(Cli, KilledRunResumesToTheSameWeights) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   TempDir full, part;
   std::vector<std::string> common = {"--set", "data.train_limit=2000", "--set", "data.test_limit=500",
                                      "--set", "train.epochs=2", "--set", "train.threads=1",
-                                     "--set", "optim.schedule=cosine"};
+                                     "--set", "optim.schedule=cosine", "--set", "optim.algorithm=adamw",
+                                     "--set", "optim.lr=0.002", "--set", "optim.clip_grad_norm=1.0"};
   auto args = [&](const std::string& dir, std::vector<std::string> extra) {
     std::vector<std::string> a = {"train", "--run-dir", dir};
     a.insert(a.end(), common.begin(), common.end());
@@ -128,6 +131,8 @@ TEST(Cli, KilledRunResumesToTheSameWeights) {
   EXPECT_TRUE(torch::allclose(a, b, 1e-6, 1e-7)) << (a - b).abs().max().item<float>();
   EXPECT_NEAR(s["test_accuracy"].get<double>(), summary(full.path())["test_accuracy"].get<double>(),
               1e-9);
+  auto x = run_limbo({"export", "--checkpoint", part.file("checkpoint.pt"), "--out", part.file("w.safetensors")});
+  EXPECT_EQ(x.exit_code, 0) << x.output;
 }
 
 TEST(Cli, BadInputGivesAClearErrorAndExitCode2) {
