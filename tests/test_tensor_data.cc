@@ -4,8 +4,11 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
+#include <numeric>
+#include <set>
 
 #include "common/error.h"
 #include "common/files.h"
@@ -13,6 +16,7 @@
 #include "data/registry.h"
 #include "data/tensor_dataset.h"
 #include "data/tensor_file.h"
+#include "data/token_dataset.h"
 #include "train/safetensors.h"
 #include "expect_invalid.h"
 #include "test_util.h"
@@ -77,6 +81,8 @@ TEST(Npy, ReadsEveryDtypeMemoryMapped) {
   std::vector<Case> cases = {
       {"|u1", DType::U8, raw(std::vector<uint8_t>{0, 7, 255})},
       {"|i1", DType::I8, raw(std::vector<int8_t>{-1, 7, -128})},
+      {"<u2", DType::U16, raw(std::vector<uint16_t>{0, 7, 65535})},
+      {"<i2", DType::I16, raw(std::vector<int16_t>{-5, 7, -32768})},
       {"<i4", DType::I32, raw(std::vector<int32_t>{-5, 7, 100000})},
       {"<i8", DType::I64, raw(std::vector<int64_t>{-5, 7, 1LL << 40})},
       {"<f2", DType::F16, raw(std::vector<uint16_t>{0x3c00, 0xc000, 0x3800})},  // 1, -2, 0.5
@@ -94,21 +100,25 @@ TEST(Npy, ReadsEveryDtypeMemoryMapped) {
     EXPECT_EQ(std::memcmp(t.data, c.bytes.data(), c.bytes.size()), 0);
   }
   float f[3];
-  to_float(DType::F16, reinterpret_cast<const uint8_t*>(cases[4].bytes.data()), 3, f);
+  to_float(DType::F16, reinterpret_cast<const uint8_t*>(cases[6].bytes.data()), 3, f);
   EXPECT_EQ(f[0], 1.0f);
   EXPECT_EQ(f[1], -2.0f);
   EXPECT_EQ(f[2], 0.5f);
   int64_t v[3];
   to_int64(DType::I8, reinterpret_cast<const uint8_t*>(cases[1].bytes.data()), 3, v);
   EXPECT_EQ(v[2], -128);
+  to_int64(DType::U16, reinterpret_cast<const uint8_t*>(cases[2].bytes.data()), 3, v);
+  EXPECT_EQ(v[2], 65535);
+  to_int64(DType::I16, reinterpret_cast<const uint8_t*>(cases[3].bytes.data()), 3, v);
+  EXPECT_EQ(v[2], -32768);
 }
 
 TEST(Npy, BadFilesAreRefusedNamingTheFileAndTheProblem) {
   TempDir d;
   const std::string p = d.file("bad.npy");
   expect_invalid([&] { read_npy(d.file("missing.npy")); }, {"missing.npy", "cannot open"});
-  put(p, npy_bytes("<u2", {2}, std::string(4, '\0')));
-  expect_invalid([&] { read_npy(p); }, {"bad.npy", "'<u2'", "does not read"});
+  put(p, npy_bytes("<u4", {2}, std::string(8, '\0')));
+  expect_invalid([&] { read_npy(p); }, {"bad.npy", "'<u4'", "does not read"});
   put(p, npy_bytes("|b1", {2}, std::string(2, '\0')));
   expect_invalid([&] { read_npy(p); }, {"bad.npy", "'|b1'"});
   put(p, npy_bytes("<f4", {2, 2}, std::string(16, '\0'), /*fortran=*/true));
@@ -288,7 +298,7 @@ TEST(TensorDataset, BadInputExitsWithCode2AndWritesNothing) {
   std::vector<uint8_t> x(32, 1);
   std::vector<Case> cases = {
       {"train_x.npy", npy_bytes("|u1", {8, 1, 2, 2}, raw(x)).substr(0, 100), "truncated"},
-      {"train_x.npy", npy_bytes("<u2", {8, 1, 2, 2}, std::string(64, '\0')), "'<u2'"},
+      {"train_x.npy", npy_bytes("<u4", {8, 1, 2, 2}, std::string(128, '\0')), "'<u4'"},
       {"train_x.npy", npy_bytes("|u1", {8, 1, 2, 2}, raw(x), true), "Fortran order"},
       {"train_y.npy", npy_bytes("|O", {8}, std::string(64, '\0')), "object array"},
       {"train_y.npy", npy_bytes("<i8", {7}, std::string(56, '\0')), "lengths differ"},
@@ -553,4 +563,175 @@ TEST(TensorDataset, IntegerSamplesReachAUsersModuleAsInt64Ids) {
     expect_invalid([&] { data::load_dataset(source(d, "ids", true)); }, {"data.inputs", "train_x.npy", "float32"});
     expect_invalid([&] { data::load_dataset(source(d, "words", true)); }, {"data.inputs", "words"});
   }
+}
+
+// --- token streams (data.dataset = "tokens") -----------------------------------
+
+namespace {
+
+// A token folder: train.npy holding 0, 1, ..., n-1 as `descr` (uint16 by
+// default) and val.npy holding 0 .. v-1 as int32.
+void write_stream(const TempDir& d, int64_t n, int64_t v = 300) {
+  std::vector<uint16_t> train(n);
+  for (int64_t i = 0; i < n; ++i) train[i] = static_cast<uint16_t>(i);
+  std::vector<int32_t> val(v);
+  for (int64_t i = 0; i < v; ++i) val[i] = static_cast<int32_t>(i);
+  put(d.file("train.npy"), npy_bytes("<u2", {n}, raw(train)));
+  put(d.file("val.npy"), npy_bytes("<i4", {v}, raw(val)));
+}
+
+TokenOptions stream_options(int64_t context, int64_t vocab = 0) {
+  TokenOptions o;
+  o.context = context;
+  o.vocab = vocab;
+  o.seed = 7;
+  return o;
+}
+
+}  // namespace
+
+TEST(TokenStream, EachEpochTilesTheStreamFromAPhaseThatMovesWithTheEpoch) {
+  TempDir d;
+  write_stream(d, 1000);
+  auto s = load_token_dataset(d.path(), stream_options(16));
+  ASSERT_TRUE(s.train.stream && s.test.stream);
+  EXPECT_TRUE(s.train.x_ids);
+  EXPECT_EQ(s.train.num_classes, 1000);  // 1 + the largest token of either split
+  EXPECT_EQ(s.train.size(), 999 / 16 - 1);  // one window given up so every phase fits
+  EXPECT_EQ(s.test.size(), 299 / 16);
+  EXPECT_EQ(sample_shape(s.train), std::vector<int64_t>{16});
+  std::set<int64_t> phases;
+  for (int64_t epoch = 0; epoch < 12; ++epoch) {
+    std::vector<int64_t> ids(s.train.size());
+    std::iota(ids.begin(), ids.end(), 0);
+    std::reverse(ids.begin(), ids.end());  // order does not place a window: its id does
+    Batch b = make_train_batch(s.train, {}, ids, epoch, Augmenter());
+    ASSERT_EQ(b.x.sizes(), (std::vector<int64_t>{s.train.size(), 16}));
+    ASSERT_EQ(b.x.scalar_type(), torch::kInt64);
+    const int64_t phase = s.train.stream->offset(epoch, 0);
+    ASSERT_GE(phase, 0);
+    ASSERT_LT(phase, 16);
+    phases.insert(phase);
+    for (size_t r = 0; r < ids.size(); ++r) {
+      const int64_t o = phase + ids[r] * 16;  // windows tile the stream: none overlap, none is skipped
+      EXPECT_EQ(s.train.stream->offset(epoch, ids[r]), o);
+      for (int64_t k = 0; k < 16; ++k) {
+        ASSERT_EQ(b.x[r][k].item<int64_t>(), o + k) << "epoch " << epoch << " id " << ids[r];
+        ASSERT_EQ(b.y[r][k].item<int64_t>(), o + k + 1);  // the next token
+      }
+    }
+    EXPECT_LE(phase + s.train.size() * 16 + 1, 1000);  // the last target lies inside the stream
+  }
+  EXPECT_GE(phases.size(), 4u) << "the phase does not move with the epoch";
+  // The same (seed, epoch, id) gives the same window: a redone step sees the same data.
+  auto again = load_token_dataset(d.path(), stream_options(16));
+  for (int64_t epoch = 0; epoch < 12; ++epoch)
+    EXPECT_EQ(again.train.stream->offset(epoch, 3), s.train.stream->offset(epoch, 3));
+  // Validation windows never move: window i starts at i * T in every epoch.
+  for (int64_t epoch : {0, 5}) {
+    Batch v = make_train_batch(s.test, {}, {0, 4, 17}, epoch, Augmenter());
+    EXPECT_EQ(v.x[1][0].item<int64_t>(), 64);
+    EXPECT_EQ(v.x[2][15].item<int64_t>(), 17 * 16 + 15);
+    EXPECT_EQ(v.y[2][15].item<int64_t>(), 17 * 16 + 16);
+  }
+  Batch e = make_batch(s.test, {}, {2});  // evaluation's batches
+  EXPECT_EQ(e.x[0][0].item<int64_t>(), 32);
+}
+
+TEST(TokenStream, ShardsAndSafetensorsReadAsOneStreamAcrossTheirBoundaries) {
+  TempDir d;
+  std::vector<uint8_t> all(337);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint8_t>(i % 251);
+  const int64_t cuts[4] = {0, 100, 137, 337};
+  for (int k = 0; k < 3; ++k) {
+    std::vector<uint8_t> part(all.begin() + cuts[k], all.begin() + cuts[k + 1]);
+    char name[64];
+    std::snprintf(name, sizeof name, "train-%05d-of-00003.npy", k);
+    put(d.file(name), npy_bytes("|u1", {cuts[k + 1] - cuts[k]}, raw(part)));
+  }
+  std::vector<int64_t> val(50, 3);
+  torch::Tensor vt = torch::tensor(val, torch::kInt64);
+  train::write_safetensors(d.file("val.safetensors"), {{"tokens", vt}}, {});
+  auto s = load_token_dataset(d.path(), stream_options(40, 251));
+  EXPECT_EQ(s.train.stream->tokens.rows(), 337);
+  EXPECT_EQ(s.test.size(), 1);
+  // Read every window of every epoch against the whole array.
+  for (int64_t epoch = 0; epoch < 5; ++epoch)
+    for (int64_t id = 0; id < s.train.size(); ++id) {
+      const int64_t o = s.train.stream->offset(epoch, id);
+      Batch b = make_train_batch(s.train, {}, {id}, epoch, Augmenter());
+      for (int64_t k = 0; k < 40; ++k) {
+        ASSERT_EQ(b.x[0][k].item<int64_t>(), all[o + k]) << "epoch " << epoch << " id " << id << " at " << o + k;
+        ASSERT_EQ(b.y[0][k].item<int64_t>(), all[o + k + 1]);
+      }
+    }
+  EXPECT_EQ(make_batch(s.test, {}, {0}).x[0][5].item<int64_t>(), 3);
+}
+
+TEST(TokenStream, BadStreamsAreInputErrorsNamingTheFileAndPosition) {
+  {  // a token beyond the vocabulary, in a shard: the shard and the position there
+    TempDir d;
+    write_stream(d, 400, 300);
+    expect_invalid([&] { load_token_dataset(d.path(), stream_options(8, 350)); },
+                   {"train.npy", "the token at position 350", "is 350", "outside [0, 350)", "data.vocab = 350"});
+    TokenOptions o = stream_options(8, 399);
+    o.vocab_from = "model.classes";
+    expect_invalid([&] { load_token_dataset(d.path(), o); }, {"position 399", "model.classes = 399"});
+  }
+  {  // negative ids
+    TempDir d;
+    write_stream(d, 100);
+    put(d.file("val.npy"), npy_bytes("<i2", {4}, raw(std::vector<int16_t>{1, 2, -7, 3})));
+    expect_invalid([&] { load_token_dataset(d.path(), stream_options(2)); },
+                   {"val.npy", "position 2", "is -7", "not negative"});
+  }
+  {  // shards: the position in the shard and in the stream
+    TempDir d;
+    write_stream(d, 100);
+    std::filesystem::remove(d.file("val.npy"));
+    put(d.file("val-00000-of-00002.npy"), npy_bytes("|u1", {3}, raw(std::vector<uint8_t>{1, 2, 3})));
+    put(d.file("val-00001-of-00002.npy"), npy_bytes("|u1", {3}, raw(std::vector<uint8_t>{4, 200, 6})));
+    expect_invalid([&] { load_token_dataset(d.path(), stream_options(2, 100)); },
+                   {"val-00001-of-00002.npy", "position 1 (position 4 of the stream)", "is 200"});
+    std::filesystem::remove(d.file("val-00000-of-00002.npy"));
+    expect_invalid([&] { load_token_dataset(d.path(), stream_options(2, 256)); }, {"shard 0", "missing"});
+    put(d.file("val.npy"), npy_bytes("|u1", {3}, raw(std::vector<uint8_t>{1, 2, 3})));
+    expect_invalid([&] { load_token_dataset(d.path(), stream_options(2, 256)); }, {"more than once"});
+  }
+  {  // shapes, dtypes, lengths and missing splits
+    TempDir d;
+    write_stream(d, 100);
+    expect_invalid([&] { load_token_dataset(d.path(), stream_options(0)); }, {"data.context"});
+    expect_invalid([&] { load_token_dataset(d.path(), stream_options(100)); },
+                   {"train.npy", "holds 100 tokens", "data.context + 1 = 101"});
+    put(d.file("val.npy"), npy_bytes("<i4", {2, 3}, std::string(24, '\0')));
+    expect_invalid([&] { load_token_dataset(d.path(), stream_options(2)); }, {"val.npy", "[2, 3]", "1-D"});
+    put(d.file("val.npy"), npy_bytes("<f4", {6}, std::string(24, '\0')));
+    expect_invalid([&] { load_token_dataset(d.path(), stream_options(2)); }, {"val.npy", "float32", "integers"});
+    std::filesystem::remove(d.file("val.npy"));
+    expect_invalid([&] { load_token_dataset(d.path(), stream_options(2)); }, {"no val split", "val.npy"});
+    expect_invalid([&] { load_token_dataset(d.file("nowhere"), stream_options(2)); }, {"nowhere", "does not exist"});
+  }
+}
+
+TEST(TokenStream, TheCliRefusesBadTokensWithCode2AndWritesNothing) {
+  TempDir d;
+  write_stream(d, 400, 300);
+  const std::string run = d.file("run");
+  auto r = run_limbo({"train", "--run-dir", run, "--set", "data.dataset=tokens", "--set", "data.path=" + d.path(),
+                      "--set", "data.context=8", "--set", "data.vocab=256", "--set", "model.name=torchscript",
+                      "--set", "model.path=" + d.file("absent.pt")});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("the token at position 256"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(run));
+  // Token streams feed ids to a user's module; a built-in model is refused.
+  auto b = run_limbo({"train", "--run-dir", run, "--set", "data.dataset=tokens", "--set", "data.path=" + d.path(),
+                      "--set", "data.context=8"});
+  EXPECT_EQ(b.exit_code, 2) << b.output;
+  EXPECT_NE(b.output.find("TorchScript module"), std::string::npos) << b.output;
+  // data.context on another dataset is a mistake, not silently ignored.
+  auto c = run_limbo({"train", "--run-dir", run, "--set", "data.dataset=synthetic", "--set", "data.context=8"});
+  EXPECT_EQ(c.exit_code, 2) << c.output;
+  EXPECT_NE(c.output.find("data.context is for token streams"), std::string::npos) << c.output;
+  EXPECT_FALSE(std::filesystem::exists(run));
 }

@@ -10,6 +10,9 @@
 #include <map>
 #include <regex>
 
+#include <sstream>
+
+#include "job_checks.h"
 #include "user_fixtures.h"
 
 namespace {
@@ -250,4 +253,93 @@ TEST(TorchScript, AByteLevelModelOverAnEmbeddingTrainsInEveryMode) {
                            user_job(fx, "byte_lm.pt", "bytes_npy", {"model.classes=100", "train.max_steps=2"})));
   EXPECT_EQ(few.exit_code, 2) << few.output;
   EXPECT_NE(few.output.find("outside [0, 100)"), std::string::npos) << few.output;
+}
+
+// --- token streams (data.dataset = "tokens") ------------------------------------
+
+namespace {
+
+std::vector<std::string> stream_job(const Fixtures& fx, std::vector<std::string> extra) {
+  std::vector<std::string> base = {"data.dataset=tokens", "data.context=32", "optim.lr=0.2", "train.threads=1"};
+  base.insert(base.end(), extra.begin(), extra.end());
+  return user_job(fx, "byte_lm.pt", "bytes_stream", base);
+}
+
+// Every eval record and the summary carry test_perplexity = exp(test_loss).
+void expect_perplexity(const std::string& run) {
+  auto s = summary(run);
+  ASSERT_TRUE(s.contains("test_perplexity")) << s.dump();
+  EXPECT_NEAR(s["test_perplexity"].get<double>(), std::exp(s["test_loss"].get<double>()), 1e-9) << s.dump();
+  int evals = 0;
+  std::istringstream in(slurp(run + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    auto r = json::parse(line);
+    if (r.value("kind", "") != "eval") continue;
+    ++evals;
+    ASSERT_TRUE(r.contains("test_perplexity")) << line;
+    EXPECT_NEAR(r["test_perplexity"].get<double>(), std::exp(r["test_loss"].get<double>()), 1e-9) << line;
+  }
+  EXPECT_GE(evals, 1) << run;
+}
+
+}  // namespace
+
+TEST(TokenStreams, AByteModelTrainsOnAStreamInEveryModeAndReportsPerplexity) {
+  NEED_FIXTURES();
+  TempDir d;
+  const auto job = stream_job(fx, {"train.epochs=8"});
+  const std::map<std::string, std::vector<std::string>> modes = {
+      {"single", cat({"train", "--run-dir", d.file("single")}, job)},
+      {"data-parallel", cat({"launch", "--nproc", "2", "--min-workers", "1", "--", "--run-dir", d.file("data-parallel")}, job)},
+      {"parameter-server", cat({"launch", "--mode", "async", "--servers", "2", "--workers", "2", "--run-dir",
+                                d.file("parameter-server"), "--"},
+                               cat(job, {"--set", "ps.request_timeout=30"}))},
+      {"simulator", cat({"sim", "--run-dir", d.file("simulator"), "--set", "sim.learners=2"}, job)},
+      {"elastic-simulator", cat({"sim", "--run-dir", d.file("elastic-simulator"), "--set", "sim.mode=elastic",
+                                 "--set", "sim.learners=2"}, job)}};
+  for (const auto& [mode, args] : modes) {
+    SCOPED_TRACE(mode);
+    auto r = run_limbo(args);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    auto s = summary(d.file(mode));
+    // An untrained byte model scores perplexity 256 (loss ln 256 = 5.55).
+    EXPECT_LT(s["test_loss"].get<double>(), 3.3) << s.dump();
+    if (mode != "parameter-server") expect_perplexity(d.file(mode));
+    else EXPECT_NEAR(s["test_perplexity"].get<double>(), std::exp(s["test_loss"].get<double>()), 1e-9);
+  }
+  // The single-process run's output names the perplexity.
+  auto r = run_limbo(cat({"train", "--run-dir", d.file("short")}, stream_job(fx, {"train.max_steps=3"})));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("perplexity"), std::string::npos) << r.output;
+  // model.classes below the largest token: the file and position are named.
+  auto few = run_limbo(cat({"train", "--run-dir", d.file("few")}, stream_job(fx, {"model.classes=100", "train.max_steps=2"})));
+  EXPECT_EQ(few.exit_code, 2) << few.output;
+  EXPECT_NE(few.output.find("train.npy': the token at position"), std::string::npos) << few.output;
+  EXPECT_NE(few.output.find("model.classes = 100"), std::string::npos) << few.output;
+}
+
+TEST(TokenStreams, ElasticWorkersSurviveASigkillWithEveryWindowUsedOncePerEpoch) {
+  NEED_FIXTURES();
+  TempDir d;
+  const std::string run = d.file("run"), log = d.file("launch.log");
+  const int epochs = 3;
+  pid_t launcher = limbo::testing::spawn_limbo(
+      cat({"launch", "--nproc", "2", "--min-workers", "1", "--", "--run-dir", run},
+          stream_job(fx, {"train.epochs=3", "train.sample_log=true", "elastic.collective_timeout=2",
+                          "train.slow_step_ms=30"})),
+      log);
+  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 90)) << slurp(log);
+  std::smatch m;
+  std::string text = slurp(log);
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("worker rank 1 pid ([0-9]+)"))) << text;
+  ASSERT_EQ(::kill(std::stoi(m[1]), SIGKILL), 0);
+  auto r = limbo::testing::wait_child(launcher, log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = summary(run);
+  EXPECT_GE(s["membership_changes"].get<int64_t>(), 1);
+  // The training stream holds 31 634 bytes: (31 634 - 1) / 32 - 1 = 987 windows an epoch.
+  const int64_t windows = s["samples"].get<int64_t>() / epochs;
+  EXPECT_EQ(windows, 987);
+  limbo::testing::expect_exactly_once(run, epochs, static_cast<int>(windows));
+  expect_perplexity(run);
 }

@@ -39,8 +39,8 @@ std::unique_ptr<train::Trainer> load(const CheckpointArgs& a) {
 int run_eval(const CheckpointArgs& a) {
   auto trainer = load(a);
   auto r = trainer->evaluate_test();
-  nlohmann::json out = {{"checkpoint", a.checkpoint}, {"test_samples", r.samples}, {"test_loss", r.loss},
-                        {"test_accuracy", std::isnan(r.accuracy) ? nlohmann::json() : nlohmann::json(r.accuracy)}};
+  nlohmann::json out = {{"checkpoint", a.checkpoint}, {"test_samples", r.samples}};
+  out.update(train::eval_fields(r));
   std::printf("%s\n", out.dump().c_str());
   return 0;
 }

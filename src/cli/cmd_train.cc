@@ -178,7 +178,9 @@ int run_train(const TrainArgs& a) {
 std::string test_result(const nlohmann::json& s) {
   char buf[96];
   const double loss = s.value("test_loss", nlohmann::json()).is_number() ? s["test_loss"].get<double>() : NAN;
-  if (s.contains("test_accuracy") && s["test_accuracy"].is_number())
+  if (s.contains("test_perplexity") && s["test_perplexity"].is_number())
+    std::snprintf(buf, sizeof buf, "test loss: %.4f, perplexity %.3f", loss, s["test_perplexity"].get<double>());
+  else if (s.contains("test_accuracy") && s["test_accuracy"].is_number())
     std::snprintf(buf, sizeof buf, "test accuracy: %.2f%% (test loss %.4f)",
                   100.0 * s["test_accuracy"].get<double>(), loss);
   else

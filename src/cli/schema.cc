@@ -76,10 +76,18 @@ std::shared_ptr<const Schema> train_schema() {
              "keep convolution weights and inputs in channels-last memory order (faster oneDNN "
              "convolutions on CPU; same results up to rounding)"));
 
-    s->add(S("data.dataset", "fashion-mnist", {"fashion-mnist", "mnist", "cifar10", "synthetic", "tensors"},
+    s->add(S("data.dataset", "fashion-mnist", {"fashion-mnist", "mnist", "cifar10", "synthetic", "tensors", "tokens"},
              "dataset; tensors = your own arrays in data.path: train.safetensors and "
              "test.safetensors (tensors x, y), or train_x.npy, train_y.npy, test_x.npy, "
-             "test_y.npy"));
+             "test_y.npy; tokens = language-model token streams in data.path: train.npy and val.npy "
+             "(1-D integer ids; or .safetensors, or shards train-00000-of-0000N.npy ...), cut into "
+             "windows of data.context tokens"));
+    s->add(I("data.context", 0, 0, 1 << 20,
+             "tokens: tokens per sample; sample x = s[o : o+T], targets y = s[o+1 : o+T+1]; training "
+             "windows move with (train.seed, epoch), validation windows are fixed"));
+    s->add(I("data.vocab", 0, 0, 1 << 30,
+             "tokens: token ids lie in [0, vocab), one outside is an error naming the file and position; "
+             "0 = model.classes, or 1 + the largest token when that is 0 too"));
     s->add(S("data.normalize", "auto", {"auto", "none", "standardize"},
              "input normalisation: standardize = per-channel mean/std of the training split; "
              "auto = standardize for the built-in image datasets, none for tensors"));
@@ -306,6 +314,8 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.source.classes = c.get_int("model.classes");
   t.source.inputs = c.get_string("data.inputs");
   t.source.user_model = c.get_string("model.name") == "torchscript";
+  t.source.context = c.get_int("data.context");
+  t.source.vocab = c.get_int("data.vocab");
 
   t.loader.batch_size = c.get_int("data.batch_size");
   t.algorithm = c.get_string("optim.algorithm");

@@ -52,9 +52,14 @@ std::string allowed_text(const KeySpec& s) {
   os << type_name(s.type);
   if (s.min || s.max) {
     os << " in " << (s.min && !s.min_open ? "[" : "(");
-    if (s.min) os << *s.min; else os << "-inf";
+    // Integer bounds print whole (16777216, not 1.67772e+07).
+    auto bound = [&](double b) {
+      if (s.type == ValueType::Int) os << static_cast<long long>(b);
+      else os << b;
+    };
+    if (s.min) bound(*s.min); else os << "-inf";
     os << ", ";
-    if (s.max) os << *s.max; else os << "inf";
+    if (s.max) bound(*s.max); else os << "inf";
     os << (s.max && !s.max_open ? "]" : ")");
   }
   return os.str();

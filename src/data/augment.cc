@@ -3,16 +3,10 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "data/mix.h"
 
 namespace limbo::data {
 namespace {
-
-uint64_t splitmix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
 
 std::string trim(const std::string& s) {
   const auto a = s.find_first_not_of(" \t");

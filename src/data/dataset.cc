@@ -6,7 +6,7 @@ namespace limbo::data {
 
 void Dataset::truncate(int64_t n) {
   if (n < 0 || n >= size()) return;
-  if (tensors) {
+  if (tensors || stream) {
     tensor_rows = n;
     return;
   }

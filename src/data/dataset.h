@@ -28,6 +28,23 @@ struct TensorPair {
   MappedTensor x, y;
 };
 
+// A token stream (`data.dataset = "tokens"`, token_dataset.h): one 1-D
+// integer array; sample i of epoch e is the window of `context` tokens at
+// offset(e, i), its targets the same window one token later.
+struct TokenStream {
+  MappedTensor tokens;  // [L], shards concatenated
+  int64_t context = 0;  // T
+  // Validation: window i starts at i * T in every epoch. Training: at
+  // i * T + a phase in [0, T) drawn from (seed, epoch), so an epoch covers
+  // the stream once, cut differently each epoch.
+  bool fixed = false;
+  uint64_t seed = 1;
+  int64_t windows() const;  // samples per epoch
+  int64_t offset(int64_t epoch, int64_t id) const;
+  // Tokens [start, start + n) as int64 (across shards).
+  void read(int64_t start, int64_t n, int64_t* out) const;
+};
+
 struct Dataset {
   std::string name;
   Shape shape;
@@ -35,12 +52,13 @@ struct Dataset {
   std::vector<uint8_t> images;  // size() * shape.pixels()
   std::vector<uint8_t> labels;  // size()
   std::shared_ptr<const TensorPair> tensors;  // set for tensor datasets (images/labels empty)
-  int64_t tensor_rows = 0;                    // rows of `tensors` in use (after truncate)
+  std::shared_ptr<const TokenStream> stream;  // set for token streams (images/labels empty)
+  int64_t tensor_rows = 0;  // rows of `tensors`, or windows of `stream`, in use (after truncate)
   // Tensor datasets: x reaches the model as int64 ids (token or item ids
   // for an embedding) instead of float (registry.h, data.inputs).
   bool x_ids = false;
   int64_t size() const {
-    return tensors ? tensor_rows : static_cast<int64_t>(labels.size());
+    return tensors || stream ? tensor_rows : static_cast<int64_t>(labels.size());
   }
   const uint8_t* image(int64_t i) const { return images.data() + i * shape.pixels(); }
   // Keeps only the first n samples (n >= size() keeps all).

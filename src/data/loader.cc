@@ -1,5 +1,7 @@
 #include "data/loader.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace limbo::data {
@@ -63,9 +65,28 @@ Batch make_tensor_batch(const Dataset& d, const Normalization& norm,
   return b;
 }
 
+// Token streams: window x = s[o : o+T] and y = s[o+1 : o+T+1] of each id,
+// from one read of T + 1 tokens.
+Batch make_token_batch(const TokenStream& s, const std::vector<int64_t>& ids, int64_t epoch) {
+  const int64_t n = static_cast<int64_t>(ids.size()), t = s.context;
+  Batch b;
+  b.x = torch::empty({n, t}, torch::kInt64);
+  b.y = torch::empty({n, t}, torch::kInt64);
+  int64_t* x = b.x.data_ptr<int64_t>();
+  int64_t* y = b.y.data_ptr<int64_t>();
+  std::vector<int64_t> w(static_cast<size_t>(t + 1));
+  for (int64_t i = 0; i < n; ++i) {
+    s.read(s.offset(epoch, ids[i]), t + 1, w.data());
+    std::copy(w.begin(), w.end() - 1, x + i * t);
+    std::copy(w.begin() + 1, w.end(), y + i * t);
+  }
+  return b;
+}
+
 }  // namespace
 
 Batch make_batch(const Dataset& d, const Normalization& norm, const std::vector<int64_t>& ids) {
+  if (d.stream) return make_token_batch(*d.stream, ids, 0);
   if (d.tensors) return make_tensor_batch(d, norm, ids);
   const int64_t n = static_cast<int64_t>(ids.size());
   const auto& s = d.shape;
@@ -92,6 +113,7 @@ Batch make_batch(const Dataset& d, const Normalization& norm, const std::vector<
 
 Batch make_train_batch(const Dataset& d, const Normalization& norm, const std::vector<int64_t>& ids,
                        int64_t epoch, const Augmenter& augment) {
+  if (d.stream) return make_token_batch(*d.stream, ids, epoch);
   Batch b = make_batch(d, norm, ids);
   if (augment.empty()) return b;
   std::vector<float> fill;  // a zero pixel, normalised

@@ -43,9 +43,10 @@ struct LoaderOptions {
 };
 
 // Gathers and normalises the given samples (used by the loader and eval).
+// Token streams: the windows of epoch 0 (validation windows never move).
 Batch make_batch(const Dataset& d, const Normalization& norm, const std::vector<int64_t>& ids);
 // A training batch: make_batch, then the augmentation of each sample, drawn
-// from (its seed, epoch, sample id). Every training loop builds its batches
+// from (its seed, epoch, sample id); token streams: the windows of `epoch`. Every training loop builds its batches
 // here (the loader, parameter-server learners, the simulators).
 Batch make_train_batch(const Dataset& d, const Normalization& norm, const std::vector<int64_t>& ids,
                        int64_t epoch, const Augmenter& augment);

@@ -5,6 +5,7 @@
 #include "data/idx.h"
 #include "data/synthetic.h"
 #include "data/tensor_dataset.h"
+#include "data/token_dataset.h"
 
 namespace limbo::data {
 
@@ -46,19 +47,31 @@ DatasetSplits load_dataset(const DataSource& src) {
       throw InvalidInput("data.inputs = \"ids\" needs integer samples, but '" + s.train.tensors->x.origin +
                          "' holds " + dtype_name(xt));
     s.train.x_ids = s.test.x_ids = ids;
+  } else if (src.dataset == "tokens") {
+    if (!src.user_model)
+      throw InvalidInput("data.dataset = \"tokens\" feeds int64 token ids [B, data.context], which only a "
+                         "TorchScript module (model.name = \"torchscript\", e.g. examples/gpt) takes");
+    TokenOptions o;
+    o.context = src.context;
+    o.vocab = src.vocab > 0 ? src.vocab : src.classes;
+    o.vocab_from = src.vocab > 0 ? "data.vocab" : "model.classes";
+    o.seed = src.seed;
+    s = load_token_dataset(path, o);
   } else {
     throw InvalidInput("unknown dataset '" + src.dataset +
-                       "'; allowed: fashion-mnist, mnist, cifar10, synthetic, tensors");
+                       "'; allowed: fashion-mnist, mnist, cifar10, synthetic, tensors, tokens");
   }
-  if (src.inputs == "ids" && src.dataset != "tensors")
+  if (src.dataset != "tokens" && (src.context > 0 || src.vocab > 0))
+    throw InvalidInput(std::string(src.context > 0 ? "data.context" : "data.vocab") +
+                       " is for token streams (data.dataset = \"tokens\"), not '" + src.dataset + "'");
+  if (src.inputs == "ids" && src.dataset != "tensors" && src.dataset != "tokens")
     throw InvalidInput("data.inputs = \"ids\" is for tensor datasets (data.dataset = \"tensors\"); '" +
                        src.dataset + "' holds images");
-  if (src.classes > 0 && has_labels(s.train)) {
+  if (src.classes > 0 && has_labels(s.train) && src.dataset != "tokens") {
     for (Dataset* d : {&s.train, &s.test}) {
       auto bad = find_bad_label(*d, src.classes);
       if (bad.index >= 0)
-        throw InvalidInput("'" + (d->tensors ? d->tensors->y.origin : d->name) + "': sample " +
-                           std::to_string(bad.index) + " has the label " + std::to_string(bad.label) +
+        throw InvalidInput(label_site(*d, bad.index) + " has the label " + std::to_string(bad.label) +
                            ", outside [0, " + std::to_string(src.classes) + ") of model.classes = " +
                            std::to_string(src.classes));
       d->num_classes = src.classes;

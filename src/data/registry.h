@@ -1,6 +1,6 @@
 // Datasets by name: "fashion-mnist", "mnist" (IDX), "cifar10" (binary),
 // "synthetic" (generated), "tensors" (a user's npy / safetensors files, see
-// tensor_dataset.h). Throws InvalidInput for unknown names.
+// tensor_dataset.h), "tokens" (a user's token streams, token_dataset.h). Throws InvalidInput for unknown names.
 #pragma once
 
 #include <string>
@@ -29,6 +29,11 @@ struct DataSource {
   // says how many classes there are (no refusal of label gaps here; the
   // trainer checks the labels against the module's outputs).
   bool user_model = false;
+  // Token streams ("tokens", token_dataset.h): tokens per sample
+  // (data.context), and the vocabulary (data.vocab; 0 = model.classes,
+  // else 1 + the largest token).
+  int64_t context = 0;
+  int64_t vocab = 0;
 };
 
 DatasetSplits load_dataset(const DataSource& src);

@@ -8,6 +8,7 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "data/token_dataset.h"
 
 namespace limbo::data {
 namespace {
@@ -201,12 +202,14 @@ void check_dense_labels(const Dataset& train, const Dataset& holder, int64_t hi,
 }  // namespace
 
 std::vector<int64_t> sample_shape(const Dataset& d) {
+  if (d.stream) return {d.stream->context};
   if (!d.tensors) return {d.shape.channels, d.shape.height, d.shape.width};
   const auto& s = d.tensors->x.shape;
   return {s.begin() + 1, s.end()};
 }
 
 std::vector<int64_t> target_shape(const Dataset& d) {
+  if (d.stream) return {d.stream->context};
   if (!d.tensors) return {};
   const auto& s = d.tensors->y.shape;
   return {s.begin() + 1, s.end()};
@@ -217,6 +220,10 @@ bool has_labels(const Dataset& d) { return !d.tensors || is_integer(d.tensors->y
 LabelProblem find_bad_label(const Dataset& d, int64_t num_classes) {
   LabelProblem p;
   if (!has_labels(d)) return p;
+  if (d.stream) {
+    const TokenProblem bad = find_bad_token(*d.stream, num_classes);
+    return {bad.position, bad.value};
+  }
   if (!d.tensors) {
     for (int64_t i = 0; i < d.size(); ++i)
       if (d.labels[i] >= num_classes) return {i, d.labels[i]};
@@ -230,6 +237,12 @@ LabelProblem find_bad_label(const Dataset& d, int64_t num_classes) {
       if (v < 0 || v >= num_classes) return {i, v};
   }
   return p;
+}
+
+std::string label_site(const Dataset& d, int64_t index) {
+  if (d.stream) return token_site(*d.stream, index);
+  if (d.tensors) return d.tensors->y.sample_name(index);
+  return "'" + d.name + "': sample " + std::to_string(index);
 }
 
 DatasetSplits load_tensor_dataset(const std::string& dir, int64_t classes, bool sized_by_model) {

@@ -45,6 +45,10 @@ bool has_labels(const Dataset& d);
 struct LabelProblem {
   int64_t index = -1, label = 0;
 };
+// Token streams: the first token outside the range, by position.
 LabelProblem find_bad_label(const Dataset& d, int64_t num_classes);
+// Where label `index` of find_bad_label sits, for messages: "'FILE': sample
+// K" (tensors, built-in datasets) or "'FILE': the token at position P".
+std::string label_site(const Dataset& d, int64_t index);
 
 }  // namespace limbo::data

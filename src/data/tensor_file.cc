@@ -21,6 +21,8 @@ const char* dtype_name(DType t) {
   switch (t) {
     case DType::U8: return "uint8";
     case DType::I8: return "int8";
+    case DType::U16: return "uint16";
+    case DType::I16: return "int16";
     case DType::I32: return "int32";
     case DType::I64: return "int64";
     case DType::F16: return "float16";
@@ -35,6 +37,8 @@ int64_t dtype_size(DType t) {
   switch (t) {
     case DType::U8:
     case DType::I8: return 1;
+    case DType::U16:
+    case DType::I16:
     case DType::F16:
     case DType::BF16: return 2;
     case DType::I32:
@@ -46,7 +50,8 @@ int64_t dtype_size(DType t) {
 }
 
 bool is_integer(DType t) {
-  return t == DType::U8 || t == DType::I8 || t == DType::I32 || t == DType::I64;
+  return t == DType::U8 || t == DType::I8 || t == DType::U16 || t == DType::I16 || t == DType::I32 ||
+         t == DType::I64;
 }
 
 int64_t MappedTensor::row_numel() const {
@@ -133,12 +138,12 @@ DType npy_dtype(std::string d, const std::string& path) {
     throw InvalidInput("'" + path + "' holds an object array (dtype=object), which cannot be "
                        "memory-mapped; save a numeric array (np.asarray(a, dtype=np.float32))");
   static const std::map<std::string, DType> codes = {
-      {"u1", DType::U8},  {"i1", DType::I8},  {"i4", DType::I32}, {"i8", DType::I64},
+      {"u1", DType::U8},  {"i1", DType::I8},  {"u2", DType::U16}, {"i2", DType::I16}, {"i4", DType::I32}, {"i8", DType::I64},
       {"f2", DType::F16}, {"f4", DType::F32}, {"f8", DType::F64}};
   auto it = codes.find(code);
   if (it == codes.end())
     throw InvalidInput("'" + path + "' has dtype '" + d +
-                       "', which Limbo does not read; use uint8, int8, int32, int64, float16, "
+                       "', which Limbo does not read; use uint8, int8, uint16, int16, int32, int64, float16, "
                        "float32 or float64 (bfloat16 through safetensors)");
   if (order == '>' && dtype_size(it->second) > 1)
     throw InvalidInput("'" + path + "' is big-endian ('" + d +
@@ -150,12 +155,12 @@ DType npy_dtype(std::string d, const std::string& path) {
 
 DType st_dtype(const std::string& d, const std::string& origin) {
   static const std::map<std::string, DType> codes = {
-      {"U8", DType::U8},   {"I8", DType::I8},     {"I32", DType::I32}, {"I64", DType::I64},
+      {"U8", DType::U8},   {"I8", DType::I8},     {"U16", DType::U16}, {"I16", DType::I16}, {"I32", DType::I32}, {"I64", DType::I64},
       {"F16", DType::F16}, {"BF16", DType::BF16}, {"F32", DType::F32}, {"F64", DType::F64}};
   auto it = codes.find(d);
   if (it == codes.end())
     throw InvalidInput("'" + origin + "' has dtype '" + d +
-                       "', which Limbo does not read; use U8, I8, I32, I64, F16, BF16, F32 or F64");
+                       "', which Limbo does not read; use U8, I8, U16, I16, I32, I64, F16, BF16, F32 or F64");
   return it->second;
 }
 
@@ -292,6 +297,8 @@ void to_float(DType t, const uint8_t* src, int64_t count, float* dst) {
   for (int64_t i = 0; i < count; ++i) {
     const uint8_t* s = src + i * es;
     switch (t) {
+      case DType::U16: { uint16_t v; std::memcpy(&v, s, 2); dst[i] = v; break; }
+      case DType::I16: { int16_t v; std::memcpy(&v, s, 2); dst[i] = v; break; }
       case DType::I32: { int32_t v; std::memcpy(&v, s, 4); dst[i] = static_cast<float>(v); break; }
       case DType::I64: { int64_t v; std::memcpy(&v, s, 8); dst[i] = static_cast<float>(v); break; }
       case DType::F16: { c10::Half v; std::memcpy(&v, s, 2); dst[i] = static_cast<float>(v); break; }
@@ -307,6 +314,8 @@ void to_int64(DType t, const uint8_t* src, int64_t count, int64_t* dst) {
     switch (t) {
       case DType::U8: dst[i] = src[i]; break;
       case DType::I8: dst[i] = static_cast<int8_t>(src[i]); break;
+      case DType::U16: { uint16_t v; std::memcpy(&v, src + 2 * i, 2); dst[i] = v; break; }
+      case DType::I16: { int16_t v; std::memcpy(&v, src + 2 * i, 2); dst[i] = v; break; }
       case DType::I32: { int32_t v; std::memcpy(&v, src + 4 * i, 4); dst[i] = v; break; }
       case DType::I64: std::memcpy(dst + i, src + 8 * i, 8); break;
       default: throw Error("internal: to_int64 on a float dtype");

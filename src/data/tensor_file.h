@@ -20,7 +20,7 @@
 
 namespace limbo::data {
 
-enum class DType { U8, I8, I32, I64, F16, BF16, F32, F64 };
+enum class DType { U8, I8, U16, I16, I32, I64, F16, BF16, F32, F64 };
 const char* dtype_name(DType t);
 int64_t dtype_size(DType t);
 bool is_integer(DType t);

@@ -288,8 +288,8 @@ class AsyncJob {
     s["samples_per_second"] = total_rate;
     json fin = read_json(opt_.run_dir + "/final.json");
     if (!fin.is_null()) {
-      s["test_accuracy"] = fin["test_accuracy"];
-      s["test_loss"] = fin["test_loss"];
+      for (const char* k : {"test_accuracy", "test_loss", "test_perplexity"})
+        if (fin.contains(k)) s[k] = fin[k];
     }
     write_file_atomic(opt_.run_dir + "/summary.json", s.dump(2) + "\n");
     char buf[256];

@@ -315,12 +315,11 @@ void Learner::write_final(json& summary) {
   // The optimizer's state lives on the shards (their checkpoints): the
   // learner's checkpoint holds the final weights.
   train::save_checkpoint(opt_.run_dir + "/checkpoint.pt", t_.model(), t_.optimizer(), st);
-  json fin = {{"test_accuracy", std::isnan(ev.accuracy) ? json() : json(ev.accuracy)}, {"test_loss", ev.loss},
-              {"test_samples", ev.samples}, {"clock_shard0", clock0}, {"learner", opt_.learner_id}};
+  json fin = train::eval_fields(ev);
+  fin.update(json{{"test_samples", ev.samples}, {"clock_shard0", clock0}, {"learner", opt_.learner_id}});
   write_file_atomic(opt_.run_dir + "/final.json", fin.dump(2) + "\n");
   log_info(tag_ + ": final test accuracy " + std::to_string(100 * ev.accuracy) + "%");
-  summary["test_accuracy"] = std::isnan(ev.accuracy) ? json() : json(ev.accuracy);
-  summary["test_loss"] = ev.loss;
+  summary.update(train::eval_fields(ev));
 }
 
 json Learner::run(const std::atomic<bool>& stop) {

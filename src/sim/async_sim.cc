@@ -281,13 +281,15 @@ json AsyncSim::run() {
             {"updates", updates_}, {"gradients_accepted", accepted_}, {"gradients_dropped", dropped_},
             {"gradients_rejected", rejected_}, {"staleness_mean", st.mean},
             {"staleness_p99", st.p99}, {"staleness_max", st.max}, {"staleness_hist", ps::hist_to_json(hist_)},
-            {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss}, {"virtual_seconds", now},
+            {"virtual_seconds", now},
             {"wall_seconds", wall}, {"gradient_seconds", grad_seconds_},
             {"overhead_fraction", grad_seconds_ > 0 ? (wall - grad_seconds_) / grad_seconds_ : 0.0},
             {"snapshot_versions_peak", peak_versions_}, {"snapshot_bytes_peak", peak_versions_ * bytes},
             {"per_learner", per}, {"epochs", book_->epoch_progress()}};
-  run_.append_metrics({{"kind", "eval"}, {"epoch", book_->epoch_progress()}, {"test_accuracy", ev.accuracy},
-                       {"test_loss", ev.loss}, {"virtual_time", now}});
+  s.update(train::eval_fields(ev));
+  json rec = {{"kind", "eval"}, {"epoch", book_->epoch_progress()}, {"virtual_time", now}};
+  rec.update(train::eval_fields(ev));
+  run_.append_metrics(rec);
   if (run_.enabled()) run_.write_summary(s);
   return s;
 }

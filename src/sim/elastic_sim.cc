@@ -99,20 +99,22 @@ json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const E
       ev = t.evaluate_test();
       eval_seconds += seconds_since(e0);
       window.reset();  // evaluation time is not training throughput
-      run.append_metrics({{"kind", "eval"}, {"step", step}, {"epoch", static_cast<double>(cur.epoch)},
-                          {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss}});
+      json rec = {{"kind", "eval"}, {"step", step}, {"epoch", static_cast<double>(cur.epoch)}};
+      rec.update(train::eval_fields(ev));
+      run.append_metrics(rec);
       log_info("epoch " + std::to_string(cur.epoch) + ": " + std::to_string(r) + " workers, test accuracy " +
                std::to_string(100 * ev.accuracy) + "%");
     }
   }
   const double wall = seconds_since(wall0) - eval_seconds;  // simulation time, evaluation excluded
   json s = {{"mode", "sim-elastic"}, {"steps", step}, {"samples", samples}, {"epochs", cur.epoch},
-            {"membership_changes", changes}, {"train_loss", last_loss}, {"test_accuracy", ev.accuracy}, {"test_loss", ev.loss},
+            {"membership_changes", changes}, {"train_loss", last_loss},
             {"batch_policy", cfg.batch_policy.kind == optim::BatchPolicyKind::None     ? "none"
                              : cfg.batch_policy.kind == optim::BatchPolicyKind::Linear ? "linear"
                                                                                        : "dynamic"},
             {"wall_seconds", wall}, {"gradient_seconds", grad_seconds},
             {"overhead_fraction", grad_seconds > 0 ? (wall - grad_seconds) / grad_seconds : 0.0}};
+  s.update(train::eval_fields(ev));
   if (run.enabled()) run.write_summary(s);
   return s;
 }

@@ -67,7 +67,8 @@ Board::Board(std::string job) : job_(std::move(job)), start_(std::chrono::steady
   series_ = {{"t", json::array()}, {"members", json::array()}, {"samples_per_second", json::array()},
              {"loss", json::array()}, {"lr", json::array()}, {"lr_multiplier", json::array()}, {"grad_norm", json::array()},
              {"batch_size", json::array()}, {"isgd_triggers", json::array()}, {"updates_per_second", json::array()}};
-  accuracy_ = {{"t", json::array()}, {"test_accuracy", json::array()}, {"test_loss", json::array()}};
+  accuracy_ = {{"t", json::array()}, {"test_accuracy", json::array()}, {"test_loss", json::array()},
+               {"test_perplexity", json::array()}};
   if (job_ == "train") members_ = 1;
 }
 
@@ -114,9 +115,11 @@ void Board::add_record(const json& r) {
   } else if (kind == "eval") {
     if (auto v = number(r, "test_accuracy")) test_accuracy_ = v;
     if (auto v = number(r, "test_loss")) test_loss_ = v;
+    if (auto v = number(r, "test_perplexity")) test_perplexity_ = v;
     append(accuracy_["t"], now());
     append(accuracy_["test_accuracy"], opt(test_accuracy_));
     append(accuracy_["test_loss"], opt(test_loss_));
+    append(accuracy_["test_perplexity"], opt(test_perplexity_));
   } else if (kind == "membership") {
     if (launcher_members_) return;
     members_ = static_cast<int>(integer(r, "world", members_));
@@ -202,6 +205,7 @@ json Board::snapshot() const {
             {"batch_size", batch_size_ ? json(*batch_size_) : json()},
             {"test_accuracy", opt(test_accuracy_)},
             {"test_loss", opt(test_loss_)},
+            {"test_perplexity", opt(test_perplexity_)},
             {"membership_changes", changes_},
             {"series", series_},
             {"accuracy", accuracy_},
@@ -259,6 +263,9 @@ std::string Board::prometheus() const {
         "Global L2 norm of the gradient before clipping (optim.clip_grad_norm), mean over the last logged window.");
   gauge("limbo_global_batch_size", "batch_size", "Global batch size of the last logged step.");
   gauge("limbo_test_accuracy", "test_accuracy", "Test accuracy of the last evaluation (0-1).");
+  gauge("limbo_test_loss", "test_loss", "Test (validation) loss of the last evaluation.");
+  gauge("limbo_test_perplexity", "test_perplexity",
+        "Validation perplexity exp(test loss) of the last evaluation (token-stream data).");
   family(o, "limbo_membership_changes_total", "counter", "Membership events by kind.");
   for (const auto& [k, n] : s["membership_changes"].items())
     sample(o, "limbo_membership_changes_total", n.get<double>(), job + ",kind=\"" + k + "\"");

@@ -50,7 +50,8 @@ class Board {
   int members_ = 0;
   int64_t step_ = 0, samples_total_ = 0, skipped_steps_ = 0;
   double epoch_ = 0;
-  std::optional<double> samples_per_second_, loss_, lr_, lr_multiplier_, test_accuracy_, test_loss_, grad_norm_;
+  std::optional<double> samples_per_second_, loss_, lr_, lr_multiplier_, test_accuracy_, test_loss_, test_perplexity_,
+      grad_norm_;
   std::optional<int64_t> batch_size_;
   std::map<std::string, int64_t> changes_;  // membership changes by kind
   nlohmann::json series_;                   // {"t": [...], "members": [...], ...}

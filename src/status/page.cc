@@ -30,6 +30,7 @@ const std::string& page_html() {
  <div class="fact"><b id="epoch">–</b><span>epoch</span></div>
  <div class="fact"><b id="loss">–</b><span>train loss</span></div>
  <div class="fact"><b id="acc">–</b><span>test accuracy</span></div>
+ <div class="fact ppl"><b id="ppl">–</b><span>perplexity</span></div>
  <div class="fact"><b id="lr">–</b><span>learning rate</span></div>
  <div class="fact"><b id="mult">–</b><span>LR multiplier</span></div>
  <div class="fact"><b id="batch">–</b><span>global batch</span></div>
@@ -43,6 +44,7 @@ const std::string& page_html() {
  <div class="card"><canvas id="c_lr"></canvas></div>
  <div class="card"><canvas id="c_batch"></canvas></div>
  <div class="card gnorm"><canvas id="c_gnorm"></canvas></div>
+ <div class="card ppl"><canvas id="c_ppl"></canvas></div>
  <div class="card ps"><canvas id="c_stale"></canvas></div>
  <div class="card ps"><canvas id="c_ups"></canvas></div>
  <div class="card ps"><canvas id="c_shards"></canvas></div>
@@ -84,6 +86,8 @@ function render(s) {
   show("ps", s.ps !== null);
   show("isgd", s.isgd !== null);
   show("gnorm", s.grad_norm !== null);
+  show("ppl", s.test_perplexity !== null);
+  document.getElementById("ppl").textContent = fmt(s.test_perplexity, 3);
   const ev = s.events.map(e => ({x: e.t, y: e.members, kind: e.kind}));
   let c = chart("c_members", "line", [line("members", "#333", [], {stepped: true}),
       line("events", "#d22", [], {showLine: false, pointRadius: 5})], {title: "members (events marked)"});
@@ -116,6 +120,10 @@ function render(s) {
   if (s.grad_norm !== null) {
     c = chart("c_gnorm", "line", [line("gradient norm before clipping", "#c52", [])], {title: "gradient norm"});
     c.data.datasets[0].data = xy(t, S.grad_norm); c.update("none");
+  }
+  if (s.test_perplexity !== null) {
+    c = chart("c_ppl", "line", [line("validation perplexity", "#2a2", [], {pointRadius: 2})], {title: "perplexity (exp test loss)"});
+    c.data.datasets[0].data = xy(s.accuracy.t, s.accuracy.test_perplexity); c.update("none");
   }
   if (s.isgd !== null) {
     document.getElementById("triggers").textContent = s.isgd.triggers_total;

@@ -131,6 +131,7 @@ EvalResult TrainStep::evaluate(const data::Dataset& split, const data::Normaliza
   }
   net_.train(was_training);
   r.samples = split.size();
+  r.tokens = split.stream != nullptr && loss_ != LossKind::Mse;
   r.loss = loss_count > 0 ? loss_sum / loss_count : 0.0;
   r.accuracy = labels > 0 ? static_cast<double>(correct) / labels : std::nan("");
   if (!reports_accuracy()) r.accuracy = std::nan("");
@@ -145,7 +146,9 @@ void TrainStep::check_data(const data::DatasetSplits& d, const data::Normalizati
   std::iota(ids.begin(), ids.end(), 0);
   auto b = data::make_batch(probe_split, norm, ids);
   const bool labels = data::has_labels(d.train);
-  const std::string yfile = d.train.tensors ? d.train.tensors->y.origin : d.train.name;
+  const std::string yfile = d.train.tensors  ? d.train.tensors->y.origin
+                            : d.train.stream ? d.train.stream->tokens.origin
+                                             : d.train.name;
   if (loss_ == LossKind::Mse && labels)
     throw InvalidInput("model.loss = \"mse\" needs float targets, but '" + yfile +
                        "' holds integer labels; use model.loss = \"cross_entropy\"");
@@ -195,12 +198,18 @@ void TrainStep::check_data(const data::DatasetSplits& d, const data::Normalizati
   for (const data::Dataset* s : {&d.train, &d.test}) {
     auto bad = data::find_bad_label(*s, classes);
     if (bad.index >= 0)
-      throw InvalidInput((s->tensors ? s->tensors->y.sample_name(bad.index)
-                                     : "'" + s->name + "': sample " + std::to_string(bad.index)) +
-                         " has the label " + std::to_string(bad.label) +
+      throw InvalidInput(data::label_site(*s, bad.index) + (s->stream ? " is " : " has the label ") +
+                         std::to_string(bad.label) +
                          ", outside [0, " + std::to_string(classes) + ") of the model's " +
                          std::to_string(classes) + " outputs");
   }
+}
+
+nlohmann::json eval_fields(const EvalResult& r) {
+  nlohmann::json j = {{"test_loss", r.loss},
+                      {"test_accuracy", std::isnan(r.accuracy) ? nlohmann::json() : nlohmann::json(r.accuracy)}};
+  if (r.tokens) j["test_perplexity"] = std::exp(r.loss);
+  return j;
 }
 
 PolicyStep policy_step(optim::BatchSizePolicy& policy, const optim::LrSchedule& schedule, optim::Optimizer& opt,

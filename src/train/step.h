@@ -43,7 +43,13 @@ struct EvalResult {
   double loss = 0;      // mean test loss (per sample for the module loss, per element otherwise)
   double accuracy = 0;  // share of labels predicted right (NaN where there is none)
   int64_t samples = 0;
+  bool tokens = false;  // token-stream data: the perplexity exp(loss) is reported
 };
+
+// The evaluation's fields of records, final.json and summaries: test_loss,
+// test_accuracy (null where there is none) and, for token data,
+// test_perplexity = exp(test_loss).
+nlohmann::json eval_fields(const EvalResult& r);
 
 class TrainStep {
  public:

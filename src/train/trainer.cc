@@ -28,12 +28,17 @@ bool recoverable(const Error& e) {
   return dynamic_cast<const PeerFailure*>(&e) != nullptr || dynamic_cast<const Timeout*>(&e) != nullptr;
 }
 
+// The file that holds the samples, for messages.
+std::string sample_origin(const data::Dataset& d) {
+  return d.tensors ? d.tensors->x.origin : d.stream ? d.stream->tokens.origin : d.name;
+}
+
 data::Normalization choose_normalization(const std::string& mode, const data::Dataset& train) {
   if (mode == "standardize" && train.x_ids)
-    throw InvalidInput("data.normalize = \"standardize\" cannot apply to ids: '" + train.tensors->x.origin +
-                       "' reaches the model as int64 ids (data.inputs); use data.normalize = \"none\", or "
-                       "data.inputs = \"float\"");
-  if (mode == "standardize" || (mode == "auto" && !train.tensors))
+    throw InvalidInput("data.normalize = \"standardize\" cannot apply to ids: '" + sample_origin(train) +
+                       "' reaches the model as int64 ids (data.inputs, or token streams); use "
+                       "data.normalize = \"none\", or data.inputs = \"float\"");
+  if (mode == "standardize" || (mode == "auto" && !train.tensors && !train.stream))
     return data::compute_normalization(train);
   if (mode == "none" || mode == "auto") return {};
   throw InvalidInput("unknown data.normalize '" + mode + "'; allowed: auto, none, standardize");
@@ -49,11 +54,9 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   {
     const auto& tr = splits_->train;
     if (tr.x_ids && !cfg_.loader.augment.empty())
-      throw InvalidInput("data.augment crops and mirrors images, but '" + tr.tensors->x.origin +
-                         "' reaches the model as int64 ids (data.inputs); remove data.augment");
-    cfg_.loader.augment.check_sample_shape(
-        tr.tensors ? std::vector<int64_t>(tr.tensors->x.shape.begin() + 1, tr.tensors->x.shape.end())
-                   : std::vector<int64_t>{tr.shape.channels, tr.shape.height, tr.shape.width});
+      throw InvalidInput("data.augment crops and mirrors images, but '" + sample_origin(tr) +
+                         "' reaches the model as int64 ids (data.inputs, or token streams); remove data.augment");
+    cfg_.loader.augment.check_sample_shape(data::sample_shape(tr));
   }
   torch::manual_seed(cfg_.train.seed);
   if (cfg_.model.name != "torchscript" && !data::has_labels(splits_->train))
@@ -224,19 +227,17 @@ void Trainer::eval_now(Run& r) {
   r.last_eval = evaluate_test();
   r.last_eval_step = state_.step;
   const double epoch = r.epoch_now(state_.cursor);
-  auto num = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
-  r.run_dir.append_metrics({{"kind", "eval"}, {"step", state_.step}, {"epoch", epoch},
-                            {"test_loss", r.last_eval.loss},
-                            {"test_accuracy", num(r.last_eval.accuracy)},
-                            {"train_seconds", r.train_seconds}, {"eval_seconds", seconds_since(e0)}});
-  char buf[160];
-  if (std::isnan(r.last_eval.accuracy))
-    std::snprintf(buf, sizeof buf, "epoch %.2f step %ld: test loss %.4f", epoch,
-                  static_cast<long>(state_.step), r.last_eval.loss);
-  else
-    std::snprintf(buf, sizeof buf, "epoch %.2f step %ld: test loss %.4f, test accuracy %.2f%%",
-                  epoch, static_cast<long>(state_.step), r.last_eval.loss,
-                  100 * r.last_eval.accuracy);
+  nlohmann::json rec = {{"kind", "eval"}, {"step", state_.step}, {"epoch", epoch},
+                         {"train_seconds", r.train_seconds}, {"eval_seconds", seconds_since(e0)}};
+  rec.update(eval_fields(r.last_eval));
+  r.run_dir.append_metrics(rec);
+  char buf[192];
+  int n = std::snprintf(buf, sizeof buf, "epoch %.2f step %ld: test loss %.4f", epoch,
+                        static_cast<long>(state_.step), r.last_eval.loss);
+  if (r.last_eval.tokens)
+    n += std::snprintf(buf + n, sizeof buf - n, ", perplexity %.3f", std::exp(r.last_eval.loss));
+  if (!std::isnan(r.last_eval.accuracy))
+    std::snprintf(buf + n, sizeof buf - n, ", test accuracy %.2f%%", 100 * r.last_eval.accuracy);
   if (r.t.progress) log_info(buf);
 }
 
@@ -438,8 +439,6 @@ void Trainer::after_epoch_and_step(Run& r) {
 nlohmann::json Trainer::summary(Run& r) {
   auto num = [](double v) { return std::isnan(v) ? nlohmann::json() : nlohmann::json(v); };
   nlohmann::json s = {
-      {"test_accuracy", num(r.last_eval.accuracy)},
-      {"test_loss", r.last_eval.loss},
       {"train_loss", num(r.last_loss)},
       {"epochs", r.epoch_now(state_.cursor)},
       {"steps", state_.step},
@@ -458,6 +457,7 @@ nlohmann::json Trainer::summary(Run& r) {
       {"blas_threads", threads_.blas},
       {"blas", threads_.blas_library},
       {"resumed_from_step", r.resumed_from >= 0 ? nlohmann::json(r.resumed_from) : nlohmann::json()}};
+  s.update(eval_fields(r.last_eval));
   if (isgd_) {
     s["isgd_triggered_batches"] = isgd_->total_triggered();
     s["isgd_extra_iterations"] = isgd_->total_extra();
@@ -579,11 +579,10 @@ nlohmann::json Trainer::run() {
     writer_ = true;
     took_over_ = true;
     r.run_dir.set_writer(true);
-    r.run_dir.append_metrics({{"kind", "eval"}, {"step", state_.step}, {"epoch", r.epoch_now(state_.cursor)},
-                              {"test_loss", r.last_eval.loss},
-                              {"test_accuracy", std::isnan(r.last_eval.accuracy) ? nlohmann::json()
-                                                                                 : nlohmann::json(r.last_eval.accuracy)},
-                              {"train_seconds", r.train_seconds}, {"taken_over", true}});
+    nlohmann::json rec = {{"kind", "eval"}, {"step", state_.step}, {"epoch", r.epoch_now(state_.cursor)},
+                          {"train_seconds", r.train_seconds}, {"taken_over", true}};
+    rec.update(eval_fields(r.last_eval));
+    r.run_dir.append_metrics(rec);
   }
   writer_dies_at("checkpoint");
   if (cfg_.train.writer_dies_at == "hang" && writer_ && elastic) {

@@ -235,6 +235,15 @@ def main():
         x, y = byte_windows(part, 32, n, rng)
         np.save(f"{d}/{split}_x.npy", x.astype(np.int32))
         np.save(f"{d}/{split}_y.npy", y.astype(np.int64))
+    # The same text as token streams (data.dataset = "tokens"): one 1-D
+    # array per split, cut into windows by Limbo. uint16 for training (the
+    # dtype of most tokenizers' ids), three int32 shards for validation.
+    d = os.path.join(a.out, "bytes_stream")
+    os.makedirs(d, exist_ok=True)
+    np.save(f"{d}/train.npy", text[:cut].astype(np.uint16))
+    val = text[cut:].astype(np.int32)
+    for k, part in enumerate(np.array_split(val, 3)):
+        np.save(f"{d}/val-{k:05d}-of-00003.npy", part)
     torch.jit.save(torch.jit.script(ByteLM()), f"{a.out}/byte_lm.pt")
     torch.jit.save(torch.jit.script(NanTail()), f"{a.out}/nan_tail.pt")
 
