@@ -251,6 +251,11 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(I("train.checkpoint_every_steps", 0, 0, std::nullopt, "checkpoint every N steps (0 = off)"));
     s->add(I("train.checkpoint_every_epochs", 1, 0, std::nullopt,
              "checkpoint every N epochs (0 = off; a final checkpoint is always written)"));
+    s->add(S("train.precision", "fp32", {"fp32", "bf16"},
+             "compute precision: bf16 = forward and backward under CPU autocast to bfloat16 (matrix products "
+             "and convolutions in bf16, as torch.autocast(\"cpu\")); weights, gradients, the all-reduce, "
+             "the loss and optimizer state stay float32. Fast where the CPU has bf16 units (avx512_bf16, "
+             "amx_bf16); elsewhere said once at the start, and slower than fp32"));
     s->add(I("train.accumulate", 1, 1, 4096,
              "micro-batches of data.batch_size per optimizer step: the step's batch is accumulate x "
              "data.batch_size a worker (gradient accumulation)"));
@@ -389,6 +394,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   // A step takes accumulate micro-batches: the loader, the policies and the
   // records see the step's whole batch; TrainStep cuts it up.
   t.train.accumulate = c.get_int("train.accumulate");
+  t.train.precision = c.get_string("train.precision");
   t.loader.batch_size = c.get_int("data.batch_size") * t.train.accumulate;
   t.train.seed = static_cast<uint64_t>(c.get_int("train.seed"));
   t.train.log_every = c.get_int("train.log_every");

@@ -1,6 +1,10 @@
 #include "train/step.h"
 
+#include <ATen/autocast_mode.h>
+
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <numeric>
 #include <thread>
 
@@ -26,6 +30,68 @@ const char* loss_name(LossKind k) {
   return "?";
 }
 
+namespace {
+
+// torch.autocast("cpu", dtype=torch.bfloat16) for the current thread; the
+// cache of casted weights lives for one forward.
+class CpuAutocast {
+ public:
+  explicit CpuAutocast(bool on) : on_(on) {
+    if (!on_) return;
+    was_enabled_ = at::autocast::is_cpu_enabled();
+    was_dtype_ = at::autocast::get_autocast_cpu_dtype();
+    at::autocast::set_cpu_enabled(true);
+    at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+    at::autocast::increment_nesting();
+  }
+  ~CpuAutocast() {
+    if (!on_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_cpu_enabled(was_enabled_);
+    at::autocast::set_autocast_cpu_dtype(was_dtype_);
+  }
+  CpuAutocast(const CpuAutocast&) = delete;
+  CpuAutocast& operator=(const CpuAutocast&) = delete;
+
+ private:
+  bool on_;
+  bool was_enabled_ = false;
+  at::ScalarType was_dtype_ = at::kBFloat16;
+};
+
+torch::Tensor as_float(const torch::Tensor& t) {
+  return t.defined() && t.scalar_type() == torch::kBFloat16 ? t.to(torch::kFloat32) : t;
+}
+
+}  // namespace
+
+bool cpu_has_bf16() {
+  static const bool has = [] {
+    if (const char* e = std::getenv("LIMBO_TESTING_NO_BF16"); e && std::string(e) == "1") return false;
+    std::ifstream in("/proc/cpuinfo");
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind("flags", 0) == 0)
+        return line.find(" avx512_bf16") != std::string::npos || line.find(" amx_bf16") != std::string::npos;
+    return false;
+  }();
+  return has;
+}
+
+torch::Tensor TrainStep::forward(const torch::Tensor& x) {
+  CpuAutocast autocast(bf16_);
+  return as_float(net_.forward(x));
+}
+
+torch::Tensor TrainStep::predict(const torch::Tensor& x) {
+  CpuAutocast autocast(bf16_);
+  return as_float(net_.predict(x));
+}
+
+torch::Tensor TrainStep::module_loss(const torch::Tensor& x, const torch::Tensor& y) {
+  CpuAutocast autocast(bf16_);
+  return as_float(net_.forward_loss(x, y));
+}
+
 TrainStep::TrainStep(models::Net& net, optim::FlatParams& flat, LossKind loss, bool channels_last)
     : net_(net), flat_(flat), loss_(loss), channels_last_(channels_last) {}
 
@@ -49,12 +115,12 @@ void TrainStep::check_labels(const torch::Tensor& y, int64_t classes) const {
 torch::Tensor TrainStep::loss(const torch::Tensor& x, const torch::Tensor& y) {
   switch (loss_) {
     case LossKind::CrossEntropy: {
-      auto out = net_.forward(x);
+      auto out = forward(x);
       if (out.dim() >= 2) check_labels(y, out.size(1));
       return F::cross_entropy(out, y);
     }
-    case LossKind::Mse: return F::mse_loss(net_.forward(x), y);
-    case LossKind::Module: return net_.forward_loss(x, y);
+    case LossKind::Mse: return F::mse_loss(forward(x), y);
+    case LossKind::Module: return module_loss(x, y);
   }
   throw Error("internal: unknown loss");
 }
@@ -107,11 +173,11 @@ EvalResult TrainStep::evaluate(const data::Dataset& split, const data::Normaliza
       auto b = data::make_batch(split, norm, ids);
       torch::Tensor scores;
       if (loss_ == LossKind::Module) {
-        loss_sum += net_.forward_loss(b.x, b.y).item<double>() * n;
+        loss_sum += module_loss(b.x, b.y).item<double>() * n;
         loss_count += n;
-        if (net_.can_predict()) scores = net_.predict(b.x);
+        if (net_.can_predict()) scores = predict(b.x);
       } else {
-        scores = net_.forward(b.x);
+        scores = forward(b.x);
         if (loss_ == LossKind::CrossEntropy) {
           loss_sum += F::cross_entropy(scores, b.y, F::CrossEntropyFuncOptions().reduction(torch::kSum))
                           .item<double>();
@@ -161,10 +227,10 @@ void TrainStep::check_data(const data::DatasetSplits& d, const data::Normalizati
   torch::Tensor scores;
   try {
     if (loss_ == LossKind::Module) {
-      net_.forward_loss(b.x, b.y);  // throws InvalidInput unless a scalar
-      if (net_.can_predict()) scores = net_.predict(b.x);
+      module_loss(b.x, b.y);  // throws InvalidInput unless a scalar
+      if (net_.can_predict()) scores = predict(b.x);
     } else {
-      scores = net_.forward(b.x);
+      scores = forward(b.x);
     }
   } catch (const InvalidInput&) {
     net_.train(was_training);

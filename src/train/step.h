@@ -92,6 +92,14 @@ class TrainStep {
                       int64_t chunk = 64);
 
   bool reports_accuracy() const;
+  // train.precision = bf16: forwards (training, loss-only, evaluation) run
+  // under CPU autocast to bfloat16 (matrix products and convolutions in
+  // bf16, reductions and norms in float32, as torch.autocast("cpu")), and
+  // the model's outputs are cast back to float32 before the loss. Weights,
+  // gradients and optimizer state stay float32; backward follows the
+  // recorded casts, so every parameter's gradient arrives in float32.
+  void set_bf16(bool on) { bf16_ = on; }
+  bool bf16() const { return bf16_; }
   void set_micro_batches(int64_t k) { micro_ = k < 1 ? 1 : k; }
   int64_t micro_batches() const { return micro_; }
   // Testing aid (train.slow_step_ms): gradient() also sleeps this long.
@@ -101,6 +109,10 @@ class TrainStep {
 
  private:
   torch::Tensor loss(const torch::Tensor& x, const torch::Tensor& y);
+  // The model's outputs (under autocast with bf16, returned as float32).
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::Tensor predict(const torch::Tensor& x);
+  torch::Tensor module_loss(const torch::Tensor& x, const torch::Tensor& y);
   void prepare(torch::Tensor& x) const;
   void check_labels(const torch::Tensor& y, int64_t classes) const;
 
@@ -110,7 +122,13 @@ class TrainStep {
   bool channels_last_;
   std::chrono::milliseconds delay_{0};
   int64_t micro_ = 1;
+  bool bf16_ = false;
 };
+
+// True when this CPU computes in bfloat16 natively (AVX-512 BF16 or AMX);
+// elsewhere autocast to bf16 still runs, on emulated bf16 arithmetic.
+// LIMBO_TESTING_NO_BF16=1 makes it false (a testing aid).
+bool cpu_has_bf16();
 
 // Mean loss and samples/s between two metrics lines.
 class MetricsWindow {

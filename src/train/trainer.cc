@@ -33,6 +33,17 @@ std::string sample_origin(const data::Dataset& d) {
   return d.tensors ? d.tensors->x.origin : d.stream ? d.stream->tokens.origin : d.name;
 }
 
+// Said once a process: bf16 autocast without bf16 units still trains, on
+// bf16 arithmetic emulated in float32 units.
+void warn_no_bf16_once() {
+  static bool said = false;
+  if (said) return;
+  said = true;
+  log_warn("train.precision = bf16: this CPU has no bf16 units (neither avx512_bf16 nor amx_bf16 in "
+           "/proc/cpuinfo); autocast still runs, on bf16 arithmetic emulated in float32 units, which is "
+           "slower than fp32 (docs/precision.md); train.precision = fp32 is the faster choice here");
+}
+
 data::Normalization choose_normalization(const std::string& mode, const data::Dataset& train) {
   if (mode == "standardize" && train.x_ids)
     throw InvalidInput("data.normalize = \"standardize\" cannot apply to ids: '" + sample_origin(train) +
@@ -67,6 +78,10 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   step_ = std::make_unique<TrainStep>(*model_, *flat_, cfg_.loss, cfg_.model.channels_last);
   step_->set_testing_delay(cfg_.train.slow_step);
   step_->set_micro_batches(cfg_.train.accumulate);
+  if (cfg_.train.precision != "fp32" && cfg_.train.precision != "bf16")
+    throw InvalidInput("unknown train.precision '" + cfg_.train.precision + "'; allowed: fp32, bf16");
+  step_->set_bf16(cfg_.train.precision == "bf16");
+  if (step_->bf16() && !cpu_has_bf16()) warn_no_bf16_once();
   step_->check_data(*splits_, norm_);
   if (cfg_.algorithm != "isgd" && cfg_.algorithm != "sgd" && cfg_.algorithm != "adam" && cfg_.algorithm != "adamw")
     throw InvalidInput("unknown optim.algorithm '" + cfg_.algorithm + "'; allowed: sgd, isgd, adam, adamw" +

@@ -75,6 +75,10 @@ struct TrainOptions {
   // Micro-batches per optimizer step (gradient accumulation); the loader's
   // batch_size is already the step's batch (accumulate x data.batch_size).
   int64_t accumulate = 1;
+  // "fp32", or "bf16": forward (and so backward) under CPU autocast to
+  // bfloat16 (TrainStep::set_bf16); weights, gradients, the all-reduce and
+  // optimizer state stay float32.
+  std::string precision = "fp32";
 };
 
 struct TrainerConfig {
