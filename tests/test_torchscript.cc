@@ -12,6 +12,7 @@
 #include <regex>
 
 #include <fstream>
+#include <iostream>
 #include <sstream>
 
 #include "job_checks.h"
@@ -418,4 +419,40 @@ TEST(Precision, ACpuWithoutBf16UnitsIsToldOnceAndTrains) {
     ASSERT_EQ(q.exit_code, 0) << q.output;
     EXPECT_EQ(q.output.find("no bf16 units"), std::string::npos) << q.output;
   }
+}
+
+// examples/gpt end to end: prepare.py's token streams (of Python's sources,
+// which every machine with python3 has; the example's own corpus is the
+// Bible of bible-kjv-text), the example's config (AdamW, clipping, warm-up
+// and cosine, bf16) on 2 elastic workers, then `limbo export`: PyTorch for
+// Python loads the module, finds Limbo's validation loss and generates text.
+TEST(TokenStreams, TheGptExampleTrainsOnTwoWorkersAndItsExportGeneratesTextInPyTorch) {
+  if (!limbo::testing::have_python_torch()) GTEST_SKIP() << "python3-torch is not installed";
+  TempDir d;
+  const std::string src = LIMBO_SOURCE_DIR, data = d.file("data"), run = d.file("run");
+  std::string out;
+  ASSERT_EQ(limbo::testing::run_python("../../examples/gpt/prepare.py", {data, "--corpus", "python", "--shards", "2"}, &out), 0)
+      << out;
+  auto r = run_limbo({"launch", "--nproc", "2", "--min-workers", "2", "--", "--config", src + "/examples/gpt/gpt.toml",
+                      "--run-dir", run, "--set", "model.path=" + data + "/gpt.pt", "--set", "data.path=" + data,
+                      "--set", "train.max_steps=150", "--set", "train.progress=false"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto s = summary(run);
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_EQ(s["steps"].get<int64_t>(), 150);
+  ASSERT_TRUE(s.contains("test_perplexity")) << s.dump();
+  // The exported module evaluated in float32 on both sides (training ran at bf16).
+  auto e = run_limbo({"eval", "--checkpoint", run + "/checkpoint.pt", "--set", "train.precision=fp32"});
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  const double fp32_loss = json::parse(e.output.substr(e.output.find('{')))["test_loss"].get<double>();
+  EXPECT_NEAR(fp32_loss, s["test_loss"].get<double>(), 0.05);  // bf16's evaluation tracks float32's
+  auto x = run_limbo({"export", "--checkpoint", run + "/checkpoint.pt", "--out", d.file("gpt-trained.pt")});
+  ASSERT_EQ(x.exit_code, 0) << x.output;
+  ASSERT_EQ(limbo::testing::run_python("check_gpt_export.py",
+                                       {d.file("gpt-trained.pt"), data + "/gpt.pt", data, "64",
+                                        std::to_string(fp32_loss)},
+                                       &out),
+            0)
+      << out;
+  std::cout << out;
 }

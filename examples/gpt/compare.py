@@ -93,7 +93,8 @@ def main():
     ap.add_argument("--optimizers", default="adamw,sgd")
     a = ap.parse_args()
     if not os.path.exists(os.path.join(a.data, "gpt.pt")):
-        subprocess.run(["/usr/bin/python3", os.path.join(HERE, "prepare.py"), a.data], check=True)
+        subprocess.run(["/usr/bin/python3", os.path.join(HERE, "prepare.py"), a.data, "--corpus", "python",
+                        "--windows", "40000"], check=True)
     rows = []
     for algo in a.optimizers.split(","):
         got = {"limbo": [], "pytorch": []}

@@ -76,7 +76,8 @@ def main():
     a = ap.parse_args()
     data = os.path.join(a.out, "data")
     if not os.path.exists(os.path.join(data, "gpt.pt")):
-        subprocess.run(["/usr/bin/python3", os.path.join(ROOT, "examples/gpt/prepare.py"), data], check=True)
+        subprocess.run(["/usr/bin/python3", os.path.join(ROOT, "examples/gpt/prepare.py"), data, "--corpus", "python",
+                        "--windows", "40000"], check=True)
     results = {}
     for seed in range(1, a.seeds + 1):
         for rule in RULES:  # interleaved: every rule once per seed
