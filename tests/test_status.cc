@@ -184,6 +184,32 @@ TEST(StatusBoard, PrometheusTextParsesAndCarriesTheRequiredMetrics) {
   EXPECT_EQ(types.count("limbo_staleness"), 0u);  // not a parameter-server job
 }
 
+// Token-stream jobs report the validation perplexity: in the snapshot, its
+// series and /metrics; other jobs have none (null, no sample).
+TEST(StatusBoard, TokenJobsShowTheirPerplexity) {
+  Board b("train");
+  b.add_record({{"kind", "eval"}, {"step", 10}, {"test_accuracy", 0.3}, {"test_loss", 2.0},
+                {"test_perplexity", 7.389}});
+  b.add_record({{"kind", "eval"}, {"step", 20}, {"test_accuracy", 0.4}, {"test_loss", 1.5},
+                {"test_perplexity", 4.482}});
+  json s = b.snapshot();
+  EXPECT_DOUBLE_EQ(s["test_perplexity"].get<double>(), 4.482);
+  ASSERT_EQ(s["accuracy"]["test_perplexity"].size(), 2u);
+  EXPECT_DOUBLE_EQ(s["accuracy"]["test_perplexity"][0].get<double>(), 7.389);
+  std::map<std::string, std::string> types;
+  std::vector<Sample> samples;
+  ASSERT_EQ(check_exposition(b.prometheus(), &types, &samples), "") << b.prometheus();
+  EXPECT_EQ(types["limbo_test_perplexity"], "gauge");
+  EXPECT_EQ(value_of(samples, "limbo_test_perplexity"), 4.482);
+  EXPECT_EQ(value_of(samples, "limbo_test_loss"), 1.5);
+  auto image = elastic_board();
+  EXPECT_TRUE(image->snapshot()["test_perplexity"].is_null());
+  std::map<std::string, std::string> image_types;
+  std::vector<Sample> none;
+  ASSERT_EQ(check_exposition(image->prometheus(), &image_types, &none), "");
+  EXPECT_TRUE(std::isnan(value_of(none, "limbo_test_perplexity")));
+}
+
 TEST(StatusBoard, ParameterServerRecordsGiveAStalenessHistogram) {
   Board b("async");
   b.member_event(3, "start", "3 learners");
