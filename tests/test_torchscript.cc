@@ -408,6 +408,7 @@ TEST(Precision, ACpuWithoutBf16UnitsIsToldOnceAndTrains) {
   for (size_t at = r.output.find("no bf16 units"); at != std::string::npos; at = r.output.find("no bf16 units", at + 1))
     ++said;
   EXPECT_EQ(said, 1u) << r.output;
+  EXPECT_NE(r.output.find("half the speed of fp32"), std::string::npos) << r.output;  // what it costs
   EXPECT_GT(summary(d.file("run"))["test_accuracy"].get<double>(), 0.6);
   // With bf16 units (this machine's CPU, when it has them) nothing is said.
   std::ifstream cpu("/proc/cpuinfo");

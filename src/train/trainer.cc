@@ -40,8 +40,8 @@ void warn_no_bf16_once() {
   if (said) return;
   said = true;
   log_warn("train.precision = bf16: this CPU has no bf16 units (neither avx512_bf16 nor amx_bf16 in "
-           "/proc/cpuinfo); autocast still runs, on bf16 arithmetic emulated in float32 units, which is "
-           "slower than fp32 (docs/precision.md); train.precision = fp32 is the faster choice here");
+           "/proc/cpuinfo); autocast still runs, on bf16 arithmetic emulated in float32 units, at about "
+           "half the speed of fp32 (docs/precision.md); train.precision = fp32 is the faster choice here");
 }
 
 data::Normalization choose_normalization(const std::string& mode, const data::Dataset& train) {
