@@ -10,6 +10,9 @@ and clipping at 1.0 (SGD with momentum 0.9 for the others). Contenders:
   single process, 2 threads:   limbo fp32, limbo bf16, pytorch fp32, pytorch bf16 (autocast)
   2 workers, 1 thread each:    limbo launch fp32 / bf16, DDP fp32 / bf16
                                (gloo, gradient_as_bucket_view, channels-last)
+  --hosts: 2 "hosts" x 2 workers, 1 thread each: two network namespaces
+                               joined by a veth pair (needs root and iproute2),
+                               a limbo launcher in each, DDP's ranks 0-1 in one
 
 PyTorch trains the model eagerly (for the GPT, the nn.Module that Limbo
 runs scripted), its loss in float32 outside autocast, as its documentation
@@ -19,7 +22,7 @@ Limbo fp32, and against PyTorch at its best (the faster of fp32 and autocast
 by median; DDP for 2 workers).
 
     bench/precision.py [--limbo build/src/cli/limbo] [--models mlp,lenet,mlp4096,gpt]
-                       [--repeats 3] [--workers 1,2] [--gpt-data DIR]
+                       [--repeats 3] [--workers 1,2] [--gpt-data DIR] [--hosts]
 """
 import argparse
 import json
@@ -34,6 +37,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+VETH = None  # --hosts: two network namespaces (bench/limbo_run.py)
 STEPS = {"mlp": 3000, "lenet": 600, "mlp4096": 100, "gpt": 150}
 BATCH = {"mlp": 64, "lenet": 64, "mlp4096": 64, "gpt": 32}
 
@@ -51,7 +55,7 @@ def pt_worker(a):
     ddp = a.world > 1
     if ddp:
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world)
+        dist.init_process_group("gloo", init_method=f"tcp://{a.master}:{a.port}", rank=a.rank, world_size=a.world)
     cl = a.model == "lenet"
     if a.model == "gpt":
         from model import Gpt
@@ -111,11 +115,16 @@ def free_port():
 def pytorch_rate(model, bf16, workers, gpt_data):
     port = free_port()
     threads = 2 if workers == 1 else 1
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", "--model", model, "--rank", str(r),
+    host = lambda r: r * 2 // workers  # --hosts: ranks 0..n/2-1 on the first namespace
+    procs = [subprocess.Popen((VETH.prefix(host(r)) if VETH else []) +
+                              [sys.executable, __file__, "--worker", "--model", model, "--rank", str(r),
                                "--world", str(workers), "--port", str(port), "--threads", str(threads),
                                "--batch", str(BATCH[model]), "--steps", str(STEPS[model]),
+                               "--master", VETH.ip[0] if VETH else "127.0.0.1",
                                "--gpt-data", gpt_data] + (["--bf16"] if bf16 else []),
-                              stdout=subprocess.PIPE, text=True) for r in range(workers)]
+                              stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, GLOO_SOCKET_IFNAME=VETH.dev[host(r)]) if VETH else None)
+             for r in range(workers)]
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"pytorch {model} bf16={bf16} workers={workers} failed")
@@ -140,9 +149,21 @@ def limbo_rate(limbo, model, bf16, workers, gpt_data):
     args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
     d = tempfile.mkdtemp(prefix="limbo-bench-")
     try:
-        cmd = [limbo, "train", "--run-dir", d] + args if workers == 1 else \
-            [limbo, "launch", "--nproc", str(workers), "--min-workers", str(workers), "--", "--run-dir", d] + args
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if VETH:  # one launcher per "host", joined through the first one's store
+            rdzv = f"{VETH.ip[0]}:{29700 + os.getpid() % 200}"
+            procs = []
+            for h in range(2):
+                procs.append(subprocess.Popen(
+                    VETH.prefix(h) + [limbo, "launch", "--nproc", str(workers // 2), "--min-workers", str(workers),
+                                      "--rdzv", rdzv, "--", "--run-dir", d] + args,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                time.sleep(1.0)  # host A's workers take the first ranks
+            if procs[0].wait(timeout=900) or procs[1].wait(timeout=60):
+                raise RuntimeError(f"limbo {model} on two hosts failed")
+        else:
+            cmd = [limbo, "train", "--run-dir", d] + args if workers == 1 else \
+                [limbo, "launch", "--nproc", str(workers), "--min-workers", str(workers), "--", "--run-dir", d] + args
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(os.path.join(d, "summary.json")) as f:
             return json.load(f)["samples_per_second"]
     finally:
@@ -165,6 +186,8 @@ def main():
     ap.add_argument("--workers", default="1,2")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gpt-data", default=os.path.join(tempfile.gettempdir(), "limbo-gpt-stream"))
+    ap.add_argument("--hosts", action="store_true", help="2 network namespaces x 2 workers (needs root)")
+    ap.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     # One PyTorch process of a contender (internal).
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -175,6 +198,20 @@ def main():
     if a.worker:
         return pt_worker(a)
     limbo = os.path.abspath(a.limbo)
+    global VETH
+    if a.hosts:
+        sys.path.insert(0, HERE)
+        from limbo_run import Veth
+        VETH = Veth()
+        a.workers = "4"
+    try:
+        run_all(a, limbo)
+    finally:
+        if VETH:
+            VETH.close()
+
+
+def run_all(a, limbo):
     if "gpt" in a.models and not os.path.exists(os.path.join(a.gpt_data, "gpt.pt")):
         subprocess.run([sys.executable, os.path.join(ROOT, "examples/gpt/prepare.py"), a.gpt_data], check=True)
     for workers in [int(w) for w in a.workers.split(",")]:
@@ -190,7 +227,9 @@ def main():
                       ", ".join(f"{k} {v[-1]:.0f}" for k, v in got.items()), flush=True)
             best = max(("pytorch fp32", "pytorch bf16"), key=lambda k: statistics.median(got[k]))
             peer = "DDP" if workers > 1 else "PyTorch"
-            print(f"{model}, {workers} {'process (2 threads)' if workers == 1 else 'workers (1 thread each)'}, "
+            where = "2 hosts x 2 workers (1 thread each)" if VETH else \
+                "1 process (2 threads)" if workers == 1 else f"{workers} workers (1 thread each)"
+            print(f"{model}, {where}, "
                   f"samples/s median (range) of {a.repeats}:")
             for k, v in got.items():
                 print(f"  {k.replace('pytorch', peer):14s} {med(v)}")
