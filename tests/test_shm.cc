@@ -124,6 +124,41 @@ TEST(Shm, TwoMembersGetTheGlooPathsBitsForEveryCollective) {
 
 // With more members the sum runs in member order, ((a0 + a1) + a2) + a3,
 // on every member alike, whichever member reduces which elements.
+// Reduce-scatter and all-gather (sharded optimizer state): each member's
+// shard of the reduce-scatter holds the all-reduce's bits, on both
+// transports, for 2 and 3 members, uneven and empty shards, and tensors of
+// several slots; the all-gather puts every member's shard everywhere.
+TEST(Shm, ReduceScatterKeepsTheAllReducesBitsAndAllGatherAssembles) {
+  NEED_SHM();
+  for (int world : {2, 3}) {
+    SCOPED_TRACE(world);
+    with_members(world, true, "rs" + std::to_string(world), [&](int r, comm::Collective& shm, comm::Collective* gloo) {
+      for (int64_t n : {int64_t{1000}, int64_t{5} << 20}) {  // 5M floats: several slots' worth
+        SCOPED_TRACE(n);
+        std::vector<std::vector<int64_t>> layouts = {{0}, {0}};
+        for (int k = 1; k <= world; ++k) layouts[0].push_back(n * k / world);  // even
+        for (int k = 1; k < world; ++k) layouts[1].push_back(k == 1 ? 0 : n / 3);  // an empty first shard
+        layouts[1].push_back(n);
+        for (const auto& bounds : layouts)
+          for (comm::Collective* g : {&shm, gloo}) {
+            auto ref = member_values(r, n, torch::kFloat32), x = ref.clone();
+            g->allreduce_sum(ref);
+            g->reduce_scatter_sum(x, bounds);
+            const int64_t lo = bounds[r], hi = bounds[r + 1];
+            EXPECT_TRUE(torch::equal(x.narrow(0, lo, hi - lo), ref.narrow(0, lo, hi - lo))) << g->transport();
+            // All-gather: everyone's shard of the sum, others' places garbage.
+            auto y = torch::full({n}, 7.0f);
+            y.narrow(0, lo, hi - lo).copy_(ref.narrow(0, lo, hi - lo));
+            g->all_gather(y, bounds);
+            EXPECT_TRUE(torch::equal(y, ref)) << g->transport();
+          }
+      }
+      auto bad = torch::zeros({10});
+      EXPECT_THROW(shm.all_gather(bad, {0, 5}), Error);
+    });
+  }
+}
+
 TEST(Shm, SumsRunInMemberOrderOnEveryMember) {
   NEED_SHM();
   const int world = 4;

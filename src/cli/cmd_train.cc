@@ -94,6 +94,10 @@ int run_train(const TrainArgs& a) {
   reduce_options.overlap = cfg.get_bool("elastic.overlap");
   reduce_options.bucket_bytes = static_cast<int64_t>(cfg.get_float("elastic.bucket_mb") * (1 << 20));
   reduce_options.testing_die_in_bucket = cfg.get_int("train.testing_die_in_bucket");
+  reduce_options.shard_state = cfg.get_bool("optim.shard_state");
+  if (reduce_options.shard_state && cfg.get_string("optim.algorithm") == "isgd")
+    throw InvalidInput("optim.shard_state = true does not run with optim.algorithm = \"isgd\" (its extra "
+                       "updates step the whole model on every worker); use sgd, adam or adamw");
   if (distributed) {
     comm::GroupOptions go;
     std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
@@ -142,6 +146,7 @@ int run_train(const TrainArgs& a) {
     }
     mo.group = go;
     auto member = std::make_unique<elastic::Member>(std::move(kv), mo);
+    if (reduce_options.shard_state) reduce_options.home_prefix = "/limbo-zero-" + member->job_tag() + "-";
     auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.optimizer_step(), trainer.params(),
                                                            reduce_options);
     trainer.set_update_rule(rule);

@@ -125,6 +125,10 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(F("optim.clip_grad_norm", 0.0, 0.0, std::nullopt,
              "clip the gradient to this global L2 norm (as torch.nn.utils.clip_grad_norm_); 0 = off"));
     s->add(F("optim.dampening", 0.0, 0.0, 1.0, "momentum dampening", false, true));
+    s->add(B("optim.shard_state", false,
+             "data-parallel: each worker keeps and updates only its shard of the optimizer state "
+             "(reduce-scattered gradient, all-gathered weights; ZeRO stage 1), kept in shared memory "
+             "that outlives the worker, re-sharded when membership changes (docs/sharded_state.md)"));
     s->add(S("optim.schedule", "constant", {"constant", "step", "multistep", "cosine", "inv"},
              "learning-rate schedule"));
     s->add(F("optim.gamma", 0.1, 0.0, 1.0, "step/multistep decay factor", true));
@@ -276,6 +280,10 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(B("train.testing_die_in_isgd", false,
              "testing aid: the process kills itself (SIGKILL) when its group enters ISGD's extra "
              "iterations"));
+    s->add(I("train.testing_die_at_step", 0, 0, std::nullopt,
+             "testing aid: the worker of rank train.testing_die_rank kills itself (SIGKILL) as it starts "
+             "step N + 1, before any collective of it (0 = never)"));
+    s->add(I("train.testing_die_rank", 1, 0, std::nullopt, "testing aid: see train.testing_die_at_step"));
     s->add(I("train.testing_die_in_bucket", 0, 0, std::nullopt,
              "testing aid: in its Nth step, the process kills itself (SIGKILL) as its "
              "communication thread starts the second gradient bucket (0 = never)"));
@@ -409,6 +417,8 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.pace_until_workers = static_cast<int>(c.get_int("train.testing_pace_until_workers"));
   t.train.writer_dies_at = c.get_string("train.testing_writer_dies_at");
   t.train.die_in_isgd = c.get_bool("train.testing_die_in_isgd");
+  t.train.die_at_step = c.get_int("train.testing_die_at_step");
+  t.train.die_rank = static_cast<int>(c.get_int("train.testing_die_rank"));
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));
   t.threads.blas = static_cast<int>(c.get_int("train.blas_threads"));

@@ -16,6 +16,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace limbo::comm {
 
@@ -39,6 +40,20 @@ class Collective {
   virtual void allreduce_max(torch::Tensor& t) = 0;
   // Copies `t` from member `root` to everyone, in place.
   virtual void broadcast(torch::Tensor& t, int root) = 0;
+  // Shards of a flat contiguous tensor: `bounds` holds size() + 1 offsets,
+  // bounds[0] = 0 <= bounds[1] <= ... <= bounds[size()] = t.numel(), and
+  // member r's shard is [bounds[r], bounds[r + 1]).
+  //
+  // Sum of a float32 tensor across members, kept where it is needed: on
+  // return member r's shard holds the sums, with the bits allreduce_sum
+  // gives (the same order of additions); the rest of t is unspecified. The
+  // shared-memory group reduces only each member's shard; the default is
+  // the all-reduce itself.
+  virtual void reduce_scatter_sum(torch::Tensor& t, const std::vector<int64_t>& bounds) { allreduce_sum(t); }
+  // Every member's shard to everyone, bit for bit (any dtype): on return t
+  // holds member r's shard at [bounds[r], bounds[r + 1]) on every member.
+  // The default broadcasts the shards one after another.
+  virtual void all_gather(torch::Tensor& t, const std::vector<int64_t>& bounds);
   // Thread-safe, from any thread: a collective blocked in another thread,
   // and every later one, throws PeerFailure at once; the members blocked
   // with it see their connections close and fail too. For a member known
@@ -108,6 +123,10 @@ bool is_local_address(const std::string& host);
 // a worker), guarded by the job secret `token` when it is not empty.
 // Returns an opaque handle; the store lives as long as the handle.
 // port 0 picks a free port; the chosen port is returned in *port.
+// Checks that `bounds` are shards of `t` for a group of `size` (above);
+// throws Error naming `what` when not.
+void check_shards(const torch::Tensor& t, const std::vector<int64_t>& bounds, int size, const char* what);
+
 std::shared_ptr<void> host_store(const std::string& host, int* port, const std::string& token = "");
 
 }  // namespace limbo::comm

@@ -1,5 +1,6 @@
 // c10d/Gloo implementation of Collective. The only translation unit that
 // includes c10d headers.
+#include <gloo/allgatherv.h>
 #include <gloo/allreduce.h>
 #include <gloo/math.h>
 #include <gloo/rendezvous/context.h>
@@ -358,6 +359,27 @@ class GlooGroup : public Collective {
       pg_->allreduce(v, ao)->wait(opt_.timeout);
     } catch (const std::exception& e) {
       rethrow_classified(message_of(e), "all-reduce (max) in group '" + opt_.prefix + "'");
+    }
+  }
+
+  // Gloo's all-gather of variable parts on the direct context (each
+  // member's part is already in place in the output).
+  void all_gather(torch::Tensor& t, const std::vector<int64_t>& bounds) override {
+    check_shards(t, bounds, size(), "all-gather");
+    if (size() == 1) return;
+    if (!ctx_) return Collective::all_gather(t, bounds);
+    check_aborted();
+    const size_t es = t.element_size();
+    std::vector<size_t> counts;
+    for (int r = 0; r < size(); ++r) counts.push_back(static_cast<size_t>(bounds[r + 1] - bounds[r]) * es);
+    try {
+      gloo::AllgathervOptions o(ctx_);
+      o.setOutput(static_cast<uint8_t*>(t.data_ptr()), counts);
+      o.setTag(tag_++);
+      o.setTimeout(opt_.timeout);
+      gloo::allgatherv(o);
+    } catch (const std::exception& e) {
+      rethrow_classified(message_of(e), "all-gather in group '" + opt_.prefix + "'");
     }
   }
 

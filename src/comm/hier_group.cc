@@ -135,6 +135,24 @@ std::unique_ptr<Collective> local_group(const GroupOptions& opt, int rank, int s
 
 }  // namespace
 
+void check_shards(const torch::Tensor& t, const std::vector<int64_t>& bounds, int size, const char* what) {
+  bool ok = t.is_contiguous() && static_cast<int>(bounds.size()) == size + 1 && bounds.front() == 0 &&
+            bounds.back() == t.numel();
+  for (size_t i = 1; ok && i < bounds.size(); ++i) ok = bounds[i - 1] <= bounds[i];
+  if (!ok)
+    throw Error(std::string(what) + ": the shard bounds do not cut a contiguous tensor of " +
+                std::to_string(t.numel()) + " elements among " + std::to_string(size) + " members");
+}
+
+void Collective::all_gather(torch::Tensor& t, const std::vector<int64_t>& bounds) {
+  check_shards(t, bounds, size(), "all-gather");
+  auto flat = t.view(-1);
+  for (int r = 0; r < size(); ++r) {
+    auto part = flat.narrow(0, bounds[r], bounds[r + 1] - bounds[r]);
+    if (part.numel() > 0) broadcast(part, r);
+  }
+}
+
 std::unique_ptr<Collective> make_group(const GroupOptions& opt, int rank, int size) {
   if (size < 1 || rank < 0 || rank >= size)
     throw InvalidInput("bad rank " + std::to_string(rank) + " for a group of " + std::to_string(size));

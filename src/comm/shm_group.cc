@@ -66,7 +66,8 @@ inline void cpu_relax() {
 #endif
 }
 
-// Running and not a zombie.
+}  // namespace
+
 bool process_alive(pid_t pid) {
   if (pid <= 0) return true;
   if (::kill(pid, 0) != 0 && errno == ESRCH) return false;
@@ -76,6 +77,8 @@ bool process_alive(pid_t pid) {
   const auto close = line.rfind(')');
   return close == std::string::npos || close + 2 >= line.size() || line[close + 2] != 'Z';
 }
+
+namespace {
 
 // out = a (op) b, element-wise; out may be a.
 template <typename T>
@@ -147,6 +150,62 @@ class ShmGroup : public Collective {
     }
     if (!c.is_same(t)) t.copy_(c);
   }
+  // Pieces of at most a slot, as reduce(): each member copies into its slot
+  // the parts of the piece that other members' shards hold, then sums its
+  // own shard's part across the slots in member order (the additions
+  // allreduce_sum makes) and keeps it; nothing comes back out.
+  void reduce_scatter_sum(torch::Tensor& t, const std::vector<int64_t>& bounds) override {
+    check_shards(t, bounds, size_, "shared-memory reduce-scatter");
+    if (t.scalar_type() != torch::kFloat32) throw Error("shared-memory reduce-scatter takes float32");
+    check_usable();
+    if (size_ == 1) return;
+    float* data = t.data_ptr<float>();
+    const int64_t n = t.numel(), per = h_->slot_bytes / static_cast<int64_t>(sizeof(float));
+    const int64_t lo = bounds[rank_], hi = bounds[rank_ + 1];
+    for (int64_t off = 0; off < n; off += per) {
+      const int64_t m = std::min(per, n - off);
+      // This member's shard within the piece: [b, e), relative to it.
+      const int64_t b = std::clamp(lo - off, int64_t{0}, m), e = std::clamp(hi - off, int64_t{0}, m);
+      float* piece = data + off;
+      float* mine = reinterpret_cast<float*>(slot(rank_));
+      std::memcpy(mine, piece, static_cast<size_t>(b) * sizeof(float));
+      std::memcpy(mine + e, piece + e, static_cast<size_t>(m - e) * sizeof(float));
+      barrier();
+      if (e > b) {
+        float* result = reinterpret_cast<float*>(next_result());
+        auto term = [&](int r) { return r == rank_ ? piece + b : reinterpret_cast<const float*>(slot(r)) + b; };
+        add3<float>(result + b, term(0), term(1), e - b);
+        for (int r = 2; r < size_; ++r) add3<float>(result + b, result + b, term(r), e - b);
+        std::memcpy(piece + b, result + b, static_cast<size_t>(e - b) * sizeof(float));
+      } else {
+        next_result();  // the turns of the result areas stay the same on every member
+      }
+      barrier();  // the slots are read before the next piece overwrites them
+    }
+  }
+
+  // Pieces of at most a slot: each member writes its shard's part of the
+  // piece into a result area; after one barrier everyone copies the others'
+  // parts out (the turns of the areas as broadcast()).
+  void all_gather(torch::Tensor& t, const std::vector<int64_t>& bounds) override {
+    check_shards(t, bounds, size_, "shared-memory all-gather");
+    check_usable();
+    if (size_ == 1) return;
+    const int64_t es = t.element_size();
+    uint8_t* data = static_cast<uint8_t*>(t.data_ptr());
+    const int64_t n = t.numel() * es, per = h_->slot_bytes;
+    const int64_t lo = bounds[rank_] * es, hi = bounds[rank_ + 1] * es;
+    for (int64_t off = 0; off < n; off += per) {
+      const int64_t m = std::min(per, n - off);
+      const int64_t b = std::clamp(lo - off, int64_t{0}, m), e = std::clamp(hi - off, int64_t{0}, m);
+      uint8_t* area = next_result();
+      if (e > b) std::memcpy(area + b, data + off + b, static_cast<size_t>(e - b));
+      barrier();
+      std::memcpy(data + off, area, static_cast<size_t>(b));
+      std::memcpy(data + off + e, area + e, static_cast<size_t>(m - e));
+    }
+  }
+
   void abort() override {
     aborted_.store(true);
     h_->aborted.store(1);

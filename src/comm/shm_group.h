@@ -75,4 +75,8 @@ std::string segment_prefix(pid_t pid);
 // /dev/shm), whose pids mean nothing here.
 int remove_stale_segments();
 
+// Whether process `pid` of this pid namespace is running and not a zombie
+// (true for pid <= 0, and where /proc cannot tell).
+bool process_alive(pid_t pid);
+
 }  // namespace limbo::comm

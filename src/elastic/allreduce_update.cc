@@ -1,5 +1,10 @@
 #include "elastic/allreduce_update.h"
 
+#include <cmath>
+#include <cstring>
+
+#include "common/error.h"
+
 namespace limbo::elastic {
 
 AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
@@ -8,10 +13,108 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
     : group_(std::move(group)),
       opt_(std::move(optimizer)),
       flat_(flat),
-      reducer_(flat, opt.bucket_bytes, opt.overlap, opt.compression),
-      loss_buf_(torch::zeros({1}, torch::kFloat64)) {
+      reducer_(flat, opt.bucket_bytes, opt.overlap, opt.compression, opt.shard_state),
+      loss_buf_(torch::zeros({1}, torch::kFloat64)),
+      shard_(opt.shard_state),
+      home_prefix_(opt.home_prefix),
+      stats_(torch::zeros({2}, torch::kFloat32)) {
   reducer_.set_testing_death(opt.testing_die_in_bucket);
+  if (shard_ && opt.compression != comm::Compression::None)
+    throw InvalidInput("optim.shard_state = true reduce-scatters a float32 gradient; set comm.compression = \"none\"");
+  if (group_) set_group(group_);
 }
+
+void AllReduceUpdate::set_group(std::shared_ptr<comm::Collective> group) {
+  group_ = std::move(group);
+  if (!shard_ || !group_) return;
+  bounds_ = shard_bounds(flat_.numel(), group_->size());
+  reducer_.set_shards(bounds_);
+}
+
+ShardHome& AllReduceUpdate::new_home(int64_t round, int states) {
+  const int64_t lo = bounds_.at(group_->rank()), hi = bounds_.at(group_->rank() + 1);
+  std::string name;
+  if (!home_prefix_.empty()) name = home_prefix_ + "m" + std::to_string(member_id_) + "-r" + std::to_string(round);
+  if (home_) retired_.push_back(std::move(home_));
+  // A round formed again after a failure has the same number: a fresh name.
+  for (int k = 0; !name.empty(); ++k) {
+    const std::string tried = k == 0 ? name : name + "-" + std::to_string(k);
+    bool taken = false;
+    for (const auto& h : retired_) taken = taken || h->name() == tried;
+    if (!taken) {
+      name = tried;
+      break;
+    }
+  }
+  home_ = std::make_unique<ShardHome>(name, flat_.numel(), lo, hi, states);
+  return *home_;
+}
+
+std::vector<ShardHome*> AllReduceUpdate::kept_homes() {
+  std::vector<ShardHome*> out;
+  if (home_) out.push_back(home_.get());
+  for (auto& h : retired_) out.push_back(h.get());
+  return out;
+}
+
+void AllReduceUpdate::adopt_dead(std::vector<std::unique_ptr<ShardHome>> homes) {
+  for (auto& h : homes) {
+    bool known = false;
+    for (auto* k : kept_homes()) known = known || k->name() == h->name();
+    if (!known) retired_.push_back(std::move(h));
+  }
+}
+
+bool AllReduceUpdate::version_meta(int64_t step, int64_t* optimizer_steps, bool* has_state) {
+  const int v = home_ ? home_->version_of(step) : -1;
+  if (v < 0) return false;
+  *optimizer_steps = home_->optimizer_steps(v);
+  *has_state = home_->has_state(v);
+  return true;
+}
+
+// The home of this member's shard holds committed step `step`; when not
+// (the first step of a static group, or after a resume), it is made from
+// the optimizer's whole state (or none) and the weights.
+void AllReduceUpdate::ensure_home(int64_t step) {
+  auto& opt = opt_->optimizer();
+  const int states = static_cast<int>(opt.state_names().size());
+  if (home_ && home_->version_of(step) >= 0 && home_->lo() == bounds_[group_->rank()] &&
+      home_->hi() == bounds_[group_->rank() + 1])
+    return;
+  const int64_t n = flat_.numel();
+  if (opt.has_state() && opt.state()[0].numel() != n)
+    throw Error("internal: the optimizer holds a shard of another layout and no home has step " + std::to_string(step));
+  ShardHome& h = new_home(0, states);
+  const int64_t lo = h.lo(), m = h.size();
+  std::memcpy(h.weights(0), flat_.data().data_ptr<float>() + lo, sizeof(float) * m);
+  if (opt.has_state())
+    for (int i = 0; i < states; ++i) std::memcpy(h.state(0, i), opt.state()[i].data_ptr<float>() + lo, sizeof(float) * m);
+  h.commit(0, step, opt.steps(), opt.has_state());
+}
+
+void AllReduceUpdate::gather_state(optim::Optimizer& opt, int64_t step) {
+  if (!shard_ || !group_) return;
+  const int64_t n = flat_.numel();
+  if (opt.has_state() && opt.state()[0].numel() == n) return;  // whole already
+  ensure_home(step);
+  const int v = home_->version_of(step);
+  const int states = static_cast<int>(opt.state_names().size());
+  // Whether any shard has state: every member's version agrees (one step).
+  if (!home_->has_state(v)) {
+    opt.set_state({}, home_->optimizer_steps(v));
+    return;
+  }
+  std::vector<torch::Tensor> whole;
+  for (int i = 0; i < states; ++i) {
+    auto t = torch::empty({n}, torch::kFloat32);
+    std::memcpy(t.data_ptr<float>() + home_->lo(), home_->state(v, i), sizeof(float) * home_->size());
+    group_->all_gather(t, bounds_);
+    whole.push_back(t);
+  }
+  opt.set_state(std::move(whole), home_->optimizer_steps(v));
+}
+
 
 void AllReduceUpdate::start(torch::Tensor& weights, torch::Tensor& buffers) {
   if (!group_) return;  // elastic training syncs in establish()
@@ -51,10 +154,72 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   const int64_t n = buf.numel() - optim::FlatParams::kSlots;
   const double global_loss = buf[n].item<double>();
   flag_sum_ = buf[n + 1].item<double>();
+  if (shard_) {
+    // The gradient's sum came from every member: each finished the state
+    // sync before this step, so the homes kept for a retried sync can go.
+    drop_retired();
+    return apply_shard(ctx, global_loss);
+  }
   if (!reducer_.finite()) return {global_loss, ctx.global_batch, /*skipped=*/true};
   if (ctx.before_update) ctx.before_update(global_loss);
   opt_->apply(ctx.weights, ctx.grad, ctx.lr);
   return {global_loss, ctx.global_batch};
+}
+
+// This member's shard: agree on finiteness and the norm (one small
+// all-reduce), clip, update into the home's other version, all-gather.
+train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double global_loss) {
+  torch::NoGradGuard no_grad;
+  const int64_t k = ctx.iteration;
+  ensure_home(k);
+  ShardHome& h = *home_;
+  const int cur = h.version_of(k), next = 1 - cur;
+  const int64_t lo = h.lo(), m = h.size();
+  auto g = ctx.grad.narrow(0, lo, m);
+  auto& opt = opt_->optimizer();
+  const int states = h.states();
+  h.begin(next);
+  auto* st = stats_.data_ptr<float>();
+  st[0] = m > 0 ? static_cast<float>(g.isfinite().logical_not().sum().item<int64_t>()) : 0.0f;
+  st[1] = opt_->clip_norm() > 0 && m > 0 ? static_cast<float>(g.square().sum().item<double>()) : 0.0f;
+  group_->allreduce_sum(stats_);
+  const bool finite = reducer_.finite() && st[0] == 0;
+  if (!finite) {  // skipped everywhere: the next version repeats this one
+    std::memcpy(h.weights(next), h.weights(cur), static_cast<size_t>(h.version_bytes()));
+    h.commit(next, k + 1, h.optimizer_steps(cur), h.has_state(cur));
+    return {global_loss, ctx.global_batch, /*skipped=*/true};
+  }
+  if (ctx.before_update) ctx.before_update(global_loss);
+  if (opt_->clip_norm() > 0) {
+    const double norm = std::sqrt(static_cast<double>(st[1]));
+    const float coef = static_cast<float>(opt_->clip_norm()) / (static_cast<float>(norm) + 1e-6f);
+    if (coef < 1.0f) g.mul_(coef);
+    opt_->set_last_norm(norm);
+  }
+  std::vector<const float*> in;
+  std::vector<float*> out;
+  for (int i = 0; i < states; ++i) {
+    out.push_back(h.state(next, i));
+    if (h.has_state(cur)) in.push_back(h.state(cur, i));
+  }
+  opt.set_state({}, h.optimizer_steps(cur));
+  float* w = ctx.weights.data_ptr<float>() + lo;
+  opt.step_into(w, h.weights(next), g.data_ptr<float>(), in, out, m, ctx.lr);
+  h.commit(next, k + 1, opt.steps(), states > 0);
+  // The optimizer's state is this shard's (views of the home).
+  std::vector<torch::Tensor> views;
+  for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(h.state(next, i), {m}, torch::kFloat32));
+  opt.set_state(std::move(views), opt.steps());
+  std::memcpy(w, h.weights(next), sizeof(float) * m);
+  weights_step_ = -1;
+  group_->all_gather(ctx.weights, bounds_);
+  weights_step_ = k + 1;
+  return {global_loss, ctx.global_batch};
+}
+
+void AllReduceUpdate::drop_retired() {
+  for (auto& h : retired_) h->unlink();
+  retired_.clear();
 }
 
 nlohmann::json AllReduceUpdate::summary() const {

@@ -12,14 +12,28 @@
 // integer buffers (BatchNorm's num_batches_tracked) take member 0's value
 // (see FlatParams). A sum that is not finite skips the update on every
 // member alike (StepResult::skipped).
+//
+// With optim.shard_state (ReduceOptions::shard_state) the optimizer state is
+// sharded (ZeRO stage 1): the gradient buckets are reduce-scattered, each
+// member clips with the global norm built from the shards' squared norms,
+// updates only its shard of the weights and of the optimizer state (kept in
+// two versions in a ShardHome, elastic/shards.h) and the weights are
+// all-gathered. Every addition of the gradient sum is the replicated path's,
+// and the rule is elementwise, so the weights and state equal the
+// replicated path's bit for bit; with clipping the norm is summed from the
+// shards (float32 partial sums in another order), so the coefficient, and
+// from it the update, can differ by float32 rounding.
 #pragma once
 
 #include <functional>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "comm/collective.h"
 #include "comm/compression.h"
 #include "elastic/bucket_reducer.h"
+#include "elastic/shards.h"
 #include "train/update_rule.h"
 
 namespace limbo::elastic {
@@ -29,6 +43,11 @@ struct ReduceOptions {
   bool overlap = false;      // elastic.overlap: reduce buckets while backward runs
   comm::Compression compression = comm::Compression::None;  // comm.compression
   int64_t testing_die_in_bucket = 0;  // train.testing_die_in_bucket (see BucketReducer)
+  bool shard_state = false;  // optim.shard_state
+  // The start of the names of this job's shard homes, "/limbo-zero-<job>-"
+  // (a member's are <prefix>m<member id>-r<round>); empty: in this
+  // process's memory (a crash loses the shard).
+  std::string home_prefix;
 };
 
 class AllReduceUpdate : public train::UpdateRule {
@@ -45,7 +64,35 @@ class AllReduceUpdate : public train::UpdateRule {
   // Buckets, how many overlapped backward, the exposed communication.
   nlohmann::json summary() const override;
   // Elastic training swaps the group when membership changes.
-  void set_group(std::shared_ptr<comm::Collective> group) { group_ = std::move(group); }
+  void set_group(std::shared_ptr<comm::Collective> group);
+  // Sharded optimizer state (optim.shard_state).
+  bool sharded() const { return shard_; }
+  const std::vector<int64_t>& bounds() const { return bounds_; }
+  ShardHome* home() { return home_.get(); }
+  // A new home for this member's shard of the current group (named for
+  // membership round `round`); the previous one is retired: kept, and
+  // readable, until the next committed step.
+  ShardHome& new_home(int64_t round, int states);
+  // Homes kept for a state sync that may be retried: the retired ones and
+  // the dead members' ones this member read (adopt_dead()).
+  std::vector<ShardHome*> kept_homes();
+  void adopt_dead(std::vector<std::unique_ptr<ShardHome>> homes);
+  const std::string& home_prefix() const { return home_prefix_; }
+  void set_member_id(int64_t id) { member_id_ = id; }
+  // The committed step the whole weights (flat) hold on this member: after
+  // each all-gather, and after a state sync; kWeightsUnknown before the
+  // first step (they are the state's own), -1 while an all-gather is in
+  // flight or failed (they are partly new).
+  static constexpr int64_t kWeightsUnknown = INT64_MIN;
+  int64_t whole_weights_step() const { return weights_step_; }
+  void set_whole_weights_step(int64_t step) { weights_step_ = step; }
+  // Checkpoints: the whole optimizer state of committed step `step` into
+  // `opt` (an all-gather; every member calls it alike). No-op unless sharded
+  // or when `opt` already holds the whole state.
+  void gather_state(optim::Optimizer& opt, int64_t step) override;
+  // The optimizer's update count and whether it has state, at committed
+  // step `step` of this member's home (false: the home has no such version).
+  bool version_meta(int64_t step, int64_t* optimizer_steps, bool* has_state);
   // A value each member contributes with every gradient (summed): elastic
   // training raises it to ask for a membership change, so all members see
   // the request after the same step.
@@ -62,6 +109,18 @@ class AllReduceUpdate : public train::UpdateRule {
   double share_ = 1.0;  // this member's fraction of the last global batch
   std::function<double()> flag_source_;
   double flag_sum_ = 0;
+
+  train::StepResult apply_shard(train::StepContext& ctx, double global_loss);
+  void ensure_home(int64_t step);
+  void drop_retired();
+  bool shard_ = false;
+  std::string home_prefix_;
+  int64_t member_id_ = 0;
+  int64_t weights_step_ = kWeightsUnknown;
+  std::vector<int64_t> bounds_;
+  std::unique_ptr<ShardHome> home_;
+  std::vector<std::unique_ptr<ShardHome>> retired_;
+  torch::Tensor stats_;  // [non-finite elements, squared norm] of this member's shard
 };
 
 }  // namespace limbo::elastic

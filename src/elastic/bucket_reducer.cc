@@ -39,15 +39,16 @@ std::vector<Bucket> plan_buckets(const optim::FlatParams& flat, int64_t bucket_b
 }
 
 BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool overlap,
-                             comm::Compression compression)
+                             comm::Compression compression, bool sharded)
     : flat_(flat),
       buckets_(plan_buckets(flat, bucket_bytes, false)),
       overlap_(overlap),
-      compression_(compression) {
+      compression_(compression),
+      sharded_(sharded) {
   // The tail (float buffers, loss, flag) is written after backward, since
   // backward may read the buffers: an all-reduce of its own, last, unless a
   // single float32 bucket (reduced after backward anyway) can carry it.
-  tail_separate_ = compression_ != comm::Compression::None || buckets_.size() > 1;
+  tail_separate_ = compression_ != comm::Compression::None || buckets_.size() > 1 || sharded_;
   if (!tail_separate_) buckets_.front().end = flat.grad_with_slot().numel();
   const size_t nb = buckets_.size();
   bucket_of_.assign(flat.entries().size(), -1);
@@ -157,12 +158,23 @@ void BucketReducer::mark_ready(size_t op) {
   cv_.notify_all();
 }
 
+void BucketReducer::set_shards(const std::vector<int64_t>& bounds) {
+  shard_bounds_.clear();
+  for (const auto& b : buckets_) {
+    std::vector<int64_t> rel;
+    for (int64_t x : bounds) rel.push_back(std::clamp(x, b.begin, b.end) - b.begin);
+    shard_bounds_.push_back(std::move(rel));
+  }
+}
+
 void BucketReducer::run(size_t op) {
   if (compression_ != comm::Compression::None && op < buckets_.size()) {
     group_->allreduce_sum_16(wire_[op]);
     return;
   }
-  if (views_[op].numel() > 0) group_->allreduce_sum(views_[op]);  // a float32 bucket, or the tail
+  if (views_[op].numel() == 0) return;
+  if (sharded_ && op < buckets_.size()) group_->reduce_scatter_sum(views_[op], shard_bounds_.at(op));
+  else group_->allreduce_sum(views_[op]);  // a float32 bucket, or the tail
 }
 
 void BucketReducer::comm_loop() {
@@ -252,7 +264,7 @@ void BucketReducer::finish(double flag) {
     if (compression_ != comm::Compression::None && finite_)
       for (size_t b = 0; b < buckets_.size(); ++b)
         finite_ = finite_ && std::isfinite(wire_[b].sum(torch::kFloat32).item<float>());
-    else if (finite_)
+    else if (finite_ && !sharded_)
       finite_ = std::isfinite(flat_.grad().sum().item<float>());
   }
   if (!finite_) return;

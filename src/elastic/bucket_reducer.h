@@ -86,8 +86,15 @@ struct ReducerStats {
 
 class BucketReducer {
  public:
+  // With `sharded`, gradient buckets are reduce-scattered among the shards
+  // set by set_shards() (the tail still all-reduced, in an operation of its
+  // own), and finite() looks at the loss only: each member checks its own
+  // shard of the gradient (elastic/allreduce_update.h).
   BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool overlap,
-                comm::Compression compression);
+                comm::Compression compression, bool sharded = false);
+  // The shards of the flat gradient (elastic/shards.h) of the next steps'
+  // group: between steps, on the training thread.
+  void set_shards(const std::vector<int64_t>& bounds);
   ~BucketReducer();
   BucketReducer(const BucketReducer&) = delete;
   BucketReducer& operator=(const BucketReducer&) = delete;
@@ -131,6 +138,8 @@ class BucketReducer {
   std::vector<std::unique_ptr<comm::Compressor>> compressors_;  // per bucket
   std::vector<torch::Tensor> wire_;                              // per bucket, 16-bit
   std::vector<torch::Tensor> views_;  // per op: the buckets, then the tail when separate
+  bool sharded_ = false;
+  std::vector<std::vector<int64_t>> shard_bounds_;  // per bucket: the shards within it
   // Gradient accumulators with this reducer's hook (held: they keep it).
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks_;
 

@@ -59,25 +59,57 @@ std::string share_records(comm::Collective& g, const train::SyncTargets& s, bool
   return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()), static_cast<size_t>(bytes.numel()));
 }
 
-int sync_state(comm::Collective& g, train::SyncTargets& s) {
-  torch::NoGradGuard no_grad;
-  // Newest committed step wins; among equals the lowest rank (encoded so
-  // that a max picks it).
+namespace {
+
+// The member with the newest committed step (ties: the lowest rank).
+int newest_member(comm::Collective& g, int64_t step) {
   const double kRanks = 65536.0;
-  auto key = torch::tensor({static_cast<double>(s.state.step) * kRanks + (kRanks - 1 - g.rank())},
-                           torch::kFloat64);
+  auto key = torch::tensor({static_cast<double>(step) * kRanks + (kRanks - 1 - g.rank())}, torch::kFloat64);
   g.allreduce_max(key);
   const double v = key.item<double>();
-  const int source = static_cast<int>(kRanks - 1 - std::fmod(v, kRanks));
+  return static_cast<int>(kRanks - 1 - std::fmod(v, kRanks));
+}
 
+// Buffers, the batch-size policy and ISGD's statistics from `source`.
+void sync_small_state(comm::Collective& g, train::SyncTargets& s, int source) {
+  if (s.buffers.numel() > 0) g.broadcast(s.buffers, source);
+  auto policy = s.policy.state();
+  g.broadcast(policy, source);
+  s.policy.load_state(policy);
+  if (s.isgd) {
+    auto st = s.isgd->state();
+    auto n = torch::tensor({st.numel()}, torch::kInt64);
+    g.broadcast(n, source);
+    if (st.numel() != n.item<int64_t>()) st = torch::zeros({n.item<int64_t>()}, torch::kFloat64);
+    g.broadcast(st, source);
+    s.isgd->load_state(st);
+  }
+}
+
+torch::Tensor meta_of(const train::SyncTargets& s, bool has_state, int64_t optimizer_steps) {
+  return torch::tensor({s.state.step, s.state.cursor.epoch, s.state.cursor.position, s.state.samples,
+                        static_cast<int64_t>(has_state), s.state.skipped_steps, s.state.skipped_in_a_row,
+                        optimizer_steps},
+                       torch::kInt64);
+}
+
+void apply_meta(const torch::Tensor& meta, train::SyncTargets& s) {
+  s.state.step = meta[0].item<int64_t>();
+  s.state.cursor = {meta[1].item<int64_t>(), meta[2].item<int64_t>()};
+  s.state.samples = meta[3].item<int64_t>();
+  s.state.skipped_steps = meta[5].item<int64_t>();
+  s.state.skipped_in_a_row = meta[6].item<int64_t>();
+}
+
+}  // namespace
+
+int sync_state(comm::Collective& g, train::SyncTargets& s) {
+  torch::NoGradGuard no_grad;
+  const int source = newest_member(g, s.state.step);
   auto& opt = s.optimizer;
-  auto meta = torch::tensor({s.state.step, s.state.cursor.epoch, s.state.cursor.position,
-                             s.state.samples, static_cast<int64_t>(opt.has_state()),
-                             s.state.skipped_steps, s.state.skipped_in_a_row, opt.steps()},
-                            torch::kInt64);
+  auto meta = meta_of(s, opt.has_state(), opt.steps());
   g.broadcast(meta, source);
   g.broadcast(s.weights, source);
-  if (s.buffers.numel() > 0) g.broadcast(s.buffers, source);
   // The optimizer's state, tensor by tensor in the order of its names (every
   // member runs the same configuration, so the names agree).
   if (meta[4].item<int64_t>() != 0) {
@@ -91,29 +123,172 @@ int sync_state(comm::Collective& g, train::SyncTargets& s) {
   } else {
     opt.set_state({}, meta[7].item<int64_t>());
   }
-  auto policy = s.policy.state();
-  g.broadcast(policy, source);
-  s.policy.load_state(policy);
-  if (s.isgd) {
-    auto st = s.isgd->state();
-    auto n = torch::tensor({st.numel()}, torch::kInt64);
-    g.broadcast(n, source);
-    if (st.numel() != n.item<int64_t>()) st = torch::zeros({n.item<int64_t>()}, torch::kFloat64);
-    g.broadcast(st, source);
-    s.isgd->load_state(st);
-  }
-  s.state.step = meta[0].item<int64_t>();
-  s.state.cursor = {meta[1].item<int64_t>(), meta[2].item<int64_t>()};
-  s.state.samples = meta[3].item<int64_t>();
-  s.state.skipped_steps = meta[5].item<int64_t>();
-  s.state.skipped_in_a_row = meta[6].item<int64_t>();
+  sync_small_state(g, s, source);
+  apply_meta(meta, s);
   return source;
+}
+
+namespace {
+
+// A range [lo, hi) of the flat parameters that a member holds at the
+// step being synced: its weights (`w`) and/or its optimizer state (`st`).
+struct Held {
+  int64_t lo = 0, hi = 0;
+  const float* w = nullptr;
+  std::vector<const float*> st;
+};
+
+using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+
+// `r` minus every range in `minus`.
+Ranges subtract(std::pair<int64_t, int64_t> r, Ranges minus) {
+  std::sort(minus.begin(), minus.end());
+  Ranges out;
+  int64_t at = r.first;
+  for (const auto& [a, b] : minus) {
+    if (b <= at || a >= r.second) continue;
+    if (a > at) out.push_back({at, std::min(a, r.second)});
+    at = std::max(at, b);
+    if (at >= r.second) break;
+  }
+  if (at < r.second) out.push_back({at, r.second});
+  return out;
+}
+
+}  // namespace
+
+ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllReduceUpdate& rule, int64_t round) {
+  torch::NoGradGuard no_grad;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t n = s.weights.numel();
+  const int source = newest_member(g, s.state.step);
+  auto& opt = s.optimizer;
+  const int states = static_cast<int>(opt.state_names().size());
+  const bool whole_state = opt.has_state() && opt.state()[0].numel() == n;
+  int64_t steps = opt.steps();
+  bool has_state = opt.has_state();
+  if (!whole_state) rule.version_meta(s.state.step, &steps, &has_state);
+  auto meta = meta_of(s, has_state, steps);
+  g.broadcast(meta, source);
+  const int64_t step = meta[0].item<int64_t>();
+  has_state = meta[4].item<int64_t>() != 0;
+  steps = meta[7].item<int64_t>();
+
+  // What this member holds at `step`: its homes' versions (its own, and
+  // the homes of dead members of this host), the whole weights when no
+  // all-gather has touched them since, the whole state after a gather.
+  if (!rule.home_prefix().empty()) rule.adopt_dead(open_dead_homes(rule.home_prefix().substr(1)));
+  std::vector<Held> held;
+  for (ShardHome* h : rule.kept_homes()) {
+    const int v = h->version_of(step);
+    if (v < 0 || h->n() != n || h->states() != states) continue;
+    Held x{h->lo(), h->hi(), h->weights(v), {}};
+    if (has_state)
+      for (int i = 0; i < states; ++i) x.st.push_back(h->state(v, i));
+    held.push_back(std::move(x));
+  }
+  const int64_t ws = rule.whole_weights_step();
+  const bool whole_weights = s.state.step == step && (ws == step || ws == AllReduceUpdate::kWeightsUnknown);
+  if (whole_weights) held.push_back({0, n, s.weights.data_ptr<float>(), {}});
+  if (whole_state && s.state.step == step && has_state) {
+    Held x{0, n, nullptr, {}};
+    for (int i = 0; i < states; ++i) x.st.push_back(opt.state()[i].data_ptr<float>());
+    held.push_back(std::move(x));
+  }
+  // Everyone's ranges, weights and state separately: [rank][slot] = (lo, hi).
+  constexpr int kSlots = 32;
+  if (held.size() > static_cast<size_t>(kSlots)) held.resize(kSlots);
+  const int W = g.size();
+  auto table = torch::full({2, W, kSlots, 2}, -1.0, torch::kFloat64);
+  {
+    auto t = table.accessor<double, 4>();
+    int slot[2] = {0, 0};
+    for (const auto& x : held) {
+      if (x.w) { t[0][g.rank()][slot[0]][0] = x.lo; t[0][g.rank()][slot[0]++][1] = x.hi; }
+      if (!x.st.empty()) { t[1][g.rank()][slot[1]][0] = x.lo; t[1][g.rank()][slot[1]++][1] = x.hi; }
+    }
+  }
+  g.allreduce_max(table);
+  auto t = table.accessor<double, 4>();
+  // For kind k: the pieces this member sends (its ranges less those of lower
+  // ranks and its own earlier ones), and whether the ranges cover [0, n).
+  ShardSync out;
+  auto plan = [&](int k, std::vector<std::pair<Ranges, const Held*>>* mine) {
+    Ranges all, lower;
+    for (int r = 0; r < W; ++r)
+      for (int j = 0; j < kSlots && t[k][r][j][0] >= 0; ++j) {
+        const std::pair<int64_t, int64_t> range{static_cast<int64_t>(t[k][r][j][0]), static_cast<int64_t>(t[k][r][j][1])};
+        all.push_back(range);
+        if (r < g.rank()) lower.push_back(range);
+      }
+    for (const auto& x : held) {
+      if ((k == 0 && !x.w) || (k == 1 && x.st.empty())) continue;
+      mine->push_back({subtract({x.lo, x.hi}, lower), &x});
+      lower.push_back({x.lo, x.hi});
+    }
+    return subtract({0, n}, all).empty();
+  };
+  std::vector<std::pair<Ranges, const Held*>> send_w, send_s;
+  const bool weights_ok = plan(0, &send_w);
+  const bool state_ok = plan(1, &send_s) || !has_state || states == 0;
+  if (!weights_ok || !state_ok)
+    throw ShardsLost("the optimizer state of step " + std::to_string(step) + " is lost: no member holds " +
+                     (weights_ok ? "every shard of the optimizer state" : "every shard of the weights") +
+                     " (a shard and its copy were lost together)");
+
+  // Weights: everyone needs them whole. Every element comes from one
+  // member and is -0.0 elsewhere (x + -0.0 = x for every x, so the sum
+  // moves the bits unchanged).
+  {
+    const float* whole = s.weights.data_ptr<float>();
+    auto fresh = torch::full({n}, -0.0f, torch::kFloat32);
+    float* f = fresh.data_ptr<float>();
+    for (const auto& [pieces, x] : send_w)
+      for (const auto& [a, b] : pieces) {
+        std::memcpy(f + a, x->w == whole ? whole + a : x->w + (a - x->lo), sizeof(float) * (b - a));
+        out.bytes_sent += 4 * (b - a);
+      }
+    g.allreduce_sum(fresh);
+    s.weights.copy_(fresh);
+  }
+  // The state: each member receives only its new shard (a reduce-scatter).
+  const auto& bounds = rule.bounds();
+  const int64_t lo = bounds[g.rank()], hi = bounds[g.rank() + 1];
+  ShardHome& home = rule.new_home(round, states);
+  std::memcpy(home.weights(0), s.weights.data_ptr<float>() + lo, sizeof(float) * (hi - lo));
+  if (has_state) {
+    auto buf = torch::empty({n}, torch::kFloat32);
+    float* f = buf.data_ptr<float>();
+    for (int i = 0; i < states; ++i) {
+      buf.fill_(-0.0f);
+      for (const auto& [pieces, x] : send_s)
+        for (const auto& [a, b] : pieces) {
+          std::memcpy(f + a, x->st[i] + (a - x->lo), sizeof(float) * (b - a));
+          out.bytes_sent += 4 * (b - a);
+        }
+      g.reduce_scatter_sum(buf, bounds);
+      std::memcpy(home.state(0, i), f + lo, sizeof(float) * (hi - lo));
+      out.bytes_received += 4 * (hi - lo);
+    }
+  }
+  home.commit(0, step, steps, has_state);
+  std::vector<torch::Tensor> views;
+  if (has_state)
+    for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(home.state(0, i), {hi - lo}, torch::kFloat32));
+  opt.set_state(std::move(views), steps);
+  rule.set_whole_weights_step(step);
+  sync_small_state(g, s, source);
+  apply_meta(meta, s);
+  out.source = source;
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
 }
 
 ElasticMembership::ElasticMembership(std::unique_ptr<Member> member,
                                      std::shared_ptr<AllReduceUpdate> rule,
                                      std::function<bool()> want_leave)
     : member_(std::move(member)), rule_(std::move(rule)), want_leave_(std::move(want_leave)) {
+  rule_->set_member_id(member_->id());
   rule_->set_flag_source([this] {
     return (want_leave_() || member_->newer_round(round_.number)) ? 1.0 : 0.0;
   });
@@ -142,7 +317,14 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
       double form = since(t1);
       auto t2 = Clock::now();
       rule_->set_group(group);
-      int source = sync_state(*group, s);
+      int source = 0;
+      ShardSync shards;
+      if (rule_->sharded()) {
+        shards = sync_sharded_state(*group, s, *rule_, next.number);
+        source = shards.source;
+      } else {
+        source = sync_state(*group, s);
+      }
       Established e;
       e.world = group->size();
       e.rank = group->rank();
@@ -168,8 +350,15 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
                  {"group_seconds", form},
                  {"sync_seconds", since(t2)},
                  {"attempts", attempt + 1}};
+      if (rule_->sharded()) {
+        e.event["shard_bytes_sent"] = shards.bytes_sent;
+        e.event["shard_bytes_received"] = shards.bytes_received;
+        e.event["shard_sync_seconds"] = shards.seconds;
+      }
       round_ = next;
       return e;
+    } catch (const ShardsLost&) {
+      throw;
     } catch (const Error& err) {
       // A member of this round is gone too: ask for the next one.
       log_warn("worker " + std::to_string(member_->id()) + ": round " +

@@ -31,6 +31,28 @@ std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage, std::v
 // number when no copy is behind.
 std::string share_records(comm::Collective& g, const train::SyncTargets& s, bool writer);
 
+// No member holds some shard of the optimizer state (or of the weights) at
+// the newest committed step: a shard and its copy were lost together.
+class ShardsLost : public limbo::Error {
+ public:
+  using Error::Error;
+};
+
+struct ShardSync {
+  int source = 0;              // the member whose step and small state everyone took
+  int64_t bytes_sent = 0;      // weights and state this member contributed
+  int64_t bytes_received = 0;  // state this member received (its new shard)
+  double seconds = 0;
+};
+
+// sync_state() for sharded optimizer state: the weights and every shard of
+// the newest committed step are assembled from the members' homes (their
+// own and those of dead members on their host, elastic/shards.h), the
+// weights whole on every member and the state re-sharded for this group,
+// each member receiving only its new shard. Throws ShardsLost when some
+// shard is held by no member.
+ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllReduceUpdate& rule, int64_t round);
+
 class ElasticMembership : public train::Membership {
  public:
   // `want_leave` is polled every step (e.g. a SIGTERM flag).

@@ -1,4 +1,5 @@
 #include "elastic/launcher.h"
+#include "elastic/shards.h"
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -149,6 +150,7 @@ class Job {
   void stop(int code, const std::string& why, int sig);
   bool finished();
   int finish();
+  void remove_shard_homes();
   // Runs a store call; false (and the loss clock running) when the store
   // did not answer.
   bool with_store(const std::function<void()>& f);
@@ -655,7 +657,17 @@ bool Job::finished() {
   return all || seconds_since(std::max(last_beat_seen_, done_at_)) > kAckGrace;
 }
 
+// The job's shard homes on this host (elastic/shards.h): they outlive
+// their workers for the survivors, not the job.
+void Job::remove_shard_homes() {
+  if (!opt_.elastic) return;
+  std::optional<std::string> tag;
+  with_store([&] { tag = kv_->try_get("elastic/job_tag"); });
+  if (tag && !tag->empty()) remove_homes("limbo-zero-" + *tag + "-");
+}
+
 int Job::finish() {
+  remove_shard_homes();
   if (phase_ == Phase::Completing) {
     int code = 0;
     if (finish_timed_out_) {

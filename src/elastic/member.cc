@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <random>
 #include <map>
 
 #include "common/error.h"
@@ -25,6 +26,13 @@ int64_t to_int(const std::optional<std::string>& v) { return v ? std::stoll(*v) 
 // The host identity names the machine (boot id) and the namespaces,
 // among them the pid namespace in which `pid` means this process.
 std::string process_key(pid_t pid) { return comm::host_identity() + ":" + std::to_string(pid); }
+
+std::string Member::job_tag() {
+  std::random_device rd;
+  char mine[17];
+  std::snprintf(mine, sizeof mine, "%08x%08x", rd(), rd());
+  return store_->compare_set("elastic/job_tag", "", mine);
+}
 
 Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
     : store_(std::move(store)), opt_(std::move(opt)) {

@@ -72,6 +72,9 @@ class Member {
   ~Member();
 
   int64_t id() const { return id_; }
+  // A random tag drawn once per job in the store (the first caller draws
+  // it): names of this job's files outside the store (shard homes) carry it.
+  std::string job_tag();
   // Blocks until a round newer than `after` lists this member. Store errors
   // are retried (the store may be out of reach for a while). Throws Timeout
   // after round_timeout.

@@ -22,21 +22,34 @@ bool Optimizer::step(torch::Tensor& w, const torch::Tensor& g, double lr) {
     state_.assign(names.size(), torch::Tensor());
     for (auto& t : state_) t = torch::empty({n}, torch::kFloat32);
   }
-  UpdateScalars k{lr, lr, steps_ + 1};
+  std::vector<const float*> in;
+  std::vector<float*> out;
+  for (auto& t : state_) {
+    out.push_back(t.data_ptr<float>());
+    if (!first) in.push_back(out.back());
+  }
   float* wp = w.data_ptr<float>();
-  const float* gp = g.data_ptr<float>();
+  return step_into(wp, wp, g.data_ptr<float>(), in, out, n, lr);
+}
+
+bool Optimizer::step_into(const float* w, float* w_out, const float* g, const std::vector<const float*>& s,
+                          const std::vector<float*>& s_out, int64_t n, double lr) {
+  const size_t k_state = state_names().size();
+  if (s_out.size() != k_state || (!s.empty() && s.size() != k_state))
+    throw std::invalid_argument("Optimizer::step_into: one state pointer per state name");
+  UpdateScalars k{lr, lr, steps_ + 1};
   std::atomic<bool> finite{true};
   at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
-    UpdateSlice s;
-    s.w_out = wp + b;
-    s.w = wp + b;
-    s.g = gp + b;
-    for (size_t i = 0; i < state_.size(); ++i) {
-      s.s_out[i] = state_[i].data_ptr<float>() + b;
-      s.s[i] = first ? nullptr : s.s_out[i];
+    UpdateSlice sl;
+    sl.w_out = w_out + b;
+    sl.w = w + b;
+    sl.g = g + b;
+    for (size_t i = 0; i < k_state; ++i) {
+      sl.s_out[i] = s_out[i] + b;
+      sl.s[i] = s.empty() ? nullptr : s[i] + b;
     }
-    s.n = e - b;
-    if (!update(s, k)) finite = false;
+    sl.n = e - b;
+    if (!update(sl, k)) finite = false;
   });
   steps_ += 1;
   return finite;

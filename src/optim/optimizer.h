@@ -78,6 +78,13 @@ class Optimizer {
   // One update of `w` in place with gradient `g` at rate `lr` (the trainer's
   // path); allocates the state at the first update. Returns whether g was finite.
   bool step(torch::Tensor& w, const torch::Tensor& g, double lr);
+  // One update of n elements into other memory (a sharded state's next
+  // version, optim/shards.h): reads w, g and the state `s` (one pointer per
+  // state name, or empty before the first update), writes w_out and s_out
+  // (w_out may be w, s_out[i] may be s[i]). Counts the update in steps();
+  // state() is left as it is. Split across the intra-op threads as step().
+  bool step_into(const float* w, float* w_out, const float* g, const std::vector<const float*>& s,
+                 const std::vector<float*>& s_out, int64_t n, double lr);
 
   // The state, in state_names() order: undefined tensors before the first
   // update (or after reset_state()).

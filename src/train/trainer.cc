@@ -220,6 +220,7 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
     step_->set_testing_delay(r.world < cfg_.train.pace_until_workers ? cfg_.train.slow_step
                                                                      : std::chrono::milliseconds(0));
   rank0_ = est.rank == 0;
+  rank_ = est.rank;
   writer_ = est.writes_run_dir;
   r.run_dir.set_writer(writer_);
   r.run_dir.replace_records(est.records);  // a copy that was behind now holds the whole run
@@ -235,6 +236,20 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
   log_info("membership round " + std::to_string(est.event["round"].get<int64_t>()) + ": " +
            std::to_string(r.world) + " workers, rank " + std::to_string(est.rank) + ", " +
            est.event.value("transport", std::string("gloo")) + " (" + reason + ")");
+}
+
+void Trainer::gather_state(Run& r, const std::string& why) {
+  for (;;) {
+    const auto t0 = Clock::now();
+    try {
+      rule_->gather_state(optimizer(), state_.step);
+      return;
+    } catch (const Error& e) {
+      if (!r.elastic || !recoverable(e)) throw;
+      log_warn("gathering the optimizer state (" + why + ") failed: " + e.what());
+      reform(r, std::string("failure while gathering the optimizer state: ") + e.what(), t0, seconds_since(t0));
+    }
+  }
 }
 
 void Trainer::eval_now(Run& r) {
@@ -261,6 +276,11 @@ void Trainer::eval_now(Run& r) {
 // re-formed: the step did not commit and is redone.
 bool Trainer::train_step(Run& r) {
   const auto step_start = Clock::now();
+  if (r.t.die_at_step > 0 && state_.step == r.t.die_at_step && rank_ == r.t.die_rank && r.world > 1) {
+    std::fprintf(stderr, "testing: rank %d dies starting step %ld\n", rank_, static_cast<long>(state_.step + 1));
+    std::fflush(stderr);
+    ::kill(::getpid(), SIGKILL);
+  }
   r.batch = r.loader->next();
   auto& batch = r.batch;
   if (!(batch.plan.begin == state_.cursor) && batch.plan.begin.position != 0)
@@ -419,8 +439,10 @@ void Trainer::after_epoch_and_step(Run& r) {
   if (last_in_epoch) {
     const int64_t done = state_.cursor.epoch;
     if (t.eval_every_epochs > 0 && done % t.eval_every_epochs == 0) eval_now(r);
-    if (t.checkpoint_every_epochs > 0 && done % t.checkpoint_every_epochs == 0)
+    if (t.checkpoint_every_epochs > 0 && done % t.checkpoint_every_epochs == 0) {
+      gather_state(r, "checkpoint");
       checkpoint("epoch " + std::to_string(done));
+    }
     r.window.reset();  // exclude eval/checkpoint time from throughput
   }
   if (t.eval_every_steps > 0 && state_.step % t.eval_every_steps == 0 &&
@@ -428,11 +450,16 @@ void Trainer::after_epoch_and_step(Run& r) {
     eval_now(r);
     r.window.reset();
   }
-  if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0)
+  if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0) {
+    gather_state(r, "checkpoint");
     checkpoint("step " + std::to_string(state_.step));
+  }
   if (r.elastic && rank0_ && (state_.step % 10 == 0 || last_in_epoch))
     membership_->publish_progress(r.epoch_now(state_.cursor));
   if (r.elastic && membership_->change_agreed()) {
+    // Sharded state: every member holds it whole across the change (a
+    // leaving member's shard stays with the others; a joiner gets its own).
+    gather_state(r, "membership change");
     if (membership_->leaving()) {
       // A member leaving at the request of the job (the launcher stopping
       // it: Ctrl-C, SIGTERM) may be the last: the writer checkpoints first.
@@ -571,6 +598,7 @@ nlohmann::json Trainer::run() {
     }
     if (r.left) return {{"left", true}, {"steps", state_.step}};
   }
+  gather_state(r, "final checkpoint");  // sharded state: whole on every member
   if (elastic) {
     membership_->publish_done();  // the launcher ends the job on this
     membership_->leave();         // done: not a failure for the coordinator

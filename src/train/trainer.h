@@ -62,6 +62,10 @@ struct TrainOptions {
   // Testing aid: SIGKILL this process when its group enters ISGD's extra
   // iterations (the others then fail inside their all-reduces).
   bool die_in_isgd = false;
+  // Testing aid: the member of rank die_rank SIGKILLs itself as it starts
+  // step die_at_step + 1 (0 = never), before any collective of it.
+  int64_t die_at_step = 0;
+  int die_rank = 1;
   // Testing aid: the member that writes the run directory SIGKILLs itself
   // at this point of the job's ending: "last_step" (the last step's update
   // done, before it commits), "done" (training completed), "eval" (the
@@ -133,6 +137,10 @@ class Trainer {
   bool took_over_ = false;  // wrote the final results in place of a writer that died
   void resume();
   void reform(Run& r, const std::string& reason, Clock::time_point detected, double detection);
+  // Sharded optimizer state: every member gathers the whole state (for a
+  // checkpoint or a membership change), re-forming and retrying when a
+  // member is lost meanwhile.
+  void gather_state(Run& r, const std::string& why);
   bool train_step(Run& r);  // false when the step failed and the group re-formed
   void log_step(Run& r);
   void after_epoch_and_step(Run& r);
@@ -142,6 +150,7 @@ class Trainer {
   std::string optimizer_fingerprint();  // update count and each state tensor's sum (sample_log)
   nlohmann::json summary(Run& r);
   bool writer_ = true;  // this member writes the run directory and checkpoints
+  int rank_ = 0;        // in the current group
   bool rank0_ = true;   // publishes progress and records (elastic)
 
   TrainerConfig cfg_;

@@ -67,6 +67,9 @@ class OptimizerStep {
   double clip_norm() const { return clip_; }
   // The norm before clipping at the last apply() (NaN while clipping is off).
   double last_norm() const { return last_norm_; }
+  // A rule that clips by itself (sharded state: the norm comes from the
+  // shards) reports the norm here.
+  void set_last_norm(double norm) { last_norm_ = norm; }
 
  private:
   std::unique_ptr<optim::Optimizer> opt_;
@@ -93,6 +96,11 @@ class UpdateRule {
   virtual const char* name() const = 0;
   // Figures for the run's summary (merged into summary.json); none by default.
   virtual nlohmann::json summary() const { return nlohmann::json::object(); }
+  // A rule that shards the optimizer state (optim.shard_state) puts the
+  // whole state of committed step `step` into `opt` (a collective: every
+  // member calls it at the same point), for a checkpoint or a membership
+  // change; the next update shards it again. No-op by default.
+  virtual void gather_state(optim::Optimizer& opt, int64_t step) {}
 };
 
 // Single process: the optimizer's step with the local gradient.

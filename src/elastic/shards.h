@@ -1,0 +1,98 @@
+// Sharded optimizer state (optim.shard_state): the layout of the shards and
+// the memory that holds a member's shard.
+//
+// The flat parameters (n floats) are cut into contiguous, balanced shards,
+// one per member of the group (shard_bounds). A member owns the weights and
+// the optimizer state of its shard: it updates only those and the weights
+// are all-gathered afterwards (elastic/allreduce_update.h).
+//
+// A ShardHome holds one shard in two versions, each the shard's weights and
+// its optimizer state tensors at one committed step: the step being made is
+// written beside the last committed one, so a step that fails anywhere, at
+// any point, leaves every member's last committed version intact. On a
+// membership change the survivors re-shard from the versions of the newest
+// committed step (sync_sharded_state).
+//
+// A home with a name lives in POSIX shared memory (/dev/shm, 0600) and
+// outlives its process: when a member dies, the members on its host open
+// its home (open_dead_homes) and hand its shard on, so a crash loses no
+// optimizer state. Names are limbo-zero-<job>-m<member>-r<round>; the
+// header records the host (comm::host_identity()) and the owner's pid, so
+// only a dead owner's home on the same host is read.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "comm/collective.h"
+#include "train/membership.h"
+
+namespace limbo::elastic {
+
+// Shards of n elements among `world` members: world + 1 offsets, each
+// shard a whole number of 16-float lines (the last takes the remainder),
+// sizes differing by at most one line.
+std::vector<int64_t> shard_bounds(int64_t n, int world);
+
+class ShardHome {
+ public:
+  // A home for [lo, hi) of n elements with `states` state tensors, in
+  // shared memory under `name` (e.g. "/limbo-zero-..."), or in this
+  // process's memory when `name` is empty or the segment cannot be made.
+  ShardHome(const std::string& name, int64_t n, int64_t lo, int64_t hi, int states);
+  // Opens another process's home read-only (nullptr when it is not a home,
+  // or not of this host).
+  static std::unique_ptr<ShardHome> open(const std::string& name);
+  ~ShardHome();
+  ShardHome(const ShardHome&) = delete;
+  ShardHome& operator=(const ShardHome&) = delete;
+
+  int64_t n() const;
+  int64_t lo() const;
+  int64_t hi() const;
+  int64_t size() const { return hi() - lo(); }
+  int states() const;
+  pid_t owner() const;
+  const std::string& name() const { return name_; }
+  bool shared() const { return !name_.empty(); }
+
+  // The version (0 or 1) that holds committed step `step`, or -1.
+  int version_of(int64_t step) const;
+  float* weights(int v);
+  float* state(int v, int i);
+  int64_t optimizer_steps(int v) const;
+  bool has_state(int v) const;
+  // Marks version v as being written (no step), and as holding `step`
+  // once written (after every write to it, in this order).
+  void begin(int v);
+  void commit(int v, int64_t step, int64_t optimizer_steps, bool has_state);
+  // Removes the name (the memory goes with the last mapping).
+  void unlink();
+  // Bytes of one version.
+  int64_t version_bytes() const { return static_cast<int64_t>(sizeof(float)) * size() * (1 + states()); }
+
+ private:
+  ShardHome() = default;
+  struct Header;
+  Header* h_ = nullptr;
+  uint8_t* base_ = nullptr;
+  int64_t bytes_ = 0;
+  bool mapped_ = false;
+  std::string name_;
+  std::vector<float> private_;  // the memory when not shared
+};
+
+// The homes under /dev/shm named `prefix`* whose owner is no longer
+// running, made on this host.
+std::vector<std::unique_ptr<ShardHome>> open_dead_homes(const std::string& prefix);
+
+// Removes every home named `prefix`*; returns how many.
+int remove_homes(const std::string& prefix);
+
+}  // namespace limbo::elastic

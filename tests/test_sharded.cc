@@ -1,0 +1,193 @@
+// Sharded optimizer state (optim.shard_state): the same weights and state as
+// the replicated path, bit for bit, also through a SIGKILL, and checkpoints
+// in the replicated path's format. Real `limbo launch` jobs.
+#include <gtest/gtest.h>
+
+#include <dirent.h>
+#include <signal.h>
+
+#include <torch/script.h>
+
+#include <map>
+#include <sstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "common/files.h"
+#include "job_checks.h"
+#include "test_util.h"
+
+using limbo::testing::slurp;
+using limbo::testing::TempDir;
+
+namespace {
+
+bool have_fmnist() { return limbo::file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"); }
+
+std::vector<std::string> job_args(const std::string& run, int epochs) {
+  return {"--run-dir", run, "--set", "model.name=mlp", "--set", "model.width=64",
+          "--set", "data.train_limit=3000", "--set", "data.test_limit=300",
+          "--set", "data.batch_size=8", "--set", "train.epochs=" + std::to_string(epochs),
+          "--set", "train.threads=1", "--set", "train.progress=false",
+          "--set", "train.sample_log=true", "--set", "elastic.collective_timeout=5"};
+}
+
+// Runs an elastic job of `nproc` workers to its end; returns its run directory.
+std::string run_job(TempDir& d, const std::string& name, int nproc, int epochs, const std::vector<std::string>& extra) {
+  const std::string run = d.file(name);
+  std::vector<std::string> a = {"launch", "--nproc", std::to_string(nproc), "--min-workers", "1", "--"};
+  auto t = job_args(run, epochs);
+  a.insert(a.end(), t.begin(), t.end());
+  a.insert(a.end(), extra.begin(), extra.end());
+  auto r = limbo::testing::run_limbo(a);
+  EXPECT_EQ(r.exit_code, 0) << name << ": " << r.output;
+  return run;
+}
+
+// Every tensor of a checkpoint but its run state (whose config differs).
+std::map<std::string, torch::Tensor> checkpoint_tensors(const std::string& path) {
+  std::map<std::string, torch::Tensor> out;
+  auto m = torch::jit::load(path);
+  for (const auto& a : m.named_attributes(/*recurse=*/true))
+    if (a.value.isTensor() && a.name.rfind("state.", 0) != 0) out[a.name] = a.value.toTensor();
+  return out;
+}
+
+// The two checkpoints hold the same weights and optimizer state, bit for bit.
+void expect_same_checkpoint(const std::string& a, const std::string& b) {
+  auto x = checkpoint_tensors(a + "/checkpoint.pt"), y = checkpoint_tensors(b + "/checkpoint.pt");
+  ASSERT_EQ(x.size(), y.size());
+  int optim = 0;
+  for (const auto& [name, t] : x) {
+    ASSERT_TRUE(y.count(name)) << name;
+    EXPECT_TRUE(torch::equal(t, y[name])) << name << " differs";
+    optim += name.rfind("optim.", 0) == 0 && t.numel() > 1;
+  }
+  EXPECT_GT(optim, 0) << "the checkpoints hold no optimizer state";
+}
+
+}  // namespace
+
+// SGD with momentum and AdamW, two workers on one host (shared memory) and
+// over Gloo: the sharded path's weights and optimizer state equal the
+// replicated path's bit for bit.
+TEST(ShardedState, EqualsTheReplicatedPathBitForBit) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::vector<std::vector<std::string>> cases = {
+      {},
+      {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002", "--set", "optim.weight_decay=0.01"},
+      {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002", "--set", "comm.shared_memory=false",
+       "--set", "elastic.overlap=true", "--set", "elastic.bucket_mb=0.05"}};
+  int k = 0;
+  for (const auto& c : cases) {
+    SCOPED_TRACE(k);
+    auto on = c;
+    on.insert(on.end(), {"--set", "optim.shard_state=true"});
+    const auto rep = run_job(d, "rep" + std::to_string(k), 2, 1, c);
+    const auto sh = run_job(d, "shard" + std::to_string(k), 2, 1, on);
+    expect_same_checkpoint(rep, sh);
+    limbo::testing::expect_identical_finals(sh, 2);
+    EXPECT_NE(slurp(sh + "/metrics.jsonl").find("\"shard_bytes_sent\""), std::string::npos);
+    EXPECT_EQ(slurp(rep + "/metrics.jsonl").find("\"shard_bytes_sent\""), std::string::npos);
+    ++k;
+  }
+}
+
+// With clipping, the global norm is summed from the shards' squared norms in
+// float32: the result agrees with the replicated path to float32 rounding.
+TEST(ShardedState, ClippingAgreesWithTheReplicatedPathToRounding) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::vector<std::string> clip = {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002",
+                                         "--set", "optim.clip_grad_norm=0.5"};
+  auto on = clip;
+  on.insert(on.end(), {"--set", "optim.shard_state=true"});
+  auto x = checkpoint_tensors(run_job(d, "rep", 2, 1, clip) + "/checkpoint.pt");
+  auto y = checkpoint_tensors(run_job(d, "shard", 2, 1, on) + "/checkpoint.pt");
+  for (const auto& [name, t] : x) {
+    if (!t.is_floating_point() || t.numel() < 2) continue;
+    const double scale = t.abs().max().item<double>() + 1e-12;
+    EXPECT_LT((t - y[name]).abs().max().item<double>() / scale, 1e-3) << name;
+  }
+  EXPECT_NE(slurp(d.file("shard") + "/metrics.jsonl").find("\"grad_norm\""), std::string::npos);
+}
+
+// Rank 1 is SIGKILLed as it starts step 41. The survivor takes its shard of
+// step 40 from its home in shared memory (the process is gone, the memory
+// is not), and goes on alone: its weights and optimizer state equal, bit
+// for bit, those of a replicated run with the same membership history, and
+// every sample is used once.
+TEST(ShardedState, ASigkilledMembersShardComesFromItsHomeAndNothingIsLost) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  for (const std::string algo : {"sgd", "adamw"}) {
+    SCOPED_TRACE(algo);
+    const std::vector<std::string> die = {"--set", "optim.algorithm=\"" + algo + "\"", "--set",
+                                          algo == "sgd" ? "optim.lr=0.01" : "optim.lr=0.002",
+                                          "--set", "train.testing_die_at_step=40"};
+    auto on = die;
+    on.insert(on.end(), {"--set", "optim.shard_state=true"});
+    const auto rep = run_job(d, "rep-" + algo, 2, 2, die);
+    const auto sh = run_job(d, "shard-" + algo, 2, 2, on);
+    expect_same_checkpoint(rep, sh);
+    limbo::testing::expect_exactly_once(sh, 2, 3000);
+    // The membership records: at the start rank 0 sent the whole weights
+    // (n floats, no state yet); after the kill the survivor sent the whole
+    // weights and state of step 40, its own shard and the dead member's
+    // (read from its home), and received the whole state as its new shard.
+    std::vector<nlohmann::json> changes;
+    std::istringstream in(slurp(sh + "/metrics.jsonl"));
+    for (std::string line; std::getline(in, line);)
+      if (line.find("\"kind\":\"membership\"") != std::string::npos) changes.push_back(nlohmann::json::parse(line));
+    ASSERT_EQ(changes.size(), 2u);
+    const int64_t weights = changes[0]["shard_bytes_sent"].get<int64_t>();
+    const int64_t states = algo == "sgd" ? 1 : 2;
+    EXPECT_EQ(changes[1]["step"].get<int64_t>(), 40);
+    EXPECT_EQ(changes[1]["world"].get<int64_t>(), 1);
+    EXPECT_EQ(changes[1]["shard_bytes_sent"].get<int64_t>(), (1 + states) * weights);
+    EXPECT_EQ(changes[1]["shard_bytes_received"].get<int64_t>(), states * weights);
+  }
+}
+
+// The checkpoint of a sharded run is the replicated path's: a run switches
+// optim.shard_state across --resume either way and ends where an
+// uninterrupted run ends.
+TEST(ShardedState, ARunSwitchesShardingAcrossAResume) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const auto whole = run_job(d, "whole", 2, 2, {});
+  for (const bool first_sharded : {true, false}) {
+    SCOPED_TRACE(first_sharded);
+    const std::string name = first_sharded ? "on-off" : "off-on";
+    const std::vector<std::string> a = {"--set", std::string("optim.shard_state=") + (first_sharded ? "true" : "false")};
+    const std::vector<std::string> b = {"--set", std::string("optim.shard_state=") + (first_sharded ? "false" : "true")};
+    run_job(d, name, 2, 1, a);
+    auto r2 = b;
+    r2.insert(r2.end(), {"--resume", "--set", "train.epochs=2"});
+    run_job(d, name, 2, 2, r2);
+    expect_same_checkpoint(whole, d.file(name));
+  }
+}
+
+TEST(ShardedState, IsRefusedWithIsgdAndWithCompression) {
+  TempDir d;
+  for (const auto& bad : std::vector<std::vector<std::string>>{
+           {"--set", "optim.algorithm=\"isgd\""}, {"--set", "comm.compression=\"bf16\""}}) {
+    std::vector<std::string> a = {"launch", "--nproc", "2", "--min-workers", "1", "--"};
+    auto t = job_args(d.file("bad"), 1);
+    a.insert(a.end(), t.begin(), t.end());
+    a.insert(a.end(), {"--set", "optim.shard_state=true", "--set", "data.dataset=\"synthetic\""});
+    a.insert(a.end(), bad.begin(), bad.end());
+    auto r = limbo::testing::run_limbo(a);
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("optim.shard_state"), std::string::npos) << r.output;
+  }
+}
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
