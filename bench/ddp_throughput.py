@@ -11,7 +11,9 @@ false), and the limit: one Limbo process with 2 threads at the same global
 batch), --repeats times; prints the median global samples/s of each, the
 ratios' medians with their range, and Limbo's exposed communication per step
 (time the training thread waited for the all-reduce after backward, from
-the run summary). --extra adds Limbo without overlap and with bf16.
+the run summary). --extra adds Limbo without overlap and with bf16;
+--shard adds Limbo with sharded optimizer state (optim.shard_state = true);
+--no-ddp leaves DDP out (Limbo's own contenders only).
 Models: mlp (the default 784-256-256-10), lenet, mlp10m (784-2048-2048-2048-10,
 about 10M parameters, 40 MB of gradients).
 
@@ -102,7 +104,7 @@ def ddp_rate(name, batch, steps, channels_last, port, view=False):
 
 
 def limbo_rate(limbo, name, batch, steps, compression="none", overlap=True, bucket_mb=None, shm=True,
-               single=False, dev_shm=None):
+               single=False, dev_shm=None, shard=False):
     d = tempfile.mkdtemp(prefix="limbo-ddp-bench-")
     model = ["--set", "model.name=mlp", "--set", "model.width=2048", "--set", "model.depth=3"] \
         if name == "mlp10m" else ["--set", f"model.name={name}"]
@@ -116,6 +118,8 @@ def limbo_rate(limbo, name, batch, steps, compression="none", overlap=True, buck
                         "--set", "optim.lr=0.01", "--set", "optim.momentum=0.9",
                         "--set", "elastic.batch_policy=none",
                         "--set", f"comm.shared_memory={'true' if shm else 'false'}"]
+        if shard:
+            args += ["--set", "optim.shard_state=true"]
         run = ["--run-dir", os.path.join(d, "r")]
         if single:  # the limit: one process, 2 threads, the same global batch
             args = [a.replace(f"data.batch_size={batch}", f"data.batch_size={2 * batch}")
@@ -172,6 +176,8 @@ def main():
     ap.add_argument("--veth", action="store_true", help="the workers in two network namespaces")
     ap.add_argument("--per-host", type=int, default=1, help="workers per namespace (with --veth)")
     ap.add_argument("--extra", action="store_true", help="also Limbo without overlap and with bf16")
+    ap.add_argument("--shard", action="store_true", help="also Limbo with optim.shard_state = true")
+    ap.add_argument("--no-ddp", action="store_true", help="leave DDP out")
     ap.add_argument("--dev-shm", metavar="SIZES",
                     help="instead: Limbo with /dev/shm a tmpfs of each size (e.g. 1g,24m,3m; root), "
                          "against the first size and against Gloo")
@@ -219,26 +225,33 @@ def run_all(args):
         runs = {"ddp": [], "ddp_cl": [], "limbo": [], "limbo_gloo": [], "single": []}
         if args.extra:
             runs.update({"limbo_seq": [], "limbo_bf16": []})
+        if args.shard:
+            runs["limbo_shard"] = []
         for _ in range(args.repeats):
             port += 2
-            runs["ddp"].append(ddp_rate(name, args.batch, steps, False, port))
-            # DDP at its best: gradients as views of its buckets (no copy in
-            # or out, 1.14-1.17x its default here), channels-last for conv nets.
-            runs["ddp_cl"].append(ddp_rate(name, args.batch, steps, name == "lenet", port + 1, view=True))
+            if not args.no_ddp:
+                runs["ddp"].append(ddp_rate(name, args.batch, steps, False, port))
+                # DDP at its best: gradients as views of its buckets (no copy in
+                # or out, 1.14-1.17x its default here), channels-last for conv nets.
+                runs["ddp_cl"].append(ddp_rate(name, args.batch, steps, name == "lenet", port + 1, view=True))
             runs["limbo"].append(limbo_rate(args.limbo, name, args.batch, steps))
+            if args.shard:
+                runs["limbo_shard"].append(limbo_rate(args.limbo, name, args.batch, steps, shard=True))
             runs["limbo_gloo"].append(limbo_rate(args.limbo, name, args.batch, steps, shm=False))
             if not VETH:
                 runs["single"].append(limbo_rate(args.limbo, name, args.batch, steps, single=True))
             if args.extra:
                 runs["limbo_seq"].append(limbo_rate(args.limbo, name, args.batch, steps, overlap=False))
                 runs["limbo_bf16"].append(limbo_rate(args.limbo, name, args.batch, steps, "bf16"))
-        best = [max(a, b) for a, b in zip(runs["ddp"], runs["ddp_cl"])]
+        best = [max(a, b) for a, b in zip(runs["ddp"], runs["ddp_cl"])] or runs["limbo"]
         def ratio(key, base=None):
             r = [a / b for a, b in zip(runs[key], base or best)]
             return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
         med = {k: statistics.median(v) for k, v in runs.items() if v}
         ex = {k: statistics.median(EXPOSED[(name, c, o, None, shm)]) for k, c, o, shm in
               (("limbo", "none", True, True), ("limbo_gloo", "none", True, False))}
+        if args.no_ddp:
+            med["ddp"] = med["ddp_cl"] = float("nan")
         print(f"{name:7} DDP {med['ddp']:8.0f}  DDP tuned {med['ddp_cl']:8.0f}  limbo {med['limbo']:8.0f}  "
               f"limbo over Gloo {med['limbo_gloo']:8.0f}"
               + (f"  one process x 2 threads {med['single']:8.0f}" if runs["single"] else "") + "\n"
@@ -248,6 +261,11 @@ def run_all(args):
               flush=True)
         if args.extra:
             print(f"        no overlap / best DDP {ratio('limbo_seq')}  bf16 / best DDP {ratio('limbo_bf16')}",
+                  flush=True)
+        if args.shard:
+            print(f"        sharded state {med['limbo_shard']:8.0f}: / best DDP {ratio('limbo_shard')}  "
+                  f"/ limbo {ratio('limbo_shard', runs['limbo'])}"
+                  + (f"  / one process {ratio('limbo_shard', runs['single'])}" if runs["single"] else ""),
                   flush=True)
 
 

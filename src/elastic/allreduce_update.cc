@@ -1,5 +1,6 @@
 #include "elastic/allreduce_update.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -162,7 +163,10 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   }
   if (!reducer_.finite()) return {global_loss, ctx.global_batch, /*skipped=*/true};
   if (ctx.before_update) ctx.before_update(global_loss);
+  const auto t0 = std::chrono::steady_clock::now();
   opt_->apply(ctx.weights, ctx.grad, ctx.lr);
+  update_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  updates_ += 1;
   return {global_loss, ctx.global_batch};
 }
 
@@ -178,42 +182,66 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   auto g = ctx.grad.narrow(0, lo, m);
   auto& opt = opt_->optimizer();
   const int states = h.states();
+  const bool clip = opt_->clip_norm() > 0;
   h.begin(next);
-  auto* st = stats_.data_ptr<float>();
-  st[0] = m > 0 ? static_cast<float>(g.isfinite().logical_not().sum().item<int64_t>()) : 0.0f;
-  st[1] = opt_->clip_norm() > 0 && m > 0 ? static_cast<float>(g.square().sum().item<double>()) : 0.0f;
-  group_->allreduce_sum(stats_);
-  const bool finite = reducer_.finite() && st[0] == 0;
+  // Clipping needs the global norm before the update: the shards' squared
+  // norms are summed (a square that is not finite makes the sum so).
+  // Without clipping the update runs first, into the next version (nothing
+  // committed is touched), and reports whether its gradient was finite.
+  float* st = stats_.data_ptr<float>();
+  st[0] = st[1] = 0.0f;
+  if (clip && m > 0) st[1] = static_cast<float>(g.square().sum().item<double>());
+  const auto t_update = std::chrono::steady_clock::now();
+  float coef = 1.0f;
+  if (clip) {
+    group_->allreduce_sum(stats_);
+    const double norm = std::sqrt(static_cast<double>(st[1]));
+    opt_->set_last_norm(norm);
+    coef = static_cast<float>(opt_->clip_norm()) / (static_cast<float>(norm) + 1e-6f);
+    if (!std::isfinite(norm)) st[0] = 1.0f;
+  }
+  bool finite = reducer_.finite() && st[0] == 0;
+  if (finite) {
+    if (coef < 1.0f) g.mul_(coef);
+    std::vector<const float*> in;
+    std::vector<float*> out;
+    for (int i = 0; i < states; ++i) {
+      out.push_back(h.state(next, i));
+      if (h.has_state(cur)) in.push_back(h.state(cur, i));
+    }
+    opt.set_state({}, h.optimizer_steps(cur));
+    const bool mine = opt.step_into(ctx.weights.data_ptr<float>() + lo, h.weights(next), g.data_ptr<float>(), in,
+                                    out, m, ctx.lr);
+    if (!clip) {  // every member's verdict on its own shard
+      st[0] = mine ? 0.0f : 1.0f;
+      group_->allreduce_sum(stats_);
+      finite = st[0] == 0;
+    }
+  }
   if (!finite) {  // skipped everywhere: the next version repeats this one
     std::memcpy(h.weights(next), h.weights(cur), static_cast<size_t>(h.version_bytes()));
     h.commit(next, k + 1, h.optimizer_steps(cur), h.has_state(cur));
+    std::vector<torch::Tensor> views;
+    if (h.has_state(cur))
+      for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(h.state(next, i), {m}, torch::kFloat32));
+    opt.set_state(std::move(views), h.optimizer_steps(cur));
     return {global_loss, ctx.global_batch, /*skipped=*/true};
   }
   if (ctx.before_update) ctx.before_update(global_loss);
-  if (opt_->clip_norm() > 0) {
-    const double norm = std::sqrt(static_cast<double>(st[1]));
-    const float coef = static_cast<float>(opt_->clip_norm()) / (static_cast<float>(norm) + 1e-6f);
-    if (coef < 1.0f) g.mul_(coef);
-    opt_->set_last_norm(norm);
-  }
-  std::vector<const float*> in;
-  std::vector<float*> out;
-  for (int i = 0; i < states; ++i) {
-    out.push_back(h.state(next, i));
-    if (h.has_state(cur)) in.push_back(h.state(cur, i));
-  }
-  opt.set_state({}, h.optimizer_steps(cur));
-  float* w = ctx.weights.data_ptr<float>() + lo;
-  opt.step_into(w, h.weights(next), g.data_ptr<float>(), in, out, m, ctx.lr);
   h.commit(next, k + 1, opt.steps(), states > 0);
   // The optimizer's state is this shard's (views of the home).
   std::vector<torch::Tensor> views;
   for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(h.state(next, i), {m}, torch::kFloat32));
   opt.set_state(std::move(views), opt.steps());
-  std::memcpy(w, h.weights(next), sizeof(float) * m);
+  std::memcpy(ctx.weights.data_ptr<float>() + lo, h.weights(next), sizeof(float) * m);
+  const auto t_gather = std::chrono::steady_clock::now();
   weights_step_ = -1;
   group_->all_gather(ctx.weights, bounds_);
   weights_step_ = k + 1;
+  const auto t_end = std::chrono::steady_clock::now();
+  update_seconds_ += std::chrono::duration<double>(t_gather - t_update).count();
+  gather_seconds_ += std::chrono::duration<double>(t_end - t_gather).count();
+  updates_ += 1;
   return {global_loss, ctx.global_batch};
 }
 
@@ -225,10 +253,15 @@ void AllReduceUpdate::drop_retired() {
 nlohmann::json AllReduceUpdate::summary() const {
   const auto& st = reducer_.stats();
   const double steps = std::max<int64_t>(st.steps, 1);
-  return {{"buckets", reducer_.buckets().size()},
+  nlohmann::json out = {{"buckets", reducer_.buckets().size()},
           {"overlap", reducer_.overlapped()},
           {"buckets_started_in_backward", st.buckets_started_in_backward},
           {"exposed_communication_ms_per_step", 1000.0 * st.exposed_seconds / steps}};
+  // The optimizer's step (sharded: this member's shard, with its share of
+  // clipping), and the weights' all-gather after it.
+  if (updates_ > 0) out["update_ms_per_step"] = 1000.0 * update_seconds_ / updates_;
+  if (shard_ && updates_ > 0) out["all_gather_ms_per_step"] = 1000.0 * gather_seconds_ / updates_;
+  return out;
 }
 
 }  // namespace limbo::elastic

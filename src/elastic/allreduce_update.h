@@ -121,6 +121,8 @@ class AllReduceUpdate : public train::UpdateRule {
   std::unique_ptr<ShardHome> home_;
   std::vector<std::unique_ptr<ShardHome>> retired_;
   torch::Tensor stats_;  // [non-finite elements, squared norm] of this member's shard
+  double update_seconds_ = 0, gather_seconds_ = 0;
+  int64_t updates_ = 0;
 };
 
 }  // namespace limbo::elastic
