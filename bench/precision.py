@@ -84,7 +84,12 @@ def pt_worker(a):
             return (xb.contiguous(memory_format=torch.channels_last) if cl else xb), y[idx]
         opt_of = lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)
     net = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True) if ddp else model
-    opt = opt_of(model.parameters())
+    if a.zero:  # optimizer state sharded across the ranks (ZeRO stage 1)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(opt_of([torch.zeros(1)])),
+                                      **opt_of([torch.zeros(1)]).defaults)
+    else:
+        opt = opt_of(model.parameters())
     warm = 10
     for s in range(warm + a.steps):
         if s == warm:
@@ -112,7 +117,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def pytorch_rate(model, bf16, workers, gpt_data):
+def pytorch_rate(model, bf16, workers, gpt_data, zero=False):
     port = free_port()
     threads = 2 if workers == 1 else 1
     host = lambda r: r * 2 // workers  # --hosts: ranks 0..n/2-1 on the first namespace
@@ -121,7 +126,7 @@ def pytorch_rate(model, bf16, workers, gpt_data):
                                "--world", str(workers), "--port", str(port), "--threads", str(threads),
                                "--batch", str(BATCH[model]), "--steps", str(STEPS[model]),
                                "--master", VETH.ip[0] if VETH else "127.0.0.1",
-                               "--gpt-data", gpt_data] + (["--bf16"] if bf16 else []),
+                               "--gpt-data", gpt_data] + (["--bf16"] if bf16 else []) + (["--zero"] if zero else []),
                               stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, GLOO_SOCKET_IFNAME=VETH.dev[host(r)]) if VETH else None)
              for r in range(workers)]
@@ -133,11 +138,11 @@ def pytorch_rate(model, bf16, workers, gpt_data):
 
 # --- Limbo side ------------------------------------------------------------------
 
-def limbo_rate(limbo, model, bf16, workers, gpt_data):
+def limbo_rate(limbo, model, bf16, workers, gpt_data, shard=False, summary=None):
     sets = {"data.batch_size": BATCH[model], "train.max_steps": STEPS[model],
             "train.threads": 2 if workers == 1 else 1, "train.progress": "false",
             "train.eval_every_epochs": 0, "train.checkpoint_every_epochs": 0, "data.test_limit": 500,
-            "train.precision": "bf16" if bf16 else "fp32"}
+            "train.precision": "bf16" if bf16 else "fp32", "optim.shard_state": "true" if shard else "false"}
     if model == "gpt":
         sets.update({"model.name": "torchscript", "model.path": f"{gpt_data}/gpt.pt", "data.dataset": "tokens",
                      "data.path": gpt_data, "data.context": 64, "optim.algorithm": "adamw", "optim.lr": 0.003,
@@ -165,7 +170,10 @@ def limbo_rate(limbo, model, bf16, workers, gpt_data):
                 [limbo, "launch", "--nproc", str(workers), "--min-workers", str(workers), "--", "--run-dir", d] + args
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with open(os.path.join(d, "summary.json")) as f:
-            return json.load(f)["samples_per_second"]
+            s = json.load(f)
+        if summary is not None:
+            summary.append(s)
+        return s["samples_per_second"]
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -194,6 +202,7 @@ def main():
     for k in ("--rank", "--world", "--port", "--threads", "--batch", "--steps"):
         ap.add_argument(k, type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--zero", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return pt_worker(a)

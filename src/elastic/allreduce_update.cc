@@ -94,28 +94,40 @@ void AllReduceUpdate::ensure_home(int64_t step) {
   h.commit(0, step, opt.steps(), opt.has_state());
 }
 
-void AllReduceUpdate::gather_state(optim::Optimizer& opt, int64_t step) {
+void AllReduceUpdate::gather_state(optim::Optimizer& opt, int64_t step, bool here) {
   if (!shard_ || !group_) return;
-  const int64_t n = flat_.numel();
-  if (opt.has_state() && opt.state()[0].numel() == n) return;  // whole already
+  // Whether everyone takes part must not depend on this member's own state.
+  auto flag = torch::tensor({here ? 1.0f : 0.0f, 1.0f});
+  group_->allreduce_sum(flag);
+  const bool everywhere = flag[0].item<float>() == flag[1].item<float>();
+  if (gathered_everywhere_ == step) return;
   ensure_home(step);
   const int v = home_->version_of(step);
   const int states = static_cast<int>(opt.state_names().size());
-  // Whether any shard has state: every member's version agrees (one step).
+  const int64_t n = flat_.numel(), lo = home_->lo(), hi = home_->hi();
   if (!home_->has_state(v)) {
     opt.set_state({}, home_->optimizer_steps(v));
-    return;
+  } else {
+    std::vector<torch::Tensor> whole;
+    if (here)
+      for (int i = 0; i < states; ++i) whole.push_back(torch::empty({n}, torch::kFloat32));
+    const int64_t piece = 1 << 20;  // floats
+    auto buf = torch::empty({std::min(piece, n)}, torch::kFloat32);
+    float* b = buf.data_ptr<float>();
+    for (int i = 0; i < states; ++i)
+      for (int64_t at = 0; at < n; at += piece) {
+        const int64_t m = std::min(piece, n - at);
+        auto part = buf.narrow(0, 0, m);
+        part.fill_(-0.0f);
+        const int64_t a = std::max(at, lo), e = std::min(at + m, hi);
+        if (e > a) std::memcpy(b + (a - at), home_->state(v, i) + (a - lo), sizeof(float) * (e - a));
+        group_->allreduce_sum(part);
+        if (here) std::memcpy(whole[i].data_ptr<float>() + at, b, sizeof(float) * m);
+      }
+    if (here) opt.set_state(std::move(whole), home_->optimizer_steps(v));
   }
-  std::vector<torch::Tensor> whole;
-  for (int i = 0; i < states; ++i) {
-    auto t = torch::empty({n}, torch::kFloat32);
-    std::memcpy(t.data_ptr<float>() + home_->lo(), home_->state(v, i), sizeof(float) * home_->size());
-    group_->all_gather(t, bounds_);
-    whole.push_back(t);
-  }
-  opt.set_state(std::move(whole), home_->optimizer_steps(v));
+  if (everywhere) gathered_everywhere_ = step;
 }
-
 
 void AllReduceUpdate::start(torch::Tensor& weights, torch::Tensor& buffers) {
   if (!group_) return;  // elastic training syncs in establish()

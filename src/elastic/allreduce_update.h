@@ -86,10 +86,13 @@ class AllReduceUpdate : public train::UpdateRule {
   static constexpr int64_t kWeightsUnknown = INT64_MIN;
   int64_t whole_weights_step() const { return weights_step_; }
   void set_whole_weights_step(int64_t step) { weights_step_ = step; }
-  // Checkpoints: the whole optimizer state of committed step `step` into
-  // `opt` (an all-gather; every member calls it alike). No-op unless sharded
-  // or when `opt` already holds the whole state.
-  void gather_state(optim::Optimizer& opt, int64_t step) override;
+  // The whole optimizer state of committed step `step` into `opt` where
+  // `here` (every member calls it alike): in pieces of a few MiB, each
+  // element from its shard's owner and -0.0 from the others (exact), so a
+  // member that does not keep the whole state never holds more than a
+  // piece of it. No-op unless sharded, or when an earlier call for the same
+  // step put it everywhere.
+  void gather_state(optim::Optimizer& opt, int64_t step, bool here) override;
   // The optimizer's update count and whether it has state, at committed
   // step `step` of this member's home (false: the home has no such version).
   bool version_meta(int64_t step, int64_t* optimizer_steps, bool* has_state);
@@ -123,6 +126,7 @@ class AllReduceUpdate : public train::UpdateRule {
   torch::Tensor stats_;  // [non-finite elements, squared norm] of this member's shard
   double update_seconds_ = 0, gather_seconds_ = 0;
   int64_t updates_ = 0;
+  int64_t gathered_everywhere_ = -1;  // the step an everywhere-gather last ran at
 };
 
 }  // namespace limbo::elastic

@@ -118,6 +118,16 @@ void Trainer::checkpoint(const std::string& why) {
   if (checkpoint_path_.empty() || !writer_) return;
   if (isgd_) state_.extra["isgd"] = isgd_->state();
   state_.extra["batch_policy"] = batch_policy_->state();
+  if (optimizer().has_state() && optimizer().state()[0].numel() != flat_->numel()) {
+    // Sharded state that this member does not hold whole (it took over the
+    // final files from a writer lost in the job's ending).
+    log_warn("checkpoint (" + why + "): this member holds only its shard of the optimizer state; the "
+             "checkpoint keeps the weights and the update count without it");
+    auto bare = optim::make_optimizer(optimizer().options());
+    bare->set_state({}, optimizer().steps());
+    save_checkpoint(checkpoint_path_, *model_, *bare, state_);
+    return;
+  }
   save_checkpoint(checkpoint_path_, *model_, optimizer(), state_);
   log_debug("checkpoint (" + why + ") at step " + std::to_string(state_.step));
 }
@@ -238,11 +248,11 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
            est.event.value("transport", std::string("gloo")) + " (" + reason + ")");
 }
 
-void Trainer::gather_state(Run& r, const std::string& why) {
+void Trainer::gather_state(Run& r, const std::string& why, bool here) {
   for (;;) {
     const auto t0 = Clock::now();
     try {
-      rule_->gather_state(optimizer(), state_.step);
+      rule_->gather_state(optimizer(), state_.step, here);
       return;
     } catch (const Error& e) {
       if (!r.elastic || !recoverable(e)) throw;
@@ -440,7 +450,7 @@ void Trainer::after_epoch_and_step(Run& r) {
     const int64_t done = state_.cursor.epoch;
     if (t.eval_every_epochs > 0 && done % t.eval_every_epochs == 0) eval_now(r);
     if (t.checkpoint_every_epochs > 0 && done % t.checkpoint_every_epochs == 0) {
-      gather_state(r, "checkpoint");
+      gather_state(r, "checkpoint", writer_ && !checkpoint_path_.empty());
       checkpoint("epoch " + std::to_string(done));
     }
     r.window.reset();  // exclude eval/checkpoint time from throughput
@@ -451,7 +461,7 @@ void Trainer::after_epoch_and_step(Run& r) {
     r.window.reset();
   }
   if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0) {
-    gather_state(r, "checkpoint");
+    gather_state(r, "checkpoint", writer_ && !checkpoint_path_.empty());
     checkpoint("step " + std::to_string(state_.step));
   }
   if (r.elastic && rank0_ && (state_.step % 10 == 0 || last_in_epoch))
@@ -459,7 +469,7 @@ void Trainer::after_epoch_and_step(Run& r) {
   if (r.elastic && membership_->change_agreed()) {
     // Sharded state: every member holds it whole across the change (a
     // leaving member's shard stays with the others; a joiner gets its own).
-    gather_state(r, "membership change");
+    gather_state(r, "membership change", true);
     if (membership_->leaving()) {
       // A member leaving at the request of the job (the launcher stopping
       // it: Ctrl-C, SIGTERM) may be the last: the writer checkpoints first.
@@ -598,7 +608,9 @@ nlohmann::json Trainer::run() {
     }
     if (r.left) return {{"left", true}, {"steps", state_.step}};
   }
-  gather_state(r, "final checkpoint");  // sharded state: whole on every member
+  // Sharded state: whole for the final checkpoint where it is written (and
+  // everywhere for the sample log's fingerprints, a testing aid).
+  gather_state(r, "final checkpoint", (writer_ && !checkpoint_path_.empty()) || t.sample_log);
   if (elastic) {
     membership_->publish_done();  // the launcher ends the job on this
     membership_->leave();         // done: not a failure for the coordinator

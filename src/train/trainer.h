@@ -140,7 +140,7 @@ class Trainer {
   // Sharded optimizer state: every member gathers the whole state (for a
   // checkpoint or a membership change), re-forming and retrying when a
   // member is lost meanwhile.
-  void gather_state(Run& r, const std::string& why);
+  void gather_state(Run& r, const std::string& why, bool here);
   bool train_step(Run& r);  // false when the step failed and the group re-formed
   void log_step(Run& r);
   void after_epoch_and_step(Run& r);

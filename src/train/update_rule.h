@@ -97,10 +97,11 @@ class UpdateRule {
   // Figures for the run's summary (merged into summary.json); none by default.
   virtual nlohmann::json summary() const { return nlohmann::json::object(); }
   // A rule that shards the optimizer state (optim.shard_state) puts the
-  // whole state of committed step `step` into `opt` (a collective: every
-  // member calls it at the same point), for a checkpoint or a membership
-  // change; the next update shards it again. No-op by default.
-  virtual void gather_state(optim::Optimizer& opt, int64_t step) {}
+  // whole state of committed step `step` into `opt` on the members that
+  // pass `here` (a collective: every member calls it at the same point),
+  // for a checkpoint (its writer) or a membership change (everyone); the
+  // next update shards it again. No-op by default.
+  virtual void gather_state(optim::Optimizer& opt, int64_t step, bool here) {}
 };
 
 // Single process: the optimizer's step with the local gradient.
