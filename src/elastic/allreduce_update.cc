@@ -88,7 +88,6 @@ void AllReduceUpdate::ensure_home(int64_t step) {
     throw Error("internal: the optimizer holds a shard of another layout and no home has step " + std::to_string(step));
   ShardHome& h = new_home(0, states);
   const int64_t lo = h.lo(), m = h.size();
-  std::memcpy(h.weights(0), flat_.data().data_ptr<float>() + lo, sizeof(float) * m);
   if (opt.has_state())
     for (int i = 0; i < states; ++i) std::memcpy(h.state(0, i), opt.state()[i].data_ptr<float>() + lo, sizeof(float) * m);
   h.commit(0, step, opt.steps(), opt.has_state());
@@ -222,8 +221,10 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
       if (h.has_state(cur)) in.push_back(h.state(cur, i));
     }
     opt.set_state({}, h.optimizer_steps(cur));
-    const bool mine = opt.step_into(ctx.weights.data_ptr<float>() + lo, h.weights(next), g.data_ptr<float>(), in,
-                                    out, m, ctx.lr);
+    // The new weights of the shard go into the gradient's place (each
+    // element is read before it is written), to be all-gathered there.
+    const bool mine = opt.step_into(ctx.weights.data_ptr<float>() + lo, g.data_ptr<float>(), g.data_ptr<float>(),
+                                    in, out, m, ctx.lr);
     if (!clip) {  // every member's verdict on its own shard
       st[0] = mine ? 0.0f : 1.0f;
       group_->allreduce_sum(stats_);
@@ -231,7 +232,7 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
     }
   }
   if (!finite) {  // skipped everywhere: the next version repeats this one
-    std::memcpy(h.weights(next), h.weights(cur), static_cast<size_t>(h.version_bytes()));
+    if (states > 0) std::memcpy(h.state(next, 0), h.state(cur, 0), static_cast<size_t>(h.version_bytes()));
     h.commit(next, k + 1, h.optimizer_steps(cur), h.has_state(cur));
     std::vector<torch::Tensor> views;
     if (h.has_state(cur))
@@ -245,10 +246,11 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   std::vector<torch::Tensor> views;
   for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(h.state(next, i), {m}, torch::kFloat32));
   opt.set_state(std::move(views), opt.steps());
-  std::memcpy(ctx.weights.data_ptr<float>() + lo, h.weights(next), sizeof(float) * m);
+  // The whole weights change only once every shard is here: until then a
+  // failure leaves them at step k on this member.
   const auto t_gather = std::chrono::steady_clock::now();
-  weights_step_ = -1;
-  group_->all_gather(ctx.weights, bounds_);
+  group_->all_gather(ctx.grad, bounds_);
+  ctx.weights.copy_(ctx.grad);
   weights_step_ = k + 1;
   const auto t_end = std::chrono::steady_clock::now();
   update_seconds_ += std::chrono::duration<double>(t_gather - t_update).count();

@@ -81,8 +81,8 @@ class AllReduceUpdate : public train::UpdateRule {
   void set_member_id(int64_t id) { member_id_ = id; }
   // The committed step the whole weights (flat) hold on this member: after
   // each all-gather, and after a state sync; kWeightsUnknown before the
-  // first step (they are the state's own), -1 while an all-gather is in
-  // flight or failed (they are partly new).
+  // first step (they are the state's own). A failed all-gather leaves
+  // them as they were.
   static constexpr int64_t kWeightsUnknown = INT64_MIN;
   int64_t whole_weights_step() const { return weights_step_; }
   void set_whole_weights_step(int64_t step) { weights_step_ = step; }

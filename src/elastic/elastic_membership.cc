@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <set>
 
 #include "common/error.h"
@@ -182,13 +183,13 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   for (ShardHome* h : rule.kept_homes()) {
     const int v = h->version_of(step);
     if (v < 0 || h->n() != n || h->states() != states) continue;
-    Held x{h->lo(), h->hi(), h->weights(v), {}};
+    Held x{h->lo(), h->hi(), nullptr, {}};
     if (has_state)
       for (int i = 0; i < states; ++i) x.st.push_back(h->state(v, i));
     held.push_back(std::move(x));
   }
   const int64_t ws = rule.whole_weights_step();
-  const bool whole_weights = s.state.step == step && (ws == step || ws == AllReduceUpdate::kWeightsUnknown);
+  const bool whole_weights = (ws == step) || (ws == AllReduceUpdate::kWeightsUnknown && s.state.step == step);
   if (whole_weights) held.push_back({0, n, s.weights.data_ptr<float>(), {}});
   if (whole_state && s.state.step == step && has_state) {
     Held x{0, n, nullptr, {}};
@@ -236,41 +237,52 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
                      (weights_ok ? "every shard of the optimizer state" : "every shard of the weights") +
                      " (a shard and its copy were lost together)");
 
-  // Weights: everyone needs them whole. Every element comes from one
-  // member and is -0.0 elsewhere (x + -0.0 = x for every x, so the sum
-  // moves the bits unchanged).
-  {
-    const float* whole = s.weights.data_ptr<float>();
-    auto fresh = torch::full({n}, -0.0f, torch::kFloat32);
-    float* f = fresh.data_ptr<float>();
-    for (const auto& [pieces, x] : send_w)
+  // In pieces of 4 MiB (no member holds a second copy of the model or of
+  // its state meanwhile). Every element comes from one member and is -0.0
+  // elsewhere (x + -0.0 = x for every x, so a sum moves the bits unchanged).
+  const int64_t piece = 1 << 20;
+  auto buf = torch::empty({std::min(piece, std::max<int64_t>(n, 1))}, torch::kFloat32);
+  float* f = buf.data_ptr<float>();
+  // Fills buf with this member's pieces of [at, at + m) of one tensor.
+  auto fill = [&](const std::vector<std::pair<Ranges, const Held*>>& send, int64_t at, int64_t m,
+                  const std::function<const float*(const Held&)>& data) {
+    std::fill(f, f + m, -0.0f);
+    for (const auto& [pieces, x] : send)
       for (const auto& [a, b] : pieces) {
-        std::memcpy(f + a, x->w == whole ? whole + a : x->w + (a - x->lo), sizeof(float) * (b - a));
-        out.bytes_sent += 4 * (b - a);
+        const int64_t lo = std::max(a, at), hi = std::min(b, at + m);
+        if (hi <= lo) continue;
+        std::memcpy(f + (lo - at), data(*x) + (lo - x->lo), sizeof(float) * (hi - lo));
+        out.bytes_sent += 4 * (hi - lo);
       }
-    g.allreduce_sum(fresh);
-    s.weights.copy_(fresh);
+  };
+  // The weights, whole on everyone.
+  float* whole = s.weights.data_ptr<float>();
+  for (int64_t at = 0; at < n; at += piece) {
+    const int64_t m = std::min(piece, n - at);
+    fill(send_w, at, m, [](const Held& x) { return x.w; });
+    auto part = buf.narrow(0, 0, m);
+    g.allreduce_sum(part);
+    std::memcpy(whole + at, f, sizeof(float) * m);
   }
   // The state: each member receives only its new shard (a reduce-scatter).
   const auto& bounds = rule.bounds();
   const int64_t lo = bounds[g.rank()], hi = bounds[g.rank() + 1];
   ShardHome& home = rule.new_home(round, states);
-  std::memcpy(home.weights(0), s.weights.data_ptr<float>() + lo, sizeof(float) * (hi - lo));
-  if (has_state) {
-    auto buf = torch::empty({n}, torch::kFloat32);
-    float* f = buf.data_ptr<float>();
-    for (int i = 0; i < states; ++i) {
-      buf.fill_(-0.0f);
-      for (const auto& [pieces, x] : send_s)
-        for (const auto& [a, b] : pieces) {
-          std::memcpy(f + a, x->st[i] + (a - x->lo), sizeof(float) * (b - a));
-          out.bytes_sent += 4 * (b - a);
+  if (has_state)
+    for (int i = 0; i < states; ++i)
+      for (int64_t at = 0; at < n; at += piece) {
+        const int64_t m = std::min(piece, n - at);
+        fill(send_s, at, m, [i](const Held& x) { return x.st[i]; });
+        std::vector<int64_t> rel;
+        for (int64_t b : bounds) rel.push_back(std::clamp(b, at, at + m) - at);
+        auto part = buf.narrow(0, 0, m);
+        g.reduce_scatter_sum(part, rel);
+        const int64_t a = std::max(lo, at), e = std::min(hi, at + m);
+        if (e > a) {
+          std::memcpy(home.state(0, i) + (a - lo), f + (a - at), sizeof(float) * (e - a));
+          out.bytes_received += 4 * (e - a);
         }
-      g.reduce_scatter_sum(buf, bounds);
-      std::memcpy(home.state(0, i), f + lo, sizeof(float) * (hi - lo));
-      out.bytes_received += 4 * (hi - lo);
-    }
-  }
+      }
   home.commit(0, step, steps, has_state);
   std::vector<torch::Tensor> views;
   if (has_state)

@@ -46,7 +46,7 @@ std::vector<int64_t> shard_bounds(int64_t n, int world) {
 
 ShardHome::ShardHome(const std::string& name, int64_t n, int64_t lo, int64_t hi, int states) {
   const int64_t header = (static_cast<int64_t>(sizeof(Header)) + 4095) / 4096 * 4096;
-  bytes_ = header + 2 * static_cast<int64_t>(sizeof(float)) * (hi - lo) * (1 + states);
+  bytes_ = header + 2 * static_cast<int64_t>(sizeof(float)) * (hi - lo) * states;
   if (!name.empty()) {
     const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     std::string why;
@@ -109,7 +109,7 @@ std::unique_ptr<ShardHome> ShardHome::open(const std::string& name) {
   const int64_t header = (static_cast<int64_t>(sizeof(Header)) + 4095) / 4096 * 4096;
   const bool ok = h->magic == kMagic && std::string(h->host, strnlen(h->host, sizeof h->host)) == comm::host_identity() &&
                   h->lo >= 0 && h->lo <= h->hi && h->hi <= h->n && h->states >= 0 && h->states <= 2 &&
-                  header + 2 * 4 * (h->hi - h->lo) * (1 + h->states) <= st.st_size;
+                  header + 2 * 4 * (h->hi - h->lo) * h->states <= st.st_size;
   if (!ok) home->h_ = nullptr;  // the destructor unmaps it
   return ok ? std::move(home) : nullptr;
 }
@@ -130,12 +130,10 @@ int ShardHome::version_of(int64_t step) const {
   return -1;
 }
 
-float* ShardHome::weights(int v) {
+float* ShardHome::state(int v, int i) {
   const int64_t header = (static_cast<int64_t>(sizeof(Header)) + 4095) / 4096 * 4096;
-  return reinterpret_cast<float*>(base_ + header) + v * size() * (1 + states());
+  return reinterpret_cast<float*>(base_ + header) + (v * states() + i) * size();
 }
-
-float* ShardHome::state(int v, int i) { return weights(v) + (1 + i) * size(); }
 int64_t ShardHome::optimizer_steps(int v) const { return h_->optimizer_steps[v]; }
 bool ShardHome::has_state(int v) const { return h_->has_state[v] != 0; }
 

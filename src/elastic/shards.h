@@ -6,12 +6,15 @@
 // the optimizer state of its shard: it updates only those and the weights
 // are all-gathered afterwards (elastic/allreduce_update.h).
 //
-// A ShardHome holds one shard in two versions, each the shard's weights and
-// its optimizer state tensors at one committed step: the step being made is
+// A ShardHome holds one shard of the optimizer state in two versions, each
+// the shard's state tensors at one committed step: the step being made is
 // written beside the last committed one, so a step that fails anywhere, at
-// any point, leaves every member's last committed version intact. On a
-// membership change the survivors re-shard from the versions of the newest
-// committed step (sync_sharded_state).
+// any point, leaves every member's last committed version intact. (The
+// weights need no home: they are all-gathered into the gradient's buffer,
+// and each member's whole weights move from one step to the next only once
+// that all-gather is complete.) On a membership change the survivors
+// re-shard from the versions of the newest committed step
+// (sync_sharded_state).
 //
 // A home with a name lives in POSIX shared memory (/dev/shm, 0600) and
 // outlives its process: when a member dies, the members on its host open
@@ -64,7 +67,6 @@ class ShardHome {
 
   // The version (0 or 1) that holds committed step `step`, or -1.
   int version_of(int64_t step) const;
-  float* weights(int v);
   float* state(int v, int i);
   int64_t optimizer_steps(int v) const;
   bool has_state(int v) const;
@@ -75,7 +77,7 @@ class ShardHome {
   // Removes the name (the memory goes with the last mapping).
   void unlink();
   // Bytes of one version.
-  int64_t version_bytes() const { return static_cast<int64_t>(sizeof(float)) * size() * (1 + states()); }
+  int64_t version_bytes() const { return static_cast<int64_t>(sizeof(float)) * size() * states(); }
 
  private:
   ShardHome() = default;
