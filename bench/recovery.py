@@ -8,6 +8,7 @@ a fault-free job slowed about 3x by CPU hogs must lose no member.
     bench/recovery.py [--limbo build/src/cli/limbo] [--trials 5]
     bench/recovery.py --hosts [--trials 5]     # across two network namespaces (root)
     bench/recovery.py --etcd [--trials 5]      # embedded store vs etcd, side by side
+    bench/recovery.py --shard [--trials 5]     # SIGKILL with sharded optimizer state vs replicated
 
 --etcd: the SIGSTOP and SIGKILL trials on the embedded store and on an etcd
 (a single member started here on loopback, data on /dev/shm), interleaved:
@@ -57,8 +58,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from limbo_run import Veth  # noqa: E402
 
 
+EXTRA = []  # --shard: optim.shard_state for the sharded trials
+
+
 def train_args(run_dir):
-    return ["--run-dir", run_dir, "--set", "model.name=lenet", "--set", "data.train_limit=20000",
+    return EXTRA + ["--run-dir", run_dir, "--set", "model.name=lenet", "--set", "data.train_limit=20000",
             "--set", "data.test_limit=500", "--set", "data.batch_size=32", "--set", "train.epochs=30",
             "--set", "train.threads=1", "--set", "train.progress=false",
             "--set", "train.checkpoint_every_epochs=0", "--set", "train.eval_every_epochs=0",
@@ -393,6 +397,31 @@ def etcd_main(limbo, trials):
         etcd.close()
 
 
+def shard_main(limbo, trials):
+    """SIGKILL recovery with the optimizer state sharded (momentum SGD, LeNet:
+    the survivors re-shard, the dead worker's shard read from its home in
+    shared memory) against the replicated path, interleaved."""
+    global EXTRA
+    got = {"replicated": [], "sharded": []}
+    for _ in range(trials):
+        for mode in got:
+            EXTRA = ["--set", f"optim.shard_state={'true' if mode == 'sharded' else 'false'}"]
+            got[mode].append(trial(limbo, "kill"))
+    EXTRA = []
+    for mode, rs in got.items():
+        re_ = [r["to_reformed"] for r in rs]
+        st = [r["to_step"] for r in rs]
+        sync = [r["sync_seconds"] for r in rs]
+        print(f"{mode}: SIGKILL -> group re-formed: median {statistics.median(re_):.3f} s, max {max(re_):.3f} s; "
+              f"-> next completed step: median {statistics.median(st):.3f} s, max {max(st):.3f} s; "
+              f"sync median {statistics.median(sync) * 1000:.1f} ms"
+              + (f"; shard bytes sent median {statistics.median(r.get('shard_bytes_sent', 0) for r in rs):.0f}"
+                 if mode == "sharded" else ""))
+    d = statistics.median(r["to_reformed"] for r in got["sharded"]) - \
+        statistics.median(r["to_reformed"] for r in got["replicated"])
+    print(f"sharded - replicated, median to re-formed: {d:+.3f} s (target within 0.1 s)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limbo", default="build/src/cli/limbo")
@@ -400,7 +429,12 @@ def main():
     ap.add_argument("--hogs", type=int, default=6, help="busy processes for the contention run")
     ap.add_argument("--hosts", action="store_true", help="cross-host recovery in network namespaces (root)")
     ap.add_argument("--etcd", action="store_true", help="embedded store vs etcd, side by side")
+    ap.add_argument("--shard", action="store_true",
+                    help="SIGKILL trials with optim.shard_state = true against the replicated path, interleaved")
     args = ap.parse_args()
+    if args.shard:
+        shard_main(args.limbo, args.trials)
+        return
     if args.etcd:
         etcd_main(args.limbo, args.trials)
         return
