@@ -152,6 +152,50 @@ TEST(ShardedState, ASigkilledMembersShardComesFromItsHomeAndNothingIsLost) {
   }
 }
 
+// A worker started by hand joins a running sharded job of 2: the others
+// hold the whole state at the agreed change, and the joiner receives only
+// its own shard of it (a third of the state), not the whole. Every sample
+// is used once and the members end alike.
+TEST(ShardedState, AJoinerReceivesOnlyItsOwnShard) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::string run = d.file("run"), log = d.file("launch.log");
+  // Paced until the group has 3 workers: the joiner cannot miss the job.
+  const std::vector<std::string> extra = {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002",
+                                          "--set", "optim.shard_state=true", "--set", "train.slow_step_ms=20",
+                                          "--set", "train.testing_pace_until_workers=3"};
+  std::vector<std::string> a = {"launch", "--nproc", "2", "--min-workers", "1", "--"};
+  auto t = job_args(run, 3);
+  a.insert(a.end(), t.begin(), t.end());
+  a.insert(a.end(), extra.begin(), extra.end());
+  const pid_t launcher = limbo::testing::spawn_limbo(a, log);
+  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 60)) << slurp(log);
+  std::smatch m;
+  const std::string text = slurp(log);
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("store at ([0-9.]+:[0-9]+)"))) << text;
+  std::vector<std::string> j = {"train", "--elastic", "--dist-rdzv", m[1]};
+  j.insert(j.end(), t.begin(), t.end());
+  j.insert(j.end(), extra.begin(), extra.end());
+  auto joiner = limbo::testing::run_limbo(j);
+  EXPECT_EQ(joiner.exit_code, 0) << joiner.output;
+  auto r = limbo::testing::wait_child(launcher, log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // The start record: rank 0 sent the whole weights (n floats), no state yet.
+  std::istringstream in(slurp(run + "/metrics.jsonl"));
+  int64_t weights = 0;
+  for (std::string line; std::getline(in, line) && weights == 0;)
+    if (line.find("\"kind\":\"membership\"") != std::string::npos)
+      weights = nlohmann::json::parse(line)["shard_bytes_sent"].get<int64_t>();
+  ASSERT_GT(weights, 0);
+  ASSERT_TRUE(std::regex_search(joiner.output, m, std::regex("3 workers, rank ([0-9]).*optimizer state: ([0-9]+) bytes received")))
+      << joiner.output;
+  const int64_t received = std::stoll(m[2]);
+  // AdamW: two state tensors; a third of each, give or take a 16-float line.
+  EXPECT_NEAR(static_cast<double>(received), 2.0 * weights / 3.0, 2 * 64.0 * 3) << joiner.output;
+  limbo::testing::expect_exactly_once(run, 3, 3000);
+  limbo::testing::expect_identical_finals(run, 3);
+}
+
 // The checkpoint of a sharded run is the replicated path's: a run switches
 // optim.shard_state across --resume either way and ends where an
 // uninterrupted run ends.

@@ -243,9 +243,14 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
   r.pending_event = est.event;
   r.pending_event["detection_seconds"] = detection;
   r.pending_since = detected;
+  std::string shards;
+  if (est.event.contains("shard_bytes_received"))
+    shards = "; optimizer state: " + std::to_string(est.event["shard_bytes_received"].get<int64_t>()) +
+             " bytes received (this worker's shard), " + std::to_string(est.event["shard_bytes_sent"].get<int64_t>()) +
+             " bytes of weights and state sent";
   log_info("membership round " + std::to_string(est.event["round"].get<int64_t>()) + ": " +
            std::to_string(r.world) + " workers, rank " + std::to_string(est.rank) + ", " +
-           est.event.value("transport", std::string("gloo")) + " (" + reason + ")");
+           est.event.value("transport", std::string("gloo")) + " (" + reason + ")" + shards);
 }
 
 void Trainer::gather_state(Run& r, const std::string& why, bool here) {
