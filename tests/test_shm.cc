@@ -8,6 +8,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -231,6 +232,67 @@ TEST(Shm, AMemberWhoseProcessIsGoneFailsTheOthersAtOnce) {
     EXPECT_NE(std::string(e.what()).find("is gone"), std::string::npos) << e.what();
   }
   EXPECT_LT(seconds_since(t0), 1.0);
+}
+
+// Found by a sharded-state SIGKILL test under load: a member waiting in a
+// barrier that the other completed, and that was then descheduled while the
+// other finished, committed its step and died, woke to find its peer gone
+// and failed the collective that had completed. Member 0 is stopped while it
+// waits; member 1 completes the barrier and exits; member 0, continued,
+// must see its broadcast done.
+TEST(Shm, ABarrierThatCompletedIsNotFailedByAMemberGoneRightAfter) {
+  NEED_SHM();
+  comm::StoreServer store("127.0.0.1", 0);
+  comm::GroupOptions go;
+  go.store_port = store.port();
+  go.timeout = std::chrono::milliseconds(20000);
+  go.prefix = "completed";
+  auto t = torch::ones({64});  // made before fork: the members run no torch operation
+  int entering[2], proceed[2];
+  ASSERT_EQ(::pipe(entering), 0);
+  ASSERT_EQ(::pipe(proceed), 0);
+  const pid_t a = ::fork();
+  if (a == 0) {
+    try {
+      auto g = comm::make_shm_group(go, 0, 2);
+      char c = 'x';
+      if (!g || ::write(entering[1], &c, 1) != 1) ::_exit(3);
+      g->broadcast(t, 0);
+      ::_exit(0);
+    } catch (const PeerFailure&) {
+      ::_exit(1);
+    } catch (...) {
+      ::_exit(2);
+    }
+  }
+  ASSERT_GT(a, 0);
+  const pid_t b = ::fork();
+  if (b == 0) {
+    try {
+      auto g = comm::make_shm_group(go, 1, 2);
+      char c;
+      if (!g || ::read(proceed[0], &c, 1) != 1) ::_exit(3);
+      g->broadcast(t, 0);
+      ::_exit(0);
+    } catch (...) {
+      ::_exit(4);
+    }
+  }
+  ASSERT_GT(b, 0);
+  char c;
+  ASSERT_EQ(::read(entering[0], &c, 1), 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // member 0 waits in the barrier
+  ASSERT_EQ(::kill(a, SIGSTOP), 0);
+  c = 'y';
+  ASSERT_EQ(::write(proceed[1], &c, 1), 1);
+  int status = 0;
+  ASSERT_EQ(::waitpid(b, &status, 0), b);  // member 1 completed the barrier and is gone
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  ASSERT_EQ(::kill(a, SIGCONT), 0);
+  ASSERT_EQ(::waitpid(a, &status, 0), a);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "member 0's completed broadcast failed (exit " << WEXITSTATUS(status) << ")";
+  for (int fd : {entering[0], entering[1], proceed[0], proceed[1]}) ::close(fd);
 }
 
 // A segment's name is removed as soon as every member has it mapped; names

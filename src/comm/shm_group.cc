@@ -277,6 +277,9 @@ class ShmGroup : public Collective {
       }
       check_usable();
       futex_wait(&h_->generation, gen, std::chrono::microseconds(5000));
+      // Completed while this member slept: the others may have gone on, and
+      // one may have ended (or died) since; that is no failure of this one.
+      if (h_->generation.load(std::memory_order_acquire) != gen) break;
       const auto now = Clock::now();
       if (now >= next_check) {
         check_peers();
