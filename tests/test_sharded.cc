@@ -196,6 +196,32 @@ TEST(ShardedState, AJoinerReceivesOnlyItsOwnShard) {
   limbo::testing::expect_identical_finals(run, 3);
 }
 
+// Both copies of a shard lost together (the worker killed and its home
+// removed first, as a whole host going would take both): the two
+// survivors cannot re-shard, say so, fall back to the run directory's
+// newest checkpoint (step 40), re-form in a new round and train steps 41 to
+// 45 again, to the end.
+TEST(ShardedState, WhenAShardAndItsCopyAreLostTheJobFallsBackToTheCheckpoint) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::string run = d.file("run");
+  std::vector<std::string> a = {"launch", "--nproc", "3", "--min-workers", "1", "--"};
+  auto t = job_args(run, 1);
+  a.insert(a.end(), t.begin(), t.end());
+  a.insert(a.end(), {"--set", "optim.shard_state=true", "--set", "train.checkpoint_every_steps=20",
+                     "--set", "train.testing_die_at_step=45", "--set", "train.testing_die_without_home=true"});
+  auto r = limbo::testing::run_limbo(a);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("is lost"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("falling back to the newest checkpoint (step 40 here): steps 41 to 45"), std::string::npos)
+      << r.output;
+  auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
+  EXPECT_EQ(s["epochs"].get<double>(), 1.0);
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.5);
+  EXPECT_NE(slurp(run + "/metrics.jsonl").find("fell back to the newest checkpoint"), std::string::npos);
+}
+
 // The checkpoint of a sharded run is the replicated path's: a run switches
 // optim.shard_state across --resume either way and ends where an
 // uninterrupted run ends.

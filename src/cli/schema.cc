@@ -282,8 +282,11 @@ std::shared_ptr<const Schema> train_schema() {
              "iterations"));
     s->add(I("train.testing_die_at_step", 0, 0, std::nullopt,
              "testing aid: the worker of rank train.testing_die_rank kills itself (SIGKILL) as it starts "
-             "step N + 1, before any collective of it (0 = never)"));
+             "step N + 1, before any collective of it, unless the group has changed since the start (0 = never)"));
     s->add(I("train.testing_die_rank", 1, 0, std::nullopt, "testing aid: see train.testing_die_at_step"));
+    s->add(B("train.testing_die_without_home", false,
+             "testing aid: the worker of train.testing_die_at_step first removes its shard homes (its "
+             "optimizer state is lost with it)"));
     s->add(I("train.testing_die_in_bucket", 0, 0, std::nullopt,
              "testing aid: in its Nth step, the process kills itself (SIGKILL) as its "
              "communication thread starts the second gradient bucket (0 = never)"));
@@ -419,6 +422,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.die_in_isgd = c.get_bool("train.testing_die_in_isgd");
   t.train.die_at_step = c.get_int("train.testing_die_at_step");
   t.train.die_rank = static_cast<int>(c.get_int("train.testing_die_rank"));
+  t.train.die_without_home = c.get_bool("train.testing_die_without_home");
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));
   t.threads.blas = static_cast<int>(c.get_int("train.blas_threads"));

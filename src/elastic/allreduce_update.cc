@@ -259,6 +259,10 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   return {global_loss, ctx.global_batch};
 }
 
+void AllReduceUpdate::testing_drop_kept_state() {
+  for (auto* h : kept_homes()) h->unlink();
+}
+
 void AllReduceUpdate::drop_retired() {
   for (auto& h : retired_) h->unlink();
   retired_.clear();

@@ -93,6 +93,9 @@ class AllReduceUpdate : public train::UpdateRule {
   // piece of it. No-op unless sharded, or when an earlier call for the same
   // step put it everywhere.
   void gather_state(optim::Optimizer& opt, int64_t step, bool here) override;
+  void state_replaced() override { weights_step_ = kWeightsUnknown; gathered_everywhere_ = -1; }
+  // Removes the names of this member's homes (train.testing_die_without_home).
+  void testing_drop_kept_state() override;
   // The optimizer's update count and whether it has state, at committed
   // step `step` of this member's home (false: the home has no such version).
   bool version_meta(int64_t step, int64_t* optimizer_steps, bool* has_state);

@@ -370,6 +370,10 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
       round_ = next;
       return e;
     } catch (const ShardsLost&) {
+      // The trainer falls back to a checkpoint and re-forms: in a new
+      // round (a round's group is formed once).
+      member_->request_round(next.number);
+      round_.number = next.number;
       throw;
     } catch (const Error& err) {
       // A member of this round is gone too: ask for the next one.

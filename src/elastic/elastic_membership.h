@@ -33,10 +33,7 @@ std::string share_records(comm::Collective& g, const train::SyncTargets& s, bool
 
 // No member holds some shard of the optimizer state (or of the weights) at
 // the newest committed step: a shard and its copy were lost together.
-class ShardsLost : public limbo::Error {
- public:
-  using Error::Error;
-};
+using ShardsLost = train::StateLost;
 
 struct ShardSync {
   int source = 0;              // the member whose step and small state everyone took

@@ -46,6 +46,14 @@ class CompletedElsewhere : public limbo::Error {
   using Error::Error;
 };
 
+// Some part of the newest committed state is held by no member (sharded
+// optimizer state whose shard and copy were lost together; thrown by
+// establish()). The trainer falls back to the run directory's checkpoint.
+class StateLost : public limbo::Error {
+ public:
+  using Error::Error;
+};
+
 struct Membership {
   struct Established {
     int world = 1, rank = 0;

@@ -223,7 +223,34 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
                       r.storage, [&r] { return r.run_dir.read_metrics(); },
                       [&r] { return r.run_dir.record_count(); }};
   flat_->buffers_to_flat();  // the module's buffers travel in the state sync
-  auto est = membership_->establish(targets, reason);
+  Membership::Established est;
+  std::string why = reason;
+  for (bool fell_back = false;;) {
+    try {
+      est = membership_->establish(targets, why);
+      break;
+    } catch (const StateLost& e) {
+      if (fell_back) throw;
+      fell_back = true;
+      // Every member saw the same holes: each loads its run directory's
+      // newest checkpoint, or forgets its step (the others' is taken).
+      const int64_t lost = state_.step;
+      if (!checkpoint_path_.empty() && file_exists(checkpoint_path_)) {
+        resume();
+      } else {
+        state_.step = -1;
+      }
+      rule_->state_replaced();
+      flat_->buffers_to_flat();
+      log_warn(std::string(e.what()) + "; falling back to the newest checkpoint" +
+               (state_.step >= 0 ? " (step " + std::to_string(state_.step) + " here): steps " +
+                                       std::to_string(state_.step + 1) + " to " + std::to_string(lost) +
+                                       " are trained again"
+                                 : " (none in this run directory: another member's is taken)"));
+      why = std::string("optimizer state lost at step ") + std::to_string(lost) +
+            ": fell back to the newest checkpoint";
+    }
+  }
   flat_->flat_to_buffers();
   r.world = est.world;
   if (cfg_.train.pace_until_workers > 0)
@@ -291,9 +318,11 @@ void Trainer::eval_now(Run& r) {
 // re-formed: the step did not commit and is redone.
 bool Trainer::train_step(Run& r) {
   const auto step_start = Clock::now();
-  if (r.t.die_at_step > 0 && state_.step == r.t.die_at_step && rank_ == r.t.die_rank && r.world > 1) {
+  if (r.t.die_at_step > 0 && state_.step == r.t.die_at_step && rank_ == r.t.die_rank && r.world > 1 &&
+      r.membership_changes == 0) {
     std::fprintf(stderr, "testing: rank %d dies starting step %ld\n", rank_, static_cast<long>(state_.step + 1));
     std::fflush(stderr);
+    if (r.t.die_without_home) rule_->testing_drop_kept_state();
     ::kill(::getpid(), SIGKILL);
   }
   r.batch = r.loader->next();

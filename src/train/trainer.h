@@ -66,6 +66,7 @@ struct TrainOptions {
   // step die_at_step + 1 (0 = never), before any collective of it.
   int64_t die_at_step = 0;
   int die_rank = 1;
+  bool die_without_home = false;  // ... and first removes its shard homes (both copies lost)
   // Testing aid: the member that writes the run directory SIGKILLs itself
   // at this point of the job's ending: "last_step" (the last step's update
   // done, before it commits), "done" (training completed), "eval" (the

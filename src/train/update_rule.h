@@ -102,6 +102,11 @@ class UpdateRule {
   // for a checkpoint (its writer) or a membership change (everyone); the
   // next update shards it again. No-op by default.
   virtual void gather_state(optim::Optimizer& opt, int64_t step, bool here) {}
+  // The trainer replaced the weights and state (a checkpoint loaded after
+  // the state was lost): what the rule knew of them no longer holds.
+  virtual void state_replaced() {}
+  // Testing aid: a rule that keeps state outside the process removes it.
+  virtual void testing_drop_kept_state() {}
 };
 
 // Single process: the optimizer's step with the local gradient.
