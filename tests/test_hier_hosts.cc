@@ -1,17 +1,21 @@
 // Two hosts of two workers each, in network namespaces (tests/netns.h):
 // the hierarchical all-reduce (comm/hier_group.h) trains to the same bits
 // as one flat Gloo group, and when a worker is killed or frozen on either
-// host the others re-form at once and finish. Needs root and iproute2;
-// skipped otherwise.
+// host the others re-form at once and finish. With sharded optimizer state
+// (optim.shard_state), a host lost whole loses no shard (each has a copy on
+// another host), and two hosts lost together fall back to the checkpoint.
+// Needs root and iproute2; skipped otherwise.
 #include <gtest/gtest.h>
 #include <signal.h>
 
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <regex>
 #include <set>
 #include <thread>
 
+#include "checkpoint_checks.h"
 #include "host_job.h"
 #include "job_checks.h"
 #include "netns.h"
@@ -35,8 +39,10 @@ class TwoByTwo : public ::testing::Test {
 };
 
 // Host A's launcher and its two workers first (they take the first ids, so
-// ranks 0 and 1), then host B's; the job starts with all four.
+// ranks 0 and 1), then host B's; the job starts with all four
+// (--start-workers), whatever the minimum.
 bool start(HostJob& job, int min_workers) {
+  job.launcher_extra.insert(job.launcher_extra.end(), {"--start-workers", "4"});
   job.launch(0, 2, min_workers);
   std::this_thread::sleep_for(3s);
   job.launch(1, 2, min_workers);
@@ -130,4 +136,100 @@ TEST_F(TwoByTwo, AWorkerKilledOrFrozenOnEitherHostTheOthersReformAtOnce) {
   EXPECT_NE(logs.find("2 workers, rank 0, gloo"), std::string::npos) << logs;
   limbo::testing::expect_exactly_once(job.run, 8, 3000);
   std::cout << "re-formed " << killed << " s after the kill, " << frozen << " s after the stop\n";
+}
+
+// Host B (ranks 2 and 3) lost whole: as rank 2 starts step 21 it SIGKILLs
+// every process of its host, its launcher and the other worker, then
+// itself. With sharded AdamW state, the shards of B's workers have copies
+// on host A (rank 2's on rank 0, rank 3's on rank 1), updated in every
+// step; the two survivors re-shard from them and finish. Their weights and
+// optimizer state equal, bit for bit, those of a replicated run with the
+// same history, every sample is used once, and nothing falls back to a
+// checkpoint. (Without the copies the state of step 20 would be lost:
+// B's homes in /dev/shm name B's host, and A reads no other host's.)
+TEST_F(TwoByTwo, AHostLostWholeLosesNoShardOfTheOptimizerState) {
+  std::map<bool, std::unique_ptr<HostJob>> jobs;  // each keeps its run directory
+  for (bool shard : {false, true}) {
+    SCOPED_TRACE(shard ? "sharded" : "replicated");
+    jobs[shard] = std::make_unique<HostJob>(*hosts_, 2);
+    HostJob& job = *jobs[shard];
+    job.train_limit = 2000;
+    job.train_extra = {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002",
+                       "--set", "train.testing_die_at_step=20", "--set", "train.testing_die_rank=2",
+                       "--set", "train.testing_die_with_host=true",
+                       "--set", std::string("optim.shard_state=") + (shard ? "true" : "false")};
+    ASSERT_TRUE(start(job, 1));
+    job.wait_all();
+    EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();
+    EXPECT_EQ(job.results[1].signal, SIGKILL) << job.all_logs();
+    EXPECT_EQ(ranks_on(job, 0, 4), (std::set<int>{0, 1})) << job.all_logs();
+    EXPECT_EQ(ranks_on(job, 1, 4), (std::set<int>{2, 3})) << job.all_logs();
+    const std::string logs = job.all_logs();
+    EXPECT_NE(logs.find("testing: rank 2 dies starting step 21"), std::string::npos) << logs;
+    EXPECT_NE(logs.find("2 workers, rank 0"), std::string::npos) << logs;
+    EXPECT_EQ(logs.find("falling back"), std::string::npos) << logs;
+    EXPECT_TRUE(job.workers(1).empty()) << "host B still runs a process";
+    limbo::testing::expect_exactly_once(job.run, 2, 2000);
+    if (!shard) continue;
+    // The re-forming after the loss moved the state of step 20 from the
+    // homes and copies on host A: each member received its new shard.
+    int reformed = 0;
+    for (const auto& r : limbo::testing::records(job.run))
+      if (r.value("kind", "") == "membership" && r.value("reason", "") != "start") {
+        ++reformed;
+        EXPECT_EQ(r["step"].get<int64_t>(), 20) << r.dump();
+        EXPECT_EQ(r["world"].get<int64_t>(), 2) << r.dump();
+        EXPECT_GT(r["shard_bytes_received"].get<int64_t>(), 0) << r.dump();
+      }
+    EXPECT_EQ(reformed, 1) << logs;
+  }
+  limbo::testing::expect_same_checkpoint(jobs[false]->run, jobs[true]->run);
+}
+
+// Three hosts of one worker each; a shard's copy is on the next host
+// (rank 1's on host C). Hosts B and C are frozen together a few steps
+// after the first checkpoint, then killed: rank 1's shard and its copy
+// are both gone. The survivor says so, falls back to the newest checkpoint
+// (every 10 steps, and at the end of each epoch), losing at most the steps
+// since it, and finishes alone. (The checkpoint's writer keeps only its
+// shard after writing, so a loss right after one falls back too.)
+TEST(ShardedHosts, TwoHostsLostTogetherFallBackToTheNewestCheckpoint) {
+  if (!limbo::testing::have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  VirtualHosts hosts(3);
+  if (!hosts.ok()) GTEST_SKIP() << hosts.why();
+  HostJob job{hosts, 3};
+  job.train_limit = 2000;
+  job.launcher_extra = {"--start-workers", "3"};
+  job.train_extra = {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002", "--set",
+                     "optim.shard_state=true", "--set", "train.checkpoint_every_steps=10"};
+  job.launch(0, 1, 1);
+  std::this_thread::sleep_for(3s);
+  job.launch(1, 1, 1);
+  std::this_thread::sleep_for(3s);
+  job.launch(2, 1, 1);
+  ASSERT_TRUE(job.training(3)) << job.all_logs();
+  for (int i = 0; i < 600 && !std::filesystem::exists(job.run + "/checkpoint.pt"); ++i)
+    std::this_thread::sleep_for(100ms);
+  ASSERT_TRUE(std::filesystem::exists(job.run + "/checkpoint.pt")) << job.all_logs();
+  std::this_thread::sleep_for(200ms);
+  hosts.signal_host(1, SIGSTOP);
+  hosts.signal_host(2, SIGSTOP);
+  ASSERT_TRUE(limbo::testing::wait_for_text(job.log(0), "falling back", 60)) << job.all_logs();
+  hosts.signal_host(1, SIGKILL);
+  hosts.signal_host(2, SIGKILL);
+  job.wait_all();
+  ASSERT_EQ(job.results[0].exit_code, 0) << job.all_logs();
+  const std::string log = slurp(job.log(0));
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(log, m, std::regex("the optimizer state of step ([0-9]+) is lost.*falling back to "
+                                                   "the newest checkpoint \\(step ([0-9]+) here\\)")))
+      << log;
+  const int64_t lost = std::stoll(m[1]) - std::stoll(m[2]);
+  EXPECT_GE(lost, 0) << log;
+  EXPECT_LE(lost, 10) << "more steps lost than the checkpoint interval" << log;
+  std::cout << "lost at step " << m[1] << ", fell back to step " << m[2] << "\n";
+  auto s = nlohmann::json::parse(slurp(job.run + "/summary.json"));
+  EXPECT_EQ(s["epochs"].get<double>(), 3.0);
+  EXPECT_EQ(s["workers"].get<int64_t>(), 1);
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.5);
 }

@@ -6,8 +6,6 @@
 #include <dirent.h>
 #include <signal.h>
 
-#include <torch/script.h>
-
 #include <map>
 #include <sstream>
 #include <nlohmann/json.hpp>
@@ -15,12 +13,15 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint_checks.h"
 #include "common/files.h"
 #include "job_checks.h"
 #include "test_util.h"
 
 using limbo::testing::slurp;
 using limbo::testing::TempDir;
+using limbo::testing::checkpoint_tensors;
+using limbo::testing::expect_same_checkpoint;
 
 namespace {
 
@@ -44,28 +45,6 @@ std::string run_job(TempDir& d, const std::string& name, int nproc, int epochs, 
   auto r = limbo::testing::run_limbo(a);
   EXPECT_EQ(r.exit_code, 0) << name << ": " << r.output;
   return run;
-}
-
-// Every tensor of a checkpoint but its run state (whose config differs).
-std::map<std::string, torch::Tensor> checkpoint_tensors(const std::string& path) {
-  std::map<std::string, torch::Tensor> out;
-  auto m = torch::jit::load(path);
-  for (const auto& a : m.named_attributes(/*recurse=*/true))
-    if (a.value.isTensor() && a.name.rfind("state.", 0) != 0) out[a.name] = a.value.toTensor();
-  return out;
-}
-
-// The two checkpoints hold the same weights and optimizer state, bit for bit.
-void expect_same_checkpoint(const std::string& a, const std::string& b) {
-  auto x = checkpoint_tensors(a + "/checkpoint.pt"), y = checkpoint_tensors(b + "/checkpoint.pt");
-  ASSERT_EQ(x.size(), y.size());
-  int optim = 0;
-  for (const auto& [name, t] : x) {
-    ASSERT_TRUE(y.count(name)) << name;
-    EXPECT_TRUE(torch::equal(t, y[name])) << name << " differs";
-    optim += name.rfind("optim.", 0) == 0 && t.numel() > 1;
-  }
-  EXPECT_GT(optim, 0) << "the checkpoints hold no optimizer state";
 }
 
 }  // namespace

@@ -244,6 +244,10 @@ int run_launch(const LaunchArgs& a) {
   if (!a.elastic_schedule.empty()) lo.schedule = elastic::parse_schedule(a.elastic_schedule);
   if (a.min_workers > 0) lo.min_workers = a.min_workers;
   if (a.max_workers > 0) lo.max_workers = a.max_workers;
+  lo.start_workers = a.start_workers;
+  if (lo.elastic && lo.start_workers > lo.max_workers)
+    throw InvalidInput("--start-workers " + std::to_string(lo.start_workers) + " exceeds --max-workers " +
+                       std::to_string(lo.max_workers));
   if (lo.elastic && lo.min_workers > lo.max_workers)
     throw InvalidInput("--min-workers " + std::to_string(lo.min_workers) + " exceeds --max-workers " +
                        std::to_string(lo.max_workers));

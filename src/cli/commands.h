@@ -35,6 +35,7 @@ struct LaunchArgs {
   std::vector<std::string> train_args;
   int min_workers = 0;  // elastic mode when min or max is given
   int max_workers = 0;
+  int start_workers = 0;  // elastic: the first round waits for this many (0 = --nproc)
   double rdzv_timeout = 120;  // seconds below the minimum before the job stops
   double finish_timeout = 600;  // seconds the ending may take after training completed
   double heartbeat_timeout = 0.4;  // seconds without a worker's heartbeat before it counts as gone

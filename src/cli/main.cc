@@ -74,6 +74,10 @@ int main(int argc, char** argv) {
                      "elastic: keep going while at least this many workers remain");
   launch->add_option("--max-workers", launch_args.max_workers,
                      "elastic: admit at most this many workers");
+  launch->add_option("--start-workers", launch_args.start_workers,
+                     "elastic: the launcher that hosts the rendezvous starts training once this many workers, "
+                     "of all hosts, have joined (default: its own --nproc, or --min-workers if more)")
+      ->check(CLI::PositiveNumber);
   launch->add_option("--rdzv-timeout", launch_args.rdzv_timeout,
                      "elastic: seconds below the minimum worker count before the job stops");
   launch->add_option("--finish-timeout", launch_args.finish_timeout,

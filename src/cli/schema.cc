@@ -287,6 +287,10 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(B("train.testing_die_without_home", false,
              "testing aid: the worker of train.testing_die_at_step first removes its shard homes (its "
              "optimizer state is lost with it)"));
+    s->add(B("train.testing_die_with_host", false,
+             "testing aid: the worker of train.testing_die_at_step first kills (SIGKILL) every other process "
+             "of its network namespace, its launcher included: a whole host lost at once (refused outside a "
+             "network namespace of its own)"));
     s->add(I("train.testing_die_in_bucket", 0, 0, std::nullopt,
              "testing aid: in its Nth step, the process kills itself (SIGKILL) as its "
              "communication thread starts the second gradient bucket (0 = never)"));
@@ -423,6 +427,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.die_at_step = c.get_int("train.testing_die_at_step");
   t.train.die_rank = static_cast<int>(c.get_int("train.testing_die_rank"));
   t.train.die_without_home = c.get_bool("train.testing_die_without_home");
+  t.train.die_with_host = c.get_bool("train.testing_die_with_host");
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));
   t.threads.blas = static_cast<int>(c.get_int("train.blas_threads"));

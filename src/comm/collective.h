@@ -50,6 +50,10 @@ class Collective {
   // shared-memory group reduces only each member's shard; the default is
   // the all-reduce itself.
   virtual void reduce_scatter_sum(torch::Tensor& t, const std::vector<int64_t>& bounds) { allreduce_sum(t); }
+  // Whether reduce_scatter_sum leaves the whole sum on every member (the
+  // default, an all-reduce): then a member can update shards besides its
+  // own, as the copies of sharded optimizer state on another host are.
+  virtual bool reduce_scatter_sums_everywhere() const { return true; }
   // Every member's shard to everyone, bit for bit (any dtype): on return t
   // holds member r's shard at [bounds[r], bounds[r + 1]) on every member.
   // The default broadcasts the shards one after another.

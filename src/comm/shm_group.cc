@@ -154,6 +154,7 @@ class ShmGroup : public Collective {
   // the parts of the piece that other members' shards hold, then sums its
   // own shard's part across the slots in member order (the additions
   // allreduce_sum makes) and keeps it; nothing comes back out.
+  bool reduce_scatter_sums_everywhere() const override { return false; }
   void reduce_scatter_sum(torch::Tensor& t, const std::vector<int64_t>& bounds) override {
     check_shards(t, bounds, size_, "shared-memory reduce-scatter");
     if (t.scalar_type() != torch::kFloat32) throw Error("shared-memory reduce-scatter takes float32");

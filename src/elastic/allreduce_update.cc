@@ -1,9 +1,11 @@
 #include "elastic/allreduce_update.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 
+#include "comm/shm_group.h"
 #include "common/error.h"
 
 namespace limbo::elastic {
@@ -27,33 +29,97 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
 
 void AllReduceUpdate::set_group(std::shared_ptr<comm::Collective> group) {
   group_ = std::move(group);
+  planned_ = false;
   if (!shard_ || !group_) return;
   bounds_ = shard_bounds(flat_.numel(), group_->size());
   reducer_.set_shards(bounds_);
 }
 
-ShardHome& AllReduceUpdate::new_home(int64_t round, int states) {
-  const int64_t lo = bounds_.at(group_->rank()), hi = bounds_.at(group_->rank() + 1);
+// A home named `base` (or `base`-<k>, the first name no kept home has: a
+// round formed again after a failure has the same number), or unnamed.
+std::unique_ptr<ShardHome> AllReduceUpdate::make_home(const std::string& base, int64_t lo, int64_t hi, int states) {
   std::string name;
-  if (!home_prefix_.empty()) name = home_prefix_ + "m" + std::to_string(member_id_) + "-r" + std::to_string(round);
-  if (home_) retired_.push_back(std::move(home_));
-  // A round formed again after a failure has the same number: a fresh name.
-  for (int k = 0; !name.empty(); ++k) {
-    const std::string tried = k == 0 ? name : name + "-" + std::to_string(k);
+  const auto kept = kept_homes();
+  for (int k = 0; !home_prefix_.empty(); ++k) {
+    const std::string tried = k == 0 ? base : base + "-" + std::to_string(k);
     bool taken = false;
-    for (const auto& h : retired_) taken = taken || h->name() == tried;
+    for (const auto* h : kept) taken = taken || h->name() == tried;
     if (!taken) {
       name = tried;
       break;
     }
   }
-  home_ = std::make_unique<ShardHome>(name, flat_.numel(), lo, hi, states);
+  return std::make_unique<ShardHome>(name, flat_.numel(), lo, hi, states);
+}
+
+namespace {
+std::string home_base(const std::string& prefix, int64_t member, int64_t round) {
+  return prefix + "m" + std::to_string(member) + "-r" + std::to_string(round);
+}
+}  // namespace
+
+ShardHome& AllReduceUpdate::new_home(int64_t round, int states) {
+  auto h = make_home(home_base(home_prefix_, member_id_, round), bounds_.at(group_->rank()),
+                     bounds_.at(group_->rank() + 1), states);
+  if (home_) retired_.push_back(std::move(home_));
+  home_ = std::move(h);
   return *home_;
+}
+
+std::vector<ShardHome*> AllReduceUpdate::new_copy_homes(int64_t round, int states) {
+  std::vector<std::unique_ptr<ShardHome>> made;
+  for (int r : copy_ranks_)
+    made.push_back(make_home(home_base(home_prefix_, member_id_, round) + "-c" + std::to_string(r), bounds_.at(r),
+                             bounds_.at(r + 1), states));
+  for (auto& c : copies_) retired_.push_back(std::move(c));
+  copies_ = std::move(made);
+  std::vector<ShardHome*> out;
+  for (auto& c : copies_) out.push_back(c.get());
+  return out;
+}
+
+void AllReduceUpdate::plan_copies() {
+  planned_ = true;
+  copy_ranks_.clear();
+  hosts_ = 1;
+  const int W = group_->size(), me = group_->rank();
+  if (W == 1) return;
+  // Every member's host: a 64-bit hash of its identity, in two halves.
+  const uint64_t id = std::hash<std::string>{}(comm::host_identity());
+  auto t = torch::zeros({W, 2}, torch::kFloat64);
+  t[me][0] = static_cast<double>(id >> 32);
+  t[me][1] = static_cast<double>(id & 0xffffffffu);
+  group_->allreduce_max(t);
+  auto a = t.accessor<double, 2>();
+  std::vector<std::pair<double, double>> ids;
+  std::vector<std::vector<int>> members;  // per host, numbered by lowest rank
+  std::vector<int> host(W), local(W);
+  for (int r = 0; r < W; ++r) {
+    const std::pair<double, double> key{a[r][0], a[r][1]};
+    const auto it = std::find(ids.begin(), ids.end(), key);
+    host[r] = static_cast<int>(it - ids.begin());
+    if (it == ids.end()) {
+      ids.push_back(key);
+      members.emplace_back();
+    }
+    local[r] = static_cast<int>(members[host[r]].size());
+    members[host[r]].push_back(r);
+  }
+  hosts_ = static_cast<int>(members.size());
+  if (hosts_ == 1) return;
+  if (!group_->reduce_scatter_sums_everywhere())
+    throw Error(std::string("internal: a group across hosts (") + group_->transport() +
+                ") whose reduce-scatter leaves only each member's shard");
+  for (int r = 0; r < W; ++r) {
+    const auto& next = members[(host[r] + 1) % hosts_];
+    if (next[local[r] % next.size()] == me) copy_ranks_.push_back(r);
+  }
 }
 
 std::vector<ShardHome*> AllReduceUpdate::kept_homes() {
   std::vector<ShardHome*> out;
   if (home_) out.push_back(home_.get());
+  for (auto& h : copies_) out.push_back(h.get());
   for (auto& h : retired_) out.push_back(h.get());
   return out;
 }
@@ -74,23 +140,31 @@ bool AllReduceUpdate::version_meta(int64_t step, int64_t* optimizer_steps, bool*
   return true;
 }
 
-// The home of this member's shard holds committed step `step`; when not
-// (the first step of a static group, or after a resume), it is made from
-// the optimizer's whole state (or none) and the weights.
+// The home of this member's shard, and of the copies it keeps, hold
+// committed step `step`; when not (a new group's first step when it is not
+// elastic, or after a resume), they are made from the optimizer's whole
+// state (or none).
 void AllReduceUpdate::ensure_home(int64_t step) {
+  if (!planned_) plan_copies();
   auto& opt = opt_->optimizer();
   const int states = static_cast<int>(opt.state_names().size());
-  if (home_ && home_->version_of(step) >= 0 && home_->lo() == bounds_[group_->rank()] &&
-      home_->hi() == bounds_[group_->rank() + 1])
-    return;
+  auto fits = [&](const ShardHome* h, int r) {
+    return h && h->version_of(step) >= 0 && h->lo() == bounds_[r] && h->hi() == bounds_[r + 1];
+  };
+  bool ok = fits(home_.get(), group_->rank()) && copies_.size() == copy_ranks_.size();
+  for (size_t i = 0; ok && i < copies_.size(); ++i) ok = fits(copies_[i].get(), copy_ranks_[i]);
+  if (ok) return;
   const int64_t n = flat_.numel();
   if (opt.has_state() && opt.state()[0].numel() != n)
     throw Error("internal: the optimizer holds a shard of another layout and no home has step " + std::to_string(step));
-  ShardHome& h = new_home(0, states);
-  const int64_t lo = h.lo(), m = h.size();
-  if (opt.has_state())
-    for (int i = 0; i < states; ++i) std::memcpy(h.state(0, i), opt.state()[i].data_ptr<float>() + lo, sizeof(float) * m);
-  h.commit(0, step, opt.steps(), opt.has_state());
+  std::vector<ShardHome*> made{&new_home(0, states)};
+  for (ShardHome* c : new_copy_homes(0, states)) made.push_back(c);
+  for (ShardHome* h : made) {
+    if (opt.has_state())
+      for (int i = 0; i < states; ++i)
+        std::memcpy(h->state(0, i), opt.state()[i].data_ptr<float>() + h->lo(), sizeof(float) * h->size());
+    h->commit(0, step, opt.steps(), opt.has_state());
+  }
 }
 
 void AllReduceUpdate::gather_state(optim::Optimizer& opt, int64_t step, bool here) {
@@ -126,6 +200,17 @@ void AllReduceUpdate::gather_state(optim::Optimizer& opt, int64_t step, bool her
     if (here) opt.set_state(std::move(whole), home_->optimizer_steps(v));
   }
   if (everywhere) gathered_everywhere_ = step;
+}
+
+void AllReduceUpdate::release_state(optim::Optimizer& opt, int64_t step) {
+  if (!shard_ || !home_ || gathered_everywhere_ == step || !opt.has_state() || opt.state()[0].numel() == home_->size())
+    return;
+  const int v = home_->version_of(step);
+  if (v < 0 || !home_->has_state(v)) return;
+  std::vector<torch::Tensor> views;
+  for (int i = 0; i < home_->states(); ++i)
+    views.push_back(torch::from_blob(home_->state(v, i), {home_->size()}, torch::kFloat32));
+  opt.set_state(std::move(views), home_->optimizer_steps(v));
 }
 
 void AllReduceUpdate::start(torch::Tensor& weights, torch::Tensor& buffers) {
@@ -181,27 +266,49 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   return {global_loss, ctx.global_batch};
 }
 
-// This member's shard: agree on finiteness and the norm (one small
-// all-reduce), clip, update into the home's other version, all-gather.
+// The update of the shard of home `h` (this member's, or a copy) from
+// committed step `step` into its other version, the gradient scaled by
+// `coef`; its new weights go into the gradient's place (each element is
+// read before it is written). False when a value came out non-finite.
+bool AllReduceUpdate::update_into(ShardHome& h, int64_t step, float coef, train::StepContext& ctx) {
+  const int cur = h.version_of(step), next = 1 - cur;
+  auto g = ctx.grad.narrow(0, h.lo(), h.size());
+  if (coef < 1.0f) g.mul_(coef);
+  std::vector<const float*> in;
+  std::vector<float*> out;
+  for (int i = 0; i < h.states(); ++i) {
+    out.push_back(h.state(next, i));
+    if (h.has_state(cur)) in.push_back(h.state(cur, i));
+  }
+  auto& opt = opt_->optimizer();
+  opt.set_state({}, h.optimizer_steps(cur));
+  return opt.step_into(ctx.weights.data_ptr<float>() + h.lo(), g.data_ptr<float>(), g.data_ptr<float>(), in, out,
+                       h.size(), ctx.lr);
+}
+
+// This member's shard (and the copies it keeps): agree on finiteness and
+// the norm (one small all-reduce), clip, update into the homes' other
+// versions, commit them, all-gather the weights.
 train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double global_loss) {
   torch::NoGradGuard no_grad;
   const int64_t k = ctx.iteration;
   ensure_home(k);
   ShardHome& h = *home_;
-  const int cur = h.version_of(k), next = 1 - cur;
-  const int64_t lo = h.lo(), m = h.size();
-  auto g = ctx.grad.narrow(0, lo, m);
+  std::vector<ShardHome*> homes{&h};
+  for (auto& c : copies_) homes.push_back(c.get());
+  const int cur = h.version_of(k);
+  const int64_t m = h.size();
   auto& opt = opt_->optimizer();
   const int states = h.states();
   const bool clip = opt_->clip_norm() > 0;
-  h.begin(next);
+  for (ShardHome* x : homes) x->begin(1 - x->version_of(k));
   // Clipping needs the global norm before the update: the shards' squared
   // norms are summed (a square that is not finite makes the sum so).
   // Without clipping the update runs first, into the next version (nothing
   // committed is touched), and reports whether its gradient was finite.
   float* st = stats_.data_ptr<float>();
   st[0] = st[1] = 0.0f;
-  if (clip && m > 0) st[1] = static_cast<float>(g.square().sum().item<double>());
+  if (clip && m > 0) st[1] = static_cast<float>(ctx.grad.narrow(0, h.lo(), m).square().sum().item<double>());
   const auto t_update = std::chrono::steady_clock::now();
   float coef = 1.0f;
   if (clip) {
@@ -213,39 +320,34 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   }
   bool finite = reducer_.finite() && st[0] == 0;
   if (finite) {
-    if (coef < 1.0f) g.mul_(coef);
-    std::vector<const float*> in;
-    std::vector<float*> out;
-    for (int i = 0; i < states; ++i) {
-      out.push_back(h.state(next, i));
-      if (h.has_state(cur)) in.push_back(h.state(cur, i));
-    }
-    opt.set_state({}, h.optimizer_steps(cur));
-    // The new weights of the shard go into the gradient's place (each
-    // element is read before it is written), to be all-gathered there.
-    const bool mine = opt.step_into(ctx.weights.data_ptr<float>() + lo, g.data_ptr<float>(), g.data_ptr<float>(),
-                                    in, out, m, ctx.lr);
+    bool mine = true;
+    for (ShardHome* x : homes) mine = update_into(*x, k, coef, ctx) && mine;
     if (!clip) {  // every member's verdict on its own shard
       st[0] = mine ? 0.0f : 1.0f;
       group_->allreduce_sum(stats_);
       finite = st[0] == 0;
     }
   }
-  if (!finite) {  // skipped everywhere: the next version repeats this one
-    if (states > 0) std::memcpy(h.state(next, 0), h.state(cur, 0), static_cast<size_t>(h.version_bytes()));
-    h.commit(next, k + 1, h.optimizer_steps(cur), h.has_state(cur));
+  auto views_of = [&](int v, bool has) {
     std::vector<torch::Tensor> views;
-    if (h.has_state(cur))
-      for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(h.state(next, i), {m}, torch::kFloat32));
-    opt.set_state(std::move(views), h.optimizer_steps(cur));
+    if (has)
+      for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(h.state(v, i), {m}, torch::kFloat32));
+    return views;
+  };
+  if (!finite) {  // skipped everywhere: the next versions repeat these
+    for (ShardHome* x : homes) {
+      const int c = x->version_of(k);
+      if (states > 0) std::memcpy(x->state(1 - c, 0), x->state(c, 0), static_cast<size_t>(x->version_bytes()));
+      x->commit(1 - c, k + 1, x->optimizer_steps(c), x->has_state(c));
+    }
+    opt.set_state(views_of(1 - cur, h.has_state(cur)), h.optimizer_steps(cur));
     return {global_loss, ctx.global_batch, /*skipped=*/true};
   }
   if (ctx.before_update) ctx.before_update(global_loss);
-  h.commit(next, k + 1, opt.steps(), states > 0);
+  const int64_t steps = opt.steps();
+  for (ShardHome* x : homes) x->commit(1 - x->version_of(k), k + 1, steps, states > 0);
   // The optimizer's state is this shard's (views of the home).
-  std::vector<torch::Tensor> views;
-  for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(h.state(next, i), {m}, torch::kFloat32));
-  opt.set_state(std::move(views), opt.steps());
+  opt.set_state(views_of(1 - cur, states > 0), steps);
   // The whole weights change only once every shard is here: until then a
   // failure leaves them at step k on this member.
   const auto t_gather = std::chrono::steady_clock::now();

@@ -73,8 +73,25 @@ class AllReduceUpdate : public train::UpdateRule {
   // membership round `round`); the previous one is retired: kept, and
   // readable, until the next committed step.
   ShardHome& new_home(int64_t round, int states);
-  // Homes kept for a state sync that may be retried: the retired ones and
-  // the dead members' ones this member read (adopt_dead()).
+  // Copies on another host, for a group across hosts: member j of host h
+  // (hosts numbered by their lowest rank, members by rank) keeps a copy of
+  // its shard on member j mod m of host h + 1 (m members; the last host's
+  // go to the first), which updates it in the same step as its own shard,
+  // from the same whole gradient (reduce_scatter_sum leaves it everywhere
+  // then), so the copy has the owner's bits, written before the step
+  // commits, and a host lost whole loses no state. Every member calls it
+  // alike (one small all-reduce of host identities); ensure_home() does on
+  // a new group's first step.
+  void plan_copies();
+  bool spans_hosts() const { return hosts_ > 1; }
+  // The ranks whose shards this member keeps copies of.
+  const std::vector<int>& copied_ranks() const { return copy_ranks_; }
+  // New homes for those copies (named for `round`, in copied_ranks()
+  // order); the previous ones are retired like the home.
+  std::vector<ShardHome*> new_copy_homes(int64_t round, int states);
+  // Homes kept for a state sync that may be retried: the home, the copies,
+  // the retired ones and the dead members' ones this member read
+  // (adopt_dead()).
   std::vector<ShardHome*> kept_homes();
   void adopt_dead(std::vector<std::unique_ptr<ShardHome>> homes);
   const std::string& home_prefix() const { return home_prefix_; }
@@ -93,6 +110,7 @@ class AllReduceUpdate : public train::UpdateRule {
   // piece of it. No-op unless sharded, or when an earlier call for the same
   // step put it everywhere.
   void gather_state(optim::Optimizer& opt, int64_t step, bool here) override;
+  void release_state(optim::Optimizer& opt, int64_t step) override;
   void state_replaced() override { weights_step_ = kWeightsUnknown; gathered_everywhere_ = -1; }
   // Removes the names of this member's homes (train.testing_die_without_home).
   void testing_drop_kept_state() override;
@@ -118,6 +136,8 @@ class AllReduceUpdate : public train::UpdateRule {
 
   train::StepResult apply_shard(train::StepContext& ctx, double global_loss);
   void ensure_home(int64_t step);
+  bool update_into(ShardHome& h, int64_t step, float coef, train::StepContext& ctx);
+  std::unique_ptr<ShardHome> make_home(const std::string& base, int64_t lo, int64_t hi, int states);
   void drop_retired();
   bool shard_ = false;
   std::string home_prefix_;
@@ -125,6 +145,10 @@ class AllReduceUpdate : public train::UpdateRule {
   int64_t weights_step_ = kWeightsUnknown;
   std::vector<int64_t> bounds_;
   std::unique_ptr<ShardHome> home_;
+  std::vector<std::unique_ptr<ShardHome>> copies_;  // of copy_ranks_' shards
+  std::vector<int> copy_ranks_;
+  int hosts_ = 1;
+  bool planned_ = false;  // plan_copies() ran for this group
   std::vector<std::unique_ptr<ShardHome>> retired_;
   torch::Tensor stats_;  // [non-finite elements, squared norm] of this member's shard
   double update_seconds_ = 0, gather_seconds_ = 0;

@@ -162,6 +162,7 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   torch::NoGradGuard no_grad;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t n = s.weights.numel();
+  rule.plan_copies();
   const int source = newest_member(g, s.state.step);
   auto& opt = s.optimizer;
   const int states = static_cast<int>(opt.state_names().size());
@@ -264,10 +265,14 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
     g.allreduce_sum(part);
     std::memcpy(whole + at, f, sizeof(float) * m);
   }
-  // The state: each member receives only its new shard (a reduce-scatter).
+  // The state: each member keeps only its new shard and the copies it
+  // keeps for another host. On one host that is a reduce-scatter; across
+  // hosts an all-reduce (what the groups across hosts reduce-scatter with).
   const auto& bounds = rule.bounds();
   const int64_t lo = bounds[g.rank()], hi = bounds[g.rank() + 1];
-  ShardHome& home = rule.new_home(round, states);
+  std::vector<ShardHome*> homes{&rule.new_home(round, states)};
+  for (ShardHome* c : rule.new_copy_homes(round, states)) homes.push_back(c);
+  ShardHome& home = *homes[0];
   if (has_state)
     for (int i = 0; i < states; ++i)
       for (int64_t at = 0; at < n; at += piece) {
@@ -276,14 +281,18 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
         std::vector<int64_t> rel;
         for (int64_t b : bounds) rel.push_back(std::clamp(b, at, at + m) - at);
         auto part = buf.narrow(0, 0, m);
-        g.reduce_scatter_sum(part, rel);
-        const int64_t a = std::max(lo, at), e = std::min(hi, at + m);
-        if (e > a) {
-          std::memcpy(home.state(0, i) + (a - lo), f + (a - at), sizeof(float) * (e - a));
+        if (rule.spans_hosts())
+          g.allreduce_sum(part);
+        else
+          g.reduce_scatter_sum(part, rel);
+        for (ShardHome* h : homes) {
+          const int64_t a = std::max(h->lo(), at), e = std::min(h->hi(), at + m);
+          if (e <= a) continue;
+          std::memcpy(h->state(0, i) + (a - h->lo()), f + (a - at), sizeof(float) * (e - a));
           out.bytes_received += 4 * (e - a);
         }
       }
-  home.commit(0, step, steps, has_state);
+  for (ShardHome* h : homes) h->commit(0, step, steps, has_state);
   std::vector<torch::Tensor> views;
   if (has_state)
     for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(home.state(0, i), {hi - lo}, torch::kFloat32));

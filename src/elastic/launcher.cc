@@ -288,7 +288,7 @@ void Job::make_coordinator() {
   CoordinatorOptions co;
   co.min_workers = opt_.min_workers;
   co.max_workers = opt_.max_workers;
-  co.initial_workers = opt_.nproc;
+  co.initial_workers = opt_.start_workers > 0 ? opt_.start_workers : opt_.nproc;
   co.heartbeat_timeout = opt_.heartbeat_timeout;
   co.rendezvous_timeout = opt_.rendezvous_timeout;
   std::shared_ptr<comm::KvStore> store = kv_;

@@ -37,6 +37,7 @@ struct LaunchOptions {
   bool elastic = false;
   int min_workers = 1;
   int max_workers = 1 << 20;
+  int start_workers = 0;  // the first round waits for this many (0 = nproc)
   // A worker silent this long counts as gone; workers beat every quarter of it.
   std::chrono::milliseconds heartbeat_timeout{400};
   std::chrono::milliseconds rendezvous_timeout{120000};

@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -22,6 +23,29 @@ models::InputSpec input_spec(const data::Dataset& d) {
 }
 
 namespace {
+
+std::string net_namespace(const std::string& pid) {
+  char buf[128] = {0};
+  const ssize_t n = ::readlink(("/proc/" + pid + "/ns/net").c_str(), buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
+}
+
+// Testing aid (train.testing_die_with_host): SIGKILLs every other process
+// of this network namespace, a virtual host of the tests.
+void kill_this_host() {
+  const std::string mine = net_namespace("self");
+  if (mine.empty() || mine == net_namespace("1"))
+    throw InvalidInput("train.testing_die_with_host needs a network namespace of its own (a virtual host)");
+  DIR* d = ::opendir("/proc");
+  if (!d) return;
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(name));
+    if (pid != ::getpid() && net_namespace(name) == mine) ::kill(pid, SIGKILL);
+  }
+  ::closedir(d);
+}
 
 // Failures of a peer, after which an elastic group re-forms.
 bool recoverable(const Error& e) {
@@ -242,11 +266,13 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
       }
       rule_->state_replaced();
       flat_->buffers_to_flat();
-      log_warn(std::string(e.what()) + "; falling back to the newest checkpoint" +
-               (state_.step >= 0 ? " (step " + std::to_string(state_.step) + " here): steps " +
-                                       std::to_string(state_.step + 1) + " to " + std::to_string(lost) +
-                                       " are trained again"
-                                 : " (none in this run directory: another member's is taken)"));
+      std::string what = " (none in this run directory: another member's is taken)";
+      if (state_.step >= 0)
+        what = " (step " + std::to_string(state_.step) + " here): " +
+               (state_.step >= lost ? std::string("no step is lost")
+                                    : "steps " + std::to_string(state_.step + 1) + " to " + std::to_string(lost) +
+                                          " are trained again");
+      log_warn(std::string(e.what()) + "; falling back to the newest checkpoint" + what);
       why = std::string("optimizer state lost at step ") + std::to_string(lost) +
             ": fell back to the newest checkpoint";
     }
@@ -323,6 +349,7 @@ bool Trainer::train_step(Run& r) {
     std::fprintf(stderr, "testing: rank %d dies starting step %ld\n", rank_, static_cast<long>(state_.step + 1));
     std::fflush(stderr);
     if (r.t.die_without_home) rule_->testing_drop_kept_state();
+    if (r.t.die_with_host) kill_this_host();
     ::kill(::getpid(), SIGKILL);
   }
   r.batch = r.loader->next();
@@ -486,6 +513,7 @@ void Trainer::after_epoch_and_step(Run& r) {
     if (t.checkpoint_every_epochs > 0 && done % t.checkpoint_every_epochs == 0) {
       gather_state(r, "checkpoint", writer_ && !checkpoint_path_.empty());
       checkpoint("epoch " + std::to_string(done));
+      rule_->release_state(optimizer(), state_.step);
     }
     r.window.reset();  // exclude eval/checkpoint time from throughput
   }
@@ -497,6 +525,7 @@ void Trainer::after_epoch_and_step(Run& r) {
   if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0) {
     gather_state(r, "checkpoint", writer_ && !checkpoint_path_.empty());
     checkpoint("step " + std::to_string(state_.step));
+    rule_->release_state(optimizer(), state_.step);
   }
   if (r.elastic && rank0_ && (state_.step % 10 == 0 || last_in_epoch))
     membership_->publish_progress(r.epoch_now(state_.cursor));

@@ -67,6 +67,9 @@ struct TrainOptions {
   int64_t die_at_step = 0;
   int die_rank = 1;
   bool die_without_home = false;  // ... and first removes its shard homes (both copies lost)
+  // ... and first SIGKILLs every other process of its network namespace,
+  // its launcher and the host's other workers: a whole (virtual) host lost.
+  bool die_with_host = false;
   // Testing aid: the member that writes the run directory SIGKILLs itself
   // at this point of the job's ending: "last_step" (the last step's update
   // done, before it commits), "done" (training completed), "eval" (the

@@ -102,6 +102,10 @@ class UpdateRule {
   // for a checkpoint (its writer) or a membership change (everyone); the
   // next update shards it again. No-op by default.
   virtual void gather_state(optim::Optimizer& opt, int64_t step, bool here) {}
+  // After a checkpoint was written from a gathered state: `opt` holds this
+  // member's shard again (the whole stays only where a membership change
+  // needs it). No-op by default.
+  virtual void release_state(optim::Optimizer& opt, int64_t step) {}
   // The trainer replaced the weights and state (a checkpoint loaded after
   // the state was lost): what the rule knew of them no longer holds.
   virtual void state_replaced() {}
