@@ -158,6 +158,8 @@ TEST(Cli, BadInputGivesAClearErrorAndExitCode2) {
       {{"train", "--run-dir", d.file("r3"), "--resume", "--set", "data.dataset=synthetic"},
        {"--resume", "no checkpoint"}},
       {{"eval", "--checkpoint", d.file("missing.pt")}, {"missing.pt", "does not exist"}},
+      {{"launch", "--nproc", "2", "--max-workers", "4", "--start-workers", "5", "--run-dir", d.file("r4")},
+       {"--start-workers 5", "--max-workers 4"}},
   };
   for (const auto& c : cases) {
     auto r = run_limbo(c.args);
