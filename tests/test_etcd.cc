@@ -4,6 +4,8 @@
 // only etcd does: endpoints that fail over, fenced writes, leases, and
 // etcd's own security (user/password, TLS with client certificates).
 #include <gtest/gtest.h>
+
+#include <map>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -28,6 +30,7 @@
 #include "test_util.h"
 
 using limbo::comm::EtcdOptions;
+using limbo::comm::KvChanges;
 using limbo::comm::KvStore;
 using limbo::testing::EtcdCluster;
 using limbo::testing::TempDir;
@@ -141,6 +144,54 @@ TEST_P(Rendezvous, CompareSetFollowsC10dsRule) {
   EXPECT_EQ(s->compare_set("k", "first", "third"), "third");
   EXPECT_EQ(s->compare_set("gone", "x", "y"), "x");        // missing, expected given: expected, not created
   EXPECT_FALSE(s->try_get("gone").has_value());
+  s->set("empty", "");
+  EXPECT_EQ(s->compare_set("empty", "", "filled"), "filled");  // holds "", the expected value
+}
+
+// A reader that applies changes_since() to what it knew sees what list()
+// sees, after writes, erasures and nothing; the embedded store answers
+// with the changed keys only (etcd, for now, with the prefixes whole).
+TEST_P(Rendezvous, ChangesSinceKeepAReaderInStepAndTheEmbeddedStoreSendsOnlyTheChanges) {
+  auto s = connect();
+  const std::vector<std::string> prefixes = {"join/", "hb/"};
+  std::map<std::string, std::string> view;
+  int64_t rev = 0;
+  KvChanges last;
+  auto read = [&] {
+    last = s->changes_since(prefixes, rev);
+    if (last.full) view.clear();
+    for (const auto& [k, v] : last.written) view[k] = v;
+    for (const auto& k : last.erased) view.erase(k);
+    rev = last.revision;
+    std::map<std::string, std::string> listed;
+    for (const auto& p : prefixes)
+      for (const auto& [k, v] : s->list(p)) listed[k] = v;
+    EXPECT_EQ(view, listed);
+  };
+  for (int i = 0; i < 5; ++i) s->set("hb/" + std::to_string(i), "1");
+  s->set("join/1", "");
+  s->set("other/1", "x");
+  read();
+  EXPECT_TRUE(last.full);
+  s->set("hb/3", "2");
+  s->set("hb/4", "2");
+  s->set("hb/3", "3");
+  EXPECT_TRUE(s->erase("hb/0"));
+  s->set("other/2", "y");
+  read();
+  if (GetParam() == "embedded") {
+    EXPECT_FALSE(last.full);
+    EXPECT_EQ(last.written, (std::vector<std::pair<std::string, std::string>>{{"hb/4", "2"}, {"hb/3", "3"}}));
+    EXPECT_EQ(last.erased, (std::vector<std::string>{"hb/0"}));
+  }
+  read();  // nothing changed
+  if (GetParam() == "embedded") {
+    EXPECT_FALSE(last.full);
+    EXPECT_TRUE(last.written.empty() && last.erased.empty());
+  }
+  s->add("join/2", 1);
+  EXPECT_EQ(s->compare_set("join/1", "", "z"), "z");
+  read();
 }
 
 TEST_P(Rendezvous, WaitForWakesWhenTheKeyIsWrittenAndTimesOutOtherwise) {

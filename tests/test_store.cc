@@ -4,13 +4,16 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 #include <arpa/inet.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "comm/store.h"
 #include "common/error.h"
@@ -65,6 +68,26 @@ TEST(Store, OperationsFollowTheirContracts) {
   const std::string big(3 << 20, 'b');  // larger than one socket buffer
   c.set("big", big);
   EXPECT_EQ(c.get("big", 5s), big);
+}
+
+// The connection cap follows the descriptor limit (raised to its hard
+// value), not a fixed 4,096: 5,000 clients connect, write and read at
+// once (10,000 descriptors in this process, both ends).
+TEST(Store, ServesAsManyConnectionsAsTheDescriptorLimitAllows) {
+  StoreServer server("127.0.0.1", 0);
+  EXPECT_EQ(server.max_connections(), connections_allowed());
+  rlimit r{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &r), 0);
+  EXPECT_EQ(r.rlim_cur, r.rlim_max) << "the soft limit was not raised";
+  if (r.rlim_cur < 11000) GTEST_SKIP() << "the descriptor limit (" << r.rlim_cur << ") holds fewer than 11,000";
+  EXPECT_GT(server.max_connections(), 10000u);
+  std::vector<std::unique_ptr<StoreClient>> clients;
+  for (int i = 0; i < 5000; ++i) {
+    clients.push_back(std::make_unique<StoreClient>("127.0.0.1", server.port(), 10s));
+    clients.back()->set("c/" + std::to_string(i), "1");
+  }
+  EXPECT_EQ(clients.front()->list("c/").size(), 5000u);
+  EXPECT_EQ(*clients.back()->try_get("c/0"), "1");
 }
 
 TEST(Store, GetAndWaitBlockUntilAnotherClientSetsTheKeys) {

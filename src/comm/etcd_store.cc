@@ -159,6 +159,14 @@ class EtcdKvStore : public KvStore {
     if (c_.txn(when, {{prefix_ + key, desired}})) return desired;
     check_fence();
     auto kv = c_.get(prefix_ + key);
+    if (expected.empty() && kv && kv->value.empty()) {
+      // c10d's rule: a key that holds "" holds the expected value too.
+      std::vector<EtcdClient::Compare> again = {{EtcdClient::Compare::Value, prefix_ + key, "", 0}};
+      if (fence_) again.push_back(fence_cond());
+      if (c_.txn(again, {{prefix_ + key, desired}})) return desired;
+      check_fence();
+      kv = c_.get(prefix_ + key);
+    }
     return kv ? kv->value : expected;
   }
   bool erase(const std::string& key) override { return c_.erase(prefix_ + key) > 0; }

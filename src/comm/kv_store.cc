@@ -24,6 +24,9 @@ class TcpKvStore : public KvStore {
     return client_.compare_set(key, expected, desired);
   }
   bool erase(const std::string& key) override { return client_.erase(key); }
+  KvChanges changes_since(const std::vector<std::string>& prefixes, int64_t since) override {
+    return client_.changes_since(prefixes, since);
+  }
   std::string describe() const override { return client_.address(); }
 
  private:
@@ -37,9 +40,33 @@ std::unique_ptr<KvStore> connect_kv_store(const std::string& host, int port,
   return std::make_unique<TcpKvStore>(host, port, timeout, token);
 }
 
+KvChanges KvStore::changes_since(const std::vector<std::string>& prefixes, int64_t) {
+  KvChanges c;
+  for (const auto& p : prefixes)
+    for (auto& kv : list(p)) c.written.push_back(std::move(kv));
+  return c;
+}
+
+void Revisions::bump(const std::string& key) {
+  auto [it, fresh] = of_key_.emplace(key, 0);
+  if (!fresh) by_revision_.erase(it->second);
+  it->second = ++revision_;
+  by_revision_.emplace(revision_, key);
+}
+
+KvChanges MemoryKvStore::changes_since(const std::vector<std::string>& prefixes, int64_t since) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return revisions_.since(
+      prefixes, since, [&](const std::string& k) { return kv_.count(k) > 0; },
+      [&](const std::string& k) { return kv_.at(k); });
+}
+
+void MemoryKvStore::bump(const std::string& key) { revisions_.bump(key); }
+
 void MemoryKvStore::set(const std::string& key, const std::string& value) {
   std::lock_guard<std::mutex> lock(mu_);
   kv_[key] = value;
+  bump(key);
   cv_.notify_all();
 }
 
@@ -70,17 +97,23 @@ std::string MemoryKvStore::compare_set(const std::string& key, const std::string
   if (it == kv_.end()) {
     if (!expected.empty()) return expected;
     kv_[key] = desired;
+    bump(key);
     cv_.notify_all();
     return desired;
   }
-  if (it->second == expected) it->second = desired;
+  if (it->second == expected) {
+    it->second = desired;
+    bump(key);
+  }
   cv_.notify_all();
   return it->second;
 }
 
 bool MemoryKvStore::erase(const std::string& key) {
   std::lock_guard<std::mutex> lock(mu_);
-  return kv_.erase(key) > 0;
+  if (kv_.erase(key) == 0) return false;
+  bump(key);
+  return true;
 }
 
 int64_t MemoryKvStore::add(const std::string& key, int64_t delta) {
@@ -88,6 +121,7 @@ int64_t MemoryKvStore::add(const std::string& key, int64_t delta) {
   int64_t v = kv_.count(key) ? std::stoll(kv_[key]) : 0;
   v += delta;
   kv_[key] = std::to_string(v);
+  bump(key);
   cv_.notify_all();
   return v;
 }

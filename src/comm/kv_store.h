@@ -20,6 +20,16 @@
 
 namespace limbo::comm {
 
+// What changed in a store since a revision (KvStore::changes_since).
+struct KvChanges {
+  int64_t revision = 0;  // to pass to the next call
+  // `written` is everything under the prefixes (what was known before is
+  // to be forgotten): the first call, or a store that cannot tell changes.
+  bool full = true;
+  std::vector<std::pair<std::string, std::string>> written;  // keys written since, with their values
+  std::vector<std::string> erased;                           // keys erased since
+};
+
 class KvStore {
  public:
   virtual ~KvStore() = default;
@@ -44,8 +54,44 @@ class KvStore {
   virtual int64_t ticket(const std::string& key) { return add(key, 1); }
   // Deletes `key`; false when it did not exist.
   virtual bool erase(const std::string& key) = 0;
+  // The keys under any of `prefixes` written or erased since `since` (a
+  // revision an earlier call returned; 0 = everything), so a reader that
+  // polls pays for what changed, not for every key. The default lists the
+  // prefixes whole (full = true).
+  virtual KvChanges changes_since(const std::vector<std::string>& prefixes, int64_t since);
   // Where the store is, for messages ("HOST:PORT", "etcd://...").
   virtual std::string describe() const { return "the rendezvous store"; }
+};
+
+// Which key was written or erased last at which revision: the index behind
+// changes_since() in the embedded store and MemoryKvStore. One entry per
+// key ever written (an erased key stays as a tombstone).
+class Revisions {
+ public:
+  void bump(const std::string& key);
+  int64_t revision() const { return revision_; }
+  // The changes since `since` under any of `prefixes`, `exists(key)` telling
+  // written from erased keys and `value(key)` the value of a written one.
+  template <typename Exists, typename Value>
+  KvChanges since(const std::vector<std::string>& prefixes, int64_t since, Exists exists, Value value) const {
+    KvChanges c;
+    c.revision = revision_;
+    c.full = since <= 0 || since > revision_;
+    for (auto it = by_revision_.upper_bound(c.full ? 0 : since); it != by_revision_.end(); ++it) {
+      const std::string& k = it->second;
+      bool under = false;
+      for (const auto& p : prefixes) under = under || k.compare(0, p.size(), p) == 0;
+      if (!under) continue;
+      if (exists(k)) c.written.emplace_back(k, value(k));
+      else if (!c.full) c.erased.push_back(k);
+    }
+    return c;
+  }
+
+ private:
+  int64_t revision_ = 0;
+  std::map<std::string, int64_t> of_key_;
+  std::map<int64_t, std::string> by_revision_;
 };
 
 // Connects a client to the rendezvous store at host:port (with the job
@@ -63,11 +109,14 @@ class MemoryKvStore : public KvStore {
   std::vector<std::pair<std::string, std::string>> list(const std::string& prefix) override;
   std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override;
   bool erase(const std::string& key) override;
+  KvChanges changes_since(const std::vector<std::string>& prefixes, int64_t since) override;
 
  private:
+  void bump(const std::string& key);  // under mu_
   std::mutex mu_;
   std::condition_variable cv_;
   std::map<std::string, std::string> kv_;
+  Revisions revisions_;
 };
 
 }  // namespace limbo::comm

@@ -23,7 +23,8 @@
 //
 // The server's thread cannot be stalled by one client: pipelined requests
 // are parsed in linear time and served without recursion, parked requests
-// are woken through an index of the keys they wait for, connections beyond
+// are woken through an index of the keys they wait for, a turn of its loop
+// (epoll) costs what is ready, not the number of connections, connections beyond
 // StoreServerOptions::max_connections are closed at once, and when the
 // process runs out of descriptors accepting pauses instead of spinning.
 #pragma once
@@ -37,13 +38,21 @@
 #include <string>
 #include <vector>
 
+#include "comm/kv_store.h"
+
 namespace limbo::comm {
 
 struct StoreServerOptions {
   std::string token;              // the job secret; empty = no handshake check
-  size_t max_connections = 4096;  // more are closed as soon as they arrive
+  // More are closed as soon as they arrive; 0 = connections_allowed().
+  size_t max_connections = 0;
   std::chrono::milliseconds handshake_timeout{1000};
 };
+
+// The connections a store in this process can hold: the descriptor limit
+// (RLIMIT_NOFILE, whose soft value this raises to the hard one) less room
+// for the process's other descriptors.
+size_t connections_allowed();
 
 class StoreServer {
  public:
@@ -54,6 +63,7 @@ class StoreServer {
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
   int port() const;
+  size_t max_connections() const;
 
  private:
   struct Impl;
@@ -89,6 +99,8 @@ class StoreClient {
   bool erase(const std::string& key);
   // Every key starting with `prefix` and its value, in key order.
   std::vector<std::pair<std::string, std::string>> list(const std::string& prefix);
+  // KvStore::changes_since, answered from the server's revision index.
+  KvChanges changes_since(const std::vector<std::string>& prefixes, int64_t since);
   bool check(const std::vector<std::string>& keys);
   int64_t num_keys();
   // Waits until every key exists (at most `timeout`, else Timeout).

@@ -262,6 +262,32 @@ std::vector<std::pair<std::string, std::string>> StoreClient::list(const std::st
   return out;
 }
 
+// Answer: revision, full (0/1), the count of written keys, the written
+// keys and values, then the erased keys.
+KvChanges StoreClient::changes_since(const std::vector<std::string>& prefixes, int64_t since) {
+  std::vector<std::string> req{std::to_string(since)};
+  req.insert(req.end(), prefixes.begin(), prefixes.end());
+  const std::string packed = call(kChanges, req, timeout_).second;
+  std::vector<std::string> f;
+  KvChanges c;
+  size_t written = 0;
+  bool ok = parse_fields(packed.data(), packed.size(), &f) && f.size() >= 3;
+  try {
+    if (ok) {
+      c.revision = std::stoll(f[0]);
+      c.full = f[1] == "1";
+      written = static_cast<size_t>(std::stoll(f[2]));
+      ok = 3 + 2 * written <= f.size();
+    }
+  } catch (const std::exception&) {
+    ok = false;
+  }
+  if (!ok) throw PeerFailure("rendezvous store at " + address_ + ": a malformed answer of changes");
+  for (size_t i = 0; i < written; ++i) c.written.emplace_back(std::move(f[3 + 2 * i]), std::move(f[4 + 2 * i]));
+  for (size_t i = 3 + 2 * written; i < f.size(); ++i) c.erased.push_back(std::move(f[i]));
+  return c;
+}
+
 int64_t StoreClient::num_keys() { return std::stoll(call(kNumKeys, {}, timeout_).second); }
 
 void StoreClient::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {

@@ -6,7 +6,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -79,14 +80,18 @@ struct StoreServer::Impl {
     SteadyClock::time_point auth_deadline = SteadyClock::time_point::max();
     std::string peer;
     bool closing = false;
+    uint32_t events = 0;  // registered with epoll
   };
 
   StoreServerOptions opt;
   int listen_fd = -1;
+  int ep = -1;  // epoll: the listening socket, the wake pipe, every connection
+  bool accepting = true;
   int wake[2] = {-1, -1};
   int port = 0;
   std::atomic<bool> stop{false};
   std::map<std::string, std::string> kv;
+  Revisions revisions;  // for changes_since
   std::map<int, Conn> conns;
   // Parked connections by a key they still wait for; a write of that key
   // wakes only them (not every parked connection).
@@ -94,52 +99,100 @@ struct StoreServer::Impl {
   std::vector<int> woken;      // connections whose key was written
   std::vector<int> to_serve;   // connections with requests left to parse
   std::vector<int> busy;       // connections whose turn ended with requests left
+  std::vector<int> touched;    // connections whose epoll events may have to change
+  std::vector<int> closing_fds;
+  // Parked waits' and handshakes' deadlines, earliest first (an entry may
+  // outlive its reason: expire() checks the connection).
+  std::set<std::pair<SteadyClock::time_point, int>> deadlines;
   SteadyClock::time_point accept_paused_until{};
   ThrottledLog over_cap_log{"rendezvous store: "}, emfile_log{"rendezvous store: "},
       auth_log{"rendezvous store: "};
   std::thread thread;
 
+  // One turn: wait for events (epoll: a turn costs what is ready, not the
+  // number of connections), serve them, expire deadlines, close, and
+  // update the events of the connections this turn touched.
   void run() {
-    std::vector<pollfd> fds;
+    std::vector<epoll_event> evs(1024);
     while (!stop) {
       const auto now = SteadyClock::now();
-      const bool accepting = now >= accept_paused_until;
-      fds.clear();
-      fds.push_back({accepting ? listen_fd : -1, POLLIN, 0});
-      fds.push_back({wake[0], POLLIN, 0});
-      for (auto& [fd, c] : conns)
-        fds.push_back({fd, static_cast<short>((wants_input(c) ? POLLIN : 0) | POLLRDHUP |
-                                              (c.out_sent < c.out.size() ? POLLOUT : 0)), 0});
+      if (!accepting && now >= accept_paused_until) set_accepting(true);
       to_serve.swap(busy);  // their next turn
       busy.clear();
-      if (::poll(fds.data(), fds.size(), to_serve.empty() ? poll_timeout_ms(now) : 0) < 0) {
+      const int n = ::epoll_wait(ep, evs.data(), static_cast<int>(evs.size()), to_serve.empty() ? timeout_ms(now) : 0);
+      if (n < 0) {
         if (errno == EINTR) continue;
-        log_warn(std::string("rendezvous store: poll failed: ") + std::strerror(errno));
+        log_warn(std::string("rendezvous store: epoll_wait failed: ") + std::strerror(errno));
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
         continue;
       }
       if (stop) break;
-      if (fds[0].revents & POLLIN) accept_all();
-      for (size_t i = 2; i < fds.size(); ++i) {
-        auto it = conns.find(fds[i].fd);
-        if (it == conns.end()) continue;
+      for (int i = 0; i < n; ++i) {
+        const int fd = evs[i].data.fd;
+        const uint32_t e = evs[i].events;
+        if (fd == listen_fd) {
+          accept_all();
+          continue;
+        }
+        if (fd == wake[0]) continue;
+        auto it = conns.find(fd);
+        if (it == conns.end() || it->second.closing) continue;
         Conn& c = it->second;
-        if (fds[i].revents & POLLIN) read_from(fds[i].fd, c);
-        else if (fds[i].revents & (POLLERR | POLLHUP | POLLNVAL | POLLRDHUP)) c.closing = true;
-        if (!c.closing && (fds[i].revents & POLLOUT)) flush(fds[i].fd, c);
+        if (e & EPOLLIN) read_from(fd, c);
+        else if (e & (EPOLLERR | EPOLLHUP | EPOLLRDHUP)) close_later(fd, c);
+        if (!c.closing && (e & EPOLLOUT)) flush(fd, c);
+        touched.push_back(fd);
       }
       expire(SteadyClock::now());
       drain();
-      for (auto it = conns.begin(); it != conns.end();) {
-        if (it->second.closing) {
-          unindex(it->first, it->second);
-          ::close(it->first);
-          it = conns.erase(it);
-        } else {
-          ++it;
-        }
+      for (int fd : closing_fds) {
+        auto it = conns.find(fd);
+        if (it == conns.end()) continue;
+        unindex(fd, it->second);
+        forget_deadlines(fd, it->second);
+        ::epoll_ctl(ep, EPOLL_CTL_DEL, fd, nullptr);
+        ::close(fd);
+        conns.erase(it);
       }
+      closing_fds.clear();
+      for (int fd : touched) {
+        auto it = conns.find(fd);
+        if (it != conns.end()) sync_events(fd, it->second);
+      }
+      touched.clear();
     }
+  }
+
+  void close_later(int fd, Conn& c) {
+    if (c.closing) return;
+    c.closing = true;
+    closing_fds.push_back(fd);
+  }
+
+  static uint32_t desired_events(const Conn& c) {
+    return (wants_input(c) ? EPOLLIN : 0u) | EPOLLRDHUP | (c.out_sent < c.out.size() ? EPOLLOUT : 0u);
+  }
+
+  void sync_events(int fd, Conn& c) {
+    const uint32_t want = desired_events(c);
+    if (want == c.events) return;
+    epoll_event ev{};
+    ev.events = want;
+    ev.data.fd = fd;
+    if (::epoll_ctl(ep, EPOLL_CTL_MOD, fd, &ev) == 0) c.events = want;
+  }
+
+  void set_accepting(bool on) {
+    epoll_event ev{};
+    ev.events = on ? EPOLLIN : 0u;
+    ev.data.fd = listen_fd;
+    ::epoll_ctl(ep, EPOLL_CTL_MOD, listen_fd, &ev);
+    accepting = on;
+  }
+
+  void forget_deadlines(int fd, const Conn& c) {
+    deadlines.erase({c.parked_until, fd});
+    deadlines.erase({c.auth_deadline, fd});
   }
 
   // Reads only while the connection has no backlog of complete requests
@@ -164,20 +217,24 @@ struct StoreServer::Impl {
   // not evicted, only sockets that stay silent. False when none is that old.
   bool evict_oldest_handshake() {
     Conn* oldest = nullptr;
+    int oldest_fd = -1;
     for (auto& [fd, c] : conns)
-      if (!c.authed && !c.closing && (!oldest || c.auth_deadline < oldest->auth_deadline)) oldest = &c;
+      if (!c.authed && !c.closing && (!oldest || c.auth_deadline < oldest->auth_deadline)) {
+        oldest = &c;
+        oldest_fd = fd;
+      }
     const auto accepted_at = oldest ? oldest->auth_deadline - opt.handshake_timeout : SteadyClock::time_point{};
     if (!oldest || SteadyClock::now() - accepted_at < kMinEvictAge) return false;
     over_cap_log.warn("closed the connection from " + oldest->peer + " (the longest in its handshake): " +
                       std::to_string(kMaxPendingHandshakes) + " connections are in their handshake");
-    oldest->closing = true;
+    close_later(oldest_fd, *oldest);
     return true;
   }
 
-  int poll_timeout_ms(SteadyClock::time_point now) const {
+  int timeout_ms(SteadyClock::time_point now) const {
     auto next = SteadyClock::time_point::max();
-    if (now < accept_paused_until) next = accept_paused_until;
-    for (const auto& [fd, c] : conns) next = std::min({next, c.parked_until, c.auth_deadline});
+    if (!accepting) next = accept_paused_until;
+    if (!deadlines.empty()) next = std::min(next, deadlines.begin()->first);
     if (next == SteadyClock::time_point::max()) return -1;
     return ms_until(next) + 1;
   }
@@ -190,6 +247,7 @@ struct StoreServer::Impl {
           // The connection stays queued and the listening socket readable:
           // stop polling it for a while instead of spinning on it.
           accept_paused_until = SteadyClock::now() + std::chrono::milliseconds(100);
+          set_accepting(false);
           emfile_log.warn(std::string("cannot accept connections: ") + std::strerror(errno) +
                           "; pausing accepts for 100 ms");
         }
@@ -207,12 +265,22 @@ struct StoreServer::Impl {
         ::close(fd);
         continue;
       }
+      epoll_event ev{};
+      ev.events = EPOLLIN | EPOLLRDHUP;
+      ev.data.fd = fd;
+      if (::epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        over_cap_log.warn("closed a connection from " + peer_name(fd) + ": epoll: " + std::strerror(errno));
+        ::close(fd);
+        continue;
+      }
       set_nodelay(fd);
       Conn& c = conns[fd];
+      c.events = ev.events;
       c.peer = peer_name(fd);
       if (!opt.token.empty()) {
         c.nonce = random_bytes(32);
         c.auth_deadline = SteadyClock::now() + opt.handshake_timeout;
+        deadlines.insert({c.auth_deadline, fd});
       } else {
         c.authed = true;
       }
@@ -230,17 +298,17 @@ struct StoreServer::Impl {
         const size_t pending = c.in.size() - c.in_off;
         if (!c.authed && pending > kMaxHandshake) {
           auth_log.warn("refused " + c.peer + ": " + std::to_string(pending) + " bytes before the handshake");
-          c.closing = true;
+          close_later(fd, c);
           return;
         }
         if (pending > 2 * kMaxFrame) {  // requests behind a parked one, without end
-          c.closing = true;
+          close_later(fd, c);
           return;
         }
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
-      if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) c.closing = true;
+      if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) close_later(fd, c);
       break;
     }
     serve(fd, c);
@@ -250,6 +318,7 @@ struct StoreServer::Impl {
   // request holds back the ones behind it). Never recurses: writes that
   // wake parked requests queue them for drain().
   void serve(int fd, Conn& c) {
+    touched.push_back(fd);
     for (int served = 0; !c.closing && !c.parked && c.in.size() - c.in_off >= 4; ++served) {
       if (served == kServeBudget) {
         busy.push_back(fd);
@@ -260,7 +329,7 @@ struct StoreServer::Impl {
       if (len == 0 || len > kMaxFrame || (!c.authed && len > kMaxHandshake)) {
         auth_log.warn("closed the connection from " + c.peer + ": it sent a request of " + std::to_string(len) +
                       " bytes");
-        c.closing = true;
+        close_later(fd, c);
         return;
       }
       if (c.in.size() - c.in_off < 4 + len) break;  // the rest is still in transit (or its sender is stopped)
@@ -294,15 +363,17 @@ struct StoreServer::Impl {
                     (op != kAuth || f.size() != 2 ? std::string("no handshake (garbage or an old client)")
                                                   : std::string("wrong job secret")));
       answer(fd, c, kDenied, {"this store needs the job's secret (--token-file / LIMBO_JOB_TOKEN)"});
-      c.closing = true;
+      close_later(fd, c);
       return;
     }
     c.authed = true;
+    deadlines.erase({c.auth_deadline, fd});
     c.auth_deadline = SteadyClock::time_point::max();
     answer(fd, c, kOk, {server_proof(opt.token, c.nonce, f[0])});
   }
 
   void wrote(const std::string& key) {
+    revisions.bump(key);
     auto it = waiters.find(key);
     if (it == waiters.end()) return;
     woken.insert(woken.end(), it->second.begin(), it->second.end());
@@ -347,6 +418,7 @@ struct StoreServer::Impl {
         c.parked_op = op;
         c.parked_keys = std::move(f);
         c.parked_until = until;
+        if (until != SteadyClock::time_point::max()) deadlines.insert({until, fd});
         try_unpark(fd, c);
         return;
       }
@@ -381,7 +453,9 @@ struct StoreServer::Impl {
       }
       case kErase: {
         if (!need(1)) return;
-        answer(fd, c, kOk, {kv.erase(f[0]) ? "1" : "0"});
+        const bool erased = kv.erase(f[0]) > 0;
+        if (erased) revisions.bump(f[0]);
+        answer(fd, c, kOk, {erased ? "1" : "0"});
         return;
       }
       case kCheck: {
@@ -404,6 +478,33 @@ struct StoreServer::Impl {
         }
         return answer(fd, c, kOk, {out});
       }
+      case kChanges: {  // since, prefixes...
+        if (f.empty()) return answer(fd, c, kBad, {"wrong number of fields"});
+        int64_t since = 0;
+        try {
+          since = std::stoll(f[0]);
+        } catch (const std::exception&) {
+          return answer(fd, c, kBad, {"bad revision '" + f[0] + "'"});
+        }
+        const auto ch = revisions.since(
+            std::vector<std::string>(f.begin() + 1, f.end()), since,
+            [&](const std::string& k) { return kv.count(k) > 0; }, [&](const std::string& k) { return kv.at(k); });
+        std::vector<std::string> head = {std::to_string(ch.revision), ch.full ? "1" : "0",
+                                         std::to_string(ch.written.size())};
+        std::string out;
+        auto put = [&](const std::string& x) {
+          put_u32(out, static_cast<uint32_t>(x.size()));
+          out += x;
+        };
+        for (const auto& h : head) put(h);
+        for (const auto& [k, v] : ch.written) {
+          put(k);
+          put(v);
+        }
+        for (const auto& k : ch.erased) put(k);
+        if (out.size() > kMaxFrame / 2) return answer(fd, c, kBad, {"the changes exceed one answer"});
+        return answer(fd, c, kOk, {out});
+      }
       default:
         return answer(fd, c, kBad, {"unknown op " + std::to_string(op)});
     }
@@ -419,6 +520,7 @@ struct StoreServer::Impl {
         return;
       }
     c.parked = false;
+    deadlines.erase({c.parked_until, fd});
     c.parked_until = SteadyClock::time_point::max();
     if (c.parked_op == kGet) answer(fd, c, kOk, {kv[c.parked_keys[0]]});
     else answer(fd, c, kOk, {});
@@ -438,7 +540,12 @@ struct StoreServer::Impl {
   // Parked waits past their deadline answer "missing"; connections that
   // did not pass the handshake in time are closed.
   void expire(SteadyClock::time_point now) {
-    for (auto& [fd, c] : conns) {
+    while (!deadlines.empty() && deadlines.begin()->first <= now) {
+      const int fd = deadlines.begin()->second;
+      deadlines.erase(deadlines.begin());
+      auto it = conns.find(fd);
+      if (it == conns.end() || it->second.closing) continue;
+      Conn& c = it->second;
       if (c.parked && now >= c.parked_until) {
         unindex(fd, c);
         c.parked = false;
@@ -450,7 +557,7 @@ struct StoreServer::Impl {
       if (!c.authed && now >= c.auth_deadline) {
         auth_log.warn("closed the connection from " + c.peer + ": no handshake within " +
                       std::to_string(opt.handshake_timeout.count()) + " ms");
-        c.closing = true;
+        close_later(fd, c);
       }
     }
   }
@@ -479,9 +586,10 @@ struct StoreServer::Impl {
 
   void answer(int fd, Conn& c, uint8_t status, const std::vector<std::string>& fields) {
     c.out += frame(status, fields);
+    touched.push_back(fd);
     if (c.out.size() - c.out_sent > kMaxOut) {
       log_warn("rendezvous store: closed a connection that does not read its answers");
-      c.closing = true;
+      close_later(fd, c);
       return;
     }
     flush(fd, c);
@@ -496,7 +604,7 @@ struct StoreServer::Impl {
       }
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-      c.closing = true;
+      close_later(fd, c);
       return;
     }
     if (c.out_sent == c.out.size()) {
@@ -512,7 +620,7 @@ struct StoreServer::Impl {
 StoreServer::StoreServer(const std::string& host, int port, StoreServerOptions opt)
     : impl_(std::make_unique<Impl>()) {
   impl_->opt = std::move(opt);
-  if (impl_->opt.max_connections < 1) throw InvalidInput("rendezvous store: max_connections must be >= 1");
+  if (impl_->opt.max_connections == 0) impl_->opt.max_connections = connections_allowed();
   addrinfo* res = resolve(host, port, true);
   if (!res) throw InvalidInput("cannot resolve the rendezvous address '" + host + "'");
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -535,6 +643,20 @@ StoreServer::StoreServer(const std::string& host, int port, StoreServerOptions o
     ::close(fd);
     throw Error(std::string("rendezvous store: pipe: ") + std::strerror(errno));
   }
+  impl_->ep = ::epoll_create1(EPOLL_CLOEXEC);
+  if (impl_->ep < 0) {
+    const int e = errno;
+    ::close(fd);
+    ::close(impl_->wake[0]);
+    ::close(impl_->wake[1]);
+    throw Error(std::string("rendezvous store: epoll: ") + std::strerror(e));
+  }
+  for (int watched : {fd, impl_->wake[0]}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = watched;
+    ::epoll_ctl(impl_->ep, EPOLL_CTL_ADD, watched, &ev);
+  }
   impl_->thread = std::thread([i = impl_.get()] { i->run(); });
 }
 
@@ -545,10 +667,28 @@ StoreServer::~StoreServer() {
   impl_->thread.join();
   for (auto& [fd, c] : impl_->conns) ::close(fd);
   ::close(impl_->listen_fd);
+  ::close(impl_->ep);
   ::close(impl_->wake[0]);
   ::close(impl_->wake[1]);
 }
 
 int StoreServer::port() const { return impl_->port; }
+
+size_t StoreServer::max_connections() const { return impl_->opt.max_connections; }
+
+size_t connections_allowed() {
+  rlimit r{};
+  if (::getrlimit(RLIMIT_NOFILE, &r) != 0) return 4096;
+  if (r.rlim_cur < r.rlim_max) {  // the soft limit up to the hard one
+    rlimit raised = r;
+    raised.rlim_cur = r.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) r = raised;
+  }
+  // Room for the process's other descriptors (its workers' pipes, the
+  // status page, logs, Gloo): 256, or an eighth of a small limit.
+  const rlim_t n = r.rlim_cur == RLIM_INFINITY ? rlim_t{1} << 20 : r.rlim_cur;
+  const rlim_t reserve = std::min<rlim_t>(256, n / 8);
+  return static_cast<size_t>(std::max<rlim_t>(1, n - reserve));
+}
 
 }  // namespace limbo::comm

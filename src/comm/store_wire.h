@@ -18,7 +18,7 @@ namespace limbo::comm::store_wire {
 // Request op codes, shared by the server and the client.
 using Code = uint8_t;
 constexpr Code kSet = 1, kGet = 2, kTryGet = 3, kAdd = 4, kCompareSet = 5, kErase = 6, kCheck = 7,
-             kNumKeys = 8, kWait = 9, kWaitFor = 10, kAuth = 11, kList = 12;
+             kNumKeys = 8, kWait = 9, kWaitFor = 10, kAuth = 11, kList = 12, kChanges = 13;
 // Answer status codes; kHello opens every connection (comm/auth.h).
 constexpr uint8_t kOk = 0, kMissing = 1, kBad = 2, kDenied = 3, kHello = 4;
 constexpr const char* kProtocol = "limbo-store/2";

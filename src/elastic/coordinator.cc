@@ -55,20 +55,51 @@ void Coordinator::resume() {
   resumed_ = current_.number > 0;
 }
 
-// The ids under `prefix` ("elastic/hb/" -> {id: value}).
-std::map<int64_t, std::string> Coordinator::ids_under(const std::string& prefix) {
-  std::map<int64_t, std::string> out;
-  for (auto& [key, value] : store_->list(prefix)) {
-    try {
-      size_t used = 0;
-      const std::string tail = key.substr(prefix.size());
-      const int64_t id = std::stoll(tail, &used);
-      if (used == tail.size()) out[id] = std::move(value);
-    } catch (const std::exception&) {
-      // not a member's key (e.g. a Gloo key under a round's prefix)
-    }
+namespace {
+// What a poll reads: who joined, left, died (marked by a launcher), and
+// each member's heartbeat counter.
+const std::vector<std::string> kMemberPrefixes = {"elastic/join/", "elastic/left/", "elastic/dead/", "elastic/hb/"};
+}  // namespace
+
+// The member keys that changed since the last poll (over the embedded
+// store: only those; over a store that cannot tell, all of them).
+void Coordinator::read_members() {
+  auto ch = store_->changes_since(kMemberPrefixes, revision_);
+  if (ch.full) {
+    joined_.clear();
+    left_keys_.clear();
+    dead_keys_.clear();
+    beat_value_.clear();
   }
-  return out;
+  for (const auto& [key, value] : ch.written) note_key(key, &value);
+  for (const auto& key : ch.erased) note_key(key, nullptr);
+  revision_ = ch.revision;
+}
+
+// One member key written (value) or erased (nullptr).
+void Coordinator::note_key(const std::string& key, const std::string* value) {
+  for (size_t kind = 0; kind < kMemberPrefixes.size(); ++kind) {
+    const std::string& prefix = kMemberPrefixes[kind];
+    if (key.compare(0, prefix.size(), prefix) != 0) continue;
+    const std::string tail = key.substr(prefix.size());
+    if (tail.empty() || tail.size() > 18 || tail.find_first_not_of("0123456789") != std::string::npos)
+      return;  // not a member's key
+    const int64_t id = std::stoll(tail);
+    if (kind == 3) {
+      int64_t beat = 0;
+      try {
+        if (value) beat = std::stoll(*value);
+      } catch (const std::exception&) {
+      }
+      if (value) beat_value_[id] = beat;
+      else beat_value_.erase(id);
+      return;
+    }
+    std::set<int64_t>& ids = kind == 0 ? joined_ : kind == 1 ? left_keys_ : dead_keys_;
+    if (value) ids.insert(id);
+    else ids.erase(id);
+    return;
+  }
 }
 
 // The coordinator is the log's only writer and numbers it itself: a store
@@ -91,51 +122,41 @@ Coordinator::Result Coordinator::poll() {
   }
 }
 
-Coordinator::Result Coordinator::poll_once() {
-  const auto now = clock_();
-  Result r;
-  // Four reads, however many members: who joined, left, died, and beat.
-  const auto joined = ids_under("elastic/join/");
-  const auto left_keys = ids_under("elastic/left/");
-  const auto dead_keys = ids_under("elastic/dead/");
-  const auto beats = ids_under("elastic/hb/");
-  // Silence is measured only over time this coordinator could see the
-  // store: after polls that failed for a while (the store out of reach)
-  // every member starts a fresh timeout, so an outage of the store is not
-  // taken for the loss of every member.
-  //
-  // The same holds when the store takes no writes while it still answers
-  // reads (an etcd cluster whose leader was stopped, until it elects
-  // another): then no member's heartbeat advances. Silence counts only while
-  // some member's heartbeat advances (within half a timeout); when beats
-  // come again after everyone was quiet that long, every member starts a
-  // fresh timeout.
-  std::map<int64_t, int64_t> beat_of;
+// Who is alive at `now`: joined, not left, not marked dead, and its
+// heartbeat changed within the timeout.
+//
+// Silence is measured only over time this coordinator could see the
+// store: after polls that failed for a while (the store out of reach)
+// every member starts a fresh timeout, so an outage of the store is not
+// taken for the loss of every member.
+//
+// The same holds when the store takes no writes while it still answers
+// reads (an etcd cluster whose leader was stopped, until it elects
+// another): then no member's heartbeat advances. Silence counts only while
+// some member's heartbeat advances (within half a timeout); when beats
+// come again after everyone was quiet that long, every member starts a
+// fresh timeout.
+Coordinator::Liveness Coordinator::liveness(Time now) {
+  Liveness l;
+  auto beat_of = [&](int64_t id) {
+    auto it = beat_value_.find(id);
+    return it == beat_value_.end() ? int64_t{0} : it->second;
+  };
   bool advanced = false;
-  for (const auto& [id, unused] : joined) {
-    auto hb = beats.find(id);
-    int64_t beat = 0;
-    try {
-      beat = hb == beats.end() ? 0 : std::stoll(hb->second);
-    } catch (const std::exception&) {
-    }
-    beat_of[id] = beat;
+  for (int64_t id : joined_) {
     auto it = heartbeats_.find(id);
-    advanced = advanced || (it != heartbeats_.end() && it->second.first != beat);
+    advanced = advanced || (it != heartbeats_.end() && it->second.first != beat_of(id));
   }
-  const bool everyone_quiet =
-      last_any_beat_ != std::chrono::steady_clock::time_point{} && now - last_any_beat_ > opt_.heartbeat_timeout / 2;
+  const bool everyone_quiet = last_any_beat_ != Time{} && now - last_any_beat_ > opt_.heartbeat_timeout / 2;
   const bool gap = (failed_ && now - last_poll_ > opt_.heartbeat_timeout / 2) || (advanced && everyone_quiet);
-  if (advanced || last_any_beat_ == std::chrono::steady_clock::time_point{}) last_any_beat_ = now;
-  std::vector<int64_t> alive;
-  std::set<int64_t> left;
-  for (const auto& [id, unused] : joined) {
-    if (dead_.count(id) || dead_keys.count(id)) continue;
-    if (left_keys.count(id)) {
-      left.insert(id);
+  if (advanced || last_any_beat_ == Time{}) last_any_beat_ = now;
+  for (int64_t id : joined_) {
+    if (dead_.count(id) || dead_keys_.count(id)) continue;
+    if (left_keys_.count(id)) {
+      l.left.insert(id);
       continue;
     }
-    const int64_t beat = beat_of[id];
+    const int64_t beat = beat_of(id);
     auto it = heartbeats_.find(id);
     if (it != heartbeats_.end() && it->second.first != beat) beat_since_resume_.insert(id);
     if (it == heartbeats_.end() || it->second.first != beat || gap) {
@@ -143,84 +164,101 @@ Coordinator::Result Coordinator::poll_once() {
     } else if (now - it->second.second > opt_.heartbeat_timeout && !everyone_quiet) {
       continue;  // silent for too long (crashed, stopped or cut off) while others beat
     }
-    alive.push_back(id);
+    l.alive.push_back(id);
   }
-  failed_ = false;
-  last_poll_ = now;
-  if (resumed_ && resumed_at_ == std::chrono::steady_clock::time_point{}) resumed_at_ = now;
-  r.alive = static_cast<int>(alive.size());
+  return l;
+}
 
-  // A member of the current round that went silent without leaving may
-  // still hold its connections open (a stopped process): the others would
-  // wait in their collective until its timeout. Tell them to abort it.
+// A member of the current round that went silent without leaving may
+// still hold its connections open (a stopped process): the others would
+// wait in their collective until its timeout. Tell them to abort it.
+void Coordinator::abort_silent(const Liveness& l, Result& r) {
   std::vector<int64_t> silent;
   for (auto id : current_.members)
-    if (!left.count(id) && !std::binary_search(alive.begin(), alive.end(), id)) silent.push_back(id);
-  if (!silent.empty() && aborted_round_ < current_.number) {
-    // Written before it is remembered: a store error here is retried by
-    // the next poll.
-    store_->set("elastic/abort", std::to_string(current_.number));
-    publish_event("abort " + std::to_string(current_.number));
-    aborted_round_ = current_.number;
-    r.aborted = silent;
-  }
-  if (static_cast<int>(alive.size()) > opt_.max_workers) alive.resize(opt_.max_workers);
+    if (!l.left.count(id) && !std::binary_search(l.alive.begin(), l.alive.end(), id)) silent.push_back(id);
+  if (silent.empty() || aborted_round_ >= current_.number) return;
+  // Written before it is remembered: a store error here is retried by the
+  // next poll.
+  store_->set("elastic/abort", std::to_string(current_.number));
+  publish_event("abort " + std::to_string(current_.number));
+  aborted_round_ = current_.number;
+  r.aborted = silent;
+}
 
+// Too few members for a round (the first one waits for initial_workers):
+// true, with the time below the minimum noted in `r`.
+bool Coordinator::below_minimum(size_t alive, Time now, Result& r) {
+  const int needed = current_.number == 0 ? std::max(opt_.min_workers, opt_.initial_workers) : opt_.min_workers;
+  if (static_cast<int>(alive) >= needed) {
+    below_ = false;
+    return false;
+  }
+  if (!below_) {
+    below_ = true;
+    below_since_ = now;
+    r.fell_below = true;
+  }
+  r.below_minimum_timed_out = now - below_since_ > opt_.rendezvous_timeout;
+  return true;
+}
+
+// Taken over from a lost coordinator: until every member of the current
+// round has beaten once or a heartbeat timeout has passed, who is alive is
+// not known yet; a round written now could list members lost with the old
+// coordinator's host, and fail.
+bool Coordinator::settling(const std::vector<int64_t>& alive, Time now) {
+  if (!resumed_) return false;
+  bool all_beat = true;
+  for (auto id : current_.members)  // (one that left or died is known)
+    all_beat = all_beat && (beat_since_resume_.count(id) || !std::binary_search(alive.begin(), alive.end(), id));
+  if (!all_beat && now - resumed_at_ <= opt_.heartbeat_timeout) return true;
+  resumed_ = false;
+  return false;
+}
+
+// The next round: `alive`, with the reason (who joined, left, was lost).
+void Coordinator::write_round(const Liveness& l, Result& r) {
+  std::vector<int64_t> added, removed;
+  std::set_difference(l.alive.begin(), l.alive.end(), current_.members.begin(), current_.members.end(),
+                      std::back_inserter(added));
+  std::set_difference(current_.members.begin(), current_.members.end(), l.alive.begin(), l.alive.end(),
+                      std::back_inserter(removed));
+  std::vector<int64_t> gone, lost;
+  for (auto id : removed) (l.left.count(id) ? gone : lost).push_back(id);
+  r.lost = lost;
+  for (auto id : lost)
+    if (dead_.count(id)) r.crashed.push_back(id);
+  if (!added.empty()) r.reason += "joined " + format_members(added);
+  if (!gone.empty()) r.reason += std::string(r.reason.empty() ? "" : "; ") + "left " + format_members(gone);
+  if (!lost.empty()) r.reason += std::string(r.reason.empty() ? "" : "; ") + "lost " + format_members(lost);
+  if (r.reason.empty()) r.reason = "requested by a member";
+  const int64_t next = current_.number + 1;
+  store_->set("elastic/round/" + std::to_string(next), format_members(l.alive));
+  store_->set("elastic/round", std::to_string(next));
+  publish_event("round " + std::to_string(next));
+  current_.number = next;  // only once every key is written (a store error: the next poll writes it again)
+  current_.members = l.alive;
+  r.new_round = true;
+}
+
+Coordinator::Result Coordinator::poll_once() {
+  const auto now = clock_();
+  Result r;
+  read_members();
+  Liveness l = liveness(now);
+  failed_ = false;
+  last_poll_ = now;
+  if (resumed_ && resumed_at_ == Time{}) resumed_at_ = now;
+  r.alive = static_cast<int>(l.alive.size());
+  abort_silent(l, r);
+  if (static_cast<int>(l.alive.size()) > opt_.max_workers) l.alive.resize(opt_.max_workers);
   // A member that failed in (or wants to leave) the current round asks for
   // the next one; requests about older rounds are already answered.
   const bool asked = current_.number > 0 &&
                      store_->try_get("elastic/want/" + std::to_string(current_.number)).has_value();
-  const bool differs = alive != current_.members;
-  const int needed = current_.number == 0 ? std::max(opt_.min_workers, opt_.initial_workers)
-                                          : opt_.min_workers;
-  if (static_cast<int>(alive.size()) < needed) {
-    if (!below_) {
-      below_ = true;
-      below_since_ = now;
-      r.fell_below = true;
-    }
-    r.below_minimum_timed_out = now - below_since_ > opt_.rendezvous_timeout;
-    r.round = current_;
-    return r;
-  }
-  below_ = false;
-  // Taken over from a lost coordinator: until every member of the current
-  // round has beaten once or a heartbeat timeout has passed, who is alive
-  // is not known yet; a round written now could list members lost with
-  // the old coordinator's host, and fail.
-  if (resumed_) {
-    bool all_beat = true;
-    for (auto id : current_.members)  // (one that left or died is known)
-      all_beat = all_beat && (beat_since_resume_.count(id) || !std::binary_search(alive.begin(), alive.end(), id));
-    if (!all_beat && now - resumed_at_ <= opt_.heartbeat_timeout) {
-      r.round = current_;
-      return r;
-    }
-    resumed_ = false;
-  }
-  if (differs || asked) {
-    std::vector<int64_t> added, removed;
-    std::set_difference(alive.begin(), alive.end(), current_.members.begin(),
-                        current_.members.end(), std::back_inserter(added));
-    std::set_difference(current_.members.begin(), current_.members.end(), alive.begin(),
-                        alive.end(), std::back_inserter(removed));
-    std::vector<int64_t> gone, lost;
-    for (auto id : removed) (left.count(id) ? gone : lost).push_back(id);
-    r.lost = lost;
-    for (auto id : lost)
-      if (dead_.count(id)) r.crashed.push_back(id);
-    if (!added.empty()) r.reason += "joined " + format_members(added);
-    if (!gone.empty()) r.reason += std::string(r.reason.empty() ? "" : "; ") + "left " + format_members(gone);
-    if (!lost.empty()) r.reason += std::string(r.reason.empty() ? "" : "; ") + "lost " + format_members(lost);
-    if (r.reason.empty()) r.reason = "requested by a member";
-    const int64_t next = current_.number + 1;
-    store_->set("elastic/round/" + std::to_string(next), format_members(alive));
-    store_->set("elastic/round", std::to_string(next));
-    publish_event("round " + std::to_string(next));
-    current_.number = next;  // only once every key is written (a store error: the next poll writes it again)
-    current_.members = alive;
-    r.new_round = true;
-  }
+  r.round = current_;
+  if (below_minimum(l.alive.size(), now, r) || settling(l.alive, now)) return r;
+  if (l.alive != current_.members || asked) write_round(l, r);
   r.round = current_;
   return r;
 }

@@ -81,14 +81,30 @@ class Coordinator {
   const Round& current() const { return current_; }
 
  private:
+  using Time = std::chrono::steady_clock::time_point;
+  struct Liveness {
+    std::vector<int64_t> alive;  // sorted
+    std::set<int64_t> left;
+  };
   void resume();
   Result poll_once();
-  std::map<int64_t, std::string> ids_under(const std::string& prefix);
+  void read_members();
+  void note_key(const std::string& key, const std::string* value);
+  Liveness liveness(Time now);
+  void abort_silent(const Liveness& l, Result& r);
+  bool below_minimum(size_t alive, Time now, Result& r);
+  bool settling(const std::vector<int64_t>& alive, Time now);
+  void write_round(const Liveness& l, Result& r);
   void publish_event(const std::string& what);
   std::shared_ptr<comm::KvStore> store_;
   CoordinatorOptions opt_;
   Clock clock_;
   Round current_;
+  // The member keys as the last poll left them (read_members), and the
+  // store revision they are at.
+  int64_t revision_ = 0;
+  std::set<int64_t> joined_, left_keys_, dead_keys_;
+  std::map<int64_t, int64_t> beat_value_;
   std::map<int64_t, std::pair<int64_t, std::chrono::steady_clock::time_point>> heartbeats_;
   std::set<int64_t> dead_;
   int64_t aborted_round_ = 0;
