@@ -5,7 +5,9 @@
 // (`left/<id>`), are marked dead by their launcher when their process
 // exits (`dead/<id>`), and
 // may ask for a new round (`want/<k>`: a member of round k failed or wants a
-// change). poll() looks at the store and writes
+// change). poll() reads what changed under those keys since its last poll
+// (KvStore::changes_since: over the embedded store only the changed keys)
+// and writes
 // a new round `round/<k>` (sorted member ids) and `round` = k when the alive
 // set differs from the current round's members or a member asked. Alive = the
 // heartbeat changed within heartbeat_timeout (measured on the coordinator's
