@@ -1,8 +1,10 @@
 // Coordination at scale: the membership coordinator (elastic/coordinator.h)
 // against 10, 100 and 1,000 synthetic members, on the embedded store and on
 // etcd, side by side. The members are real elastic::Member objects (their
-// heartbeat and watch threads, their store connections); only training is
-// left out. For each store and member count it measures:
+// heartbeat and watch threads, their store connections), in synthetic
+// hosts of --per-host members whose heartbeat tables are relayed to the
+// coordinator's listener as a launcher relays them (elastic/beats.h); only
+// training is left out. For each store and member count it measures:
 //   * load: rendezvous calls per second from all clients, the coordinator's
 //     poll time and CPU, and (etcd) the etcd server's CPU;
 //   * loss to round: a member stops (its threads end, as in a crash) until
@@ -12,7 +14,7 @@
 // say where one machine saturates, not a cluster's limit.
 //
 // usage: limbo_bench_coordination [--members 10,100,1000] [--store both|embedded|etcd]
-//        [--losses 3] [--window 3] [--heartbeat-timeout 0.4] [--etcd-data DIR] [--json FILE]
+//        [--losses 3] [--window 3] [--per-host 8] [--heartbeat-timeout 0.4] [--etcd-data DIR] [--json FILE]
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -142,7 +144,7 @@ struct Row {
 
 void write_json(const std::string& out, const std::vector<Row>& rows);
 
-Row run(const std::string& store, int n, int losses, double window, std::chrono::milliseconds hb,
+Row run(const std::string& store, int n, int per_host, int losses, double window, std::chrono::milliseconds hb,
         std::function<std::shared_ptr<comm::KvStore>(std::chrono::milliseconds)> connect, pid_t server_pid) {
   Row row;
   row.store = store;
@@ -154,7 +156,9 @@ Row run(const std::string& store, int n, int losses, double window, std::chrono:
   co.initial_workers = n;
   co.min_workers = 1;
   co.heartbeat_timeout = hb;
-  elastic::Coordinator coord(count(hb), co);
+  elastic::BeatListener listener("127.0.0.1", "127.0.0.1", "");
+  co.beat_address = listener.address();
+  elastic::Coordinator coord(count(hb), co, listener.table());
 
   std::mutex mu;
   elastic::Round latest;
@@ -183,6 +187,18 @@ Row run(const std::string& store, int n, int losses, double window, std::chrono:
   });
 
   auto shared = count(std::chrono::seconds(30));
+  // Synthetic hosts of `per_host` members, each with its heartbeat table and
+  // the relay its launcher would run (elastic/beats.h).
+  const int hosts = (n + per_host - 1) / per_host;
+  std::vector<std::shared_ptr<elastic::LocalBeats>> tables(hosts);
+  std::vector<std::unique_ptr<elastic::BeatSender>> relays(hosts);
+  for (int h = 0; h < hosts; ++h) {
+    tables[h] = elastic::LocalBeats::in_process();
+    elastic::BeatSenderOptions bo;
+    bo.interval = std::max(std::chrono::milliseconds(10), hb / 4);
+    bo.connect = [&, hb] { return count(std::max(hb, std::chrono::milliseconds(1000))); };
+    relays[h] = std::make_unique<elastic::BeatSender>(tables[h], bo);
+  }
   // Members start concurrently, as a job's workers do (16 at a time).
   std::vector<std::unique_ptr<elastic::Member>> members(n);
   const auto t_join = Clock::now();
@@ -197,6 +213,8 @@ Row run(const std::string& store, int n, int losses, double window, std::chrono:
         };
         mo.watch_wait = store == "etcd" ? std::chrono::milliseconds(1000) : std::chrono::milliseconds(200);
         if (store == "etcd") mo.cut_off_after = std::chrono::seconds(10);
+        mo.beats = tables[i / per_host];
+        mo.beat_slot = i % per_host;
         members[i] = std::make_unique<elastic::Member>(shared, mo);
         if (++made % 100 == 0)
           std::fprintf(stderr, "%s: %d of %d members registered (%.1f s)\n", store.c_str(), made.load(), n,
@@ -279,6 +297,7 @@ Row run(const std::string& store, int n, int losses, double window, std::chrono:
   coordinator.join();
   row.coord_cpu = coord_cpu / seconds(t_cpu - t_join);
   members.clear();
+  relays.clear();
   return row;
 }
 
@@ -287,8 +306,9 @@ Row run(const std::string& store, int n, int losses, double window, std::chrono:
 int main(int argc, char** argv) {
   bench::BenchArgs args(argc, argv,
                         "[--members 10,100,1000] [--store both|embedded|etcd] [--losses 3] [--window 3] "
-                        "[--heartbeat-timeout 0.4] [--etcd-data DIR] [--json FILE]",
-                        {"--members", "--store", "--losses", "--window", "--heartbeat-timeout", "--etcd-data", "--json"});
+                        "[--per-host 8] [--heartbeat-timeout 0.4] [--etcd-data DIR] [--json FILE]",
+                        {"--members", "--store", "--losses", "--per-host", "--window", "--heartbeat-timeout", "--etcd-data",
+                         "--json"});
   std::vector<int> sizes;
   for (double m : args.numbers("--members", {10, 100, 1000})) sizes.push_back(static_cast<int>(m));
   const std::string which = args.text("--store", "both");
@@ -297,6 +317,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int losses = static_cast<int>(args.integer("--losses", 3));
+  const int per_host = static_cast<int>(args.integer("--per-host", 8));
+  if (per_host < 1 || per_host > elastic::LocalBeats::kSlots) {
+    std::fprintf(stderr, "--per-host must be 1 to %d\n", elastic::LocalBeats::kSlots);
+    return 2;
+  }
   const double window = args.number("--window", 3);
   const auto hb = std::chrono::milliseconds(static_cast<int64_t>(1000 * args.number("--heartbeat-timeout", 0.4)));
   set_log_level(LogLevel::Warn);
@@ -321,7 +346,7 @@ int main(int argc, char** argv) {
     if (which == "both" || which == "embedded") {
       comm::StoreServer server("127.0.0.1", 0);
       const int port = server.port();
-      rows.push_back(run("embedded", n, losses, window, hb,
+      rows.push_back(run("embedded", n, per_host, losses, window, hb,
                          [port](std::chrono::milliseconds t) { return comm::connect_kv_store("127.0.0.1", port, t); }, -1));
       print(rows.back());
     }
@@ -337,7 +362,7 @@ int main(int argc, char** argv) {
           std::this_thread::sleep_for(std::chrono::milliseconds(100));
         }
       }
-      rows.push_back(run("etcd", n, losses, window, hb,
+      rows.push_back(run("etcd", n, per_host, losses, window, hb,
                          [o](std::chrono::milliseconds t) { return comm::connect_etcd(o, t); }, etcd.pid));
       print(rows.back());
     }

@@ -41,20 +41,23 @@ struct Fixture {
   std::chrono::steady_clock::time_point now{};
   CoordinatorOptions opt;
   std::unique_ptr<Coordinator> coord;
+  std::shared_ptr<BeatTable> beats = std::make_shared<BeatTable>();
+  std::map<int64_t, int64_t> counters;
   explicit Fixture(int initial = 0, int min = 1) {
     opt.initial_workers = initial;
     opt.min_workers = min;
     opt.heartbeat_timeout = std::chrono::seconds(3);
     opt.rendezvous_timeout = std::chrono::seconds(10);
-    coord = std::make_unique<Coordinator>(kv, opt, [this] { return now; });
+    coord = std::make_unique<Coordinator>(kv, opt, beats, [this] { return now; });
   }
   int64_t join() {
     int64_t id = kv->add("elastic/next_id", 1);
-    kv->add("elastic/hb/" + std::to_string(id), 1);
+    beat(id);
     kv->set("elastic/join/" + std::to_string(id), "1");
     return id;
   }
-  void beat(int64_t id) { kv->add("elastic/hb/" + std::to_string(id), 1); }
+  // A beat made now (its age, on the real clock, is about zero).
+  void beat(int64_t id) { beats->note(id, ++counters[id], std::chrono::steady_clock::now()); }
   void advance(double s) { now += std::chrono::milliseconds(static_cast<int64_t>(s * 1000)); }
 };
 
@@ -153,7 +156,7 @@ TEST(Coordinator, AStoreErrorWhileWritingARoundIsRetriedWhole) {
   opt.initial_workers = 2;
   opt.heartbeat_timeout = std::chrono::seconds(3);
   std::chrono::steady_clock::time_point now{};
-  Coordinator coord(kv, opt, [&] { return now; });
+  Coordinator coord(kv, opt, std::make_shared<BeatTable>(), [&] { return now; });
   for (int i = 1; i <= 2; ++i) {
     kv->add("elastic/next_id", 1);
     kv->set("elastic/join/" + std::to_string(i), "1");
@@ -195,13 +198,13 @@ TEST(Coordinator, ATakeOverFinishesARoundItsPredecessorLeftHalfWritten) {
   // The old coordinator's next round got as far as its member list.
   f.kv->set("elastic/round/2", std::to_string(a) + "," + std::to_string(b));
   f.coord.reset();
-  Coordinator next(f.kv, f.opt, [&f] { return f.now; });
+  Coordinator next(f.kv, f.opt, f.beats, [&f] { return f.now; });
   EXPECT_EQ(next.current().number, 2);
   EXPECT_EQ(f.kv->try_get("elastic/round"), "2");
   EXPECT_EQ(f.kv->try_get("elastic/event/" + std::to_string(events + 1)), "round 2");
   EXPECT_EQ(f.kv->try_get("elastic/events"), std::to_string(events + 1));
   // A coordinator taking over a finished round writes nothing new.
-  Coordinator again(f.kv, f.opt, [&f] { return f.now; });
+  Coordinator again(f.kv, f.opt, f.beats, [&f] { return f.now; });
   EXPECT_EQ(again.current().number, 2);
   EXPECT_EQ(f.kv->try_get("elastic/events"), std::to_string(events + 1));
   EXPECT_FALSE(f.kv->try_get("elastic/event/" + std::to_string(events + 2)).has_value());

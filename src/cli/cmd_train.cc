@@ -145,6 +145,19 @@ int run_train(const TrainArgs& a) {
       kv = comm::connect_kv_store(go.store_host, go.store_port, go.timeout, go.token);
     }
     mo.group = go;
+    // The launcher's heartbeat table and this worker's slot in it.
+    if (const char* slot = std::getenv("LIMBO_BEAT_SLOT")) {
+      const std::string v = slot;
+      const auto colon = v.rfind(':');
+      try {
+        if (colon == std::string::npos) throw Error("not NAME:SLOT");
+        mo.beats = elastic::LocalBeats::open(v.substr(0, colon));
+        mo.beat_slot = std::stoi(v.substr(colon + 1));
+      } catch (const std::exception& e) {
+        log_warn("LIMBO_BEAT_SLOT='" + v + "' is not usable (" + e.what() + "); this worker sends its own heartbeats");
+        mo.beats.reset();
+      }
+    }
     auto member = std::make_unique<elastic::Member>(std::move(kv), mo);
     if (reduce_options.shard_state) reduce_options.home_prefix = "/limbo-zero-" + member->job_tag() + "-";
     auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.optimizer_step(), trainer.params(),

@@ -15,9 +15,26 @@
 
 namespace limbo {
 
-pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, int parent_death_signal) {
+pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, int parent_death_signal,
+                    const std::vector<std::string>& env) {
   std::vector<std::string> all = {exe};
   all.insert(all.end(), args.begin(), args.end());
+  // The child's environment, built before fork (nothing allocates after it).
+  std::vector<std::string> vars;
+  for (char** e = environ; *e; ++e) {
+    const std::string v = *e;
+    const auto eq = v.find('=');
+    bool replaced = false;
+    for (const auto& x : env) replaced = replaced || x.compare(0, x.find('=') + 1, v, 0, eq + 1) == 0;
+    if (!replaced) vars.push_back(v);
+  }
+  vars.insert(vars.end(), env.begin(), env.end());
+  std::vector<char*> envp;
+  for (auto& v : vars) envp.push_back(v.data());
+  envp.push_back(nullptr);
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
   const pid_t parent = ::getpid();
   pid_t pid = ::fork();
   if (pid < 0) throw Error("fork failed: " + std::string(std::strerror(errno)));
@@ -26,10 +43,7 @@ pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args
       ::prctl(PR_SET_PDEATHSIG, parent_death_signal);
       if (::getppid() != parent) ::raise(parent_death_signal);  // the parent died before prctl
     }
-    std::vector<char*> argv;
-    for (auto& a : all) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execv(exe.c_str(), argv.data());
+    ::execve(exe.c_str(), argv.data(), envp.data());
     std::fprintf(stderr, "launch: cannot exec %s: %s\n", exe.c_str(), std::strerror(errno));
     ::_exit(127);
   }
@@ -72,8 +86,8 @@ Supervisor::~Supervisor() {
 }
 
 pid_t Supervisor::start(const std::string& exe, const std::vector<std::string>& args, const std::string& role,
-                        int index) {
-  const pid_t pid = spawn_program(exe, args, SIGTERM);
+                        int index, const std::vector<std::string>& env) {
+  const pid_t pid = spawn_program(exe, args, SIGTERM, env);
   children_[pid] = Child{role, index};
   return pid;
 }

@@ -16,8 +16,10 @@ namespace limbo {
 // Starts `exe` with arguments `args` (argv[0] is `exe`); returns its pid.
 // Throws limbo::Error when fork fails; a failed exec exits the child with 127.
 // With `parent_death_signal`, the child gets that signal when the parent
-// dies (PR_SET_PDEATHSIG), however it dies.
-pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, int parent_death_signal = 0);
+// dies (PR_SET_PDEATHSIG), however it dies. `env`: "NAME=VALUE" entries
+// added to (or replacing those of) this process's environment.
+pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, int parent_death_signal = 0,
+                    const std::vector<std::string>& env = {});
 
 // A waitpid() status as a shell would report it: the exit code, or 128 + signal.
 int exit_code_of(int status);
@@ -49,7 +51,8 @@ class Supervisor {
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
 
-  pid_t start(const std::string& exe, const std::vector<std::string>& args, const std::string& role, int index);
+  pid_t start(const std::string& exe, const std::vector<std::string>& args, const std::string& role, int index,
+              const std::vector<std::string>& env = {});
 
   // Reaps one exited child (of `only`, when given) without blocking; also
   // SIGKILLs children whose stop grace period has passed.

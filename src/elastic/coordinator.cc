@@ -19,11 +19,13 @@ std::vector<int64_t> parse_members(const std::string& s) {
   return out;
 }
 
-Coordinator::Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOptions opt, Clock clock)
-    : store_(std::move(store)), opt_(opt), clock_(std::move(clock)) {
+Coordinator::Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOptions opt,
+                         std::shared_ptr<BeatTable> beats, Clock clock)
+    : store_(std::move(store)), opt_(opt), beats_(std::move(beats)), clock_(std::move(clock)) {
   // Members beat four times per timeout (read once when they register).
   store_->set("elastic/heartbeat_interval_ms", std::to_string(std::max<int64_t>(10, opt_.heartbeat_timeout.count() / 4)));
   store_->set("elastic/heartbeat_timeout_ms", std::to_string(opt_.heartbeat_timeout.count()));
+  if (!opt_.beat_address.empty()) store_->set("elastic/beat_addr", opt_.beat_address);
   resume();
 }
 
@@ -56,9 +58,8 @@ void Coordinator::resume() {
 }
 
 namespace {
-// What a poll reads: who joined, left, died (marked by a launcher), and
-// each member's heartbeat counter.
-const std::vector<std::string> kMemberPrefixes = {"elastic/join/", "elastic/left/", "elastic/dead/", "elastic/hb/"};
+// What a poll reads: who joined, left, and died (marked by a launcher).
+const std::vector<std::string> kMemberPrefixes = {"elastic/join/", "elastic/left/", "elastic/dead/"};
 }  // namespace
 
 // The member keys that changed since the last poll (over the embedded
@@ -69,7 +70,6 @@ void Coordinator::read_members() {
     joined_.clear();
     left_keys_.clear();
     dead_keys_.clear();
-    beat_value_.clear();
   }
   for (const auto& [key, value] : ch.written) note_key(key, &value);
   for (const auto& key : ch.erased) note_key(key, nullptr);
@@ -85,16 +85,6 @@ void Coordinator::note_key(const std::string& key, const std::string* value) {
     if (tail.empty() || tail.size() > 18 || tail.find_first_not_of("0123456789") != std::string::npos)
       return;  // not a member's key
     const int64_t id = std::stoll(tail);
-    if (kind == 3) {
-      int64_t beat = 0;
-      try {
-        if (value) beat = std::stoll(*value);
-      } catch (const std::exception&) {
-      }
-      if (value) beat_value_[id] = beat;
-      else beat_value_.erase(id);
-      return;
-    }
     std::set<int64_t>& ids = kind == 0 ? joined_ : kind == 1 ? left_keys_ : dead_keys_;
     if (value) ids.insert(id);
     else ids.erase(id);
@@ -138,9 +128,19 @@ Coordinator::Result Coordinator::poll() {
 // fresh timeout.
 Coordinator::Liveness Coordinator::liveness(Time now) {
   Liveness l;
+  const auto seen = beats_->read();
+  const auto real_now = std::chrono::steady_clock::now();
   auto beat_of = [&](int64_t id) {
-    auto it = beat_value_.find(id);
-    return it == beat_value_.end() ? int64_t{0} : it->second;
+    auto it = seen.find(id);
+    return it == seen.end() ? int64_t{0} : it->second.counter;
+  };
+  // When member `id` made its last beat, on this coordinator's clock
+  // (`now`, less the beat's age).
+  auto made_at = [&](int64_t id) {
+    auto it = seen.find(id);
+    if (it == seen.end()) return now;
+    return now - std::max<std::chrono::steady_clock::duration>(std::chrono::steady_clock::duration::zero(),
+                                                               real_now - it->second.at);
   };
   bool advanced = false;
   for (int64_t id : joined_) {
@@ -159,9 +159,13 @@ Coordinator::Liveness Coordinator::liveness(Time now) {
     const int64_t beat = beat_of(id);
     auto it = heartbeats_.find(id);
     if (it != heartbeats_.end() && it->second.first != beat) beat_since_resume_.insert(id);
-    if (it == heartbeats_.end() || it->second.first != beat || gap) {
+    if (it == heartbeats_.end() || gap) {
       heartbeats_[id] = {beat, now};
-    } else if (now - it->second.second > opt_.heartbeat_timeout && !everyone_quiet) {
+    } else if (it->second.first != beat) {
+      it->second = {beat, std::max(it->second.second, made_at(id))};
+    }
+    if (now - heartbeats_[id].second > opt_.heartbeat_timeout && !everyone_quiet) {
+      l.silent.insert(id);
       continue;  // silent for too long (crashed, stopped or cut off) while others beat
     }
     l.alive.push_back(id);
@@ -183,6 +187,24 @@ void Coordinator::abort_silent(const Liveness& l, Result& r) {
   publish_event("abort " + std::to_string(current_.number));
   aborted_round_ = current_.number;
   r.aborted = silent;
+}
+
+// `silent/<id>` for each member found silent, erased when it beats again
+// (best effort: a store error leaves it for the next poll).
+void Coordinator::mark_silent(const Liveness& l) {
+  for (auto id : l.silent)
+    if (!marked_silent_.count(id)) {
+      store_->set("elastic/silent/" + std::to_string(id), "1");
+      marked_silent_.insert(id);
+    }
+  for (auto it = marked_silent_.begin(); it != marked_silent_.end();) {
+    if (l.silent.count(*it)) {
+      ++it;
+      continue;
+    }
+    store_->erase("elastic/silent/" + std::to_string(*it));
+    it = marked_silent_.erase(it);
+  }
 }
 
 // Too few members for a round (the first one waits for initial_workers):
@@ -251,6 +273,7 @@ Coordinator::Result Coordinator::poll_once() {
   if (resumed_ && resumed_at_ == Time{}) resumed_at_ = now;
   r.alive = static_cast<int>(l.alive.size());
   abort_silent(l, r);
+  mark_silent(l);
   if (static_cast<int>(l.alive.size()) > opt_.max_workers) l.alive.resize(opt_.max_workers);
   // A member that failed in (or wants to leave) the current round asks for
   // the next one; requests about older rounds are already answered.

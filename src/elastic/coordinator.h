@@ -1,21 +1,24 @@
 // The membership coordinator of an elastic job (a thread of the launcher).
 //
-// Workers register in the store (an id from `next_id`, a heartbeat counter
-// `hb/<id>` they bump every heartbeat interval, `join/<id>`), may leave
-// (`left/<id>`), are marked dead by their launcher when their process
-// exits (`dead/<id>`), and
-// may ask for a new round (`want/<k>`: a member of round k failed or wants a
-// change). poll() reads what changed under those keys since its last poll
-// (KvStore::changes_since: over the embedded store only the changed keys)
-// and writes
-// a new round `round/<k>` (sorted member ids) and `round` = k when the alive
-// set differs from the current round's members or a member asked. Alive = the
-// heartbeat changed within heartbeat_timeout (measured on the coordinator's
-// own clock, so worker clocks need not agree), not left, not marked dead.
-// When a member of the current round goes silent without leaving, poll()
-// sets `elastic/abort` = that round: members abort its collectives at once
-// (a stopped peer keeps its connections open, so they would otherwise wait
-// for the collective timeout). Members beat every heartbeat_timeout / 4
+// Workers register in the store (an id from `next_id`, `join/<id>`), beat
+// to the coordinator outside the store (elastic/beats.h: their launcher
+// relays them to a BeatListener, whose table this coordinator reads; the
+// listener's address is `elastic/beat_addr`, written by the constructor),
+// may leave (`left/<id>`), are marked dead by their launcher when their
+// process exits (`dead/<id>`), and may ask for a new round (`want/<k>`: a
+// member of round k failed or wants a change). poll() reads what changed
+// under the member keys since its last poll (KvStore::changes_since: over
+// the embedded store only the changed keys) and writes a new round
+// `round/<k>` (sorted member ids) and `round` = k when the alive set differs
+// from the current round's members or a member asked. Alive = joined, not
+// left, not marked dead, and beat within heartbeat_timeout (each beat dated
+// to when its worker made it, on the coordinator's own clock, so worker
+// clocks need not agree). A member found silent is marked `silent/<id>`
+// (erased when it beats again): members waiting for a final checkpoint
+// read it. When a member of the current round goes silent without leaving,
+// poll() sets `elastic/abort` = that round: members abort its collectives at
+// once (a stopped peer keeps its connections open, so they would otherwise
+// wait for the collective timeout). Members beat every heartbeat_timeout / 4
 // (`elastic/heartbeat_interval_ms`, written by the constructor).
 // Below min_workers no round is written; after rendezvous_timeout below the
 // minimum, poll() reports it so the launcher can stop the job.
@@ -40,6 +43,7 @@
 #include <vector>
 
 #include "comm/kv_store.h"
+#include "elastic/beats.h"
 
 namespace limbo::elastic {
 
@@ -49,6 +53,9 @@ struct CoordinatorOptions {
   int initial_workers = 0;  // the first round waits for this many (the launcher's nproc)
   std::chrono::milliseconds heartbeat_timeout{3000};
   std::chrono::milliseconds rendezvous_timeout{120000};
+  // Written to `elastic/beat_addr` (BeatListener::address()); empty: not
+  // written (the beats reach the table otherwise, as in tests).
+  std::string beat_address;
 };
 
 struct Round {
@@ -63,7 +70,8 @@ std::vector<int64_t> parse_members(const std::string& s);
 class Coordinator {
  public:
   using Clock = std::function<std::chrono::steady_clock::time_point()>;
-  Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOptions opt,
+  // `beats`: the members' heartbeats (a BeatListener's table).
+  Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOptions opt, std::shared_ptr<BeatTable> beats,
               Clock clock = [] { return std::chrono::steady_clock::now(); });
 
   struct Result {
@@ -87,6 +95,7 @@ class Coordinator {
   struct Liveness {
     std::vector<int64_t> alive;  // sorted
     std::set<int64_t> left;
+    std::set<int64_t> silent;  // joined, neither left nor dead, and not beating
   };
   void resume();
   Result poll_once();
@@ -94,6 +103,7 @@ class Coordinator {
   void note_key(const std::string& key, const std::string* value);
   Liveness liveness(Time now);
   void abort_silent(const Liveness& l, Result& r);
+  void mark_silent(const Liveness& l);
   bool below_minimum(size_t alive, Time now, Result& r);
   bool settling(const std::vector<int64_t>& alive, Time now);
   void write_round(const Liveness& l, Result& r);
@@ -106,8 +116,10 @@ class Coordinator {
   // store revision they are at.
   int64_t revision_ = 0;
   std::set<int64_t> joined_, left_keys_, dead_keys_;
-  std::map<int64_t, int64_t> beat_value_;
+  std::shared_ptr<BeatTable> beats_;
+  // Each member's last beat as this coordinator dated it: counter, time.
   std::map<int64_t, std::pair<int64_t, std::chrono::steady_clock::time_point>> heartbeats_;
+  std::set<int64_t> marked_silent_;  // `silent/<id>` written
   std::set<int64_t> dead_;
   int64_t aborted_round_ = 0;
   int64_t events_ = 0;  // the last event written

@@ -40,7 +40,8 @@ bool sets_threads(const std::vector<std::string>& args) {
   return false;
 }
 
-pid_t spawn_worker(Supervisor& sup, const LaunchOptions& opt, int rank, int threads, const std::string& rdzv) {
+pid_t spawn_worker(Supervisor& sup, const LaunchOptions& opt, int rank, int threads, const std::string& rdzv,
+                   const std::vector<std::string>& env) {
   std::vector<std::string> args = {"train"};
   if (threads > 0) args.insert(args.end(), {"--set", "train.threads=" + std::to_string(threads)});
   if (rank > 0) args.insert(args.end(), {"--set", "train.progress=false"});
@@ -49,7 +50,7 @@ pid_t spawn_worker(Supervisor& sup, const LaunchOptions& opt, int rank, int thre
   else
     args.insert(args.end(), {"--dist-rdzv", rdzv, "--dist-rank", std::to_string(rank),
                              "--dist-world", std::to_string(opt.nproc)});
-  const pid_t pid = sup.start(opt.self_exe, args, "worker", rank);
+  const pid_t pid = sup.start(opt.self_exe, args, "worker", rank, env);
   log_info("launch: worker rank " + std::to_string(rank) + " pid " + std::to_string(pid));
   return pid;
 }
@@ -178,7 +179,13 @@ class Job {
   std::shared_ptr<void> store_;
   std::shared_ptr<comm::KvStore> kv_;
   std::unique_ptr<Coordinator> coordinator_;
+  std::unique_ptr<BeatListener> listener_;  // the coordinator's: every host's heartbeats
   std::unique_ptr<Election> election_;
+  // This host's heartbeat table, each worker's slot in it, and the thread
+  // that relays it to the coordinator (elastic/beats.h).
+  std::shared_ptr<LocalBeats> beats_table_;
+  std::map<pid_t, int> slot_of_;
+  std::unique_ptr<BeatSender> relay_;
   std::unique_ptr<status::Server> page_;
   bool url_written_ = false;
   Phase phase_ = Phase::Starting;
@@ -195,7 +202,6 @@ class Job {
   // and when it changed, and whether the ending outlasted --finish-timeout.
   std::set<pid_t> finishers_;
   std::map<pid_t, std::pair<std::string, Clock::time_point>> beats_;
-  std::map<std::string, std::string> last_beats_;  // (keeper) every member's last heartbeat
   Clock::time_point last_beat_seen_{};
   bool finish_timed_out_ = false;
   std::filesystem::file_time_type started_ = std::filesystem::file_time_type::clock::now();
@@ -270,6 +276,16 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
       launcher_id_ = kv_->add("elastic/launchers", 1);
     }
   }
+  if (opt_.elastic) {
+    beats_table_ = LocalBeats::create();
+    BeatSenderOptions bo;
+    bo.interval = std::max(std::chrono::milliseconds(10), opt_.heartbeat_timeout / 4);
+    bo.token = opt_.token;
+    const auto t = opt_.heartbeat_timeout;
+    if (opt_.etcd) bo.connect = [e = *opt_.etcd, t] { return comm::connect_etcd(e, t); };
+    else bo.connect = [h = opt_.rdzv_host, p = port_, t, k = opt_.token] { return comm::connect_kv_store(h, p, t, k); };
+    relay_ = std::make_unique<BeatSender>(beats_table_, bo);
+  }
   if (opt_.elastic && hosting_) make_coordinator();
   // Every launcher of an elastic job serves the whole job's page: rank 0
   // publishes its metrics records in the rendezvous (a ring the launchers
@@ -295,7 +311,17 @@ void Job::make_coordinator() {
   if (election_)  // every write holds only while this launcher holds the election's key
     store = comm::connect_etcd(*opt_.etcd, opt_.heartbeat_timeout,
                                std::make_pair(std::string(Election::kKey), election_->fence_value()));
-  coordinator_ = std::make_unique<Coordinator>(store, co);
+  // The heartbeats come to this launcher: on the store's address when it
+  // hosts the store, else on its own address towards etcd.
+  std::string host = opt_.rdzv_host;
+  if (opt_.etcd) {
+    const auto& ep = opt_.etcd->endpoints.at(0);
+    host = comm::local_address_towards(ep.substr(0, ep.rfind(':')));
+  }
+  auto listener = std::make_unique<BeatListener>(host, host, opt_.token);
+  co.beat_address = listener->address();
+  coordinator_ = std::make_unique<Coordinator>(store, co, listener->table());
+  listener_ = std::move(listener);
 }
 
 void Job::elect() {
@@ -303,6 +329,7 @@ void Job::elect() {
   const bool lead = election_->leading();
   if (!lead && coordinator_) {
     coordinator_.reset();
+    listener_.reset();  // senders find the new coordinator's address
     log_warn("launch: stopped coordinating (another launcher took over)");
   }
   if (lead && !coordinator_ && phase_ != Phase::Completing) {
@@ -323,7 +350,11 @@ void Job::start_worker(int index, bool resume) {
   LaunchOptions o = opt_;
   if (resume && std::find(o.train_args.begin(), o.train_args.end(), "--resume") == o.train_args.end())
     o.train_args.push_back("--resume");
-  spawn_worker(sup_, o, index, threads_, rdzv_);
+  std::vector<std::string> env;
+  const int slot = beats_table_ ? beats_table_->acquire() : -1;
+  if (slot >= 0) env.push_back("LIMBO_BEAT_SLOT=" + beats_table_->name() + ":" + std::to_string(slot));
+  const pid_t pid = spawn_worker(sup_, o, index, threads_, rdzv_, env);
+  if (slot >= 0) slot_of_[pid] = slot;
 }
 
 int Job::run() {
@@ -385,6 +416,10 @@ void Job::on_signal(int sig) {
 void Job::on_exit(const Supervisor::Exit& ex) {
   const int code = ex.code();
   terminating_.erase(ex.pid);
+  if (auto it = slot_of_.find(ex.pid); it != slot_of_.end()) {
+    beats_table_->release(it->second);
+    slot_of_.erase(it);
+  }
   if (phase_ == Phase::Completing && !killed_after_done_.count(ex.pid)) finishers_.insert(ex.pid);
   // A worker that died while its group formed may leave a shared-memory
   // segment's name behind (comm/shm_group.h).
@@ -519,6 +554,7 @@ void Job::tick() {
     } catch (const comm::FencedOut& e) {
       election_->step_down(e.what());
       coordinator_.reset();
+      listener_.reset();
     } catch (const std::exception& e) {
       // A store call that timed out (a starved machine): the next poll, 20 ms
       // later, takes it up again; the coordinator commits nothing half-written.
@@ -578,15 +614,16 @@ void Job::complete_tick() {
     const std::string want = process_key(pid);
     int64_t id = 0;
     bool left = false;
-    std::string beat;
     const bool answered = with_store([&] {
       const std::string prefix = "elastic/host_pid/";
       for (const auto& [key, value] : kv_->list(prefix))
         if (value == want) id = std::strtoll(key.c_str() + prefix.size(), nullptr, 10);
       if (!id) return;
       left = kv_->try_get("elastic/left/" + std::to_string(id)).has_value();
-      beat = kv_->try_get("elastic/hb/" + std::to_string(id)).value_or("");
     });
+    // Its heartbeat, from this host's table.
+    const auto slot = slot_of_.find(pid);
+    const std::string beat = slot == slot_of_.end() ? "" : std::to_string(beats_table_->counter(slot->second));
     if (!answered && !store_gone) continue;
     if (left) {
       checked_after_done_.insert(pid);
@@ -644,15 +681,9 @@ bool Job::finished() {
     const int64_t n = kv_->add("elastic/launchers", 0);
     for (int64_t l = 1; l <= n && all; ++l)
       if (l != launcher_id_ && !kv_->try_get("elastic/launcher_done/" + std::to_string(l))) all = false;
-    if (all) return;
-    for (const auto& [key, value] : kv_->list("elastic/hb/")) {
-      auto it = last_beats_.find(key);
-      if (it == last_beats_.end() || it->second != value) {
-        last_beats_[key] = value;
-        last_beat_seen_ = Clock::now();
-      }
-    }
   });
+  // Any worker's heartbeat heard (the coordinator's listener, while it runs).
+  if (listener_) last_beat_seen_ = std::max(last_beat_seen_, listener_->table()->last_arrival());
   if (!answered) return seconds_since(last_contact_) > kAckGrace;
   return all || seconds_since(std::max(last_beat_seen_, done_at_)) > kAckGrace;
 }

@@ -37,7 +37,6 @@ std::string Member::job_tag() {
 Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
     : store_(std::move(store)), opt_(std::move(opt)) {
   id_ = store_->ticket("elastic/next_id");
-  store_->set("elastic/hb/" + std::to_string(id_), "1");
   store_->set("elastic/host_pid/" + std::to_string(id_), process_key(::getpid()));
   if (auto ms = store_->try_get("elastic/heartbeat_interval_ms"))
     opt_.heartbeat_interval = std::chrono::milliseconds(std::max<int64_t>(1, std::stoll(*ms)));
@@ -54,6 +53,20 @@ Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
       return comm::connect_kv_store(g.store_host, g.store_port, t, g.token);
     };
   }
+  started_ns_ = monotonic_ns();
+  BeatSenderOptions bo;
+  bo.interval = opt_.heartbeat_interval;
+  bo.token = opt_.group.token;
+  bo.connect = opt_.connect;
+  if (opt_.beats && opt_.beat_slot >= 0 && opt_.beat_slot < LocalBeats::kSlots) {
+    beats_ = opt_.beats;
+    slot_ = opt_.beat_slot;
+  } else {
+    beats_ = LocalBeats::in_process();
+    slot_ = beats_->acquire();
+  }
+  beats_->beat(slot_, id_);
+  if (!opt_.beats) own_sender_ = std::make_unique<BeatSender>(beats_, bo, slot_);
   // The event log from here on: events before `seen` are summed up by the
   // round and abort keys read after it.
   const int64_t seen = store_->add("elastic/events", 0);
@@ -83,38 +96,57 @@ void Member::sleep_while_running(std::chrono::milliseconds d) {
     std::this_thread::sleep_for(std::min<Clock::duration>(until - Clock::now(), std::chrono::milliseconds(20)));
 }
 
-// A beat writes the next value of this member's counter (one write, no
-// read: the coordinator only looks for a change).
+// A beat is a store of this member's slot (no system call). The store
+// connection carries only the progress and the queued status records.
 void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
   auto next = Clock::now();
-  auto last_ok = Clock::now();
-  int64_t beats = 1;
+  const int64_t interval = std::chrono::nanoseconds(opt_.heartbeat_interval).count();
   while (!stop_) {
+    beats_->beat(slot_, id_);
+    if (!own_sender_ && monotonic_ns() - std::max(beats_->sent_ns(), started_ns_) > 2 * interval) {
+      // The launcher stopped relaying (it is gone, and this worker is
+      // leaving): its beats go out directly, so that it is not taken for lost.
+      log_info("worker " + std::to_string(id_) + ": its launcher relays no heartbeats; sending them itself");
+      BeatSenderOptions bo;
+      bo.interval = opt_.heartbeat_interval;
+      bo.token = opt_.group.token;
+      bo.connect = opt_.connect;
+      own_sender_ = std::make_unique<BeatSender>(beats_, bo, slot_);
+    }
     try {
-      s->set("elastic/hb/" + std::to_string(id_), std::to_string(++beats));
       const double progress = progress_.load();
       if (progress != published_progress_) {
         s->set("elastic/progress", std::to_string(progress));
         published_progress_ = progress;
       }
       publish_records(*s);
-      last_ok = Clock::now();
-      if (cut_off_.exchange(false))
-        log_info("worker " + std::to_string(id_) + ": reached the rendezvous store again");
     } catch (const std::exception& e) {
-      if (Clock::now() - last_ok > cut_off_after_ && !cut_off_.exchange(true)) {
-        // The coordinator has counted this member gone by now.
-        log_warn("worker " + std::to_string(id_) + ": no heartbeat reached the rendezvous store for " +
-                 std::to_string(cut_off_after_.count()) + " ms (" + e.what() +
-                 "); this member is out of its round");
-        abort_group_upto(std::numeric_limits<int64_t>::max(), "this member is cut off from the store");
-        cv_.notify_all();
-      }
+      // Best effort: the next beat tries again.
     }
+    check_cut_off();
     next += opt_.heartbeat_interval;
     const auto now = Clock::now();
     if (next < now) next = now;  // late (e.g. the process was stopped): no burst of beats
     sleep_while_running(std::chrono::duration_cast<std::chrono::milliseconds>(next - now));
+  }
+}
+
+// Cut off: no beat of this member acknowledged for cut_off_after (by the
+// launcher's relay or by its own sender).
+void Member::check_cut_off() {
+  const int64_t acked = std::max({beats_->acked_ns(), own_sender_ ? own_sender_->acked_ns() : 0, started_ns_});
+  const int64_t silent_ns = monotonic_ns() - acked;
+  if (silent_ns <= std::chrono::nanoseconds(cut_off_after_).count()) {
+    if (cut_off_.exchange(false))
+      log_info("worker " + std::to_string(id_) + ": the coordinator hears its heartbeats again");
+    return;
+  }
+  if (!cut_off_.exchange(true)) {
+    // The coordinator has counted this member gone by now.
+    log_warn("worker " + std::to_string(id_) + ": no heartbeat acknowledged by the coordinator for " +
+             std::to_string(silent_ns / 1000000) + " ms; this member is out of its round");
+    abort_group_upto(std::numeric_limits<int64_t>::max(), "this member is cut off from the coordinator");
+    cv_.notify_all();
   }
 }
 
@@ -318,11 +350,6 @@ void Member::publish_final(int64_t storage) {
 
 bool Member::wait_final(int64_t storage, const std::vector<int64_t>& earlier) {
   const std::string key = "elastic/final/" + std::to_string(storage);
-  struct Seen {
-    std::string beat;
-    Clock::time_point since;
-  };
-  std::map<int64_t, Seen> seen;
   const auto start = Clock::now();
   auto last_ok = start;
   while (!stop_) {
@@ -331,15 +358,8 @@ bool Member::wait_final(int64_t storage, const std::vector<int64_t>& earlier) {
       bool any_alive = false;
       for (int64_t id : earlier) {
         const std::string sid = std::to_string(id);
-        if (store_->try_get("elastic/dead/" + sid)) continue;
-        const std::string beat = store_->try_get("elastic/hb/" + sid).value_or("");
-        auto it = seen.find(id);
-        if (it == seen.end() || it->second.beat != beat) {
-          seen[id] = {beat, Clock::now()};
-          any_alive = true;
-        } else if (Clock::now() - it->second.since <= heartbeat_timeout_) {
-          any_alive = true;
-        }
+        if (store_->try_get("elastic/dead/" + sid) || store_->try_get("elastic/silent/" + sid)) continue;
+        any_alive = true;
       }
       last_ok = Clock::now();
       if (!any_alive) return false;

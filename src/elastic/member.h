@@ -1,12 +1,17 @@
 // One worker's side of elastic membership.
 //
 // Registers in the store (an id, `join/<id>`), and runs two threads of its
-// own, each with its own store connection:
-// * the heartbeat thread bumps `hb/<id>` every `elastic/heartbeat_interval_ms`
-//   (set by the coordinator). When its beats have failed for longer than
-//   MemberOptions::cut_off_after, this member is cut off: the coordinator has dropped
-//   it, so it aborts its own group (its training thread stops waiting on
-//   peers it cannot rejoin) and waits for a round again.
+// own:
+// * the heartbeat thread beats every `elastic/heartbeat_interval_ms` (set by
+//   the coordinator) into this worker's slot of its host's heartbeat table
+//   (elastic/beats.h), which its launcher relays to the coordinator; a
+//   worker without a launcher's table (or whose launcher stopped relaying)
+//   sends its beats itself. When no beat of it has been acknowledged by the
+//   coordinator for MemberOptions::cut_off_after, this member is cut off:
+//   the coordinator has dropped it, so it aborts its own group (its
+//   training thread stops waiting on peers it cannot rejoin) and waits for
+//   a round again. The same thread writes the progress and status records
+//   to the store, on a connection of its own.
 // * the watch thread waits in the store for the coordinator's next event
 //   (`event/<n>`: "round k" or "abort k"). A new round makes newer_round()
 //   true and wakes wait_round(); "abort k" aborts this member's group when it
@@ -35,6 +40,7 @@
 
 #include "comm/collective.h"
 #include "comm/kv_store.h"
+#include "elastic/beats.h"
 #include "elastic/coordinator.h"
 
 namespace limbo::elastic {
@@ -47,11 +53,14 @@ struct MemberOptions {
   // default: comm::connect_kv_store to the group's store, timing out
   // after the heartbeat timeout.
   std::function<std::shared_ptr<comm::KvStore>()> connect;
-  // Heartbeats failing this long mean this member is cut off (0: the
-  // heartbeat timeout). With a replicated store (etcd) an outage of the
-  // store reaches every member alike and the coordinator drops no one, so
-  // the wait is longer there: training goes on through it.
+  // No beat acknowledged by the coordinator for this long means this member
+  // is cut off (0: the heartbeat timeout). Under etcd the coordinator may
+  // move (a take-over takes up to about 2 s), so the wait is longer there.
   std::chrono::milliseconds cut_off_after{0};
+  // The host's heartbeat table and this worker's slot in it (from
+  // LIMBO_BEAT_SLOT, set by the launcher); none: the member sends its own.
+  std::shared_ptr<LocalBeats> beats;
+  int beat_slot = -1;
   // How long one wait of the watch thread lasts (events end it at once;
   // this bounds how soon a destroyed Member's thread ends, and each wait
   // is a new watch on etcd).
@@ -107,8 +116,8 @@ class Member {
   // storage are written. wait_final blocks until that key exists (true), or
   // until every member in `earlier` (the members before this one on the
   // same storage, the writer first) is gone without it: its worker exited
-  // (`elastic/dead/<id>`, set by its launcher) or its heartbeat stood still
-  // for the heartbeat timeout (false: this member writes them). A store out
+  // (`elastic/dead/<id>`, set by its launcher) or the coordinator found it
+  // silent (`elastic/silent/<id>`) (false: this member writes them). A store out
   // of reach for the round timeout also gives false (a second copy of the
   // same final files is harmless; none is not).
   void publish_final(int64_t storage);
@@ -117,11 +126,12 @@ class Member {
   // PeerFailure when the round is replaced meanwhile.
   std::shared_ptr<comm::Collective> form_group(const Round& round);
   int rank_in(const Round& round) const;
-  // This member's heartbeats have failed for longer than the heartbeat timeout.
+  // No beat of this member was acknowledged for longer than its cut-off time.
   bool cut_off() const { return cut_off_.load(); }
 
  private:
   void beat_loop(std::shared_ptr<comm::KvStore> s);
+  void check_cut_off();
   void watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen);
   void on_event(const std::string& event);
   void publish_records(comm::KvStore& s);
@@ -151,6 +161,10 @@ class Member {
   std::condition_variable cv_;
   std::weak_ptr<comm::Collective> group_;  // the last group formed, and its round
   int64_t group_round_ = 0;
+  std::shared_ptr<LocalBeats> beats_;  // this host's table (or one of this member's own)
+  int slot_ = -1;
+  std::unique_ptr<BeatSender> own_sender_;  // this member's beats, when no launcher relays them
+  int64_t started_ns_ = 0;
   std::thread heartbeat_, watch_;
 };
 

@@ -1,0 +1,373 @@
+#include "elastic/beats.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "comm/auth.h"
+#include "common/error.h"
+#include "common/log.h"
+
+namespace limbo::elastic {
+
+int64_t monotonic_ns() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+namespace {
+
+constexpr uint64_t kTableMagic = 0x31746165426f626cULL;  // "lboBeat1"
+constexpr size_t kMaxBeatDatagram = 65000;
+constexpr int kEntriesPerDatagram = 800;  // at most ~60 bytes each
+
+std::string to_hex(const std::string& bytes) {
+  static const char* d = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) out += {d[c >> 4], d[c & 15]};
+  return out;
+}
+
+// "<body>\nmac <hex>" (the MAC "-" without a secret).
+std::string seal(const std::string& token, const std::string& body) {
+  return body + "\nmac " + (token.empty() ? std::string("-") : to_hex(comm::hmac_sha256(token, body)));
+}
+
+// The body of a sealed message whose MAC holds under `token`; false when not.
+bool unseal(const std::string& token, const std::string& msg, std::string* body) {
+  const auto at = msg.rfind("\nmac ");
+  if (at == std::string::npos) return false;
+  *body = msg.substr(0, at);
+  const std::string mac = msg.substr(at + 5);
+  if (token.empty()) return mac == "-";
+  return comm::same_secret_bytes(mac, to_hex(comm::hmac_sha256(token, *body)));
+}
+
+bool resolve_udp(const std::string& host, int port, sockaddr_in* out) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &res) != 0 || !res) return false;
+  std::memcpy(out, res->ai_addr, sizeof *out);
+  ::freeaddrinfo(res);
+  return true;
+}
+
+}  // namespace
+
+// ---------- LocalBeats ----------
+
+struct LocalBeats::Shared {
+  uint64_t magic;
+  std::atomic<int64_t> sent_ns, acked_ns;
+  struct Slot {
+    std::atomic<int64_t> id, counter, beat_ns;
+  } slots[kSlots];
+};
+
+std::shared_ptr<LocalBeats> LocalBeats::create() {
+  std::shared_ptr<LocalBeats> t(new LocalBeats);
+  const std::string name = "/limbo-beats-" + std::to_string(::getpid()) + "-" + to_hex(comm::random_bytes(4));
+  const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) throw Error("cannot create the heartbeat table " + name + ": " + std::strerror(errno));
+  t->bytes_ = sizeof(Shared);
+  void* p = ::ftruncate(fd, static_cast<off_t>(t->bytes_)) == 0
+                ? ::mmap(nullptr, t->bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                : MAP_FAILED;
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    ::shm_unlink(name.c_str());
+    throw Error("cannot map the heartbeat table " + name + ": " + std::strerror(errno));
+  }
+  t->s_ = new (p) Shared{};  // zeroed by ftruncate; the atomics start at 0
+  t->s_->magic = kTableMagic;
+  t->name_ = name;
+  t->owner_ = t->mapped_ = true;
+  t->used_.assign(kSlots, false);
+  return t;
+}
+
+std::shared_ptr<LocalBeats> LocalBeats::in_process() {
+  std::shared_ptr<LocalBeats> t(new LocalBeats);
+  t->s_ = new Shared{};
+  t->s_->magic = kTableMagic;
+  t->used_.assign(kSlots, false);
+  return t;
+}
+
+std::shared_ptr<LocalBeats> LocalBeats::open(const std::string& name) {
+  const int fd = ::shm_open(name.c_str(), O_RDWR, 0);
+  if (fd < 0) throw Error("cannot open the heartbeat table " + name + ": " + std::strerror(errno));
+  void* p = ::mmap(nullptr, sizeof(Shared), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) throw Error("cannot map the heartbeat table " + name + ": " + std::strerror(errno));
+  std::shared_ptr<LocalBeats> t(new LocalBeats);
+  t->s_ = static_cast<Shared*>(p);
+  t->bytes_ = sizeof(Shared);
+  t->name_ = name;
+  t->mapped_ = true;
+  if (t->s_->magic != kTableMagic) throw Error(name + " is not a heartbeat table");
+  return t;
+}
+
+LocalBeats::~LocalBeats() {
+  if (!s_) return;
+  if (mapped_) {
+    ::munmap(s_, bytes_);
+    if (owner_) ::shm_unlink(name_.c_str());
+  } else {
+    delete s_;
+  }
+}
+
+int LocalBeats::acquire() {
+  for (int i = 0; i < static_cast<int>(used_.size()); ++i)
+    if (!used_[i]) {
+      used_[i] = true;
+      return i;
+    }
+  return -1;
+}
+
+void LocalBeats::release(int slot) {
+  if (slot < 0 || slot >= static_cast<int>(used_.size())) return;
+  s_->slots[slot].id.store(0);
+  s_->slots[slot].counter.store(0);
+  used_[slot] = false;
+}
+
+// The time first, then the counter: a reader that sees the new counter sees
+// a time at least as new.
+void LocalBeats::beat(int slot, int64_t id) {
+  auto& s = s_->slots[slot];
+  s.id.store(id, std::memory_order_relaxed);
+  s.beat_ns.store(monotonic_ns(), std::memory_order_relaxed);
+  s.counter.fetch_add(1, std::memory_order_release);
+}
+
+int64_t LocalBeats::counter(int slot) const { return s_->slots[slot].counter.load(std::memory_order_acquire); }
+
+LocalBeats::Entry LocalBeats::entry(int slot) const {
+  const auto& s = s_->slots[slot];
+  Entry e;
+  e.counter = s.counter.load(std::memory_order_acquire);
+  e.id = s.id.load(std::memory_order_relaxed);
+  e.beat_ns = s.beat_ns.load(std::memory_order_relaxed);
+  return e;
+}
+
+std::vector<LocalBeats::Entry> LocalBeats::entries() const {
+  std::vector<Entry> out;
+  for (int i = 0; i < kSlots; ++i) {
+    Entry e = entry(i);
+    if (e.id > 0 && e.counter > 0) out.push_back(e);
+  }
+  return out;
+}
+
+void LocalBeats::mark_sent(int64_t ns) { s_->sent_ns.store(ns); }
+void LocalBeats::mark_acked(int64_t ns) { s_->acked_ns.store(ns); }
+int64_t LocalBeats::sent_ns() const { return s_->sent_ns.load(); }
+int64_t LocalBeats::acked_ns() const { return s_->acked_ns.load(); }
+
+// ---------- BeatTable ----------
+
+void BeatTable::note(int64_t id, int64_t counter, Time at) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& s = seen_[id];
+  if (counter <= s.counter) return;
+  s = {counter, at};
+  last_ = std::chrono::steady_clock::now();
+}
+
+std::map<int64_t, BeatTable::Seen> BeatTable::read() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seen_;
+}
+
+BeatTable::Time BeatTable::last_arrival() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return last_;
+}
+
+// ---------- BeatListener ----------
+
+BeatListener::BeatListener(const std::string& bind_host, const std::string& advertise_host, std::string token)
+    : token_(std::move(token)), nonce_(to_hex(comm::random_bytes(8))) {
+  sockaddr_in a{};
+  if (!resolve_udp(bind_host, 0, &a)) throw InvalidInput("cannot resolve '" + bind_host + "' for the heartbeat listener");
+  fd_ = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0 || ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    const std::string why = std::strerror(errno);
+    if (fd_ >= 0) ::close(fd_);
+    throw Error("cannot bind the heartbeat listener on " + bind_host + ": " + why);
+  }
+  // Room for a burst of every host's datagram at once.
+  const int buf = 8 << 20;
+  ::setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &buf, sizeof buf);
+  socklen_t len = sizeof a;
+  ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len);
+  address_ = advertise_host + ":" + std::to_string(ntohs(a.sin_port)) + " " + nonce_;
+  thread_ = std::thread([this] { loop(); });
+}
+
+BeatListener::~BeatListener() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  ::close(fd_);
+}
+
+void BeatListener::loop() {
+  std::vector<char> buf(kMaxBeatDatagram + 1);
+  while (!stop_) {
+    pollfd p{fd_, POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) continue;
+    while (true) {
+      sockaddr_in from{};
+      socklen_t flen = sizeof from;
+      const ssize_t n = ::recvfrom(fd_, buf.data(), kMaxBeatDatagram, MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&from), &flen);
+      if (n <= 0) break;
+      take(buf.data(), static_cast<size_t>(n), &from, flen);
+    }
+  }
+}
+
+// "LB1 <listener nonce> <sender nonce> <seq>" then "<id> <counter> <age µs>"
+// lines, sealed; answered with "LA1 <sender nonce> <seq>", sealed.
+void BeatListener::take(const char* data, size_t len, const void* from, unsigned from_len) {
+  const auto now = std::chrono::steady_clock::now();
+  std::string body;
+  if (!unseal(token_, std::string(data, len), &body)) return void(++refused_);
+  std::istringstream in(body);
+  std::string magic, coord, sender;
+  int64_t seq = 0;
+  if (!(in >> magic >> coord >> sender >> seq) || magic != "LB1" || coord != nonce_) return void(++refused_);
+  auto& last = senders_[sender];
+  if (seq <= last.first) return void(++refused_);
+  last = {seq, now};
+  int64_t id = 0, counter = 0, age_us = 0;
+  while (in >> id >> counter >> age_us)
+    table_->note(id, counter, now - std::chrono::microseconds(std::max<int64_t>(0, age_us)));
+  if (senders_.size() > 4096)  // senders gone for a minute (workers restarted) are forgotten
+    for (auto it = senders_.begin(); it != senders_.end();)
+      it = now - it->second.second > std::chrono::minutes(1) ? senders_.erase(it) : std::next(it);
+  const std::string ack = seal(token_, "LA1 " + sender + " " + std::to_string(seq));
+  ::sendto(fd_, ack.data(), ack.size(), MSG_DONTWAIT, static_cast<const sockaddr*>(from), from_len);
+}
+
+// ---------- BeatSender ----------
+
+BeatSender::BeatSender(std::shared_ptr<LocalBeats> table, BeatSenderOptions opt, int only_slot)
+    : table_(std::move(table)), opt_(std::move(opt)), only_slot_(only_slot), nonce_(to_hex(comm::random_bytes(8))) {
+  fd_ = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) throw Error(std::string("cannot open a heartbeat socket: ") + std::strerror(errno));
+  thread_ = std::thread([this] { loop(); });
+}
+
+BeatSender::~BeatSender() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+  ::close(fd_);
+}
+
+// Reads the listener's address from the store; false while there is none
+// (no coordinator yet, or the store out of reach).
+bool BeatSender::resolve() {
+  resolved_ns_ = monotonic_ns();
+  std::optional<std::string> v;
+  try {
+    if (!store_) store_ = opt_.connect();
+    v = store_->try_get("elastic/beat_addr");
+  } catch (const std::exception&) {
+    store_.reset();  // a new connection next time
+    return !addr_text_.empty();
+  }
+  if (!v || *v == addr_text_) return !addr_text_.empty();
+  std::istringstream in(*v);
+  std::string hostport, nonce;
+  in >> hostport >> nonce;
+  const auto colon = hostport.rfind(':');
+  sockaddr_in a{};
+  if (colon == std::string::npos || nonce.empty() ||
+      !resolve_udp(hostport.substr(0, colon), std::atoi(hostport.c_str() + colon + 1), &a)) {
+    log_warn("heartbeats: cannot use the coordinator's address '" + *v + "'");
+    return !addr_text_.empty();
+  }
+  if (::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return !addr_text_.empty();
+  addr_text_ = *v;
+  coord_nonce_ = nonce;
+  return true;
+}
+
+void BeatSender::send(const std::vector<LocalBeats::Entry>& entries, int64_t now) {
+  for (size_t first = 0; first < entries.size(); first += kEntriesPerDatagram) {
+    std::string body = "LB1 " + coord_nonce_ + " " + nonce_ + " " + std::to_string(++seq_);
+    for (size_t i = first; i < std::min(entries.size(), first + kEntriesPerDatagram); ++i) {
+      const auto& e = entries[i];
+      body += "\n" + std::to_string(e.id) + " " + std::to_string(e.counter) + " " +
+              std::to_string(std::max<int64_t>(0, (now - e.beat_ns) / 1000));
+    }
+    const std::string msg = seal(opt_.token, body);
+    ::send(fd_, msg.data(), msg.size(), MSG_DONTWAIT);  // a full buffer or a refusal: the next interval tries again
+  }
+}
+
+void BeatSender::receive_acks(std::chrono::milliseconds wait) {
+  char buf[512];
+  pollfd p{fd_, POLLIN, 0};
+  if (::poll(&p, 1, static_cast<int>(std::max<int64_t>(0, wait.count()))) <= 0) return;
+  while (true) {
+    const ssize_t n = ::recv(fd_, buf, sizeof buf, MSG_DONTWAIT);
+    if (n <= 0) return;
+    std::string body;
+    if (!unseal(opt_.token, std::string(buf, static_cast<size_t>(n)), &body)) continue;
+    std::istringstream in(body);
+    std::string magic, sender;
+    int64_t seq = 0;
+    if (!(in >> magic >> sender >> seq) || magic != "LA1" || sender != nonce_ || seq > seq_) continue;
+    const int64_t now = monotonic_ns();
+    acked_ns_ = now;
+    if (only_slot_ < 0) table_->mark_acked(now);
+  }
+}
+
+void BeatSender::loop() {
+  const int64_t interval = std::chrono::nanoseconds(opt_.interval).count();
+  int64_t next = monotonic_ns();
+  while (!stop_) {
+    const int64_t now = monotonic_ns();
+    // No address yet, or no answer for three intervals (the coordinator
+    // moved, or is gone): read the address again, at most once an interval.
+    const bool unanswered = now - std::max(acked_ns_.load(), resolved_ns_) > 3 * interval;
+    bool have = !addr_text_.empty();
+    if (!have || (unanswered && now - resolved_ns_ > interval)) have = resolve();
+    if (have) {
+      auto entries = only_slot_ >= 0 ? std::vector<LocalBeats::Entry>{table_->entry(only_slot_)} : table_->entries();
+      entries.erase(std::remove_if(entries.begin(), entries.end(), [](const auto& e) { return e.id <= 0 || e.counter <= 0; }),
+                    entries.end());
+      if (!entries.empty()) send(entries, now);
+      if (only_slot_ < 0) table_->mark_sent(now);
+    }
+    next += interval;
+    if (next < monotonic_ns()) next = monotonic_ns();  // late (stopped, starved): no burst
+    while (!stop_) {
+      const int64_t left = next - monotonic_ns();
+      if (left <= 0) break;
+      receive_acks(std::chrono::milliseconds(std::min<int64_t>(left / 1000000 + 1, 20)));
+    }
+  }
+}
+
+}  // namespace limbo::elastic

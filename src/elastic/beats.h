@@ -1,0 +1,182 @@
+// Heartbeats of an elastic job, off the rendezvous store.
+//
+// A worker bumps its slot in a table of its host (LocalBeats: shared memory
+// its launcher created, named to the worker in LIMBO_BEAT_SLOT); the
+// launcher's BeatSender reads the whole table every heartbeat interval and
+// sends it in one UDP datagram to the coordinating launcher's BeatListener,
+// whose address the coordinator writes to `elastic/beat_addr`. So the store
+// carries no beat at all (a few writes per membership change), and the
+// coordinator gets one datagram per host and interval, not one write per
+// worker.
+//
+// Each entry carries how long ago its worker beat (measured on the host's
+// own monotonic clock), so the coordinator dates a beat to when the worker
+// made it, not to when the launcher happened to relay it: a frozen worker is
+// found silent as soon as before.
+//
+// The listener answers every datagram with an acknowledgement; a sender that
+// misses them for a few intervals reads `elastic/beat_addr` again (the
+// coordinator moved: an etcd take-over), and a worker whose beats have not
+// been acknowledged for its cut-off time knows it is out of its round. A
+// worker whose launcher stopped relaying (the launcher is gone, the worker
+// is leaving) sends its own beats directly.
+//
+// With a job secret, datagrams and acknowledgements carry an HMAC-SHA256
+// under it; each sender numbers its datagrams and the listener takes only
+// increasing numbers per sender, and names itself with a random nonce that
+// every datagram repeats, so a recorded datagram cannot be replayed to it
+// or to a later coordinator.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/kv_store.h"
+
+namespace limbo::elastic {
+
+// CLOCK_MONOTONIC in nanoseconds (the clock of steady_clock here).
+int64_t monotonic_ns();
+
+// One host's table of beats: slot i = {worker id, counter, when it last beat}.
+class LocalBeats {
+ public:
+  static constexpr int kSlots = 256;
+  struct Entry {
+    int64_t id = 0, counter = 0, beat_ns = 0;
+  };
+  // A new table in /dev/shm, removed when this object goes.
+  static std::shared_ptr<LocalBeats> create();
+  // A table only this process sees (a worker without a launcher's table, a
+  // benchmark's synthetic host).
+  static std::shared_ptr<LocalBeats> in_process();
+  // Opens the table `name` (from LIMBO_BEAT_SLOT); throws Error when it
+  // cannot.
+  static std::shared_ptr<LocalBeats> open(const std::string& name);
+  ~LocalBeats();
+  LocalBeats(const LocalBeats&) = delete;
+  LocalBeats& operator=(const LocalBeats&) = delete;
+
+  const std::string& name() const { return name_; }
+  // The creating process hands out slots: a free one (-1: none left), and
+  // back when its worker exited (its entry is cleared).
+  int acquire();
+  void release(int slot);
+
+  // A worker's beat: its id, the counter one up, the time now.
+  void beat(int slot, int64_t id);
+  int64_t counter(int slot) const;
+  Entry entry(int slot) const;
+  std::vector<Entry> entries() const;  // the slots in use
+  // The relay's marks: when it last sent the table, and when the
+  // coordinator last acknowledged it (monotonic ns; 0: never).
+  void mark_sent(int64_t ns);
+  void mark_acked(int64_t ns);
+  int64_t sent_ns() const;
+  int64_t acked_ns() const;
+
+ private:
+  struct Shared;
+  LocalBeats() = default;
+  Shared* s_ = nullptr;
+  size_t bytes_ = 0;
+  std::string name_;
+  bool owner_ = false, mapped_ = false;
+  std::vector<bool> used_;
+};
+
+// The listener's view: each worker's highest counter and when that beat was
+// made (on this process's steady clock).
+class BeatTable {
+ public:
+  using Time = std::chrono::steady_clock::time_point;
+  struct Seen {
+    int64_t counter = 0;
+    Time at{};
+  };
+  // Keeps the beat if its counter is higher than the one held.
+  void note(int64_t id, int64_t counter, Time at);
+  std::map<int64_t, Seen> read() const;
+  // When a beat last advanced a counter; Time{} before any.
+  Time last_arrival() const;
+
+ private:
+  mutable std::mutex mu_;
+  std::map<int64_t, Seen> seen_;
+  Time last_{};
+};
+
+// The coordinator's end: a UDP socket on `bind_host` (any port) and a
+// thread that takes datagrams into table().
+class BeatListener {
+ public:
+  // `advertise_host`: the address senders reach this machine by.
+  BeatListener(const std::string& bind_host, const std::string& advertise_host, std::string token);
+  ~BeatListener();
+  BeatListener(const BeatListener&) = delete;
+  BeatListener& operator=(const BeatListener&) = delete;
+  // The value of `elastic/beat_addr`: "HOST:PORT NONCE".
+  const std::string& address() const { return address_; }
+  std::shared_ptr<BeatTable> table() const { return table_; }
+  // Datagrams refused (bad MAC, another coordinator's nonce, a replayed or
+  // malformed one) since the start.
+  int64_t refused() const { return refused_.load(); }
+
+ private:
+  void loop();
+  void take(const char* data, size_t len, const void* from, unsigned from_len);
+  int fd_ = -1;
+  std::string token_, nonce_, address_;
+  std::shared_ptr<BeatTable> table_ = std::make_shared<BeatTable>();
+  std::map<std::string, std::pair<int64_t, std::chrono::steady_clock::time_point>> senders_;  // nonce -> last seq
+  std::atomic<int64_t> refused_{0};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+struct BeatSenderOptions {
+  std::chrono::milliseconds interval{100};
+  std::string token;
+  // A store connection, for reading `elastic/beat_addr` (made when first
+  // needed; again after a failure).
+  std::function<std::shared_ptr<comm::KvStore>()> connect;
+};
+
+// Sends `table`'s entries (those `only_slot` names, or all when -1) every
+// interval on a thread of its own, and marks the table's acknowledgement
+// time when the listener answers.
+class BeatSender {
+ public:
+  BeatSender(std::shared_ptr<LocalBeats> table, BeatSenderOptions opt, int only_slot = -1);
+  ~BeatSender();
+  BeatSender(const BeatSender&) = delete;
+  BeatSender& operator=(const BeatSender&) = delete;
+  // When a datagram of this sender was last acknowledged (monotonic ns; 0:
+  // never).
+  int64_t acked_ns() const { return acked_ns_.load(); }
+
+ private:
+  void loop();
+  bool resolve();
+  void send(const std::vector<LocalBeats::Entry>& entries, int64_t now);
+  void receive_acks(std::chrono::milliseconds wait);
+  std::shared_ptr<LocalBeats> table_;
+  BeatSenderOptions opt_;
+  int only_slot_;
+  int fd_ = -1;
+  std::shared_ptr<comm::KvStore> store_;
+  std::string addr_text_, coord_nonce_, nonce_;
+  int64_t seq_ = 0, resolved_ns_ = 0;
+  std::atomic<int64_t> acked_ns_{0};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace limbo::elastic
