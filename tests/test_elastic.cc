@@ -210,6 +210,26 @@ TEST(Coordinator, ATakeOverFinishesARoundItsPredecessorLeftHalfWritten) {
   EXPECT_FALSE(f.kv->try_get("elastic/event/" + std::to_string(events + 2)).has_value());
 }
 
+// A member found silent is marked in the store (members waiting for the
+// final checkpoint read the mark, not heartbeats), and the mark goes when
+// it beats again.
+TEST(Coordinator, MarksASilentMemberAndClearsTheMarkWhenItBeatsAgain) {
+  Fixture f(2);
+  const int64_t a = f.join(), b = f.join();
+  ASSERT_EQ(f.coord->poll().round.number, 1);
+  const std::string mark = "elastic/silent/" + std::to_string(b);
+  for (int i = 0; i < 4; ++i) {
+    f.advance(1.0);
+    f.beat(a);
+    f.coord->poll();
+  }
+  EXPECT_TRUE(f.kv->try_get(mark).has_value());
+  EXPECT_FALSE(f.kv->try_get("elastic/silent/" + std::to_string(a)).has_value());
+  f.beat(b);
+  f.coord->poll();
+  EXPECT_FALSE(f.kv->try_get(mark).has_value());
+}
+
 // S1, found with an etcd cluster whose leader (also the first endpoint) was
 // stopped: reads went on, writes stalled until another leader was elected,
 // and the coordinator dropped every member one after the other. Silence

@@ -1,0 +1,227 @@
+// Heartbeats off the store (elastic/beats.h): the host's table, its relay to
+// the coordinator's listener, and a member's view of them.
+#include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "comm/auth.h"
+#include "comm/kv_store.h"
+#include "comm/store.h"
+#include "elastic/beats.h"
+#include "elastic/coordinator.h"
+#include "elastic/member.h"
+
+using namespace limbo;
+using namespace limbo::elastic;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+namespace {
+
+const std::string kSecret = "a job secret of thirty-two bytes!";
+
+BeatSenderOptions sender_options(std::shared_ptr<comm::KvStore> store, std::string token = "") {
+  BeatSenderOptions o;
+  o.interval = 20ms;
+  o.token = std::move(token);
+  o.connect = [store] { return store; };
+  return o;
+}
+
+// Waits up to `limit` for `ok`.
+template <class F>
+bool eventually(F ok, std::chrono::milliseconds limit = 3000ms) {
+  const auto until = Clock::now() + limit;
+  while (Clock::now() < until) {
+    if (ok()) return true;
+    std::this_thread::sleep_for(5ms);
+  }
+  return ok();
+}
+
+TEST(Beats, TheRelayCarriesEveryWorkerOfTheTableAndIsAcknowledged) {
+  auto store = std::make_shared<comm::MemoryKvStore>();
+  BeatListener listener("127.0.0.1", "127.0.0.1", "");
+  store->set("elastic/beat_addr", listener.address());
+  auto table = LocalBeats::in_process();
+  const int a = table->acquire(), b = table->acquire();
+  table->beat(a, 7);
+  table->beat(b, 9);
+  BeatSender relay(table, sender_options(store));
+  ASSERT_TRUE(eventually([&] { return listener.table()->read().size() == 2; }));
+  ASSERT_TRUE(eventually([&] { return table->acked_ns() > 0 && relay.acked_ns() > 0; }));
+  table->beat(a, 7);
+  ASSERT_TRUE(eventually([&] { return listener.table()->read().at(7).counter == 2; }));
+  EXPECT_EQ(listener.table()->read().at(9).counter, 1);
+  // A released slot is no longer relayed (nor its worker's id).
+  table->release(b);
+  EXPECT_EQ(table->entries().size(), 1u);
+  EXPECT_EQ(listener.refused(), 0);
+}
+
+// The relay sends every interval, but a worker that stopped beating is
+// dated by its last beat, not by the datagram that carried it: otherwise a
+// frozen worker would count as alive up to an interval longer.
+TEST(Beats, ARelayedBeatIsDatedWhenItsWorkerMadeIt) {
+  auto store = std::make_shared<comm::MemoryKvStore>();
+  BeatListener listener("127.0.0.1", "127.0.0.1", "");
+  store->set("elastic/beat_addr", listener.address());
+  auto table = LocalBeats::in_process();
+  const int s = table->acquire();
+  table->beat(s, 3);
+  const auto made = Clock::now();
+  BeatSender relay(table, sender_options(store));
+  std::this_thread::sleep_for(400ms);  // about 20 datagrams, all with the same beat
+  ASSERT_EQ(listener.table()->read().count(3), 1u);
+  const auto at = listener.table()->read().at(3).at;
+  EXPECT_LT(std::chrono::abs(at - made), 60ms);
+  EXPECT_GT(Clock::now() - listener.table()->last_arrival(), 300ms);  // no beat advanced since
+}
+
+// A datagram must carry the job secret's MAC, name this listener, and be
+// newer than the sender's last one.
+TEST(Beats, ForgedReplayedOrMisaddressedDatagramsAreRefused) {
+  BeatListener listener("127.0.0.1", "127.0.0.1", kSecret);
+  const std::string addr = listener.address();
+  const std::string nonce = addr.substr(addr.find(' ') + 1);
+  const int port = std::stoi(addr.substr(addr.find(':') + 1));
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+  ASSERT_GE(fd, 0);
+  auto send = [&](const std::string& body, const std::string& key) {
+    std::string mac;
+    for (unsigned char c : comm::hmac_sha256(key, body)) {
+      char h[3];
+      std::snprintf(h, sizeof h, "%02x", c);
+      mac += h;
+    }
+    const std::string msg = body + "\nmac " + mac;
+    ::sendto(fd, msg.data(), msg.size(), 0, reinterpret_cast<sockaddr*>(&to), sizeof to);
+  };
+  auto refused = [&](int64_t n) { return eventually([&] { return listener.refused() == n; }, 1000ms); };
+  send("LB1 " + nonce + " s1 1\n11 5 0", "another secret of thirty-two byt");
+  ASSERT_TRUE(refused(1));
+  send("LB1 0000000000000000 s1 1\n11 5 0", kSecret);  // another coordinator's
+  ASSERT_TRUE(refused(2));
+  EXPECT_TRUE(listener.table()->read().empty());
+  send("LB1 " + nonce + " s1 1\n11 5 0", kSecret);
+  ASSERT_TRUE(eventually([&] { return listener.table()->read().count(11) == 1; }));
+  send("LB1 " + nonce + " s1 1\n11 6 0", kSecret);  // the same number again
+  ASSERT_TRUE(refused(3));
+  EXPECT_EQ(listener.table()->read().at(11).counter, 5);
+  ::close(fd);
+  // A sender with the secret gets through and is acknowledged; one without
+  // it is refused and never acknowledged.
+  auto store = std::make_shared<comm::MemoryKvStore>();
+  store->set("elastic/beat_addr", addr);
+  auto table = LocalBeats::in_process();
+  table->beat(table->acquire(), 12);
+  BeatSender wrong(table, sender_options(store, "not the secret, but as long as it"));
+  ASSERT_TRUE(eventually([&] { return listener.refused() > 3; }));
+  BeatSender right(table, sender_options(store, kSecret));
+  ASSERT_TRUE(eventually([&] { return listener.table()->read().count(12) == 1 && right.acked_ns() > 0; }));
+  EXPECT_EQ(wrong.acked_ns(), 0);
+}
+
+// An etcd take-over: the new coordinator listens elsewhere and writes its
+// address; senders that miss acknowledgements read it again.
+TEST(Beats, ASenderFollowsTheCoordinatorToItsNewAddress) {
+  auto store = std::make_shared<comm::MemoryKvStore>();
+  auto table = LocalBeats::in_process();
+  const int s = table->acquire();
+  table->beat(s, 5);
+  auto first = std::make_unique<BeatListener>("127.0.0.1", "127.0.0.1", "");
+  store->set("elastic/beat_addr", first->address());
+  BeatSender relay(table, sender_options(store));
+  ASSERT_TRUE(eventually([&] { return first->table()->read().count(5) == 1; }));
+  first.reset();
+  BeatListener second("127.0.0.1", "127.0.0.1", "");
+  store->set("elastic/beat_addr", second.address());
+  ASSERT_TRUE(eventually([&] { return second.table()->read().count(5) == 1; }));
+  const int64_t acked = relay.acked_ns();
+  ASSERT_TRUE(eventually([&] { return relay.acked_ns() > acked; }));
+}
+
+// Members under an embedded store, with a coordinator and its listener.
+struct Job {
+  comm::StoreServer server{"127.0.0.1", 0};
+  std::atomic<int64_t> writes{0};
+  std::shared_ptr<comm::KvStore> connect() {
+    return comm::connect_kv_store("127.0.0.1", server.port(), 2000ms);
+  }
+  std::unique_ptr<BeatListener> listener;
+  std::unique_ptr<Coordinator> coord;
+  void start_coordinator(int workers) {
+    listener = std::make_unique<BeatListener>("127.0.0.1", "127.0.0.1", "");
+    CoordinatorOptions co;
+    co.initial_workers = workers;
+    co.heartbeat_timeout = 400ms;
+    co.beat_address = listener->address();
+    coord = std::make_unique<Coordinator>(connect(), co, listener->table());
+  }
+  MemberOptions member_options() {
+    MemberOptions mo;
+    mo.group.store_host = "127.0.0.1";
+    mo.group.store_port = server.port();
+    return mo;
+  }
+};
+
+// The heartbeats cost the store nothing: in a steady second of four
+// members (each beating ten times), the store takes no write.
+TEST(Beats, MembersBeatWithoutWritingToTheStore) {
+  Job job;
+  job.start_coordinator(4);
+  std::vector<std::unique_ptr<Member>> members;
+  for (int i = 0; i < 4; ++i) members.push_back(std::make_unique<Member>(job.connect(), job.member_options()));
+  ASSERT_TRUE(eventually([&] { return job.coord->poll().round.members.size() == 4; }));
+  const int64_t rev = job.connect()->changes_since({"elastic/"}, 0).revision;
+  for (int i = 0; i < 20; ++i) {
+    auto r = job.coord->poll();
+    EXPECT_FALSE(r.new_round) << r.reason;
+    EXPECT_EQ(r.alive, 4);
+    std::this_thread::sleep_for(50ms);
+  }
+  const auto ch = job.connect()->changes_since({"elastic/"}, rev);
+  EXPECT_TRUE(ch.written.empty()) << ch.written.size() << " keys written, the first " << ch.written[0].first;
+  for (auto& m : members) EXPECT_FALSE(m->cut_off());
+}
+
+// A member whose beats nobody acknowledges (no coordinator listens) is cut
+// off after its cut-off time, and back once one does.
+TEST(Beats, AMemberIsCutOffWhileNoBeatIsAcknowledged) {
+  Job job;
+  Member m(job.connect(), job.member_options());
+  ASSERT_TRUE(eventually([&] { return m.cut_off(); }, 2000ms));
+  job.start_coordinator(1);
+  ASSERT_TRUE(eventually([&] { return !m.cut_off(); }, 3000ms));
+  EXPECT_EQ(job.listener->table()->read().count(m.id()), 1u);
+}
+
+// A worker whose launcher stopped relaying its host's table (the launcher
+// is gone: the worker is leaving) sends its own beats.
+TEST(Beats, AMemberWhoseTableIsNotRelayedSendsItsOwnBeats) {
+  Job job;
+  job.start_coordinator(1);
+  auto table = LocalBeats::in_process();  // nobody relays it
+  MemberOptions mo = job.member_options();
+  mo.beats = table;
+  mo.beat_slot = table->acquire();
+  Member m(job.connect(), mo);
+  ASSERT_TRUE(eventually([&] { return job.listener->table()->read().count(m.id()) == 1; }));
+  std::this_thread::sleep_for(600ms);
+  EXPECT_FALSE(m.cut_off());
+  const auto r = job.coord->poll();
+  EXPECT_EQ(r.alive, 1);
+}
+
+}  // namespace
