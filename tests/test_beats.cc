@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "comm/auth.h"
+#include "common/error.h"
 #include "comm/kv_store.h"
 #include "comm/store.h"
 #include "elastic/beats.h"
@@ -222,6 +223,101 @@ TEST(Beats, AMemberWhoseTableIsNotRelayedSendsItsOwnBeats) {
   EXPECT_FALSE(m.cut_off());
   const auto r = job.coord->poll();
   EXPECT_EQ(r.alive, 1);
+}
+
+// A store that stops answering (an etcd member stopped: every call waits
+// out its time, then fails) while `stalled` is set.
+class StallingStore : public comm::KvStore {
+ public:
+  StallingStore(std::shared_ptr<comm::KvStore> inner, std::shared_ptr<std::atomic<bool>> stalled)
+      : inner_(std::move(inner)), stalled_(std::move(stalled)) {}
+  void set(const std::string& k, const std::string& v) override { stall(), inner_->set(k, v); }
+  std::optional<std::string> try_get(const std::string& k) override { return stall(), inner_->try_get(k); }
+  int64_t add(const std::string& k, int64_t d) override { return stall(), inner_->add(k, d); }
+  bool wait_for(const std::string& k, std::chrono::milliseconds t) override { return stall(), inner_->wait_for(k, t); }
+  std::vector<std::pair<std::string, std::string>> list(const std::string& p) override { return stall(), inner_->list(p); }
+  std::string compare_set(const std::string& k, const std::string& e, const std::string& v) override {
+    return stall(), inner_->compare_set(k, e, v);
+  }
+  bool erase(const std::string& k) override { return stall(), inner_->erase(k); }
+
+ private:
+  void stall() {
+    if (!*stalled_) return;
+    std::this_thread::sleep_for(1s);
+    throw Error("the store did not answer in time");
+  }
+  std::shared_ptr<comm::KvStore> inner_;
+  std::shared_ptr<std::atomic<bool>> stalled_;
+};
+
+// The longest gap between two changes of `read()` over `span`, sampled
+// every 5 ms.
+template <class F>
+std::chrono::milliseconds longest_still(F read, std::chrono::milliseconds span) {
+  auto last = read();
+  auto changed = Clock::now(), until = changed + span;
+  std::chrono::milliseconds longest{0};
+  while (Clock::now() < until) {
+    std::this_thread::sleep_for(5ms);
+    const auto v = read();
+    const auto now = Clock::now();
+    if (v != last) last = v, changed = now;
+    longest = std::max(longest, std::chrono::duration_cast<std::chrono::milliseconds>(now - changed));
+  }
+  return longest;
+}
+
+// A store that stops answering holds up no beat: the member's heartbeat
+// thread makes no store call (its progress and records wait on another
+// thread), so the coordinator keeps it alive and it is not cut off. (A
+// second member beats all along: silence counts only while someone beats.)
+TEST(Beats, AStoreThatStopsAnsweringHoldsUpNoBeat) {
+  Job job;
+  job.start_coordinator(2);
+  auto stalled = std::make_shared<std::atomic<bool>>(false);
+  auto table = LocalBeats::in_process();
+  MemberOptions slow = job.member_options(), steady = job.member_options();
+  slow.connect = [&job, stalled]() -> std::shared_ptr<comm::KvStore> {
+    return std::make_shared<StallingStore>(job.connect(), stalled);
+  };
+  slow.beats = steady.beats = table;
+  slow.beat_slot = table->acquire();
+  steady.beat_slot = table->acquire();
+  Member m(job.connect(), slow), other(job.connect(), steady);
+  BeatSender relay(table, sender_options(job.connect()));
+  ASSERT_TRUE(eventually([&] { return job.coord->poll().round.members.size() == 2; }));
+  *stalled = true;
+  const auto until = Clock::now() + 1500ms;
+  for (int i = 0; Clock::now() < until; ++i) {
+    m.publish_progress(0.01 * i);  // store work queued all along
+    m.publish_record("{\"step\": " + std::to_string(i) + "}");
+    const auto r = job.coord->poll();
+    ASSERT_EQ(r.alive, 2) << "a member went silent while its store stalled";
+    ASSERT_FALSE(r.new_round) << r.reason;
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_FALSE(m.cut_off());
+  *stalled = false;
+}
+
+// Nor does it hold up a relay that looks for a moved coordinator: the
+// address is read on another thread, and the relay goes on sending.
+TEST(Beats, ARelayLookingForTheCoordinatorInAStalledStoreKeepsSending) {
+  auto store = std::make_shared<comm::MemoryKvStore>();
+  auto stalled = std::make_shared<std::atomic<bool>>(false);
+  auto listener = std::make_unique<BeatListener>("127.0.0.1", "127.0.0.1", "");
+  store->set("elastic/beat_addr", listener->address());
+  auto table = LocalBeats::in_process();
+  table->beat(table->acquire(), 7);
+  auto slow = std::make_shared<StallingStore>(store, stalled);
+  BeatSender relay(table, sender_options(slow));
+  ASSERT_TRUE(eventually([&] { return relay.acked_ns() > 0; }));
+  *stalled = true;
+  listener.reset();  // no answer: after three intervals the relay asks the store again
+  const auto gap = longest_still([&] { return table->sent_ns(); }, 1500ms);
+  EXPECT_LT(gap.count(), 200) << "the relay stood still while the store stalled";
+  *stalled = false;
 }
 
 }  // namespace

@@ -273,28 +273,48 @@ BeatSender::BeatSender(std::shared_ptr<LocalBeats> table, BeatSenderOptions opt,
     : table_(std::move(table)), opt_(std::move(opt)), only_slot_(only_slot), nonce_(to_hex(comm::random_bytes(8))) {
   fd_ = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd_ < 0) throw Error(std::string("cannot open a heartbeat socket: ") + std::strerror(errno));
+  resolver_ = std::thread([this] { resolve_loop(); });
   thread_ = std::thread([this] { loop(); });
 }
 
 BeatSender::~BeatSender() {
-  stop_ = true;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (resolver_.joinable()) resolver_.join();
   ::close(fd_);
 }
 
-// Reads the listener's address from the store; false while there is none
-// (no coordinator yet, or the store out of reach).
-bool BeatSender::resolve() {
-  resolved_ns_ = monotonic_ns();
+// Reads the listener's address whenever the send thread asks.
+void BeatSender::resolve_loop() {
+  while (true) {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || want_; });
+      if (stop_) return;
+    }
+    resolve();
+    std::lock_guard<std::mutex> lock(mu_);
+    want_ = false;
+  }
+}
+
+// Reads the listener's address from the store; a new, usable one is handed
+// to the send thread. Nothing while there is none (no coordinator yet, or
+// the store out of reach).
+void BeatSender::resolve() {
   std::optional<std::string> v;
   try {
     if (!store_) store_ = opt_.connect();
     v = store_->try_get("elastic/beat_addr");
   } catch (const std::exception&) {
     store_.reset();  // a new connection next time
-    return !addr_text_.empty();
+    return;
   }
-  if (!v || *v == addr_text_) return !addr_text_.empty();
+  if (!v || *v == resolved_text_) return;
   std::istringstream in(*v);
   std::string hostport, nonce;
   in >> hostport >> nonce;
@@ -303,11 +323,24 @@ bool BeatSender::resolve() {
   if (colon == std::string::npos || nonce.empty() ||
       !resolve_udp(hostport.substr(0, colon), std::atoi(hostport.c_str() + colon + 1), &a)) {
     log_warn("heartbeats: cannot use the coordinator's address '" + *v + "'");
-    return !addr_text_.empty();
+    return;
   }
-  if (::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return !addr_text_.empty();
-  addr_text_ = *v;
-  coord_nonce_ = nonce;
+  resolved_text_ = *v;
+  std::lock_guard<std::mutex> lock(mu_);
+  new_text_ = *v;
+  new_nonce_ = nonce;
+  new_addr_ = a;
+  have_new_ = true;
+}
+
+// Takes an address the resolve thread found (send thread).
+bool BeatSender::take_resolved() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!have_new_) return false;
+  have_new_ = false;
+  if (::connect(fd_, reinterpret_cast<sockaddr*>(&new_addr_), sizeof new_addr_) != 0) return false;
+  addr_text_ = new_text_;
+  coord_nonce_ = new_nonce_;
   return true;
 }
 
@@ -347,25 +380,34 @@ void BeatSender::loop() {
   const int64_t interval = std::chrono::nanoseconds(opt_.interval).count();
   int64_t next = monotonic_ns();
   while (!stop_) {
+    take_resolved();
     const int64_t now = monotonic_ns();
     // No address yet, or no answer for three intervals (the coordinator
-    // moved, or is gone): read the address again, at most once an interval.
-    const bool unanswered = now - std::max(acked_ns_.load(), resolved_ns_) > 3 * interval;
-    bool have = !addr_text_.empty();
-    if (!have || (unanswered && now - resolved_ns_ > interval)) have = resolve();
-    if (have) {
+    // moved, or is gone): ask for the address again, at most once an
+    // interval, and go on sending to the one there is meanwhile.
+    const bool unanswered = now - std::max(acked_ns_.load(), asked_ns_) > 3 * interval;
+    if ((addr_text_.empty() || unanswered) && now - asked_ns_ > interval) {
+      asked_ns_ = now;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        want_ = true;
+      }
+      cv_.notify_all();
+    }
+    if (!addr_text_.empty()) {
       auto entries = only_slot_ >= 0 ? std::vector<LocalBeats::Entry>{table_->entry(only_slot_)} : table_->entries();
       entries.erase(std::remove_if(entries.begin(), entries.end(), [](const auto& e) { return e.id <= 0 || e.counter <= 0; }),
                     entries.end());
       if (!entries.empty()) send(entries, now);
-      if (only_slot_ < 0) table_->mark_sent(now);
     }
+    if (only_slot_ < 0) table_->mark_sent(now);  // the relay runs (read by its workers)
     next += interval;
     if (next < monotonic_ns()) next = monotonic_ns();  // late (stopped, starved): no burst
     while (!stop_) {
       const int64_t left = next - monotonic_ns();
       if (left <= 0) break;
       receive_acks(std::chrono::milliseconds(std::min<int64_t>(left / 1000000 + 1, 20)));
+      if (addr_text_.empty() && take_resolved()) break;  // the first address: send at once
     }
   }
 }

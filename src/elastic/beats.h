@@ -28,8 +28,10 @@
 // or to a later coordinator.
 #pragma once
 
+#include <netinet/in.h>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
@@ -151,7 +153,9 @@ struct BeatSenderOptions {
 
 // Sends `table`'s entries (those `only_slot` names, or all when -1) every
 // interval on a thread of its own, and marks the table's acknowledgement
-// time when the listener answers.
+// time when the listener answers. The listener's address is read from the
+// store on a second thread, so that a store that answers slowly never holds
+// up a send.
 class BeatSender {
  public:
   BeatSender(std::shared_ptr<LocalBeats> table, BeatSenderOptions opt, int only_slot = -1);
@@ -164,19 +168,27 @@ class BeatSender {
 
  private:
   void loop();
-  bool resolve();
+  void resolve_loop();
+  void resolve();
+  bool take_resolved();
   void send(const std::vector<LocalBeats::Entry>& entries, int64_t now);
   void receive_acks(std::chrono::milliseconds wait);
   std::shared_ptr<LocalBeats> table_;
   BeatSenderOptions opt_;
   int only_slot_;
   int fd_ = -1;
-  std::shared_ptr<comm::KvStore> store_;
-  std::string addr_text_, coord_nonce_, nonce_;
-  int64_t seq_ = 0, resolved_ns_ = 0;
+  std::shared_ptr<comm::KvStore> store_;         // (resolve thread only)
+  std::string addr_text_, coord_nonce_, nonce_;  // (send thread only)
+  int64_t seq_ = 0, asked_ns_ = 0;
+  // The resolve thread's answer: a new address, taken by the send thread.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool want_ = false, have_new_ = false;
+  std::string new_text_, new_nonce_, resolved_text_;
+  sockaddr_in new_addr_{};
   std::atomic<int64_t> acked_ns_{0};
   std::atomic<bool> stop_{false};
-  std::thread thread_;
+  std::thread thread_, resolver_;
 };
 
 }  // namespace limbo::elastic

@@ -77,9 +77,10 @@ Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
   // the training thread cannot delay a heartbeat or an abort.
   // (Both connections are made before either thread starts: a failed
   // connect must not leave a running thread behind.)
-  auto beat_store = opt_.connect();
+  auto publish_store = opt_.connect();
   auto watch_store = opt_.connect();
-  heartbeat_ = std::thread([this, s = std::move(beat_store)] { beat_loop(s); });
+  heartbeat_ = std::thread([this] { beat_loop(); });
+  publish_ = std::thread([this, s = std::move(publish_store)] { publish_loop(s); });
   watch_ = std::thread([this, s = std::move(watch_store), seen] { watch_loop(s, seen); });
 }
 
@@ -87,6 +88,7 @@ Member::~Member() {
   stop_ = true;
   cv_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
+  if (publish_.joinable()) publish_.join();
   if (watch_.joinable()) watch_.join();
 }
 
@@ -96,9 +98,10 @@ void Member::sleep_while_running(std::chrono::milliseconds d) {
     std::this_thread::sleep_for(std::min<Clock::duration>(until - Clock::now(), std::chrono::milliseconds(20)));
 }
 
-// A beat is a store of this member's slot (no system call). The store
-// connection carries only the progress and the queued status records.
-void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
+// A beat is a store of this member's slot (no system call). This thread
+// makes no store call: a store that answers slowly (an etcd member stopped)
+// must not hold up a beat.
+void Member::beat_loop() {
   auto next = Clock::now();
   const int64_t interval = std::chrono::nanoseconds(opt_.heartbeat_interval).count();
   while (!stop_) {
@@ -113,6 +116,18 @@ void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
       bo.connect = opt_.connect;
       own_sender_ = std::make_unique<BeatSender>(beats_, bo, slot_);
     }
+    check_cut_off();
+    next += opt_.heartbeat_interval;
+    const auto now = Clock::now();
+    if (next < now) next = now;  // late (e.g. the process was stopped): no burst of beats
+    sleep_while_running(std::chrono::duration_cast<std::chrono::milliseconds>(next - now));
+  }
+}
+
+// The progress and the queued status records, once a heartbeat interval, on
+// their own store connection.
+void Member::publish_loop(std::shared_ptr<comm::KvStore> s) {
+  while (!stop_) {
     try {
       const double progress = progress_.load();
       if (progress != published_progress_) {
@@ -121,13 +136,9 @@ void Member::beat_loop(std::shared_ptr<comm::KvStore> s) {
       }
       publish_records(*s);
     } catch (const std::exception& e) {
-      // Best effort: the next beat tries again.
+      // Best effort: the next interval tries again.
     }
-    check_cut_off();
-    next += opt_.heartbeat_interval;
-    const auto now = Clock::now();
-    if (next < now) next = now;  // late (e.g. the process was stopped): no burst of beats
-    sleep_while_running(std::chrono::duration_cast<std::chrono::milliseconds>(next - now));
+    sleep_while_running(opt_.heartbeat_interval);
   }
 }
 
@@ -304,7 +315,7 @@ void Member::publish_record(std::string record) {
   while (records_.size() > 64) records_.pop_front();
 }
 
-// Handed to the heartbeat thread: a store out of reach must not hold up a
+// Handed to the publish thread: a store out of reach must not hold up a
 // training step (progress only drives --elastic-schedule).
 void Member::publish_progress(double epoch) { progress_.store(epoch); }
 

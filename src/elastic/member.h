@@ -1,7 +1,7 @@
 // One worker's side of elastic membership.
 //
-// Registers in the store (an id, `join/<id>`), and runs two threads of its
-// own:
+// Registers in the store (an id, `join/<id>`), and runs three threads of
+// its own:
 // * the heartbeat thread beats every `elastic/heartbeat_interval_ms` (set by
 //   the coordinator) into this worker's slot of its host's heartbeat table
 //   (elastic/beats.h), which its launcher relays to the coordinator; a
@@ -10,8 +10,9 @@
 //   coordinator for MemberOptions::cut_off_after, this member is cut off:
 //   the coordinator has dropped it, so it aborts its own group (its
 //   training thread stops waiting on peers it cannot rejoin) and waits for
-//   a round again. The same thread writes the progress and status records
-//   to the store, on a connection of its own.
+//   a round again. This thread makes no store call.
+// * the publish thread writes the progress and status records to the
+//   store, once a heartbeat interval, on a connection of its own.
 // * the watch thread waits in the store for the coordinator's next event
 //   (`event/<n>`: "round k" or "abort k"). A new round makes newer_round()
 //   true and wakes wait_round(); "abort k" aborts this member's group when it
@@ -96,12 +97,12 @@ class Member {
   void request_round(int64_t current);
   void leave();
   // Sets `elastic/progress` (fractional epochs), read by the launcher's
-  // --elastic-schedule: written by the heartbeat thread with its next beat,
-  // so it never blocks the caller. Best effort.
+  // --elastic-schedule: written by the publish thread within a heartbeat
+  // interval, so it never blocks the caller. Best effort.
   void publish_progress(double epoch);
   // Queues one metrics record (JSON) for the job's status pages; the
-  // heartbeat thread writes it to `elastic/record/<n mod 256>` with its next
-  // beat (n from `elastic/records`). Never blocks; at most 64 wait, the
+  // publish thread writes it to `elastic/record/<n mod 256>` within a
+  // heartbeat interval (n from `elastic/records`). Never blocks; at most 64 wait, the
   // oldest are dropped beyond that.
   void publish_record(std::string record);
   // Sets `elastic/done`: training completed (every member reaches the same
@@ -130,7 +131,8 @@ class Member {
   bool cut_off() const { return cut_off_.load(); }
 
  private:
-  void beat_loop(std::shared_ptr<comm::KvStore> s);
+  void beat_loop();
+  void publish_loop(std::shared_ptr<comm::KvStore> s);
   void check_cut_off();
   void watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen);
   void on_event(const std::string& event);
@@ -154,7 +156,7 @@ class Member {
   std::atomic<bool> cut_off_{false};
   std::atomic<bool> completed_{false};  // `elastic/done` seen (watch thread, completed())
   std::atomic<double> progress_{-1};
-  double published_progress_ = -1;  // (heartbeat thread only)
+  double published_progress_ = -1;  // (publish thread only)
   std::mutex records_mu_;
   std::deque<std::string> records_;
   std::mutex mu_;  // guards group_, group_round_; with cv_, wakes wait_round
@@ -165,7 +167,7 @@ class Member {
   int slot_ = -1;
   std::unique_ptr<BeatSender> own_sender_;  // this member's beats, when no launcher relays them
   int64_t started_ns_ = 0;
-  std::thread heartbeat_, watch_;
+  std::thread heartbeat_, publish_, watch_;
 };
 
 }  // namespace limbo::elastic
