@@ -34,11 +34,13 @@ LIMBO_PACKAGES=(
 # The tests, benchmarks and experiments, on top: GoogleTest, network
 # namespaces, etcd and the certificates of its TLS tests, PyTorch for Python
 # (the side-by-side baseline and oracle; torchvision for the augmentation
-# oracle), plots, the real-browser test.
+# oracle), plots, the real-browser test, a real Slurm (its tests start their
+# own daemons).
 TEST_PACKAGES=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   iproute2 openssl etcd-server etcd-client
   python3-torch python3-torchvision python3-numpy python3-matplotlib python3-prometheus-client chromium
+  munge slurmctld slurmd slurm-client
 )
 PACKAGES=("${LIMBO_PACKAGES[@]}")
 if [ "$MODE" = all ]; then PACKAGES+=("${TEST_PACKAGES[@]}"); fi

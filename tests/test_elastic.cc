@@ -587,18 +587,24 @@ TEST(Elastic, AStoppedWorkerDoesNotTurnAFinishedJobIntoAFailure) {
 
 // Ctrl-C (SIGINT) and SIGTERM at the launcher stop the job: the workers leave
 // at a step boundary, the writer checkpoints, nothing restarts, and the exit
-// code is 128 + the signal. The checkpoint resumes.
+// code is 128 + the signal. SIGUSR1 (Slurm's warning ahead of preemption or
+// the time limit, docs/slurm.md) does the same and exits with 75, "requeue
+// me"; Slurm sends it to every process of the step, so the workers get it
+// too. The checkpoint resumes.
 TEST(Elastic, SignalsAtTheLauncherStopTheJobAfterACheckpoint) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
-  for (int sig : {SIGINT, SIGTERM}) {
+  for (int sig : {SIGINT, SIGTERM, SIGUSR1}) {
     Job job;
     job.start(2, 1, 20, {}, {"--set", "train.checkpoint_every_epochs=0"});
     ASSERT_TRUE(job.training()) << slurp(job.log);
+    if (sig == SIGUSR1)
+      for (int rank : {0, 1}) ASSERT_EQ(::kill(rank_pid(job.log, rank), sig), 0);
     ASSERT_EQ(::kill(job.launcher, sig), 0);
     auto r = job.finish();
-    EXPECT_EQ(r.exit_code, 128 + sig) << r.output;
+    EXPECT_EQ(r.exit_code, sig == SIGUSR1 ? 75 : 128 + sig) << r.output;
     EXPECT_EQ(r.output.find("restarting the job"), std::string::npos) << r.output;
-    EXPECT_NE(r.output.find("stopped by signal"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(sig == SIGUSR1 ? "stopped by SIGUSR1" : "stopped by signal"), std::string::npos)
+        << r.output;
     ASSERT_TRUE(limbo::file_exists(job.run + "/checkpoint.pt")) << r.output;
     EXPECT_FALSE(limbo::file_exists(job.run + "/summary.json")) << "training did not complete";
   }

@@ -198,24 +198,29 @@ TEST(PsJob, TheFinisherWaitsOutAPeerThatDiedBetweenBatches) {
 }
 
 // Ctrl-C at `limbo launch --mode async`: learners leave, shards checkpoint,
-// the job ends with 130 and resumes from there.
-TEST(PsJob, CtrlCStopsTheJobWith130AfterTheShardsCheckpoint) {
-  TempDir d;
-  const std::string run = d.file("run");
-  auto job = cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2", "--protocol", "softsync",
-                  "--run-dir", run, "--"}, mlp_args(20));
-  limbo::testing::KillOnExit children;
-  pid_t launcher = spawn_limbo(job, d.file("launch.log"));
-  children.pids.push_back(launcher);
-  ASSERT_TRUE(wait_for_text(d.file("launch.log"), "joined (lambda = 2", 60)) << slurp(d.file("launch.log"));
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
-  ASSERT_EQ(::kill(launcher, SIGINT), 0);
-  auto r = wait_child(launcher, d.file("launch.log"), 60);
-  ASSERT_FALSE(r.timed_out) << r.output;
-  EXPECT_EQ(r.exit_code, 130) << r.output;
-  EXPECT_NE(r.output.find("stopped by signal 2"), std::string::npos) << r.output;
-  EXPECT_TRUE(limbo::file_exists(run + "/shard-0/checkpoint.bin")) << r.output;
-  EXPECT_TRUE(limbo::file_exists(run + "/summary.json")) << r.output;
+// the job ends with 130 and resumes from there. SIGUSR1 (Slurm's warning
+// ahead of preemption) does the same and ends with 75, "requeue".
+TEST(PsJob, CtrlCOrSlurmsWarningStopsTheJobAfterTheShardsCheckpoint) {
+  for (auto [sig, code] : {std::pair{SIGINT, 130}, std::pair{SIGUSR1, 75}}) {
+    SCOPED_TRACE("signal " + std::to_string(sig));
+    TempDir d;
+    const std::string run = d.file("run");
+    auto job = cat({"launch", "--mode", "async", "--servers", "1", "--workers", "2", "--protocol", "softsync",
+                    "--run-dir", run, "--"}, mlp_args(20));
+    limbo::testing::KillOnExit children;
+    pid_t launcher = spawn_limbo(job, d.file("launch.log"));
+    children.pids.push_back(launcher);
+    ASSERT_TRUE(wait_for_text(d.file("launch.log"), "joined (lambda = 2", 60)) << slurp(d.file("launch.log"));
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    ASSERT_EQ(::kill(launcher, sig), 0);
+    auto r = wait_child(launcher, d.file("launch.log"), 60);
+    ASSERT_FALSE(r.timed_out) << r.output;
+    EXPECT_EQ(r.exit_code, code) << r.output;
+    EXPECT_NE(r.output.find(sig == SIGUSR1 ? "stopped by SIGUSR1" : "stopped by signal 2"), std::string::npos)
+        << r.output;
+    EXPECT_TRUE(limbo::file_exists(run + "/shard-0/checkpoint.bin")) << r.output;
+    EXPECT_TRUE(limbo::file_exists(run + "/summary.json")) << r.output;
+  }
 }
 
 pid_t shard_pid(const std::string& dir) {

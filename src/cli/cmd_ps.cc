@@ -38,6 +38,7 @@ void install_stop_handlers() {
   sa.sa_handler = on_stop;
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGUSR1, &sa, nullptr);  // Slurm's warning ahead of preemption or the time limit
 }
 
 ps::CurveKeys keys_of(const std::string& file) { return file.empty() ? ps::CurveKeys{} : ps::load_curve_keys(file); }

@@ -14,12 +14,14 @@
 #include "comm/collective.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/slurm.h"
 #include "comm/kv_store.h"
 #include "elastic/allreduce_update.h"
 #include "elastic/elastic_membership.h"
 #include "elastic/launcher.h"
 #include "train/trainer.h"
 
+#include <netdb.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -163,13 +165,14 @@ int run_train(const TrainArgs& a) {
     auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.optimizer_step(), trainer.params(),
                                                            reduce_options);
     trainer.set_update_rule(rule);
-    // SIGTERM and SIGINT (Ctrl-C reaches every process of the terminal's
-    // group): finish the current step, leave at the next agreed boundary; the
+    // SIGTERM, SIGINT (Ctrl-C reaches every process of the terminal's
+    // group) and SIGUSR1 (Slurm's `--signal`): finish the current step, leave at the next agreed boundary; the
     // writer checkpoints first when it leaves.
     struct sigaction sa {};
     sa.sa_handler = on_sigterm;
     ::sigaction(SIGTERM, &sa, nullptr);
     ::sigaction(SIGINT, &sa, nullptr);
+    ::sigaction(SIGUSR1, &sa, nullptr);  // Slurm's warning ahead of preemption or the time limit
     trainer.set_membership(std::make_unique<elastic::ElasticMembership>(
         std::move(member), rule, [] { return g_leave_requested.load(); }));
   }
@@ -204,6 +207,65 @@ std::string test_result(const nlohmann::json& s) {
   else
     std::snprintf(buf, sizeof buf, "test loss: %.4f", loss);
   return buf;
+}
+
+std::vector<std::string> apply_slurm(LaunchArgs& a) {
+  const auto job = slurm_job();
+  if (!job || a.mode != "sync") return {};
+  auto given = [&](const char* f) { return std::find(a.given.begin(), a.given.end(), f) != a.given.end(); };
+  std::vector<std::string> said;
+  const int nodes = static_cast<int>(job->nodes.size());
+  if (!given("--nproc")) {
+    a.nproc = job->workers_per_node();
+    said.push_back("--nproc " + std::to_string(a.nproc) + " (" +
+                   (job->cpus_per_task > 0 ? "SLURM_CPUS_PER_TASK" : job->cpus_on_node > 0 ? "SLURM_CPUS_ON_NODE" : "1 by default") +
+                   ")");
+  }
+  if (!given("--min-workers") && !given("--max-workers")) {
+    // Elastic: a node preempted or lost leaves the others training, and
+    // rejoins when Slurm gives it back.
+    a.min_workers = a.nproc;
+    a.max_workers = nodes * a.nproc;
+    said.push_back("--min-workers " + std::to_string(a.min_workers) + " --max-workers " +
+                   std::to_string(a.max_workers) + " (" + std::to_string(nodes) + " nodes x --nproc)");
+  }
+  if (!given("--start-workers") && a.max_workers > 0) {
+    a.start_workers = std::min(a.max_workers, nodes * a.nproc);
+    said.push_back("--start-workers " + std::to_string(a.start_workers) + " (every node's workers)");
+  }
+  if (!given("--rdzv")) {
+    // The first node hosts the store. Where its name does not resolve, the
+    // address `srun` ran from stands for it: the batch script runs on the
+    // job's first node.
+    std::string host = job->nodes[0], why = "the first node of SLURM_JOB_NODELIST";
+    addrinfo hints{}, *res = nullptr;
+    hints.ai_family = AF_INET;
+    if (!job->launch_node_ip.empty() && ::getaddrinfo(host.c_str(), nullptr, &hints, &res) == 0) {
+      ::freeaddrinfo(res);
+    } else if (!job->launch_node_ip.empty()) {
+      host = job->launch_node_ip;
+      why = "SLURM_LAUNCH_NODE_IPADDR: the first node's name " + job->nodes[0] + " does not resolve";
+    }
+    a.rdzv = host + ":" + std::to_string(job->rendezvous_port());
+    said.push_back("--rdzv " + a.rdzv + " (" + why + "; port 29400 + job id mod 1000)");
+  }
+  bool dir_in_args = false;
+  for (size_t i = 0; i + 1 < a.train_args.size(); ++i) dir_in_args = dir_in_args || a.train_args[i] == "--run-dir";
+  if (!given("--run-dir") && !dir_in_args) {
+    a.run_dir = "runs/slurm-" + job->job_id;
+    said.push_back("--run-dir " + a.run_dir + " (SLURM_JOB_ID)");
+  }
+  std::string dir = a.run_dir;
+  for (size_t i = 0; i + 1 < a.train_args.size(); ++i)
+    if (a.train_args[i] == "--run-dir") dir = a.train_args[i + 1];
+  if (!a.resume && file_exists(dir + "/checkpoint.pt")) {
+    // A requeued job (or one started again by hand) goes on from its
+    // checkpoint.
+    a.resume = true;
+    said.push_back("--resume (" + dir + " holds a checkpoint; requeued " + std::to_string(job->restart_count) +
+                   " time(s))");
+  }
+  return said;
 }
 
 int run_launch(const LaunchArgs& a) {
@@ -268,6 +330,20 @@ int run_launch(const LaunchArgs& a) {
   ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
   if (n <= 0) throw Error("cannot find the limbo binary (/proc/self/exe)");
   lo.self_exe.assign(exe, static_cast<size_t>(n));
+  if (a.dry_run) {
+    std::printf("workers on this host: %d\n", lo.nproc);
+    if (lo.elastic)
+      std::printf("elastic: min %d, max %d, the first round waits for %d\n", lo.min_workers, lo.max_workers,
+                  lo.start_workers > 0 ? lo.start_workers : std::max(lo.nproc, lo.min_workers));
+    else
+      std::printf("fixed membership\n");
+    std::printf("rendezvous: %s\n", lo.etcd ? lo.etcd->url().c_str()
+                                             : (lo.rdzv_host + ":" + std::to_string(lo.rdzv_port)).c_str());
+    std::string cmd;
+    for (const auto& t : lo.train_args) cmd += " " + t;
+    std::printf("training arguments:%s\n", cmd.c_str());
+    return 0;
+  }
   return elastic::launch(lo);
 }
 

@@ -53,7 +53,12 @@ struct LaunchArgs {
   std::string token;
   // --rdzv etcd://...: etcd's user/password and TLS files.
   std::string etcd_user, etcd_password_file, etcd_cacert, etcd_cert, etcd_key;
+  bool dry_run = false;            // print what would run (with what came from Slurm) and stop
+  std::vector<std::string> given;  // the flags given on the command line ("--nproc", ...)
 };
+// Under Slurm (`srun limbo launch`): the defaults a flag not given takes
+// from the job (docs/slurm.md). Returns one line per value it set.
+std::vector<std::string> apply_slurm(LaunchArgs& a);
 int run_launch(const LaunchArgs& a);
 int run_launch_async(const LaunchArgs& a);
 

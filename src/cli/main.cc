@@ -110,6 +110,8 @@ int main(int argc, char** argv) {
   launch->add_option("--status", launch_args.status,
                      "ADDR:PORT of the job's live status page (default 127.0.0.1:0, a free port; "
                      "the URL is printed and written to the run directory as status.url)");
+  launch->add_flag("--dry-run", launch_args.dry_run,
+                   "print the settings the job would run with (under Slurm: what came from the job) and stop");
   launch->add_option("train_args", launch_args.train_args, "arguments for `limbo train` (after --)");
 
   cli::PsServerArgs ps_args;
@@ -195,7 +197,17 @@ int main(int argc, char** argv) {
   try {
     if (*train && !train_args.dist_rdzv.empty()) train_args.token = cli::job_token(train_args.token_file);
     if (*train) return cli::run_train(train_args);
-    if (*launch) launch_args.token = cli::job_token(launch_args.token_file);
+    if (*launch) {
+      for (const char* f : {"--nproc", "--rdzv", "--min-workers", "--max-workers", "--start-workers", "--run-dir"})
+        if (launch->count(f) > 0) launch_args.given.emplace_back(f);
+      launch_args.token = cli::job_token(launch_args.token_file);
+      if (launch_args.dry_run && launch_args.mode != "sync")
+        throw InvalidInput("--dry-run is for data-parallel jobs (--mode sync)");
+      for (const auto& line : cli::apply_slurm(launch_args)) {
+        if (launch_args.dry_run) std::printf("from Slurm: %s\n", line.c_str());
+        else log_info("launch: from Slurm: " + line);
+      }
+    }
     if (*launch) return launch_args.mode == "async" ? cli::run_launch_async(launch_args) : cli::run_launch(launch_args);
     if (*ps_server) return cli::run_ps_server(ps_args);
     if (*status) return cli::run_status(status_target, status_watch, status_interval);

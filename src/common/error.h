@@ -47,5 +47,9 @@ constexpr int kExitInvalidInput = 2;  // user error: bad flag, config or data
 constexpr int kExitPeerFailure = 3;
 constexpr int kExitTimeout = 4;
 constexpr int kExitLostJob = 5;     // a launcher cut off from its job (docs/elastic.md, "How a job ends")
+// A launcher stopped by SIGUSR1 (Slurm's warning ahead of preemption or the
+// time limit) after its workers checkpointed and left: requeue the job
+// (EX_TEMPFAIL; docs/slurm.md).
+constexpr int kExitPreempted = 75;
 
 }  // namespace limbo

@@ -78,6 +78,7 @@ Supervisor::Supervisor() {
   sa.sa_handler = on_signal;
   ::sigaction(SIGINT, &sa, nullptr);
   ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGUSR1, &sa, nullptr);  // Slurm's warning ahead of preemption or the time limit
 }
 
 Supervisor::~Supervisor() {

@@ -29,8 +29,8 @@ std::string describe_status(int status);
 // The children of one launcher, each with a role ("worker", "shard", ...)
 // and an index. Not thread-safe: the launcher's main loop owns it.
 //
-// Signals: constructing a Supervisor installs handlers for SIGINT and
-// SIGTERM that only record the signal (take_signal()); the launcher decides
+// Signals: constructing a Supervisor installs handlers for SIGINT, SIGTERM
+// and SIGUSR1 that only record the signal (take_signal()); the launcher decides
 // what its children get. The destructor SIGKILLs and reaps every child still
 // running, so no path out of a launcher leaves processes behind; and a
 // launcher that is itself killed leaves none either: its children get
@@ -58,7 +58,7 @@ class Supervisor {
   // SIGKILLs children whose stop grace period has passed.
   std::optional<Exit> poll(pid_t only = -1);
 
-  // The SIGINT / SIGTERM the launcher received since the last call (0: none).
+  // The SIGINT / SIGTERM / SIGUSR1 the launcher received since the last call (0: none).
   int take_signal();
   // The first such signal ever received (0: none).
   int first_signal() const;

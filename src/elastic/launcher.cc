@@ -403,8 +403,9 @@ int64_t Job::worker_id_of(pid_t pid) {
 
 void Job::on_signal(int sig) {
   // Elastic workers take SIGTERM as "leave cleanly" (the writer
-  // checkpoints); the job stops without a restart.
-  const int fwd = opt_.elastic ? SIGTERM : sig;
+  // checkpoints); the job stops without a restart. SIGUSR1 (Slurm's warning
+  // ahead of preemption) reaches the workers as SIGTERM too.
+  const int fwd = opt_.elastic || sig == SIGUSR1 ? SIGTERM : sig;
   log_info("launch: got signal " + std::to_string(sig) + "; stopping the job (workers get signal " +
            std::to_string(fwd) + ")");
   if (!user_signal_) user_signal_ = sig;
@@ -737,6 +738,12 @@ int Job::finish() {
     return code;
   }
   if (!start_marker_.empty()) std::remove(start_marker_.c_str());
+  if (user_signal_ == SIGUSR1 && phase_ == Phase::Stopping) {
+    log_warn("launch: exit code " + std::to_string(kExitPreempted) +
+             ": stopped by SIGUSR1 (ahead of preemption or the time limit) before training completed; requeue "
+             "the job, or run it again with --resume");
+    return kExitPreempted;
+  }
   if (user_signal_ && phase_ == Phase::Stopping) {
     log_warn("launch: exit code " + std::to_string(128 + user_signal_) + ": stopped by signal " +
              std::to_string(user_signal_) + " before training completed (resume with --resume)");

@@ -168,6 +168,12 @@ class AsyncJob {
     const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
     stop_shards();
     write_summary(wall, finished_ok, failed);
+    if (sup_.first_signal() == SIGUSR1) {
+      log_warn("launch: exit code " + std::to_string(kExitPreempted) +
+               ": stopped by SIGUSR1 (ahead of preemption or the time limit); requeue the job, or run it again "
+               "with --resume");
+      return kExitPreempted;
+    }
     if (const int sig = sup_.first_signal()) {
       log_warn("launch: exit code " + std::to_string(128 + sig) + ": stopped by signal " + std::to_string(sig) +
                " (resume with --resume)");
