@@ -17,6 +17,7 @@
 //
 //   build/bench/limbo_bench_ps_roundtrip [--reps 20] [--sizes-m 1,10] [--part-mb 1]
 //                                        [--momentum 0.9] [--weight-decay 0]
+//                                        [--modes f32,bf16,bf16-both]
 #include "bench_args.h"
 
 #include <zmq.h>
@@ -263,13 +264,17 @@ double median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   const limbo::bench::BenchArgs args(
-      argc, argv, "[--reps 20] [--sizes-m 1,10] [--part-mb 1] [--momentum 0.9] [--weight-decay 0]",
-      {"--reps", "--sizes-m", "--part-mb", "--momentum", "--weight-decay"});
+      argc, argv,
+      "[--reps 20] [--sizes-m 1,10] [--part-mb 1] [--momentum 0.9] [--weight-decay 0] [--modes f32,bf16,bf16-both]",
+      {"--reps", "--sizes-m", "--part-mb", "--momentum", "--weight-decay", "--modes"});
+  const std::string modes_given = "," + args.text("--modes", "f32,bf16,bf16-both") + ",";
   const int reps = static_cast<int>(args.integer("--reps", 20));
   std::vector<size_t> sizes_m;
   for (double m : args.numbers("--sizes-m", {1, 10})) sizes_m.push_back(static_cast<size_t>(m));
   const double part_mb = args.number("--part-mb", 1.0), momentum = args.number("--momentum", 0.9),
                weight_decay = args.number("--weight-decay", 0.0);
+  const char* only = std::getenv("LIMBO_BENCH_ONLY_LIMBO");
+  const bool only_limbo = only && std::string(only) == "1";
   limbo::set_log_level(limbo::LogLevel::Warn);
   limbo::keep_freed_memory();  // as the limbo binary does at start-up (applies to both sides)
   std::printf("push + pull round trip on loopback, median of %d interleaved reps, parts of %g MiB, "
@@ -279,12 +284,20 @@ int main(int argc, char** argv) {
   std::printf("%10s %-18s %8s %11s %11s %9s %11s %9s %9s %14s\n", "floats", "wire (push/pull)", "MB", "raw 1 msg",
               "raw parts", "limbo", "limbo GB/s", "vs 1 msg", "vs parts", "passes alone");
   struct Mode {
+    const char* flag;
     const char* name;
     uint8_t push, pull;
   };
-  const Mode modes[] = {{"f32 / f32", 0, 0},
-                        {"bf16 / f32", limbo::ps::kBf16Values, 0},
-                        {"bf16 / bf16", limbo::ps::kBf16Values, limbo::ps::kBf16Values}};
+  const Mode all_modes[] = {{"f32", "f32 / f32", 0, 0},
+                            {"bf16", "bf16 / f32", limbo::ps::kBf16Values, 0},
+                            {"bf16-both", "bf16 / bf16", limbo::ps::kBf16Values, limbo::ps::kBf16Values}};
+  std::vector<Mode> modes;
+  for (const Mode& m : all_modes)
+    if (modes_given.find("," + std::string(m.flag) + ",") != std::string::npos) modes.push_back(m);
+  if (modes.empty()) {
+    std::fprintf(stderr, "--modes: give one or more of f32, bf16, bf16-both\n");
+    return 2;
+  }
   for (size_t m : sizes_m) {
     const size_t n = m * 1000 * 1000;
     const size_t part = part_mb > 0 ? std::max<size_t>(1, static_cast<size_t>(part_mb * (1 << 20) / 4)) : n;
@@ -296,10 +309,11 @@ int main(int argc, char** argv) {
       LimboPair limbo_pair(n, part, momentum, weight_decay, mode.push, mode.pull);
       std::vector<double> t1, tp, tl, tx;
       for (int r = 0; r < reps + 3; ++r) {
-        double a = raw.round_trip();
-        double b = raw_parts.round_trip();
+        // LIMBO_BENCH_ONLY_LIMBO=1: Limbo's round trips alone (for a profiler).
+        double a = only_limbo ? 1 : raw.round_trip();
+        double b = only_limbo ? 1 : raw_parts.round_trip();
         double c = limbo_pair.round_trip();
-        double x = passes.run();
+        double x = only_limbo ? 1 : passes.run();
         if (r >= 3) {
           t1.push_back(a);
           tp.push_back(b);

@@ -88,6 +88,35 @@ TEST(Shard, PushesAndWeightsTravelInParts) {
   EXPECT_EQ(s["gradients_rejected"], 4);
 }
 
+// Found: a streamed update was kept only when its rate was exact in float32
+// (alpha0 = 0.5 here, 0.01 in a real job): the shard compared the rate in
+// double with the rate rounded to float, threw the streamed update away at
+// the last part and made it again, after the push, on the critical path.
+// With any rate, a push that makes the update alone is applied once, as its
+// parts arrive, with the same result.
+TEST(Shard, AStreamedUpdateIsKeptWhateverItsRate) {
+  for (double alpha0 : {0.5, 0.01, 1e-3, 0.3}) {
+    SCOPED_TRACE("alpha0 " + std::to_string(alpha0));
+    auto o = softsync(1);
+    o.alpha0 = alpha0;
+    LocalShard shard(o, {}, /*part_floats=*/300);
+    Client c(shard.endpoint);
+    ASSERT_EQ(c.hello(1, shard.fp).header.type, MsgType::Welcome);
+    uint64_t clock = 99;
+    c.pull_parts(1, 1, &clock);
+    auto g = ramp(0.25f);
+    for (uint64_t k = 0; k < 3; ++k) {
+      auto ack = c.push_parts(push_header(1, 2 + 2 * k, clock), g, 256);
+      ASSERT_EQ(json::parse(ack.meta)["status"], "accepted");
+      c.pull_parts(1, 3 + 2 * k, &clock);
+    }
+    ASSERT_EQ(clock, 3u);
+    auto s = shard.finish();
+    EXPECT_EQ(s["updates"], 3);
+    EXPECT_EQ(s["updates_streamed"], 3) << "a streamed update was made again after its push";
+  }
+}
+
 TEST(Shard, AStreamedPushOvertakenByAnotherUpdateIsAppliedAgainAsStale) {
   TwoLearners t(/*softsync_n=*/2);  // lambda = 2, n = 2: c = 1, every push is an update of its own
   auto &a = t.a, &b = t.b;

@@ -83,6 +83,8 @@ struct Server::Impl {
   // Payload bytes of push parts taken in and of weights parts sent (16-bit
   // values count 2 bytes: comm.compression, ps.pull_compression).
   int64_t push_payload_bytes = 0, weights_payload_bytes = 0;
+  // Updates made part by part while their push arrived (kept at its last part).
+  int64_t updates_streamed = 0;
   std::array<int64_t, kRejectKinds> rejected{};
   StalenessHist hist_total, hist_window;
   int64_t window_updates = 0;
@@ -420,8 +422,10 @@ struct Server::Impl {
       // step already holds that update unless another update came first.
       const bool single = agg.pending() == 1 && agg.ready();
       bool ok;
-      if (was_streamed && single && state->current(step) && step.alpha == static_cast<float>(offer.alpha)) {
+      // The same rate (both from the aggregator, in double) is the same update.
+      if (was_streamed && single && state->current(step) && step.alpha == offer.alpha) {
         ok = state->finish_step(step);
+        updates_streamed += ok;
       } else {
         if (was_streamed) state->abandon(step);
         ok = single ? state->step_single(push.parts, offer.alpha) : state->accumulate(push.parts, offer.alpha);
@@ -482,7 +486,8 @@ struct Server::Impl {
               {"updates_per_second", wall > 0 ? updates / wall : 0.0}, {"busy_fraction", wall > 0 ? busy / wall : 0.0},
               {"wall_seconds", wall}, {"gradients_per_learner", per}, {"learners_dropped", learners_dropped},
               {"checkpoints", checkpoints}, {"held_pulls_peak", held_peak},
-              {"push_payload_bytes", push_payload_bytes}, {"weights_payload_bytes", weights_payload_bytes}};
+              {"push_payload_bytes", push_payload_bytes}, {"weights_payload_bytes", weights_payload_bytes},
+              {"updates_streamed", updates_streamed}};
     if (transport && keys.enabled()) {
       s["curve_peers_accepted"] = transport->zap_accepted();
       s["curve_peers_refused"] = transport->zap_refused();
