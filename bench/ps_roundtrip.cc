@@ -17,7 +17,9 @@
 //
 //   build/bench/limbo_bench_ps_roundtrip [--reps 20] [--sizes-m 1,10] [--part-mb 1]
 //                                        [--momentum 0.9] [--weight-decay 0]
-//                                        [--modes f32,bf16,bf16-both]
+//                                        [--modes f32,bf16,bf16-both] [--phases 1]
+// --phases 1 also splits each round trip in two: until the first part of the
+// answer (raw) or the push's acknowledgement (Limbo), and the rest.
 #include "bench_args.h"
 
 #include <zmq.h>
@@ -126,11 +128,13 @@ struct RawEcho {
       zmq_msg_t in;
       zmq_msg_init(&in);
       zmq_msg_recv(&in, dealer, 0);
+      if (got == 0) first_reply = since(t0);
       got += zmq_msg_size(&in);
       zmq_msg_close(&in);
     }
     return since(t0);
   }
+  double first_reply = 0;  // of the last round trip: until the first part of the answer came
 };
 
 // ---- Limbo: a learner against a shard ---------------------------------------------------
@@ -235,9 +239,11 @@ struct LimboPair {
     }
     pull();
     expect(limbo::ps::MsgType::PushAck);
+    acked = since(t0);
     receive_weights();
     return since(t0);
   }
+  double acked = 0;  // of the last round trip: until the push was acknowledged
 };
 
 // The two memory passes Limbo adds to the bytes on the wire, timed alone on
@@ -265,8 +271,9 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   const limbo::bench::BenchArgs args(
       argc, argv,
-      "[--reps 20] [--sizes-m 1,10] [--part-mb 1] [--momentum 0.9] [--weight-decay 0] [--modes f32,bf16,bf16-both]",
-      {"--reps", "--sizes-m", "--part-mb", "--momentum", "--weight-decay", "--modes"});
+      "[--reps 20] [--sizes-m 1,10] [--part-mb 1] [--momentum 0.9] [--weight-decay 0] [--modes f32,bf16,bf16-both] "
+      "[--phases 1]",
+      {"--reps", "--sizes-m", "--part-mb", "--momentum", "--weight-decay", "--modes", "--phases"});
   const std::string modes_given = "," + args.text("--modes", "f32,bf16,bf16-both") + ",";
   const int reps = static_cast<int>(args.integer("--reps", 20));
   std::vector<size_t> sizes_m;
@@ -275,6 +282,7 @@ int main(int argc, char** argv) {
                weight_decay = args.number("--weight-decay", 0.0);
   const char* only = std::getenv("LIMBO_BENCH_ONLY_LIMBO");
   const bool only_limbo = only && std::string(only) == "1";
+  const bool phases = args.integer("--phases", 0) != 0;
   limbo::set_log_level(limbo::LogLevel::Warn);
   limbo::keep_freed_memory();  // as the limbo binary does at start-up (applies to both sides)
   std::printf("push + pull round trip on loopback, median of %d interleaved reps, parts of %g MiB, "
@@ -307,7 +315,7 @@ int main(int argc, char** argv) {
       RawEcho raw(up, down, up, down), raw_parts(up, down, part * (mode.push ? 2 : 4), part * (mode.pull ? 2 : 4));
       Passes passes(n);
       LimboPair limbo_pair(n, part, momentum, weight_decay, mode.push, mode.pull);
-      std::vector<double> t1, tp, tl, tx;
+      std::vector<double> t1, tp, tl, tx, up_raw, up_limbo;
       for (int r = 0; r < reps + 3; ++r) {
         // LIMBO_BENCH_ONLY_LIMBO=1: Limbo's round trips alone (for a profiler).
         double a = only_limbo ? 1 : raw.round_trip();
@@ -319,12 +327,29 @@ int main(int argc, char** argv) {
           tp.push_back(b);
           tl.push_back(c);
           tx.push_back(x);
+          up_raw.push_back(raw_parts.first_reply);
+          up_limbo.push_back(limbo_pair.acked);
         }
       }
       const double bytes = static_cast<double>(up + down);
       double m1 = median(t1), mp = median(tp), ml = median(tl), mx = median(tx);
       std::printf("%10zu %-18s %8.1f %8.2f ms %8.2f ms %6.2f ms %11.2f %8.2fx %8.2fx %11.2f ms\n", n, mode.name,
                   bytes / 1e6, 1e3 * m1, 1e3 * mp, 1e3 * ml, bytes / ml / 1e9, m1 / ml, mp / ml, 1e3 * mx);
+      if (phases)
+        std::printf("%10s up (until the first answer / the push acknowledged): raw parts %.2f ms, limbo %.2f ms; "
+                    "down (the rest): raw parts %.2f ms, limbo %.2f ms\n",
+                    "", 1e3 * median(up_raw), 1e3 * median(up_limbo), 1e3 * (mp - median(up_raw)),
+                    1e3 * (ml - median(up_limbo)));
+      if (phases) {
+        std::vector<double> sl = tl, sp = tp;
+        std::sort(sl.begin(), sl.end());
+        std::sort(sp.begin(), sp.end());
+        auto at = [](const std::vector<double>& v, double q) { return 1e3 * v[static_cast<size_t>(q * (v.size() - 1))]; };
+        std::printf("%10s spread over the reps (min / p10 / median / p90 / max): raw parts %.2f / %.2f / %.2f / %.2f / "
+                    "%.2f ms, limbo %.2f / %.2f / %.2f / %.2f / %.2f ms\n",
+                    "", at(sp, 0), at(sp, 0.1), at(sp, 0.5), at(sp, 0.9), at(sp, 1), at(sl, 0), at(sl, 0.1), at(sl, 0.5),
+                    at(sl, 0.9), at(sl, 1));
+      }
     }
   }
   return 0;
