@@ -128,6 +128,28 @@ TEST(SlurmLaunch, FlagsGivenWinOverWhatTheJobSays) {
   EXPECT_EQ(r.output.find("runs/slurm-4321"), std::string::npos) << r.output;
 }
 
+// Found: etcd.sbatch did not parse (a quote inside ${ETCD:?...}). Every
+// script in examples/slurm parses, and each batch script asks for what the
+// docs promise: requeue, --no-kill, the warning ahead of time.
+TEST(SlurmExamples, EveryScriptParsesAndAsksForRequeueNoKillAndTheWarning) {
+  int seen = 0;
+  for (const auto& f : std::filesystem::directory_iterator(std::string(LIMBO_SOURCE_DIR) + "/examples/slurm")) {
+    const std::string path = f.path().string();
+    SCOPED_TRACE(path);
+    ++seen;
+    auto r = limbo::testing::wait_child(limbo::testing::spawn_process({"/bin/bash", "-n", path}, path + ".log"),
+                                        path + ".log", 30);
+    std::filesystem::remove(path + ".log");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    if (f.path().extension() != ".sbatch") continue;
+    const std::string text = slurp(path);
+    for (const char* line : {"#SBATCH --requeue\n", "#SBATCH --no-kill\n", "#SBATCH --signal=B:USR1@",
+                             "#SBATCH --ntasks-per-node=1\n", "examples/slurm/limbo-srun.sh"})
+      EXPECT_NE(text.find(line), std::string::npos) << line;
+  }
+  EXPECT_EQ(seen, 4);
+}
+
 // A requeued job finds its checkpoint in its run directory and goes on.
 TEST(SlurmLaunch, ARequeuedJobResumesFromItsRunDirectorysCheckpoint) {
   TempDir d;
