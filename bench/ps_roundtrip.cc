@@ -41,6 +41,7 @@
 #include "common/half.h"
 #include "common/log.h"
 #include "common/memory.h"
+#include "ps/protocol.h"
 #include "ps/server.h"
 #include "ps/shard_state.h"
 #include "ps/transport.h"
@@ -253,6 +254,19 @@ struct Passes {
   std::vector<float> g, dst;
   limbo::ps::ShardState state;
   explicit Passes(size_t n) : g(n, 1e-6f), dst(n, 0.f), state(static_cast<int64_t>(n), dst.data(), {}) {}
+  // The learner's check of its gradient before a push: as it was
+  // (torch's isfinite().all()) and as it is (one read pass).
+  std::pair<double, double> finite_checks() {
+    torch::Tensor t = torch::from_blob(g.data(), {static_cast<int64_t>(g.size())}, torch::kFloat32);
+    auto t0 = Clock::now();
+    volatile bool a = t.isfinite().all().item<bool>();
+    const double torch_check = since(t0);
+    t0 = Clock::now();
+    volatile bool b = limbo::ps::all_finite(g.data(), g.size());
+    (void)a;
+    (void)b;
+    return {torch_check, since(t0)};
+  }
   double run() {
     auto t0 = Clock::now();
     state.step_single(g.data(), 1e-3);
@@ -315,7 +329,7 @@ int main(int argc, char** argv) {
       RawEcho raw(up, down, up, down), raw_parts(up, down, part * (mode.push ? 2 : 4), part * (mode.pull ? 2 : 4));
       Passes passes(n);
       LimboPair limbo_pair(n, part, momentum, weight_decay, mode.push, mode.pull);
-      std::vector<double> t1, tp, tl, tx, up_raw, up_limbo;
+      std::vector<double> t1, tp, tl, tx, up_raw, up_limbo, check_torch, check_pass;
       for (int r = 0; r < reps + 3; ++r) {
         // LIMBO_BENCH_ONLY_LIMBO=1: Limbo's round trips alone (for a profiler).
         double a = only_limbo ? 1 : raw.round_trip();
@@ -329,6 +343,11 @@ int main(int argc, char** argv) {
           tx.push_back(x);
           up_raw.push_back(raw_parts.first_reply);
           up_limbo.push_back(limbo_pair.acked);
+          if (phases) {
+            auto [ct, cp] = passes.finite_checks();
+            check_torch.push_back(ct);
+            check_pass.push_back(cp);
+          }
         }
       }
       const double bytes = static_cast<double>(up + down);
@@ -349,6 +368,8 @@ int main(int argc, char** argv) {
                     "%.2f ms, limbo %.2f / %.2f / %.2f / %.2f / %.2f ms\n",
                     "", at(sp, 0), at(sp, 0.1), at(sp, 0.5), at(sp, 0.9), at(sp, 1), at(sl, 0), at(sl, 0.1), at(sl, 0.5),
                     at(sl, 0.9), at(sl, 1));
+        std::printf("%10s the learner's finite check of its gradient: isfinite().all() %.2f ms, one pass %.2f ms\n", "",
+                    1e3 * median(check_torch), 1e3 * median(check_pass));
       }
     }
   }

@@ -1,5 +1,6 @@
 #include "ps/worker.h"
 #include "ps/heartbeats.h"
+#include "ps/protocol.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -231,8 +232,10 @@ double Learner::compute_and_push(const json& lease) {
   // Each shard checks only its own slice, so a gradient (or loss) that is
   // not finite anywhere is sent as NaN everywhere: every shard refuses it
   // alike, and none applies the finite rest of it.
-  if (!std::isfinite(lv) || !flat.grad().isfinite().all().item<bool>()) flat.grad().fill_(NAN);
+  // One read pass without an allocation (isfinite() would write a bool per
+  // parameter first).
   const float* g = flat.grad().data_ptr<float>();
+  if (!std::isfinite(lv) || !all_finite(g, static_cast<size_t>(flat.grad().numel()))) flat.grad().fill_(NAN);
   const std::string meta0 = buffers_meta();
   for (auto& l : shards_.all())
     push_seq_[l->index] = shards_.send_push(*l, g, lease_id, l->index == 0 ? meta0 : std::string(),
