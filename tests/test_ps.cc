@@ -14,6 +14,7 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "common/half.h"
 #include "ps/aggregator.h"
 #include "ps/buffer_mean.h"
 #include "ps/push_residual.h"
@@ -473,6 +474,80 @@ TEST(ShardStateTest, StreamsWithMomentumAndWeightDecay) {
   EXPECT_FALSE(stream(bad, 0.1, 3));
   EXPECT_EQ(s.weights(), before);
   EXPECT_EQ(std::memcmp(s.optimizer().state()[0].data_ptr<float>(), mom_before.data(), n * 4), 0);
+}
+
+// 16-bit gradient parts (comm.compression) are widened a chunk at a time
+// inside the update instead of into a copy of the part: the same weights and
+// optimizer state, bit for bit, as the widened floats (SGD with momentum and
+// weight decay, AdamW; streamed, whole and accumulated; parts longer than a
+// chunk and not a multiple of it), and NaN or Inf among the 16-bit values is
+// refused with nothing changed.
+TEST(ShardStateTest, SixteenBitPartsUpdateExactlyAsTheirWidenedFloats) {
+  const int64_t n = 20000 + 123;  // parts of ~6,700 and ~10,000 values; chunks of 8,192
+  for (const char* algorithm : {"sgd", "adamw"}) {
+    for (HalfKind kind : {HalfKind::Bf16, HalfKind::Fp16}) {
+      SCOPED_TRACE(std::string(algorithm) + (kind == HalfKind::Bf16 ? " bf16" : " fp16"));
+      optim::OptimizerOptions oo;
+      oo.algorithm = algorithm;
+      oo.momentum = 0.9;
+      oo.weight_decay = 0.01;
+      std::vector<float> w(n);
+      for (int64_t i = 0; i < n; ++i) w[i] = 0.5f - 1e-5f * static_cast<float>(i);
+      ShardState halves(n, w.data(), UpdateOptions{0.1, oo}), floats(n, w.data(), UpdateOptions{0.1, oo});
+      auto step = [&](ShardState& st, const std::vector<uint16_t>& h, const std::vector<float>& f, int64_t parts,
+                      bool use_halves, double alpha) {
+        StreamedStep s = st.begin_step(alpha);
+        for (int64_t k = 0; k < parts; ++k) {
+          const int64_t a = n * k / parts, b = n * (k + 1) / parts;
+          GradPart p{a, use_halves ? nullptr : f.data() + a, b - a};
+          if (use_halves) {
+            p.halves = h.data() + a;
+            p.bf16 = kind == HalfKind::Bf16;
+          }
+          st.step_part(s, p);
+        }
+        return st.finish_step(s);
+      };
+      for (int r = 0; r < 3; ++r) {
+        std::vector<float> g(n), wide(n);
+        for (int64_t i = 0; i < n; ++i) g[i] = 0.01f * static_cast<float>((i * (r + 3)) % 17) - 0.08f;
+        std::vector<uint16_t> h(n);
+        floats_to_halves(kind, g.data(), h.data(), static_cast<size_t>(n));
+        halves_to_floats(kind, h.data(), wide.data(), static_cast<size_t>(n));
+        ASSERT_TRUE(step(halves, h, wide, 2 + r, true, 0.1 / (r + 1)));
+        ASSERT_TRUE(step(floats, h, wide, 2 + r, false, 0.1 / (r + 1)));
+      }
+      ASSERT_EQ(std::memcmp(halves.weights()->data_ptr<float>(), floats.weights()->data_ptr<float>(), n * 4), 0);
+      for (size_t i = 0; i < floats.optimizer().state().size(); ++i)
+        ASSERT_EQ(std::memcmp(halves.optimizer().state()[i].data_ptr<float>(),
+                              floats.optimizer().state()[i].data_ptr<float>(), n * 4),
+                  0)
+            << i;
+      // Accumulated (several gradients make an update): the same sums.
+      std::vector<float> g(n, 0.0625f), wide(n);
+      std::vector<uint16_t> h(n);
+      floats_to_halves(kind, g.data(), h.data(), static_cast<size_t>(n));
+      halves_to_floats(kind, h.data(), wide.data(), static_cast<size_t>(n));
+      GradPart ph{0, nullptr, n}, pf{0, wide.data(), n};
+      ph.halves = h.data();
+      ph.bf16 = kind == HalfKind::Bf16;
+      ASSERT_TRUE(halves.accumulate(std::vector<GradPart>{ph}, 0.05));
+      ASSERT_TRUE(floats.accumulate(std::vector<GradPart>{pf}, 0.05));
+      halves.apply(1);
+      floats.apply(1);
+      ASSERT_EQ(std::memcmp(halves.weights()->data_ptr<float>(), floats.weights()->data_ptr<float>(), n * 4), 0);
+      // NaN, then Inf, in the last chunk of the last part: refused, nothing changed.
+      for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+        auto spoiled = g;
+        spoiled[n - 1] = bad;
+        floats_to_halves(kind, spoiled.data(), h.data(), static_cast<size_t>(n));
+        auto before = halves.weights();
+        EXPECT_FALSE(step(halves, h, wide, 3, true, 0.1));
+        EXPECT_EQ(halves.weights(), before);
+        EXPECT_FALSE(halves.accumulate(std::vector<GradPart>{ph}, 0.05));
+      }
+    }
+  }
 }
 
 // Each shard keeps the AdamW state of its own slice: two shards of half the

@@ -89,11 +89,14 @@ struct Frame {
 };
 
 // Floats [offset, offset + n) of a shard's slice (a gradient that arrived in
-// parts).
+// parts): float32 at `data`, or 16-bit values at `halves` (comm.compression;
+// `data` null), widened by their reader a cache-sized chunk at a time.
 struct GradPart {
   int64_t offset = 0;
   const float* data = nullptr;
   int64_t n = 0;
+  const uint16_t* halves = nullptr;
+  bool bf16 = false;  // halves are bf16 (else fp16)
 };
 
 struct Message {

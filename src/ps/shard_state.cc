@@ -1,10 +1,12 @@
 #include "ps/shard_state.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 
+#include "common/half.h"
 #include "ps/protocol.h"
 
 #if defined(__SSE2__)
@@ -44,9 +46,27 @@ void stream_copy(unsigned char* __restrict to, const unsigned char* __restrict f
   std::memcpy(to + i, from + i, n - i);
 }
 
+// 16-bit values widened this many at a time: the chunk stays in the cache
+// between its widening and its use.
+constexpr int64_t kHalfChunk = 8192;
+
+HalfKind kind_of(const GradPart& p) { return p.bf16 ? HalfKind::Bf16 : HalfKind::Fp16; }
+
+// NaN or Inf among 16-bit values: the exponent bits all ones (bf16: 8 bits,
+// fp16: 5); one exponent ulp more carries into bit 15.
+__attribute__((optimize("O3"))) bool halves_finite(const uint16_t* h, size_t n, bool bf16) {
+  const uint32_t mask = bf16 ? 0x7f80u : 0x7c00u, ulp = bf16 ? 0x0080u : 0x0400u;
+  uint32_t m = 0;
+  for (size_t i = 0; i < n; ++i) m |= (h[i] & mask) + ulp;
+  return (m & 0x8000u) == 0;
+}
+
 bool parts_finite(const std::vector<GradPart>& g) {
-  for (const auto& p : g)
-    if (!all_finite(p.data, static_cast<size_t>(p.n))) return false;
+  for (const auto& p : g) {
+    const bool ok = p.halves ? halves_finite(p.halves, static_cast<size_t>(p.n), p.bf16)
+                             : all_finite(p.data, static_cast<size_t>(p.n));
+    if (!ok) return false;
+  }
   return true;
 }
 
@@ -124,7 +144,18 @@ bool ShardState::step_single(const std::vector<GradPart>& g, double alpha) {
 bool ShardState::accumulate(const std::vector<GradPart>& g, double alpha) {
   if (!parts_finite(g)) return false;
   torch::NoGradGuard ng;
-  for (const auto& p : g) accum_.narrow(0, p.offset, p.n).add_(view_of(p.data, p.n), alpha);
+  float wide[kHalfChunk];
+  for (const auto& p : g) {
+    if (!p.halves) {
+      accum_.narrow(0, p.offset, p.n).add_(view_of(p.data, p.n), alpha);
+      continue;
+    }
+    for (int64_t o = 0; o < p.n; o += kHalfChunk) {
+      const int64_t k = std::min(kHalfChunk, p.n - o);
+      halves_to_floats(kind_of(p), p.halves + o, wide, static_cast<size_t>(k));
+      accum_.narrow(0, p.offset + o, k).add_(view_of(wide, k), alpha);
+    }
+  }
   alpha_sum_ += alpha;
   return true;
 }
@@ -144,8 +175,18 @@ StreamedStep ShardState::begin_step(double alpha) {
 
 void ShardState::step_part(StreamedStep& s, const GradPart& g) {
   if (!s.finite) return;  // the step is lost anyway
-  s.finite = update_range(s.next->data_ptr<float>() + g.offset, s.base->data_ptr<float>() + g.offset, g.data,
-                          g.offset, g.n, s.alpha, s.state_next);
+  if (!g.halves) {
+    s.finite = update_range(s.next->data_ptr<float>() + g.offset, s.base->data_ptr<float>() + g.offset, g.data,
+                            g.offset, g.n, s.alpha, s.state_next);
+    return;
+  }
+  float wide[kHalfChunk];
+  for (int64_t o = 0; o < g.n && s.finite; o += kHalfChunk) {
+    const int64_t k = std::min(kHalfChunk, g.n - o), at = g.offset + o;
+    halves_to_floats(kind_of(g), g.halves + o, wide, static_cast<size_t>(k));
+    s.finite = update_range(s.next->data_ptr<float>() + at, s.base->data_ptr<float>() + at, wide, at, k, s.alpha,
+                            s.state_next);
+  }
 }
 
 bool ShardState::finish_step(StreamedStep& s) {
