@@ -5,8 +5,11 @@
 // are copied into the learner's flat parameters. Baselines, raw ZeroMQ
 // moving the same bytes without copies (a DEALER sends N floats, a ROUTER
 // echoes N floats back): as one message each way ("raw 1 msg"), and in
-// the same parts as Limbo ("raw parts"). All three are interleaved rep by rep
-// so machine noise hits them alike. GB/s counts the bytes moved both ways:
+// the same parts as Limbo ("raw parts"), each end with its own ZeroMQ I/O
+// thread as Limbo's learner and shard (two processes) have; and in parts with
+// one I/O thread shared by both ends ("parts, 1 thr"), which two processes
+// cannot do but which is the fastest raw figure on a 2-core machine. All are
+// interleaved rep by rep so machine noise hits them alike. GB/s counts the bytes moved both ways:
 // 2 * 4 * N per round trip in float32. Each size is also run with bf16
 // pushes (comm.compression = bf16: 2 bytes a value, encoded with error
 // feedback as a learner does), and with bf16 pulls as well
@@ -17,9 +20,13 @@
 //
 //   build/bench/limbo_bench_ps_roundtrip [--reps 20] [--sizes-m 1,10] [--part-mb 1]
 //                                        [--momentum 0.9] [--weight-decay 0]
-//                                        [--modes f32,bf16,bf16-both] [--phases 1]
+//                                        [--modes f32,bf16,bf16-both] [--phases 1] [--curve 1]
 // --phases 1 also splits each round trip in two: until the first part of the
-// answer (raw) or the push's acknowledgement (Limbo), and the rest.
+// answer (raw) or the push's acknowledgement (Limbo), and the rest; prints the
+// spread over the reps and the CPU time of a round trip on all threads.
+// --curve 1 encrypts every socket (raw ZeroMQ's too) with CURVE, as
+// `limbo launch --keys` does: a wire slower than loopback's memory copies.
+// LIMBO_BENCH_ONLY=limbo (or raw-parts) runs that contender alone, for a profiler.
 #include "bench_args.h"
 
 #include <zmq.h>
@@ -35,6 +42,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <ctime>
 #include <vector>
 
 #include "common/files.h"
@@ -51,13 +59,26 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using json = nlohmann::json;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+// CPU time of every thread of this process, in seconds. Only one contender
+// runs at a time (the others' threads wait in a poll), so its difference
+// over a round trip is that round trip's CPU time on all cores.
+double process_cpu() {
+  timespec ts;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
 
 // ---- raw ZeroMQ echo ---------------------------------------------------------------
 // A DEALER sends `up` bytes in messages of at most `part_up` bytes, a ROUTER
 // answers with `down` bytes in messages of at most `part_down`, without copies.
 struct RawEcho {
-  size_t up, down, part_up, part_down;
+  // One context, so one ZeroMQ I/O thread, per end, as a learner and a shard
+  // (two processes) have; `shared` puts both ends on one I/O thread instead,
+  // which no two processes can do, but which is faster on 2 cores: that one
+  // thread makes both ends' socket copies, one after the other, in its cache.
   void* ctx = zmq_ctx_new();
+  void* client_ctx;
+  size_t up, down, part_up, part_down;
   void* router = nullptr;
   void* dealer = nullptr;
   std::vector<unsigned char> server_buf, client_buf;
@@ -65,18 +86,28 @@ struct RawEcho {
   std::atomic<bool> stop{false};
   std::thread thread;
 
-  RawEcho(size_t up_bytes, size_t down_bytes, size_t part_up_bytes, size_t part_down_bytes)
-      : up(up_bytes), down(down_bytes), part_up(part_up_bytes), part_down(part_down_bytes),
-        server_buf(down_bytes, 1), client_buf(up_bytes, 2) {
+  RawEcho(size_t up_bytes, size_t down_bytes, size_t part_up_bytes, size_t part_down_bytes,
+          const limbo::ps::CurveKeys& keys, bool shared = false)
+      : client_ctx(shared ? ctx : zmq_ctx_new()), up(up_bytes), down(down_bytes), part_up(part_up_bytes),
+        part_down(part_down_bytes), server_buf(down_bytes, 1), client_buf(up_bytes, 2) {
     router = zmq_socket(ctx, ZMQ_ROUTER);
-    int zero = 0;
+    int zero = 0, one = 1;
     zmq_setsockopt(router, ZMQ_LINGER, &zero, sizeof zero);
+    if (keys.enabled()) {  // encrypted as Limbo's sockets are under --keys (one key pair for both ends)
+      zmq_setsockopt(router, ZMQ_CURVE_SERVER, &one, sizeof one);
+      zmq_setsockopt(router, ZMQ_CURVE_SECRETKEY, keys.secret_key.c_str(), 40);
+    }
     zmq_bind(router, "tcp://127.0.0.1:*");
     char ep[256];
     size_t len = sizeof ep;
     zmq_getsockopt(router, ZMQ_LAST_ENDPOINT, ep, &len);
-    dealer = zmq_socket(ctx, ZMQ_DEALER);
+    dealer = zmq_socket(client_ctx, ZMQ_DEALER);
     zmq_setsockopt(dealer, ZMQ_LINGER, &zero, sizeof zero);
+    if (keys.enabled()) {
+      zmq_setsockopt(dealer, ZMQ_CURVE_SERVERKEY, keys.public_key.c_str(), 40);
+      zmq_setsockopt(dealer, ZMQ_CURVE_PUBLICKEY, keys.public_key.c_str(), 40);
+      zmq_setsockopt(dealer, ZMQ_CURVE_SECRETKEY, keys.secret_key.c_str(), 40);
+    }
     zmq_connect(dealer, ep);
     thread = std::thread([this] {
       int timeout = 100;
@@ -116,6 +147,7 @@ struct RawEcho {
     thread.join();
     zmq_close(dealer);
     zmq_close(router);
+    if (client_ctx != ctx) zmq_ctx_term(client_ctx);
     zmq_ctx_term(ctx);
   }
   double round_trip() {
@@ -154,8 +186,8 @@ struct LimboPair {
   std::vector<float> residual;
   std::vector<uint16_t> wire;
   LimboPair(size_t n, size_t part_floats, double momentum, double weight_decay, uint8_t push_encoding,
-            uint8_t pull_encoding)
-      : grad(n, 1e-6f), weights(n, 0.f), part(part_floats), push_enc(push_encoding), pull_enc(pull_encoding),
+            uint8_t pull_encoding, const limbo::ps::CurveKeys& keys)
+      : transport(keys), grad(n, 1e-6f), weights(n, 0.f), part(part_floats), push_enc(push_encoding), pull_enc(pull_encoding),
         residual(push_encoding ? n : 0, 0.f), wire(push_encoding ? n : 0) {
     char tmpl[] = "/tmp/limbo-bench-ps-XXXXXX";
     dir = ::mkdtemp(tmpl);
@@ -169,7 +201,7 @@ struct LimboPair {
     o.part_floats = static_cast<int64_t>(part_floats);
     std::vector<float> init(n, 0.5f);
     limbo::ps::ModelFingerprint fp{"bench", 42};
-    server = std::make_unique<limbo::ps::Server>(o, fp, init.data(), static_cast<int64_t>(n), limbo::ps::CurveKeys{});
+    server = std::make_unique<limbo::ps::Server>(o, fp, init.data(), static_cast<int64_t>(n), keys);
     thread = std::thread([this] { server->run(stop); });
     sock = std::make_unique<limbo::ps::Socket>(transport, limbo::ps::Socket::Kind::Dealer);
     sock->connect(server->endpoint());
@@ -286,25 +318,43 @@ int main(int argc, char** argv) {
   const limbo::bench::BenchArgs args(
       argc, argv,
       "[--reps 20] [--sizes-m 1,10] [--part-mb 1] [--momentum 0.9] [--weight-decay 0] [--modes f32,bf16,bf16-both] "
-      "[--phases 1]",
-      {"--reps", "--sizes-m", "--part-mb", "--momentum", "--weight-decay", "--modes", "--phases"});
+      "[--phases 1] [--curve 1]",
+      {"--reps", "--sizes-m", "--part-mb", "--momentum", "--weight-decay", "--modes", "--phases", "--curve"});
   const std::string modes_given = "," + args.text("--modes", "f32,bf16,bf16-both") + ",";
   const int reps = static_cast<int>(args.integer("--reps", 20));
   std::vector<size_t> sizes_m;
   for (double m : args.numbers("--sizes-m", {1, 10})) sizes_m.push_back(static_cast<size_t>(m));
   const double part_mb = args.number("--part-mb", 1.0), momentum = args.number("--momentum", 0.9),
                weight_decay = args.number("--weight-decay", 0.0);
-  const char* only = std::getenv("LIMBO_BENCH_ONLY_LIMBO");
-  const bool only_limbo = only && std::string(only) == "1";
+  // LIMBO_BENCH_ONLY=limbo or raw-parts: that contender's round trips alone (for a profiler).
+  const char* only_env = std::getenv("LIMBO_BENCH_ONLY");
+  const std::string only = only_env ? only_env : "";
+  const bool only_limbo = only == "limbo", only_raw_parts = only == "raw-parts";
+  if (!only.empty() && !only_limbo && !only_raw_parts) {
+    std::fprintf(stderr, "LIMBO_BENCH_ONLY: limbo or raw-parts\n");
+    return 2;
+  }
   const bool phases = args.integer("--phases", 0) != 0;
+  // --curve 1: every socket encrypted with CURVE (as under `limbo launch --keys`), raw ZeroMQ's too: each
+  // byte then costs encryption on one side and decryption on the other, a wire slower than loopback's copies.
+  limbo::ps::CurveKeys keys;
+  if (args.integer("--curve", 0) != 0) {
+    if (!limbo::ps::curve_available()) {
+      std::fprintf(stderr, "--curve 1: this libzmq has no CURVE support\n");
+      return 2;
+    }
+    keys = limbo::ps::generate_curve_keys();
+  }
   limbo::set_log_level(limbo::LogLevel::Warn);
   limbo::keep_freed_memory();  // as the limbo binary does at start-up (applies to both sides)
   std::printf("push + pull round trip on loopback, median of %d interleaved reps, parts of %g MiB, "
-              "shard momentum %g, weight decay %g; raw ZeroMQ moves the same bytes each way "
+              "shard momentum %g, weight decay %g%s; raw ZeroMQ moves the same bytes each way "
               "(GB/s = bytes both ways / time)\n",
-              reps, part_mb, momentum, weight_decay);
-  std::printf("%10s %-18s %8s %11s %11s %9s %11s %9s %9s %14s\n", "floats", "wire (push/pull)", "MB", "raw 1 msg",
-              "raw parts", "limbo", "limbo GB/s", "vs 1 msg", "vs parts", "passes alone");
+              reps, part_mb, momentum, weight_decay, keys.enabled() ? ", every socket CURVE-encrypted" : "");
+  // "raw parts" has an I/O thread per end, as Limbo's learner and shard do; "parts, 1 thr" shares one.
+  std::printf("%10s %-18s %8s %11s %11s %13s %9s %11s %9s %9s %10s %14s\n", "floats", "wire (push/pull)", "MB",
+              "raw 1 msg", "raw parts", "parts, 1 thr", "limbo", "limbo GB/s", "vs 1 msg", "vs parts", "vs 1 thr",
+              "passes alone");
   struct Mode {
     const char* flag;
     const char* name;
@@ -326,23 +376,31 @@ int main(int argc, char** argv) {
     for (const Mode& mode : modes) {
       const size_t up = n * (mode.push ? 2 : 4), down = n * (mode.pull ? 2 : 4);
       // Parts of the same number of values as Limbo's.
-      RawEcho raw(up, down, up, down), raw_parts(up, down, part * (mode.push ? 2 : 4), part * (mode.pull ? 2 : 4));
+      const size_t part_up = part * (mode.push ? 2 : 4), part_down = part * (mode.pull ? 2 : 4);
+      RawEcho raw(up, down, up, down, keys), raw_parts(up, down, part_up, part_down, keys),
+          raw_shared(up, down, part_up, part_down, keys, /*shared=*/true);
       Passes passes(n);
-      LimboPair limbo_pair(n, part, momentum, weight_decay, mode.push, mode.pull);
-      std::vector<double> t1, tp, tl, tx, up_raw, up_limbo, check_torch, check_pass;
+      LimboPair limbo_pair(n, part, momentum, weight_decay, mode.push, mode.pull, keys);
+      std::vector<double> t1, tp, ts, tl, tx, up_raw, up_limbo, check_torch, check_pass, cpu_raw, cpu_limbo;
       for (int r = 0; r < reps + 3; ++r) {
-        // LIMBO_BENCH_ONLY_LIMBO=1: Limbo's round trips alone (for a profiler).
-        double a = only_limbo ? 1 : raw.round_trip();
+        double a = only.empty() ? raw.round_trip() : 1;
+        double cpu0 = process_cpu();
         double b = only_limbo ? 1 : raw_parts.round_trip();
-        double c = limbo_pair.round_trip();
-        double x = only_limbo ? 1 : passes.run();
+        double cpu1 = process_cpu();
+        double c = only_raw_parts ? 1 : limbo_pair.round_trip();
+        double cpu2 = process_cpu();
+        double sh = only.empty() ? raw_shared.round_trip() : 1;
+        double x = only.empty() ? passes.run() : 1;
         if (r >= 3) {
           t1.push_back(a);
           tp.push_back(b);
+          ts.push_back(sh);
           tl.push_back(c);
           tx.push_back(x);
           up_raw.push_back(raw_parts.first_reply);
           up_limbo.push_back(limbo_pair.acked);
+          cpu_raw.push_back(cpu1 - cpu0);
+          cpu_limbo.push_back(cpu2 - cpu1);
           if (phases) {
             auto [ct, cp] = passes.finite_checks();
             check_torch.push_back(ct);
@@ -351,9 +409,10 @@ int main(int argc, char** argv) {
         }
       }
       const double bytes = static_cast<double>(up + down);
-      double m1 = median(t1), mp = median(tp), ml = median(tl), mx = median(tx);
-      std::printf("%10zu %-18s %8.1f %8.2f ms %8.2f ms %6.2f ms %11.2f %8.2fx %8.2fx %11.2f ms\n", n, mode.name,
-                  bytes / 1e6, 1e3 * m1, 1e3 * mp, 1e3 * ml, bytes / ml / 1e9, m1 / ml, mp / ml, 1e3 * mx);
+      double m1 = median(t1), mp = median(tp), ms = median(ts), ml = median(tl), mx = median(tx);
+      std::printf("%10zu %-18s %8.1f %8.2f ms %8.2f ms %10.2f ms %6.2f ms %11.2f %8.2fx %8.2fx %9.2fx %11.2f ms\n", n,
+                  mode.name, bytes / 1e6, 1e3 * m1, 1e3 * mp, 1e3 * ms, 1e3 * ml, bytes / ml / 1e9, m1 / ml, mp / ml,
+                  ms / ml, 1e3 * mx);
       if (phases)
         std::printf("%10s up (until the first answer / the push acknowledged): raw parts %.2f ms, limbo %.2f ms; "
                     "down (the rest): raw parts %.2f ms, limbo %.2f ms\n",
@@ -368,6 +427,9 @@ int main(int argc, char** argv) {
                     "%.2f ms, limbo %.2f / %.2f / %.2f / %.2f / %.2f ms\n",
                     "", at(sp, 0), at(sp, 0.1), at(sp, 0.5), at(sp, 0.9), at(sp, 1), at(sl, 0), at(sl, 0.1), at(sl, 0.5),
                     at(sl, 0.9), at(sl, 1));
+        std::printf("%10s CPU time of a round trip, all threads (cores busy on average): raw parts %.2f ms (%.2f), "
+                    "limbo %.2f ms (%.2f)\n",
+                    "", 1e3 * median(cpu_raw), median(cpu_raw) / mp, 1e3 * median(cpu_limbo), median(cpu_limbo) / ml);
         std::printf("%10s the learner's finite check of its gradient: isfinite().all() %.2f ms, one pass %.2f ms\n", "",
                     1e3 * median(check_torch), 1e3 * median(check_pass));
       }
