@@ -49,8 +49,10 @@
 #include "common/half.h"
 #include "common/log.h"
 #include "common/memory.h"
+#include "ps/buffer_mean.h"
 #include "ps/protocol.h"
 #include "ps/server.h"
+#include "ps/shard_links.h"
 #include "ps/shard_state.h"
 #include "ps/transport.h"
 
@@ -171,24 +173,13 @@ struct RawEcho {
 };
 
 // ---- Limbo: a learner against a shard ---------------------------------------------------
-struct LimboPair {
+// A shard serving n floats on its own thread (softsync n = 1).
+struct ShardThread {
   std::string dir;
   std::unique_ptr<limbo::ps::Server> server;
   std::atomic<bool> stop{false};
   std::thread thread;
-  limbo::ps::Transport transport;
-  std::unique_ptr<limbo::ps::Socket> sock;
-  std::vector<float> grad, weights;
-  uint64_t seq = 0, clock = 0;
-
-  size_t part;
-  uint8_t push_enc, pull_enc;  // 0, or kBf16Values (comm.compression / ps.pull_compression = bf16)
-  std::vector<float> residual;
-  std::vector<uint16_t> wire;
-  LimboPair(size_t n, size_t part_floats, double momentum, double weight_decay, uint8_t push_encoding,
-            uint8_t pull_encoding, const limbo::ps::CurveKeys& keys)
-      : transport(keys), grad(n, 1e-6f), weights(n, 0.f), part(part_floats), push_enc(push_encoding), pull_enc(pull_encoding),
-        residual(push_encoding ? n : 0, 0.f), wire(push_encoding ? n : 0) {
+  ShardThread(size_t n, size_t part_floats, double momentum, double weight_decay, const limbo::ps::CurveKeys& keys) {
     char tmpl[] = "/tmp/limbo-bench-ps-XXXXXX";
     dir = ::mkdtemp(tmpl);
     limbo::ps::ServerOptions o;
@@ -203,8 +194,32 @@ struct LimboPair {
     limbo::ps::ModelFingerprint fp{"bench", 42};
     server = std::make_unique<limbo::ps::Server>(o, fp, init.data(), static_cast<int64_t>(n), keys);
     thread = std::thread([this] { server->run(stop); });
+  }
+  ~ShardThread() {
+    stop = true;
+    thread.join();
+    std::system(("rm -rf " + dir).c_str());
+  }
+};
+
+struct LimboPair {
+  ShardThread shard;
+  limbo::ps::Transport transport;
+  std::unique_ptr<limbo::ps::Socket> sock;
+  std::vector<float> grad, weights;
+  uint64_t seq = 0, clock = 0;
+
+  size_t part;
+  uint8_t push_enc, pull_enc;  // 0, or kBf16Values (comm.compression / ps.pull_compression = bf16)
+  std::vector<float> residual;
+  std::vector<uint16_t> wire;
+  LimboPair(size_t n, size_t part_floats, double momentum, double weight_decay, uint8_t push_encoding,
+            uint8_t pull_encoding, const limbo::ps::CurveKeys& keys)
+      : shard(n, part_floats, momentum, weight_decay, keys), transport(keys), grad(n, 1e-6f), weights(n, 0.f),
+        part(part_floats), push_enc(push_encoding), pull_enc(pull_encoding), residual(push_encoding ? n : 0, 0.f),
+        wire(push_encoding ? n : 0) {
     sock = std::make_unique<limbo::ps::Socket>(transport, limbo::ps::Socket::Kind::Dealer);
-    sock->connect(server->endpoint());
+    sock->connect(shard.server->endpoint());
     limbo::ps::Header h;
     h.type = limbo::ps::MsgType::Hello;
     h.sender = 1;
@@ -213,11 +228,6 @@ struct LimboPair {
     expect(limbo::ps::MsgType::Welcome);
     pull();
     receive_weights();
-  }
-  ~LimboPair() {
-    stop = true;
-    thread.join();
-    std::system(("rm -rf " + dir).c_str());
   }
   void pull() {
     limbo::ps::Header h;
@@ -279,6 +289,56 @@ struct LimboPair {
   double acked = 0;  // of the last round trip: until the push was acknowledged
 };
 
+// The same round trip through the learner's own links (ps/shard_links.h, as
+// `limbo worker` makes it): the push, the pull sent with it, the wait for the
+// acknowledgement (a poll per message, heartbeats while waiting) and the
+// weights part by part into the flat parameters; with --buffers K, K floats
+// of model buffers ride along as a learner's do (base64 in the push's meta to
+// shard 0, averaged there, and back with the weights).
+struct LinksPair {
+  ShardThread shard;
+  std::unique_ptr<limbo::ps::ShardLinks> links;
+  std::vector<float> grad, weights, buffers, buffers_back;
+  LinksPair(size_t n, size_t part_floats, double momentum, double weight_decay, uint8_t push_encoding,
+            uint8_t pull_encoding, const limbo::ps::CurveKeys& keys, size_t buffer_floats)
+      : shard(n, part_floats, momentum, weight_decay, keys), grad(n, 1e-6f), weights(n, 0.f),
+        buffers(buffer_floats, 0.25f) {
+    limbo::ps::WorkerOptions o;
+    o.servers = {shard.server->endpoint()};
+    o.learner_id = 1;
+    o.part_floats = static_cast<int64_t>(part_floats);
+    o.push_encoding = push_encoding;
+    o.pull_encoding = pull_encoding;
+    links = std::make_unique<limbo::ps::ShardLinks>(o, keys, limbo::ps::ModelFingerprint{"bench", 42},
+                                                    static_cast<int64_t>(n));
+    auto& l = *links->all()[0];
+    links->receive_weights(l, weights.data(), links->send_pull(l, 0), [&] { return links->send_pull(l, 0); });
+  }
+  double round_trip() {
+    auto t0 = Clock::now();
+    auto& l = *links->all()[0];
+    std::string meta;
+    if (!buffers.empty())
+      meta = json{{"buffers", limbo::ps::floats_to_base64(buffers.data(), buffers.size())},
+                  {"averaged", buffers.size()}}.dump();
+    const uint64_t push = links->send_push(l, grad.data(), -1, meta, [this] {
+      return std::shared_ptr<void>(grad.data(), [](void*) {});
+    });
+    uint64_t pull = links->send_pull(l, 0);
+    json ack = json::parse(links->await(l, push, limbo::ps::MsgType::PushAck, [&] { return pull = links->send_pull(l, 0); }).meta);
+    if (ack.value("status", std::string()) != "accepted") throw std::runtime_error("push not accepted: " + ack.dump());
+    links->accepted(l);
+    limbo::ps::Message w = links->receive_weights(l, weights.data(), pull, [&] { return pull = links->send_pull(l, 0); });
+    if (!buffers.empty()) {  // as a learner takes shard 0's buffers
+      json m = json::parse(w.meta);
+      if (!m.contains("buffers") || !limbo::ps::base64_to_floats(m["buffers"].get<std::string>(), buffers_back) ||
+          buffers_back.size() != buffers.size())
+        throw std::runtime_error("shard 0 sent no buffers back");
+    }
+    return since(t0);
+  }
+};
+
 // The two memory passes Limbo adds to the bytes on the wire, timed alone on
 // the same sizes: the shard's update (w - alpha g with the NaN check, into a
 // new version) and the learner's copy of the weights into its parameters.
@@ -318,8 +378,8 @@ int main(int argc, char** argv) {
   const limbo::bench::BenchArgs args(
       argc, argv,
       "[--reps 20] [--sizes-m 1,10] [--part-mb 1] [--momentum 0.9] [--weight-decay 0] [--modes f32,bf16,bf16-both] "
-      "[--phases 1] [--curve 1]",
-      {"--reps", "--sizes-m", "--part-mb", "--momentum", "--weight-decay", "--modes", "--phases", "--curve"});
+      "[--phases 1] [--curve 1] [--buffers 0]",
+      {"--reps", "--sizes-m", "--part-mb", "--momentum", "--weight-decay", "--modes", "--phases", "--curve", "--buffers"});
   const std::string modes_given = "," + args.text("--modes", "f32,bf16,bf16-both") + ",";
   const int reps = static_cast<int>(args.integer("--reps", 20));
   std::vector<size_t> sizes_m;
@@ -335,6 +395,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const bool phases = args.integer("--phases", 0) != 0;
+  const size_t buffer_floats = static_cast<size_t>(std::max<int64_t>(0, args.integer("--buffers", 0)));
   // --curve 1: every socket encrypted with CURVE (as under `limbo launch --keys`), raw ZeroMQ's too: each
   // byte then costs encryption on one side and decryption on the other, a wire slower than loopback's copies.
   limbo::ps::CurveKeys keys;
@@ -381,6 +442,12 @@ int main(int argc, char** argv) {
           raw_shared(up, down, part_up, part_down, keys, /*shared=*/true);
       Passes passes(n);
       LimboPair limbo_pair(n, part, momentum, weight_decay, mode.push, mode.pull, keys);
+      // --phases: the learner's links too, without and (--buffers K) with model buffers.
+      std::unique_ptr<LinksPair> links, links_buf;
+      if (phases) links = std::make_unique<LinksPair>(n, part, momentum, weight_decay, mode.push, mode.pull, keys, 0);
+      if (phases && buffer_floats)
+        links_buf = std::make_unique<LinksPair>(n, part, momentum, weight_decay, mode.push, mode.pull, keys, buffer_floats);
+      std::vector<double> tk, tkb;
       std::vector<double> t1, tp, ts, tl, tx, up_raw, up_limbo, check_torch, check_pass, cpu_raw, cpu_limbo;
       for (int r = 0; r < reps + 3; ++r) {
         double a = only.empty() ? raw.round_trip() : 1;
@@ -390,11 +457,14 @@ int main(int argc, char** argv) {
         double c = only_raw_parts ? 1 : limbo_pair.round_trip();
         double cpu2 = process_cpu();
         double sh = only.empty() ? raw_shared.round_trip() : 1;
+        double k = links ? links->round_trip() : 0, kb = links_buf ? links_buf->round_trip() : 0;
         double x = only.empty() ? passes.run() : 1;
         if (r >= 3) {
           t1.push_back(a);
           tp.push_back(b);
           ts.push_back(sh);
+          tk.push_back(k);
+          tkb.push_back(kb);
           tl.push_back(c);
           tx.push_back(x);
           up_raw.push_back(raw_parts.first_reply);
@@ -430,6 +500,10 @@ int main(int argc, char** argv) {
         std::printf("%10s CPU time of a round trip, all threads (cores busy on average): raw parts %.2f ms (%.2f), "
                     "limbo %.2f ms (%.2f)\n",
                     "", 1e3 * median(cpu_raw), median(cpu_raw) / mp, 1e3 * median(cpu_limbo), median(cpu_limbo) / ml);
+        std::printf("%10s the learner's links (ShardLinks, as `limbo worker`): %.2f ms against the bare loop's %.2f ms",
+                    "", 1e3 * median(tk), 1e3 * ml);
+        if (links_buf) std::printf("; with %zu floats of model buffers through shard 0: %.2f ms", buffer_floats, 1e3 * median(tkb));
+        std::printf("\n");
         std::printf("%10s the learner's finite check of its gradient: isfinite().all() %.2f ms, one pass %.2f ms\n", "",
                     1e3 * median(check_torch), 1e3 * median(check_pass));
       }

@@ -23,7 +23,9 @@
 #include "common/half.h"
 #include "ps/aggregator.h"
 #include "ps/protocol.h"
+#include "ps/buffer_mean.h"
 #include "ps/server.h"
+#include "ps/shard_links.h"
 #include "ps/transport.h"
 #include "ps_local_shard.h"
 #include "test_util.h"
@@ -342,6 +344,50 @@ TEST(Shard, CurveAdmitsOnlyPeersWithTheJobKeys) {
   auto s = shard.finish();
   EXPECT_GE(s["curve_peers_refused"].get<int64_t>(), 1);
   EXPECT_GE(s["curve_peers_accepted"].get<int64_t>(), 1);
+}
+
+// A model's buffers (batch-norm statistics) travel in the meta of the push to
+// shard 0 and back with the weights, as base64: a ResNet-50 has about 53,000
+// floats of them (some 280 kB of meta). Through a learner's own links, its
+// gradient is accepted and shard 0's buffers come back whole.
+TEST(Shard, TheBuffersOfALargeModelTravelWithPushesAndWeights) {
+  LocalShard shard(softsync(1));
+  WorkerOptions o;
+  o.servers = {shard.endpoint};
+  o.learner_id = 1;
+  o.request_timeout = std::chrono::milliseconds(10000);
+  ShardLinks links(o, {}, shard.fp, kTotal);
+  ShardLink& l = *links.all()[0];
+  std::vector<float> weights(kTotal), g(kTotal, 1.f);
+  links.receive_weights(l, weights.data(), links.send_pull(l, 0), [&] { return links.send_pull(l, 0); });
+  for (size_t numel : {size_t{60000}, size_t{60000}}) {
+    std::vector<float> buffers(numel);
+    for (size_t i = 0; i < numel; ++i) buffers[i] = 0.25f * static_cast<float>(i % 13) + static_cast<float>(l.clock);
+    const std::string meta =
+        json{{"buffers", floats_to_base64(buffers.data(), numel)}, {"averaged", numel}}.dump();
+    const uint64_t push = links.send_push(l, g.data(), -1, meta, [] { return std::shared_ptr<void>(); });
+    uint64_t pull = links.send_pull(l, 0);
+    auto ack = json::parse(links.await(l, push, MsgType::PushAck, [&] { return pull = links.send_pull(l, 0); }).meta);
+    ASSERT_EQ(ack.value("status", std::string()), "accepted") << numel << " floats of buffers: " << ack.dump();
+    Message w = links.receive_weights(l, weights.data(), pull, [&] { return pull = links.send_pull(l, 0); });
+    auto back = json::parse(w.meta);
+    std::vector<float> got;
+    ASSERT_TRUE(back.contains("buffers")) << numel;
+    ASSERT_TRUE(base64_to_floats(back["buffers"].get<std::string>(), got));
+    EXPECT_EQ(got, buffers) << numel;
+  }
+  // The most a model may have fits a meta frame; one more is refused up front, by name.
+  const size_t most = kMaxBufferFloats;
+  std::string text = json{{"buffers", std::string((most + 2) / 3 * 16, 'A')}, {"averaged", most},
+                          {"lease", {{"id", 1} , {"epoch", 1}, {"position", 1}, {"count", 1}}}}.dump();
+  EXPECT_LE(text.size(), kMaxMetaBytes);
+  EXPECT_NO_THROW(check_buffers_fit(static_cast<int64_t>(most)));
+  try {
+    check_buffers_fit(static_cast<int64_t>(most) + 1);
+    ADD_FAILURE() << "no error for " << most + 1 << " floats of buffers";
+  } catch (const InvalidInput& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(most + 1) + " floats of buffers"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Curve, KeyFilesRoundTripAndBadFilesAreRefused) {

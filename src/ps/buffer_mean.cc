@@ -3,11 +3,20 @@
 #include <cstring>
 
 #include "common/base64.h"
+#include "common/error.h"
 
 namespace limbo::ps {
 
 std::string floats_to_base64(const float* v, size_t n) {
   return base64_encode(std::string(reinterpret_cast<const char*>(v), n * sizeof(float)));
+}
+
+void check_buffers_fit(int64_t buffer_floats) {
+  if (buffer_floats > static_cast<int64_t>(kMaxBufferFloats))
+    throw InvalidInput("the model has " + std::to_string(buffer_floats) +
+                       " floats of buffers; the parameter server carries at most " + std::to_string(kMaxBufferFloats) +
+                       " (they travel in a message's meta frame of at most " + std::to_string(kMaxMetaBytes >> 20) +
+                       " MiB)");
 }
 
 bool base64_to_floats(const std::string& text, std::vector<float>& out) {

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "ps/protocol.h"
+
 namespace limbo::ps {
 
 class BufferMean {
@@ -39,6 +41,13 @@ class BufferMean {
   std::vector<float> value_, sum_, first_;
   int64_t averaged_ = 0, count_ = 0;
 };
+
+// The most floats of buffers a model may have under the parameter server:
+// their base64 (4 characters per 3 bytes), with room for the lease and the
+// key names, stays within a meta frame (kMaxMetaBytes).
+constexpr size_t kMaxBufferFloats = (kMaxMetaBytes - 4096) / 4 * 3 / sizeof(float);
+// Throws InvalidInput, naming both numbers, for a model with more.
+void check_buffers_fit(int64_t buffer_floats);
 
 // Float32 values <-> base64 text of their bytes.
 std::string floats_to_base64(const float* v, size_t n);

@@ -29,7 +29,10 @@ namespace limbo::ps {
 constexpr uint32_t kMagic = 0x5350424cu;  // "LBPS" in little-endian byte order
 constexpr uint16_t kProtocolVersion = 3;  // 3: 16-bit payloads
 constexpr size_t kHeaderBytes = 56;
-constexpr size_t kMaxMetaBytes = 64 * 1024;
+// The meta of a push to shard 0 and of its weights carries the model's
+// buffers (batch-norm statistics) as base64, 16/3 bytes a float: a ResNet-50's
+// 53,000 floats make some 280 kB. 16 MiB holds about 3 million.
+constexpr size_t kMaxMetaBytes = 16 * 1024 * 1024;
 
 enum class MsgType : uint8_t {
   Hello = 1,      // learner -> shard: register (meta: fingerprint, model description)

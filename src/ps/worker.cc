@@ -372,6 +372,7 @@ json Learner::run(const std::atomic<bool>& stop) {
 json run_worker(train::Trainer& trainer, const train::TrainerConfig& cfg, const WorkerOptions& opt,
                 const CurveKeys& keys, const std::atomic<bool>& stop) {
   if (opt.servers.empty()) throw InvalidInput("a worker needs --servers (the shards' endpoints, in shard order)");
+  check_buffers_fit(trainer.params().buffer_numel());
   Learner l(trainer, cfg, opt, keys);
   return l.run(stop);
 }
