@@ -49,7 +49,6 @@
 #include "common/half.h"
 #include "common/log.h"
 #include "common/memory.h"
-#include "ps/buffer_mean.h"
 #include "ps/protocol.h"
 #include "ps/server.h"
 #include "ps/shard_links.h"
@@ -293,8 +292,8 @@ struct LimboPair {
 // `limbo worker` makes it): the push, the pull sent with it, the wait for the
 // acknowledgement (a poll per message, heartbeats while waiting) and the
 // weights part by part into the flat parameters; with --buffers K, K floats
-// of model buffers ride along as a learner's do (base64 in the push's meta to
-// shard 0, averaged there, and back with the weights).
+// of model buffers ride along as a learner's do (copied into a frame of the
+// push to shard 0, averaged there, back with the weights and copied out).
 struct LinksPair {
   ShardThread shard;
   std::unique_ptr<limbo::ps::ShardLinks> links;
@@ -302,7 +301,7 @@ struct LinksPair {
   LinksPair(size_t n, size_t part_floats, double momentum, double weight_decay, uint8_t push_encoding,
             uint8_t pull_encoding, const limbo::ps::CurveKeys& keys, size_t buffer_floats)
       : shard(n, part_floats, momentum, weight_decay, keys), grad(n, 1e-6f), weights(n, 0.f),
-        buffers(buffer_floats, 0.25f) {
+        buffers(buffer_floats, 0.25f), buffers_back(buffer_floats) {
     limbo::ps::WorkerOptions o;
     o.servers = {shard.server->endpoint()};
     o.learner_id = 1;
@@ -318,22 +317,23 @@ struct LinksPair {
     auto t0 = Clock::now();
     auto& l = *links->all()[0];
     std::string meta;
-    if (!buffers.empty())
-      meta = json{{"buffers", limbo::ps::floats_to_base64(buffers.data(), buffers.size())},
-                  {"averaged", buffers.size()}}.dump();
-    const uint64_t push = links->send_push(l, grad.data(), -1, meta, [this] {
-      return std::shared_ptr<void>(grad.data(), [](void*) {});
-    });
+    limbo::ps::Frame frame;
+    if (!buffers.empty()) {  // as a learner does: a copy, and how many are averaged
+      auto copy = std::make_shared<std::vector<float>>(buffers);
+      frame = {reinterpret_cast<const unsigned char*>(copy->data()), copy->size() * 4, copy};
+      meta = json{{"averaged", buffers.size()}}.dump();
+    }
+    const uint64_t push = links->send_push(
+        l, grad.data(), -1, meta, [this] { return std::shared_ptr<void>(grad.data(), [](void*) {}); },
+        buffers.empty() ? nullptr : &frame);
     uint64_t pull = links->send_pull(l, 0);
     json ack = json::parse(links->await(l, push, limbo::ps::MsgType::PushAck, [&] { return pull = links->send_pull(l, 0); }).meta);
     if (ack.value("status", std::string()) != "accepted") throw std::runtime_error("push not accepted: " + ack.dump());
     links->accepted(l);
     limbo::ps::Message w = links->receive_weights(l, weights.data(), pull, [&] { return pull = links->send_pull(l, 0); });
     if (!buffers.empty()) {  // as a learner takes shard 0's buffers
-      json m = json::parse(w.meta);
-      if (!m.contains("buffers") || !limbo::ps::base64_to_floats(m["buffers"].get<std::string>(), buffers_back) ||
-          buffers_back.size() != buffers.size())
-        throw std::runtime_error("shard 0 sent no buffers back");
+      if (w.buffer_floats() != buffers.size()) throw std::runtime_error("shard 0 sent no buffers back");
+      std::memcpy(buffers_back.data(), w.buffers.data, w.buffers.size);
     }
     return since(t0);
   }

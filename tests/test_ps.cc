@@ -249,6 +249,14 @@ Owned encode(Header h, const std::string& meta, const std::vector<float>& payloa
            std::string(reinterpret_cast<const char*>(payload.data()), payload.size() * 4)}};
 }
 
+// The same with the model's buffers as a fourth frame (flag kBuffers).
+Owned encode(Header h, const std::string& meta, const std::vector<float>& payload, const std::vector<float>& buffers) {
+  h.flags |= kBuffers;
+  Owned m = encode(h, meta, payload);
+  m.bytes.emplace_back(reinterpret_cast<const char*>(buffers.data()), buffers.size() * 4);
+  return m;
+}
+
 TEST(Codec, RoundTripsEveryField) {
   Header h;
   h.type = MsgType::Push;
@@ -274,6 +282,16 @@ TEST(Codec, RoundTripsEveryField) {
   EXPECT_EQ(d.msg.meta, R"({"a":1})");
   ASSERT_EQ(d.msg.floats(), 3u);
   EXPECT_EQ(std::memcmp(d.msg.payload.data, g.data(), 12), 0);
+  EXPECT_EQ(d.msg.buffers.size, 0u);
+  // The model's buffers in a fourth frame.
+  std::vector<float> b = {0.5f, 7.f};
+  auto mb = encode(h, "", g, b);
+  auto db = decode(mb.frames(), 1 << 20);
+  ASSERT_EQ(db.reject, Reject::None) << db.detail;
+  EXPECT_EQ(db.msg.header.flags, kWantLease | kBuffers);
+  ASSERT_EQ(db.msg.buffer_floats(), 2u);
+  EXPECT_EQ(std::memcmp(db.msg.buffers.data, b.data(), 8), 0);
+  ASSERT_EQ(db.msg.floats(), 3u);
 }
 
 TEST(Codec, RejectsEachKindOfMalformedMessage) {
@@ -325,6 +343,20 @@ TEST(Codec, RejectsEachKindOfMalformedMessage) {
     expect(m, Reject::PayloadSize);
   }
   expect(encode(h, "", std::vector<float>(1000)), Reject::Oversized, 100);
+  // Buffers: a fourth frame only with the flag and the flag only with it,
+  // whole floats, at most kMaxBufferFloats.
+  {
+    auto m = encode(h, "", {1.f}, {2.f});
+    m.bytes.pop_back();  // flagged, no fourth frame
+    expect(m, Reject::FrameCount);
+    auto extra = good;
+    extra.bytes.push_back("abcd");  // a fourth frame, not flagged
+    expect(extra, Reject::FrameCount);
+    auto odd = encode(h, "", {1.f}, {2.f});
+    odd.bytes[3].pop_back();
+    expect(odd, Reject::PayloadSize);
+    expect(encode(h, "", {1.f}, std::vector<float>(kMaxBufferFloats + 1)), Reject::Oversized);
+  }
 }
 
 TEST(Codec, RandomizedInputNeverCrashesAndValidOnesStayValid) {
@@ -610,31 +642,36 @@ TEST(ShardStateTest, EachShardKeepsTheAdamStateOfItsSlice) {
 // gradients brought (the first `averaged` floats), the rest from the first
 // of them; pushes without buffers or that do not fit change nothing.
 TEST(BufferMean, AnUpdateAveragesFloatsAndTakesIntegersFromTheFirst) {
-  auto meta = [](std::vector<float> v, int64_t averaged) {
-    return json{{"buffers", floats_to_base64(v.data(), v.size())}, {"averaged", averaged}};
-  };
+  auto add = [](BufferMean& b, std::vector<float> v, int64_t averaged) { return b.add(v.data(), v.size(), averaged); };
   BufferMean b;
   EXPECT_TRUE(b.empty());
+  EXPECT_EQ(b.frame().size, 0u);
   b.commit();  // an update without buffers: nothing yet
   EXPECT_TRUE(b.empty());
-  EXPECT_TRUE(b.add(meta({1.f, 10.f, 7.f, 3.f}, 2)));
-  EXPECT_TRUE(b.add(meta({3.f, 20.f, 9.f, 5.f}, 2)));
-  EXPECT_TRUE(b.add(json::object()));  // a push without buffers
-  EXPECT_FALSE(b.add(meta({1.f, 2.f}, 2)));  // another size: refused
-  EXPECT_FALSE(b.add(json{{"buffers", 5}}));
+  EXPECT_TRUE(add(b, {1.f, 10.f, 7.f, 3.f}, 2));
+  EXPECT_TRUE(add(b, {3.f, 20.f, 9.f, 5.f}, 2));
+  EXPECT_FALSE(add(b, {1.f, 2.f}, 2));              // another size: refused
+  EXPECT_FALSE(add(b, {1.f, 2.f, 3.f, 4.f}, 3));    // another split: refused
+  EXPECT_FALSE(add(b, {1.f, 2.f, 3.f, 4.f}, 5));    // more averaged than there are
   b.commit();
   EXPECT_EQ(b.value(), (std::vector<float>{2.f, 15.f, 7.f, 3.f}));
-  // The next update's buffers replace them; an update with none keeps them.
-  EXPECT_TRUE(b.add(meta({5.f, 5.f, 1.f, 1.f}, 2)));
+  EXPECT_EQ(b.averaged(), 2);
+  // A reply frame keeps its buffers while the next update makes new ones.
+  Frame sent = b.frame();
+  ASSERT_EQ(sent.size, 16u);
+  EXPECT_TRUE(add(b, {5.f, 5.f, 1.f, 1.f}, 2));
   b.commit();
-  b.commit();
+  b.commit();  // an update with none keeps them
   EXPECT_EQ(b.value(), (std::vector<float>{5.f, 5.f, 1.f, 1.f}));
-  // Pull replies and checkpoints carry them; a restored shard has them back.
+  EXPECT_EQ(std::vector<float>(reinterpret_cast<const float*>(sent.data), reinterpret_cast<const float*>(sent.data) + 4),
+            (std::vector<float>{2.f, 15.f, 7.f, 3.f}));
+  // Checkpoints carry them; a restored shard has them back.
   json m;
   b.write(m);
   BufferMean c;
   c.restore(m);
   EXPECT_EQ(c.value(), b.value());
+  EXPECT_EQ(c.averaged(), 2);
 }
 
 // A 16-bit push's residual moves only when the shard accepted the push: a

@@ -1,5 +1,6 @@
 #include "ps/buffer_mean.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/base64.h"
@@ -14,9 +15,7 @@ std::string floats_to_base64(const float* v, size_t n) {
 void check_buffers_fit(int64_t buffer_floats) {
   if (buffer_floats > static_cast<int64_t>(kMaxBufferFloats))
     throw InvalidInput("the model has " + std::to_string(buffer_floats) +
-                       " floats of buffers; the parameter server carries at most " + std::to_string(kMaxBufferFloats) +
-                       " (they travel in a message's meta frame of at most " + std::to_string(kMaxMetaBytes >> 20) +
-                       " MiB)");
+                       " floats of buffers; the parameter server carries at most " + std::to_string(kMaxBufferFloats));
 }
 
 bool base64_to_floats(const std::string& text, std::vector<float>& out) {
@@ -27,20 +26,14 @@ bool base64_to_floats(const std::string& text, std::vector<float>& out) {
   return true;
 }
 
-bool BufferMean::add(const nlohmann::json& meta) {
-  auto b = meta.find("buffers");
-  if (b == meta.end()) return true;
-  if (!b->is_string()) return false;
-  std::vector<float> v;
-  if (!base64_to_floats(b->get<std::string>(), v)) return false;
-  const int64_t averaged = meta.value("averaged", static_cast<int64_t>(v.size()));
-  if (averaged < 0 || averaged > static_cast<int64_t>(v.size())) return false;
-  if (!value_.empty() && (v.size() != value_.size() || averaged != averaged_)) return false;
-  if (count_ > 0 && (v.size() != sum_.size() + first_.size() || averaged != averaged_)) return false;
+bool BufferMean::add(const float* v, size_t n, int64_t averaged) {
+  if (averaged < 0 || averaged > static_cast<int64_t>(n)) return false;
+  if (!empty() && (n != value_->size() || averaged != averaged_)) return false;
+  if (count_ > 0 && (n != sum_.size() + first_.size() || averaged != averaged_)) return false;
   if (count_ == 0) {
     averaged_ = averaged;
-    sum_.assign(v.begin(), v.begin() + averaged);
-    first_.assign(v.begin() + averaged, v.end());
+    sum_.assign(v, v + averaged);
+    first_.assign(v + averaged, v + n);
   } else {
     for (int64_t i = 0; i < averaged; ++i) sum_[i] += v[i];
   }
@@ -50,25 +43,40 @@ bool BufferMean::add(const nlohmann::json& meta) {
 
 void BufferMean::commit() {
   if (count_ == 0) return;
-  value_.resize(sum_.size() + first_.size());
-  for (size_t i = 0; i < sum_.size(); ++i) value_[i] = sum_[i] / static_cast<float>(count_);
-  std::copy(first_.begin(), first_.end(), value_.begin() + static_cast<long>(sum_.size()));
+  auto next = std::make_shared<std::vector<float>>(sum_.size() + first_.size());
+  for (size_t i = 0; i < sum_.size(); ++i) (*next)[i] = sum_[i] / static_cast<float>(count_);
+  std::copy(first_.begin(), first_.end(), next->begin() + static_cast<long>(sum_.size()));
+  value_ = std::move(next);
   count_ = 0;
 }
 
+const std::vector<float>& BufferMean::value() const {
+  static const std::vector<float> none;
+  return value_ ? *value_ : none;
+}
+
+Frame BufferMean::frame() const {
+  Frame f;
+  if (empty()) return f;
+  f.data = reinterpret_cast<const unsigned char*>(value_->data());
+  f.size = value_->size() * sizeof(float);
+  f.keep = value_;
+  return f;
+}
+
 void BufferMean::write(nlohmann::json& meta) const {
-  if (value_.empty()) return;
-  meta["buffers"] = floats_to_base64(value_.data(), value_.size());
+  if (empty()) return;
+  meta["buffers"] = floats_to_base64(value_->data(), value_->size());
   meta["averaged"] = averaged_;
 }
 
 void BufferMean::restore(const nlohmann::json& meta) {
   auto b = meta.find("buffers");
   if (b == meta.end() || !b->is_string()) return;
-  std::vector<float> v;
-  if (!base64_to_floats(b->get<std::string>(), v)) return;
+  auto v = std::make_shared<std::vector<float>>();
+  if (!base64_to_floats(b->get<std::string>(), *v)) return;
   value_ = std::move(v);
-  averaged_ = meta.value("averaged", static_cast<int64_t>(value_.size()));
+  averaged_ = meta.value("averaged", static_cast<int64_t>(value_->size()));
   count_ = 0;
 }
 

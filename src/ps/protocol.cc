@@ -89,9 +89,11 @@ Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes) {
     d.detail = std::move(why);
     return d;
   };
-  if (frames.size() != 3)
-    return fail(Reject::FrameCount, "expected 3 frames (header, meta, payload), got " +
-                                        std::to_string(frames.size()));
+  auto frame_count = [&] {
+    return fail(Reject::FrameCount, "expected 3 frames (header, meta, payload; a fourth, the buffers, with flag " +
+                                        std::to_string(kBuffers) + "), got " + std::to_string(frames.size()));
+  };
+  if (frames.size() != 3 && frames.size() != 4) return frame_count();
   const Frame& hf = frames[0];
   auto wrong_size = [&] {
     return fail(Reject::HeaderSize, "header frame has " + std::to_string(hf.size) + " bytes, expected " +
@@ -118,6 +120,7 @@ Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes) {
   h.aux = static_cast<int64_t>(get<uint64_t>(p));
   h.payload_bytes = get<uint64_t>(p);
   h.offset = get<uint64_t>(p);
+  if ((frames.size() == 4) != ((h.flags & kBuffers) != 0)) return frame_count();
 
   const Frame& mf = frames[1];
   if (mf.size > kMaxMetaBytes)
@@ -142,6 +145,16 @@ Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes) {
                                          std::to_string(h.payload_bytes) + " (must be a multiple of " +
                                          std::to_string(width) + ")");
   d.msg.payload = pf;
+  if (frames.size() == 4) {
+    const Frame& bf = frames[3];
+    if (bf.size > kMaxBufferFloats * sizeof(float))
+      return fail(Reject::Oversized, "buffers frame of " + std::to_string(bf.size) + " bytes exceeds the limit of " +
+                                         std::to_string(kMaxBufferFloats * sizeof(float)));
+    if (bf.size % sizeof(float) != 0 || (bf.size > 0 && bf.data == nullptr))
+      return fail(Reject::PayloadSize,
+                  "buffers frame has " + std::to_string(bf.size) + " bytes (must be a multiple of 4)");
+    d.msg.buffers = bf;
+  }
   return d;
 }
 

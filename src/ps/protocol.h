@@ -27,12 +27,9 @@
 namespace limbo::ps {
 
 constexpr uint32_t kMagic = 0x5350424cu;  // "LBPS" in little-endian byte order
-constexpr uint16_t kProtocolVersion = 3;  // 3: 16-bit payloads
+constexpr uint16_t kProtocolVersion = 4;  // 3: 16-bit payloads; 4: model buffers in a frame of their own
 constexpr size_t kHeaderBytes = 56;
-// The meta of a push to shard 0 and of its weights carries the model's
-// buffers (batch-norm statistics) as base64, 16/3 bytes a float: a ResNet-50's
-// 53,000 floats make some 280 kB. 16 MiB holds about 3 million.
-constexpr size_t kMaxMetaBytes = 16 * 1024 * 1024;
+constexpr size_t kMaxMetaBytes = 64 * 1024;
 
 enum class MsgType : uint8_t {
   Hello = 1,      // learner -> shard: register (meta: fingerprint, model description)
@@ -60,6 +57,11 @@ constexpr uint8_t kMoreParts = 8;
 constexpr uint8_t kFp16Values = 16;
 constexpr uint8_t kBf16Values = 32;
 constexpr uint8_t kValueEncoding = kFp16Values | kBf16Values;
+// Header flag of the first part of a Push to shard 0 or of its Weights: a
+// fourth frame follows, the model's buffers (batch-norm statistics) as
+// float32, at most kMaxBufferFloats (a ResNet-50 has 53,000).
+constexpr uint8_t kBuffers = 64;
+constexpr size_t kMaxBufferFloats = size_t{1} << 24;
 // Bytes per payload value under these flags: 2 or 4.
 inline size_t value_bytes(uint8_t flags) { return (flags & kValueEncoding) ? 2 : 4; }
 // Most parts one payload may come in (a shard refuses a push in more); a
@@ -106,20 +108,22 @@ struct Message {
   Header header;
   std::string meta;  // JSON text
   Frame payload;     // values (float32, or 16-bit per the flags), size == header.payload_bytes
+  Frame buffers;     // kBuffers: the model's buffers (float32); else empty
+  size_t buffer_floats() const { return buffers.size / sizeof(float); }
   size_t floats() const { return payload.size / value_bytes(header.flags); }  // values, whatever their width
 };
 
 enum class Reject {
   None = 0,
-  FrameCount,    // not 3 frames
+  FrameCount,    // not 3 frames (4 with kBuffers)
   HeaderSize,    // header frame is not kHeaderBytes
   Magic,
   Version,
   Type,
   MetaSize,      // meta frame larger than kMaxMetaBytes
   MetaJson,      // meta is not a JSON object
-  PayloadSize,   // payload frame size != header.payload_bytes, or not a multiple of 4
-  Oversized,     // payload larger than the receiver's limit
+  PayloadSize,   // payload frame size != header.payload_bytes, or not a multiple of 4 (buffers: of 4)
+  Oversized,     // payload larger than the receiver's limit (buffers: than kMaxBufferFloats)
   Shape,         // payload size does not match the shard's slice
   NonFinite,     // NaN or Inf in a gradient
   UnknownLearner,

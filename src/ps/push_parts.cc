@@ -17,11 +17,11 @@ PushAssembler::Result PushAssembler::add(const Message& m, uint64_t handled_seq)
     if (handled_seq != 0 && h.seq <= handled_seq) {
       // Seen before: answered as a duplicate, never applied twice. Its later
       // parts are ignored (rejected, if another push is under way meanwhile).
-      if (it == pushes_.end() && !last) pushes_[h.sender] = PartedPush{h, {}, {}, 0, true};
+      if (it == pushes_.end() && !last) pushes_[h.sender] = PartedPush{h, {}, {}, 0, true, {}, {}};
       r.outcome = Result::Outcome::Duplicate;
       return r;
     }
-    it = pushes_.insert_or_assign(h.sender, PartedPush{h, {}, {}, 0, false, m.meta}).first;
+    it = pushes_.insert_or_assign(h.sender, PartedPush{h, {}, {}, 0, false, m.meta, m.buffers}).first;
   } else if (it == pushes_.end() || it->second.head.seq != h.seq) {
     r.outcome = Result::Outcome::Rejected;
     r.reject = Reject::Protocol;

@@ -27,7 +27,8 @@ struct PartedPush {
   std::vector<GradPart> parts;
   int64_t received = 0;       // floats so far
   bool ignore_rest = false;   // answered already: drop the remaining parts
-  std::string meta;           // of the first part (shard 0: the learner's buffers)
+  std::string meta;           // of the first part (shard 0: how many of its buffers are averaged)
+  Frame buffers;              // of the first part (flag kBuffers; shard 0: the learner's buffers)
 };
 
 class PushAssembler {

@@ -137,7 +137,9 @@ struct Server::Impl {
         finisher_given = true;
       }
     }
-    if (opt.shard == 0) buffers.write(meta);
+    // Shard 0's buffers go with the first part, as float32 in a frame of their own.
+    const Frame buffer_frame = opt.shard == 0 ? buffers.frame() : Frame();
+    if (buffer_frame.size > 0) meta["averaged"] = buffers.averaged();
     if (!(flags & kObserver)) agg.on_pull(learner);
     auto w = state->weights();  // keeps this version alive until ZeroMQ has sent it
     const int64_t n = w->numel();
@@ -152,15 +154,16 @@ struct Server::Impl {
       h.flags = (o + k < n ? kMoreParts : 0) | encoding;
       const std::string m = o == 0 && !meta.empty() ? meta.dump() : std::string();
       weights_payload_bytes += k * (encoding ? 2 : 4);
+      const Frame* with = o == 0 && buffer_frame.size > 0 ? &buffer_frame : nullptr;
       if (!encoding) {
-        sock->send(&id, h, m, data + o, static_cast<size_t>(k) * 4, w);
+        sock->send(&id, h, m, data + o, static_cast<size_t>(k) * 4, w, with);
         continue;
       }
       // Rounded to 16 bits for the wire; the shard keeps float32 weights.
       auto halves = std::shared_ptr<uint16_t>(new uint16_t[static_cast<size_t>(k)], std::default_delete<uint16_t[]>());
       floats_to_halves(encoding == kBf16Values ? HalfKind::Bf16 : HalfKind::Fp16, data + o, halves.get(),
                        static_cast<size_t>(k));
-      sock->send(&id, h, m, halves.get(), static_cast<size_t>(k) * 2, halves);
+      sock->send(&id, h, m, halves.get(), static_cast<size_t>(k) * 2, halves, with);
     }
   }
 
@@ -369,9 +372,18 @@ struct Server::Impl {
   // The buffers sent with an accepted gradient (shard 0), counted in the
   // update it belongs to; the gradient itself stands either way.
   void take_buffers(const PartedPush& push) {
-    if (opt.shard != 0 || push.meta.empty()) return;
-    json meta = json::parse(push.meta, nullptr, /*allow_exceptions=*/false);
-    if (meta.is_object() && buffers.add(meta)) return;
+    if (opt.shard != 0 || push.buffers.size == 0) return;
+    const auto* v = reinterpret_cast<const float*>(push.buffers.data);
+    const size_t n = push.buffers.size / sizeof(float);
+    json meta = json::parse(push.meta.empty() ? "{}" : push.meta, nullptr, /*allow_exceptions=*/false);
+    const int64_t averaged = meta.is_object() ? meta.value("averaged", static_cast<int64_t>(n)) : -1;
+    std::vector<float> aligned;
+    if (reinterpret_cast<uintptr_t>(v) % alignof(float) != 0) {  // ZeroMQ may hand out any offset
+      aligned.resize(n);
+      std::memcpy(aligned.data(), push.buffers.data, push.buffers.size);
+      v = aligned.data();
+    }
+    if (buffers.add(v, n, averaged)) return;
     if (++buffers_refused <= 3)
       log_warn("shard 0: buffers sent by learner " + std::to_string(push.head.sender) +
                " do not fit (another model, or damaged); the gradient is kept, its buffers are not");

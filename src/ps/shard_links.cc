@@ -202,7 +202,7 @@ Message ShardLinks::receive_weights(ShardLink& l, float* flat_all, uint64_t seq,
 }
 
 uint64_t ShardLinks::send_push(ShardLink& l, const float* g, int64_t lease_id, const std::string& meta,
-                               const std::function<std::shared_ptr<void>()>& keep) {
+                               const std::function<std::shared_ptr<void>()>& keep, const Frame* buffers) {
   Header h = header(MsgType::Push, l);
   h.clock = l.clock;
   h.aux = l.index == 0 ? lease_id : -1;
@@ -220,8 +220,9 @@ uint64_t ShardLinks::send_push(ShardLink& l, const float* g, int64_t lease_id, c
     h.offset = static_cast<uint64_t>(o);
     h.flags = (o + k < l.numel ? kMoreParts : 0) | enc;
     const std::string& m = o == 0 ? meta : no_meta;
-    const bool sent = enc ? l.sock->send(nullptr, h, m, l.wire.data() + o, static_cast<size_t>(k) * 2, keep())
-                          : l.sock->send(nullptr, h, m, g + l.offset + o, static_cast<size_t>(k) * 4, keep());
+    const Frame* with = o == 0 ? buffers : nullptr;
+    const bool sent = enc ? l.sock->send(nullptr, h, m, l.wire.data() + o, static_cast<size_t>(k) * 2, keep(), with)
+                          : l.sock->send(nullptr, h, m, g + l.offset + o, static_cast<size_t>(k) * 4, keep(), with);
     if (!sent) break;
   }
   return h.seq;

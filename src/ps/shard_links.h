@@ -62,13 +62,14 @@ class ShardLinks {
   // Receives the reply to pull `seq` part by part into `flat` (the whole
   // flat parameter vector; each part is copied as it arrives while the next
   // is in transit). Returns the first part's message (its meta carries the
-  // lease and shard 0's buffers).
+  // lease; shard 0's also its buffers, in Message::buffers).
   Message receive_weights(ShardLink& l, float* flat, uint64_t seq, const Resend& resend,
                           Waiting waiting = Waiting::Learner);
   // Sends the shard its slice of gradient `g` (the whole flat gradient) in
-  // parts, without a copy: `keep` is held by each send in flight.
+  // parts, without a copy: `keep` is held by each send in flight. `buffers`
+  // (shard 0: the model's buffers) goes with the first part.
   uint64_t send_push(ShardLink& l, const float* g, int64_t lease_id, const std::string& meta,
-                     const std::function<std::shared_ptr<void>()>& keep);
+                     const std::function<std::shared_ptr<void>()>& keep, const Frame* buffers = nullptr);
   // The shard accepted the last push: its 16-bit rounding residual counts.
   void accepted(const ShardLink& l) { residual_.commit(l.offset, l.numel); }
   // Leaves every shard.

@@ -183,11 +183,26 @@ void Socket::connect(const std::string& endpoint) {
   if (zmq_connect(sock_, endpoint.c_str()) != 0) throw InvalidInput(zerr("cannot connect to " + endpoint));
 }
 
+namespace {
+// A frame without a copy when `keep` owns its bytes (held until ZeroMQ has sent them).
+void send_owned(void* sock, const void* data, size_t n, std::shared_ptr<void> keep, bool more) {
+  if (!keep || n == 0) return send_frame(sock, data, n, more);
+  zmq_msg_t m;
+  auto* hint = new std::shared_ptr<void>(std::move(keep));
+  zmq_msg_init_data(&m, const_cast<void*>(data), n, release_keep, hint);
+  if (zmq_msg_send(&m, sock, more ? ZMQ_SNDMORE : 0) < 0) {
+    zmq_msg_close(&m);
+    throw PeerFailure(zerr("zmq send"));
+  }
+}
+}  // namespace
+
 bool Socket::send(const std::string* identity, const Header& h, const std::string& meta, const void* payload,
-                  size_t bytes, std::shared_ptr<void> keep) {
+                  size_t bytes, std::shared_ptr<void> keep, const Frame* buffers) {
   if (identity) send_frame(sock_, identity->data(), identity->size(), true);
   Header hh = h;
   hh.payload_bytes = bytes;
+  hh.flags = buffers ? (hh.flags | kBuffers) : (hh.flags & ~kBuffers);  // the frame count follows the flag
   unsigned char hdr[kHeaderBytes];
   encode_header(hh, hdr);
   if (!identity) {
@@ -202,17 +217,8 @@ bool Socket::send(const std::string* identity, const Header& h, const std::strin
     send_frame(sock_, hdr, kHeaderBytes, true);
   }
   send_frame(sock_, meta.data(), meta.size(), true);
-  if (keep && bytes > 0) {
-    zmq_msg_t m;
-    auto* hint = new std::shared_ptr<void>(std::move(keep));
-    zmq_msg_init_data(&m, const_cast<void*>(payload), bytes, release_keep, hint);
-    if (zmq_msg_send(&m, sock_, 0) < 0) {
-      zmq_msg_close(&m);
-      throw PeerFailure(zerr("zmq send"));
-    }
-  } else {
-    send_frame(sock_, payload, bytes, false);
-  }
+  send_owned(sock_, payload, bytes, std::move(keep), buffers != nullptr);
+  if (buffers) send_owned(sock_, buffers->data, buffers->size, buffers->keep, false);
   return true;
 }
 

@@ -75,9 +75,11 @@ class Socket {
   // Sends one message. `identity` addresses a ROUTER peer (null for DEALER).
   // The payload is not copied when `keep` owns it; otherwise it is copied.
   // Returns false when a DEALER has no connected peer to queue it for (within
-  // 200 ms): the caller treats the request as lost.
+  // 200 ms): the caller treats the request as lost. `buffers` (the header
+  // flagged kBuffers) goes as a fourth frame, not copied when its keep owns it.
   bool send(const std::string* identity, const Header& h, const std::string& meta,
-            const void* payload, size_t bytes, std::shared_ptr<void> keep = nullptr);
+            const void* payload, size_t bytes, std::shared_ptr<void> keep = nullptr,
+            const Frame* buffers = nullptr);
   // Sends raw frames as they are (benchmarks, tests of malformed input).
   void send_raw(const std::vector<std::string>& frames);
 

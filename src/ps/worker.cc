@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <thread>
 
@@ -72,30 +73,36 @@ class Learner {
   void write_final(json& summary);
   json summary() const;
 
-  // The metadata of a push to shard 0: this learner's buffers, as its
-  // forward left them (see buffer_mean.h). Empty for a model without any.
-  std::string buffers_meta() {
+  // What a push to shard 0 carries of this learner's buffers, as its forward
+  // left them (see buffer_mean.h): a copy (the next forward may run while
+  // ZeroMQ still sends it) and how many are averaged. None for a model
+  // without buffers.
+  struct BufferPush {
+    Frame frame;
+    std::string meta;
+  };
+  BufferPush buffers_to_push() {
     auto& flat = t_.params();
     if (flat.buffer_numel() == 0) return {};
     flat.buffers_to_flat();
-    return json{{"buffers", floats_to_base64(flat.buffers().data_ptr<float>(), static_cast<size_t>(flat.buffer_numel()))},
-                {"averaged", flat.averaged_numel()}}
-        .dump();
+    const float* b = flat.buffers().data_ptr<float>();
+    auto copy = std::make_shared<std::vector<float>>(b, b + flat.buffer_numel());
+    BufferPush p;
+    p.frame.data = reinterpret_cast<const unsigned char*>(copy->data());
+    p.frame.size = copy->size() * sizeof(float);
+    p.frame.keep = copy;
+    p.meta = json{{"averaged", flat.averaged_numel()}}.dump();
+    return p;
   }
 
   // Shard 0's buffers (from a weights reply) become this learner's.
-  void take_buffers(const std::string& meta_text) {
+  void take_buffers(const Message& w) {
     auto& flat = t_.params();
-    if (flat.buffer_numel() == 0 || meta_text.empty()) return;
-    json meta = json::parse(meta_text, nullptr, /*allow_exceptions=*/false);
-    auto b = meta.is_object() ? meta.find("buffers") : meta.end();
-    if (!meta.is_object() || b == meta.end()) return;  // none yet: this learner's stand
-    std::vector<float> v;
-    if (!b->is_string() || !base64_to_floats(b->get<std::string>(), v) ||
-        static_cast<int64_t>(v.size()) != flat.buffer_numel())
-      throw PeerFailure("shard 0 sent buffers that do not fit this model (" + std::to_string(v.size()) +
+    if (flat.buffer_numel() == 0 || w.buffers.size == 0) return;  // none yet: this learner's stand
+    if (static_cast<int64_t>(w.buffer_floats()) != flat.buffer_numel())
+      throw PeerFailure("shard 0 sent buffers that do not fit this model (" + std::to_string(w.buffer_floats()) +
                         " floats; it has " + std::to_string(flat.buffer_numel()) + ")");
-    std::copy(v.begin(), v.end(), flat.buffers().data_ptr<float>());
+    std::memcpy(flat.buffers().data_ptr<float>(), w.buffers.data, w.buffers.size);
     flat.flat_to_buffers();
   }
 
@@ -196,7 +203,7 @@ Learner::Pulled Learner::acknowledge_and_pull() {
     Message w = shards_.receive_weights(L, weights, pull_seq_[L.index],
                                         [&] { return pull_seq_[L.index] = shards_.send_pull(L, flags); });
     if (L.index == 0) {
-      take_buffers(w.meta);
+      take_buffers(w);
       json meta = w.meta.empty() ? json::object() : json::parse(w.meta);
       p.lease = meta.value("lease", json());
       if (meta.value("lease_state", std::string()) == "done") {
@@ -236,10 +243,11 @@ double Learner::compute_and_push(const json& lease) {
   // parameter first).
   const float* g = flat.grad().data_ptr<float>();
   if (!std::isfinite(lv) || !all_finite(g, static_cast<size_t>(flat.grad().numel()))) flat.grad().fill_(NAN);
-  const std::string meta0 = buffers_meta();
+  const BufferPush b = buffers_to_push();
   for (auto& l : shards_.all())
-    push_seq_[l->index] = shards_.send_push(*l, g, lease_id, l->index == 0 ? meta0 : std::string(),
-                                            [this] { return keep_grad(); });
+    push_seq_[l->index] = shards_.send_push(*l, g, lease_id, l->index == 0 ? b.meta : std::string(),
+                                            [this] { return keep_grad(); },
+                                            l->index == 0 && b.frame.size > 0 ? &b.frame : nullptr);
   steps_ += 1;
   samples_ += count;
   if (cfg_.train.pause_at_step > 0 && steps_ == cfg_.train.pause_at_step) {
@@ -307,7 +315,7 @@ void Learner::write_final(json& summary) {
         ShardLinks::Waiting::Observer);
     if (L.index == 0) {
       clock0 = w.header.clock;
-      take_buffers(w.meta);
+      take_buffers(w);
     }
   }
   auto ev = t_.evaluate_test();
