@@ -23,7 +23,9 @@
 #include "common/half.h"
 #include "ps/aggregator.h"
 #include "ps/protocol.h"
+#include "optim/flat_params.h"
 #include "ps/buffer_mean.h"
+#include "ps/model_layout.h"
 #include "ps/server.h"
 #include "ps/shard_links.h"
 #include "ps/transport.h"
@@ -389,6 +391,44 @@ TEST(Shard, TheBuffersOfALargeModelTravelWithPushesAndWeights) {
     EXPECT_NE(std::string(e.what()).find(std::to_string(kMaxBufferFloats + 1) + " floats of buffers"), std::string::npos)
         << e.what();
   }
+}
+
+// The hello names the learner's model (every parameter's name and shape) so
+// that a refusal can name both models. A model of thousands of parameter
+// tensors made a hello over the meta limit: refused as `meta_size` instead of
+// registered, or refused by name. The description is now cut short, the
+// fingerprint still covers every parameter.
+TEST(Shard, AModelOfThousandsOfTensorsRegistersAndIsRefusedByName) {
+  torch::nn::Module big, other;
+  for (int i = 0; i < 3000; ++i) {
+    big.register_parameter("transformer_h_" + std::to_string(i) + "_mlp_c_proj_weight", torch::zeros({2}));
+    other.register_parameter("transformer_h_" + std::to_string(i) + "_mlp_c_proj_weight", torch::zeros({2}));
+  }
+  other.register_parameter("extra", torch::zeros({1}));
+  optim::FlatParams fb(big), fo(other);
+  const ModelFingerprint fp = model_fingerprint("big", fb), fp_other = model_fingerprint("big", fo);
+  EXPECT_NE(fp.hash, fp_other.hash);  // the one parameter past the cut still counts
+  EXPECT_LT(fp.description.size(), 4096u);
+  EXPECT_NE(fp.description.find("transformer_h_0_mlp_c_proj_weight[2]"), std::string::npos) << fp.description;
+  EXPECT_NE(fp.description.find("more"), std::string::npos) << fp.description;
+
+  auto o = softsync(1);
+  testing::TempDir dir;
+  ServerOptions so;
+  so.dir = dir.path() + "/shard";
+  so.agg = o;
+  std::vector<float> init(6000, 0.f);
+  Server server(so, fp, init.data(), 6000, {});
+  std::atomic<bool> stop{false};
+  std::thread t([&] { server.run(stop); });
+  Client c(server.endpoint());
+  const Message refused = c.hello(1, fp_other, 6001);
+  const Message welcome = c.hello(2, fp, 6000);
+  stop = true;
+  t.join();
+  ASSERT_EQ(refused.header.type, MsgType::Refuse) << refused.meta;
+  EXPECT_NE(json::parse(refused.meta)["reason"].get<std::string>().find("model mismatch"), std::string::npos);
+  EXPECT_EQ(welcome.header.type, MsgType::Welcome) << welcome.meta;
 }
 
 TEST(Curve, KeyFilesRoundTripAndBadFilesAreRefused) {

@@ -21,12 +21,19 @@ ModelFingerprint model_fingerprint(const std::string& model_name, const optim::F
   ModelFingerprint fp;
   fp.description = model_name + ":";
   std::string canon = "limbo-ps-v" + std::to_string(kProtocolVersion);
+  // The description goes into the hello's meta and a refusal names two of
+  // them: past kDescribed characters the rest of the parameters are counted.
+  constexpr size_t kDescribed = 2000;
+  size_t untold = 0;
   for (const auto& e : params.entries()) {
     std::string shape;
     for (size_t i = 0; i < e.shape.size(); ++i) shape += (i ? "," : "") + std::to_string(e.shape[i]);
-    fp.description += " " + e.name + "[" + shape + "]";
-    canon += ";" + e.name + "[" + shape + "]:float32";  // FlatParams holds float32 only
+    const std::string one = e.name + "[" + shape + "]";
+    if (untold == 0 && fp.description.size() + one.size() < kDescribed) fp.description += " " + one;
+    else untold += 1;
+    canon += ";" + one + ":float32";  // FlatParams holds float32 only
   }
+  if (untold) fp.description += " ... and " + std::to_string(untold) + " more parameters";
   fp.hash = fnv1a(canon);
   return fp;
 }
