@@ -402,8 +402,11 @@ TEST(SlurmCluster, AJobWarnedOfPreemptionCheckpointsIsRequeuedAndResumes) {
   ASSERT_TRUE(c.wait_field(id, "Restarts", "1", 120s)) << c.job(id) << slurp(out);
   ASSERT_TRUE(limbo::file_exists(run + "/checkpoint.pt")) << slurp(out);
   EXPECT_FALSE(limbo::file_exists(run + "/summary.json")) << "completed before the warning; pace the job";
-  // A requeued job waits out Slurm's requeue delay; start it now.
-  c.run({"/usr/bin/scontrol", "update", "JobId=" + id, "StartTime=now"});
+  // A requeued job waits out Slurm's requeue delay; start it sooner, but not
+  // within the second of the requeue: slurmd refuses a job started in the
+  // second its previous run's credential was revoked ("Job credential
+  // revoked"), which failed this test once with StartTime=now.
+  c.run({"/usr/bin/scontrol", "update", "JobId=" + id, "StartTime=now+2"});
   ASSERT_TRUE(c.wait_field(id, "JobState", "COMPLETED", 400s)) << c.job(id) << slurp(out) << c.logs();
   const std::string text = slurp(out);
   EXPECT_NE(text.find("exit code 75"), std::string::npos) << text;

@@ -570,7 +570,10 @@ Server::Server(ServerOptions opt, ModelFingerprint fp, const float* initial, int
     log_info("shard " + std::to_string(s.opt.shard) + ": resumed from its checkpoint at clock " +
              std::to_string(s.agg.clock()));
   s.transport = std::make_unique<Transport>(s.keys);
-  s.sock = std::make_unique<Socket>(*s.transport, Socket::Kind::Router, s.opt.max_payload_bytes + kMaxMetaBytes + 4096);
+  // ZeroMQ drops a peer that sends a larger frame: a payload (ps.max_message_mb),
+  // the meta, or a model's buffers (kMaxBufferFloats, whatever ps.max_message_mb says).
+  const uint64_t largest_frame = std::max<uint64_t>(s.opt.max_payload_bytes, kMaxBufferFloats * sizeof(float));
+  s.sock = std::make_unique<Socket>(*s.transport, Socket::Kind::Router, largest_frame + kMaxMetaBytes + 4096);
   s.endpoint = s.sock->bind(s.opt.bind);
   write_file_atomic(s.opt.dir + "/endpoint", s.endpoint + "\n");
 }
