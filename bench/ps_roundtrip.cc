@@ -319,8 +319,7 @@ struct LinksPair {
     std::string meta;
     limbo::ps::Frame frame;
     if (!buffers.empty()) {  // as a learner does: a copy, and how many are averaged
-      auto copy = std::make_shared<std::vector<float>>(buffers);
-      frame = {reinterpret_cast<const unsigned char*>(copy->data()), copy->size() * 4, copy};
+      frame = limbo::ps::float_frame(std::make_shared<std::vector<float>>(buffers));
       meta = json{{"averaged", buffers.size()}}.dump();
     }
     const uint64_t push = links->send_push(

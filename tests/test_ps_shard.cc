@@ -370,7 +370,7 @@ TEST(Shard, TheBuffersOfALargeModelTravelWithPushesAndWeights) {
   for (int step = 0; step < 2; ++step) {
     auto buffers = std::make_shared<std::vector<float>>(numel);
     for (size_t i = 0; i < numel; ++i) (*buffers)[i] = 0.25f * static_cast<float>(i % 13) + static_cast<float>(step);
-    Frame f{reinterpret_cast<const unsigned char*>(buffers->data()), numel * 4, buffers};
+    Frame f = float_frame(buffers);
     const uint64_t push = links.send_push(l, g.data(), -1, json{{"averaged", numel - 1}}.dump(),
                                           [] { return std::shared_ptr<void>(); }, &f);
     uint64_t pull = links.send_pull(l, 0);

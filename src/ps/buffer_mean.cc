@@ -55,14 +55,7 @@ const std::vector<float>& BufferMean::value() const {
   return value_ ? *value_ : none;
 }
 
-Frame BufferMean::frame() const {
-  Frame f;
-  if (empty()) return f;
-  f.data = reinterpret_cast<const unsigned char*>(value_->data());
-  f.size = value_->size() * sizeof(float);
-  f.keep = value_;
-  return f;
-}
+Frame BufferMean::frame() const { return empty() ? Frame() : float_frame(value_); }
 
 void BufferMean::write(nlohmann::json& meta) const {
   if (empty()) return;

@@ -92,6 +92,14 @@ struct Frame {
   size_t size = 0;
   std::shared_ptr<void> keep;
 };
+// A frame of the floats in `v`, which it keeps alive (sent without a copy).
+inline Frame float_frame(std::shared_ptr<std::vector<float>> v) {
+  Frame f;
+  f.data = reinterpret_cast<const unsigned char*>(v->data());
+  f.size = v->size() * sizeof(float);
+  f.keep = std::move(v);
+  return f;
+}
 
 // Floats [offset, offset + n) of a shard's slice (a gradient that arrived in
 // parts): float32 at `data`, or 16-bit values at `halves` (comm.compression;

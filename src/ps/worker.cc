@@ -86,11 +86,8 @@ class Learner {
     if (flat.buffer_numel() == 0) return {};
     flat.buffers_to_flat();
     const float* b = flat.buffers().data_ptr<float>();
-    auto copy = std::make_shared<std::vector<float>>(b, b + flat.buffer_numel());
     BufferPush p;
-    p.frame.data = reinterpret_cast<const unsigned char*>(copy->data());
-    p.frame.size = copy->size() * sizeof(float);
-    p.frame.keep = copy;
+    p.frame = float_frame(std::make_shared<std::vector<float>>(b, b + flat.buffer_numel()));
     p.meta = json{{"averaged", flat.averaged_numel()}}.dump();
     return p;
   }
