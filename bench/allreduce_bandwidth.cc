@@ -132,8 +132,9 @@ OverlapResult measure_overlap(int rank, int port, int64_t width, int64_t depth, 
   go.store_port = port;
   go.prefix = "bench/overlap";
   std::shared_ptr<limbo::comm::Collective> group = limbo::comm::make_gloo_group(go, rank, 2);
-  limbo::elastic::ReduceOptions seq_opt{bucket_bytes, false, limbo::comm::Compression::None};
-  limbo::elastic::ReduceOptions ovl_opt{bucket_bytes, true, limbo::comm::Compression::None};
+  limbo::elastic::ReduceOptions seq_opt, ovl_opt;
+  seq_opt.bucket_bytes = ovl_opt.bucket_bytes = bucket_bytes;
+  ovl_opt.overlap = true;
   limbo::elastic::AllReduceUpdate seq(group, sgd, flat, seq_opt), ovl(group, sgd, flat, ovl_opt);
   auto x = torch::randn({batch, 1, 28, 28});
   auto y = torch::randint(0, 10, {batch});

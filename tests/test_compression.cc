@@ -157,7 +157,9 @@ TEST(Compression, AnOverflowOrANanDoesNotPoisonLaterSteps) {
       EXPECT_TRUE(std::isfinite(sent)) << i;
       // bf16 holds 1e6 (its rounding error is a finite residual, carried
       // over); fp16 overflowed, and the NaN's residual is dropped.
-      if (i > 0 || kind == HalfKind::Fp16) EXPECT_NEAR(sent, 0.5f, 1e-2) << i;
+      if (i > 0 || kind == HalfKind::Fp16) {
+        EXPECT_NEAR(sent, 0.5f, 1e-2) << i;
+      }
     }
   }
   for (auto kind : {Compression::Fp16, Compression::Bf16}) {
@@ -169,6 +171,8 @@ TEST(Compression, AnOverflowOrANanDoesNotPoisonLaterSteps) {
     EXPECT_TRUE(wire.isfinite().all().item<bool>());
     EXPECT_NEAR(wire[1].item<float>(), 0.5f, 1e-2);
     EXPECT_NEAR(wire[2].item<float>(), 0.5f, 1e-2);
-    if (kind == Compression::Fp16) EXPECT_NEAR(wire[0].item<float>(), 0.5f, 1e-2);
+    if (kind == Compression::Fp16) {
+      EXPECT_NEAR(wire[0].item<float>(), 0.5f, 1e-2);
+    }
   }
 }

@@ -118,9 +118,16 @@ TEST(Config, SetTakesTomlArraysAndQuotedStringsAsAFileDoes) {
 // failed to parse. Tables are grouped whatever the declaration order.
 TEST(Config, InterleavedSectionsStillWriteOneTableEach) {
   auto schema = std::make_shared<Schema>();
-  schema->add({"a.x", ValueType::Int, int64_t{1}});
-  schema->add({"b.y", ValueType::String, std::string("s")});
-  schema->add({"a.z", ValueType::Bool, true});
+  auto key = [](const char* name, ValueType type, ConfigValue def) {
+    KeySpec k;
+    k.key = name;
+    k.type = type;
+    k.def = std::move(def);
+    return k;
+  };
+  schema->add(key("a.x", ValueType::Int, int64_t{1}));
+  schema->add(key("b.y", ValueType::String, std::string("s")));
+  schema->add(key("a.z", ValueType::Bool, true));
   Config c(schema);
   const std::string toml = c.to_toml();
   EXPECT_EQ(toml, "[a]\nx = 1\nz = true\n\n[b]\ny = \"s\"\n");

@@ -597,8 +597,9 @@ TEST(Elastic, SignalsAtTheLauncherStopTheJobAfterACheckpoint) {
     Job job;
     job.start(2, 1, 20, {}, {"--set", "train.checkpoint_every_epochs=0"});
     ASSERT_TRUE(job.training()) << slurp(job.log);
-    if (sig == SIGUSR1)
+    if (sig == SIGUSR1) {
       for (int rank : {0, 1}) ASSERT_EQ(::kill(rank_pid(job.log, rank), sig), 0);
+    }
     ASSERT_EQ(::kill(job.launcher, sig), 0);
     auto r = job.finish();
     EXPECT_EQ(r.exit_code, sig == SIGUSR1 ? 75 : 128 + sig) << r.output;

@@ -63,8 +63,9 @@ TEST(Ending, TheWriterDyingAnywhereInTheEndingLosesNeitherCheckpointNorSummary) 
     auto e = nlohmann::json::parse(ev.output.substr(ev.output.find('{')));
     EXPECT_NEAR(e["test_accuracy"].get<double>(), s["test_accuracy"].get<double>(), 1e-9) << ev.output;
     limbo::testing::expect_exactly_once({run}, 1, 1200);
-    if (std::string(point) != "last_step")  // otherwise the writer never saw the end
+    if (std::string(point) != "last_step") {  // otherwise the writer never saw the end
       EXPECT_NE(r.output.find("this member writes them"), std::string::npos) << r.output;
+    }
   }
 }
 

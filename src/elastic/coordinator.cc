@@ -21,7 +21,7 @@ std::vector<int64_t> parse_members(const std::string& s) {
 
 Coordinator::Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOptions opt,
                          std::shared_ptr<BeatTable> beats, Clock clock)
-    : store_(std::move(store)), opt_(opt), beats_(std::move(beats)), clock_(std::move(clock)) {
+    : store_(std::move(store)), opt_(opt), clock_(std::move(clock)), beats_(std::move(beats)) {
   // Members beat four times per timeout (read once when they register).
   store_->set("elastic/heartbeat_interval_ms", std::to_string(std::max<int64_t>(10, opt_.heartbeat_timeout.count() / 4)));
   store_->set("elastic/heartbeat_timeout_ms", std::to_string(opt_.heartbeat_timeout.count()));
