@@ -52,6 +52,21 @@ constexpr int64_t kHalfChunk = 8192;
 
 HalfKind kind_of(const GradPart& p) { return p.bf16 ? HalfKind::Bf16 : HalfKind::Fp16; }
 
+// Calls f(o, x, k) over part p's values as floats, x holding its values
+// [o, o + k): its own floats at once, or its 16-bit values widened a chunk
+// at a time. Stops at the first f that returns false; returns whether none did.
+template <class F>
+bool for_each_float_run(const GradPart& p, F&& f) {
+  if (!p.halves) return f(int64_t{0}, p.data, p.n);
+  float wide[kHalfChunk];
+  for (int64_t o = 0; o < p.n; o += kHalfChunk) {
+    const int64_t k = std::min(kHalfChunk, p.n - o);
+    halves_to_floats(kind_of(p), p.halves + o, wide, static_cast<size_t>(k));
+    if (!f(o, static_cast<const float*>(wide), k)) return false;
+  }
+  return true;
+}
+
 // NaN or Inf among 16-bit values: the exponent bits all ones (bf16: 8 bits,
 // fp16: 5); one exponent ulp more carries into bit 15.
 __attribute__((optimize("O3"))) bool halves_finite(const uint16_t* h, size_t n, bool bf16) {
@@ -144,18 +159,11 @@ bool ShardState::step_single(const std::vector<GradPart>& g, double alpha) {
 bool ShardState::accumulate(const std::vector<GradPart>& g, double alpha) {
   if (!parts_finite(g)) return false;
   torch::NoGradGuard ng;
-  float wide[kHalfChunk];
-  for (const auto& p : g) {
-    if (!p.halves) {
-      accum_.narrow(0, p.offset, p.n).add_(view_of(p.data, p.n), alpha);
-      continue;
-    }
-    for (int64_t o = 0; o < p.n; o += kHalfChunk) {
-      const int64_t k = std::min(kHalfChunk, p.n - o);
-      halves_to_floats(kind_of(p), p.halves + o, wide, static_cast<size_t>(k));
-      accum_.narrow(0, p.offset + o, k).add_(view_of(wide, k), alpha);
-    }
-  }
+  for (const auto& p : g)
+    for_each_float_run(p, [&](int64_t o, const float* x, int64_t k) {
+      accum_.narrow(0, p.offset + o, k).add_(view_of(x, k), alpha);
+      return true;
+    });
   alpha_sum_ += alpha;
   return true;
 }
@@ -175,18 +183,11 @@ StreamedStep ShardState::begin_step(double alpha) {
 
 void ShardState::step_part(StreamedStep& s, const GradPart& g) {
   if (!s.finite) return;  // the step is lost anyway
-  if (!g.halves) {
-    s.finite = update_range(s.next->data_ptr<float>() + g.offset, s.base->data_ptr<float>() + g.offset, g.data,
-                            g.offset, g.n, s.alpha, s.state_next);
-    return;
-  }
-  float wide[kHalfChunk];
-  for (int64_t o = 0; o < g.n && s.finite; o += kHalfChunk) {
-    const int64_t k = std::min(kHalfChunk, g.n - o), at = g.offset + o;
-    halves_to_floats(kind_of(g), g.halves + o, wide, static_cast<size_t>(k));
-    s.finite = update_range(s.next->data_ptr<float>() + at, s.base->data_ptr<float>() + at, wide, at, k, s.alpha,
-                            s.state_next);
-  }
+  s.finite = for_each_float_run(g, [&](int64_t o, const float* x, int64_t k) {
+    const int64_t at = g.offset + o;
+    return update_range(s.next->data_ptr<float>() + at, s.base->data_ptr<float>() + at, x, at, k, s.alpha,
+                        s.state_next);
+  });
 }
 
 bool ShardState::finish_step(StreamedStep& s) {
