@@ -23,30 +23,17 @@
 
 #include "comm/auth.h"
 #include "comm/store.h"
+#include "comm/store_wire.h"
 #include "common/error.h"
 #include "test_util.h"
 
 using namespace limbo;
 using namespace limbo::comm;
+using namespace limbo::comm::store_wire;  // the wire format, spoken here by hand
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-
-void put_u32(std::string& s, uint32_t v) {
-  for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
-std::string frame(uint8_t op, const std::vector<std::string>& fields) {
-  std::string body(1, static_cast<char>(op));
-  for (const auto& f : fields) {
-    put_u32(body, static_cast<uint32_t>(f.size()));
-    body += f;
-  }
-  std::string out;
-  put_u32(out, static_cast<uint32_t>(body.size()));
-  return out + body;
-}
 
 // Reads one frame (status byte and fields); empty status -1 when the server
 // closed the connection first.
@@ -68,16 +55,9 @@ Frame read_frame(int fd) {
   Frame f;
   std::string head, body;
   if (!read_n(4, &head)) return f;
-  uint32_t len = 0;
-  for (int i = 0; i < 4; ++i) len |= static_cast<uint32_t>(static_cast<uint8_t>(head[i])) << (8 * i);
-  if (!read_n(len, &body)) return f;
+  if (!read_n(get_u32(head.data()), &body) || body.empty()) return f;
   f.status = static_cast<uint8_t>(body[0]);
-  for (size_t o = 1; o + 4 <= body.size();) {
-    uint32_t n = 0;
-    for (int i = 0; i < 4; ++i) n |= static_cast<uint32_t>(static_cast<uint8_t>(body[o + i])) << (8 * i);
-    f.fields.push_back(body.substr(o + 4, n));
-    o += 4 + n;
-  }
+  parse_fields(body.data() + 1, body.size() - 1, &f.fields);
   return f;
 }
 
@@ -87,10 +67,6 @@ bool closed_by_server(int fd) {
   ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   return ::recv(fd, &b, 1, 0) == 0;
 }
-
-constexpr uint8_t kSet = 1, kTryGet = 3, kWait = 9, kAuth = 11;
-constexpr int kHello = 4, kOk = 0, kMissing = 1, kDenied = 3;
-const std::string kProtocol = "limbo-store/2";  // the protocol name of comm/store_wire.h
 
 // A member's heartbeat: an `add` every 10 ms on its own connection,
 // recording the slowest answer.
