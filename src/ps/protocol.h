@@ -11,7 +11,8 @@
 //
 // Large payloads travel in parts: a push or a weights reply for a shard's
 // slice may be several messages with the same seq and clock, each carrying
-// the floats [offset, offset + payload_bytes / 4) of the slice, in order.
+// the values [offset, offset + payload_bytes / value_bytes(flags)) of the
+// slice, in order (4 bytes a value; 2 for fp16 or bf16 payloads).
 // Part sizes are the sender's choice (ps.part_mb); the receiver assembles.
 //
 // decode() is total: any byte sequence yields either a Message or a
