@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -13,6 +14,7 @@
 
 #include "common/half.h"
 #include "ps/buffer_mean.h"
+#include "ps/push_parts.h"
 #include "ps/push_residual.h"
 #include "ps/shard_state.h"
 
@@ -270,6 +272,75 @@ TEST(PushResidual, OnlyAnAcceptedPushMovesTheResidual) {
   EXPECT_EQ(w3[0], w1[0]);
   EXPECT_EQ(w3[1], w1[1]);
   EXPECT_EQ(w3[2], float_to_bf16(g[2] + r.residual()[2]));
+}
+
+// ZeroMQ may hand out a frame at any byte offset. A push part or buffers
+// frame that starts off its values' alignment is read from an aligned copy
+// (the same bytes); an aligned one is read in place.
+TEST(PushAssembler, PartsAtAnyByteOffsetAreReadAligned) {
+  for (const uint8_t enc : {uint8_t{0}, kBf16Values}) {
+    SCOPED_TRACE(enc ? "bf16" : "float32");
+    const size_t width = value_bytes(enc);
+    std::vector<float> values = {0.5f, -1.25f, 3.0f, 7.5f, -0.125f};
+    std::vector<unsigned char> bytes(values.size() * width);
+    if (enc) {
+      std::vector<uint16_t> halves(values.size());
+      floats_to_halves(HalfKind::Bf16, values.data(), halves.data(), values.size());
+      std::memcpy(bytes.data(), halves.data(), bytes.size());
+    } else {
+      std::memcpy(bytes.data(), values.data(), bytes.size());
+    }
+    // The payload one byte past an aligned address, in a buffer that owns it.
+    auto store = std::make_shared<std::vector<float>>(bytes.size() / 4 + 2);
+    auto* odd = reinterpret_cast<unsigned char*>(store->data()) + 1;
+    std::memcpy(odd, bytes.data(), bytes.size());
+
+    Frame f;
+    f.data = odd;
+    f.size = bytes.size();
+    f.keep = store;
+    const Frame a = aligned_frame(f, width);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data) % width, 0u);
+    EXPECT_NE(a.data, f.data);
+    ASSERT_EQ(a.size, f.size);
+    EXPECT_EQ(std::memcmp(a.data, bytes.data(), bytes.size()), 0);
+    const Frame in_place = aligned_frame(a, width);
+    EXPECT_EQ(in_place.data, a.data);
+
+    // A push of one part at that offset: its values, read where the part says.
+    Message m;
+    m.header.type = MsgType::Push;
+    m.header.sender = 7;
+    m.header.seq = 1;
+    m.header.flags = enc;
+    m.header.payload_bytes = f.size;
+    m.payload = f;
+    PushAssembler pa(static_cast<int64_t>(values.size()));
+    auto r = pa.add(m, 0);
+    ASSERT_EQ(r.outcome, PushAssembler::Result::Outcome::Added) << r.why;
+    ASSERT_TRUE(r.complete);
+    std::vector<float> got(values.size());
+    if (enc) {
+      ASSERT_NE(r.part.halves, nullptr);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(r.part.halves) % alignof(uint16_t), 0u);
+      halves_to_floats(HalfKind::Bf16, r.part.halves, got.data(), got.size());
+    } else {
+      ASSERT_NE(r.part.data, nullptr);
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(r.part.data) % alignof(float), 0u);
+      std::copy(r.part.data, r.part.data + got.size(), got.begin());
+    }
+    EXPECT_EQ(got, values);  // each value is exact in bf16
+    // The assembled push keeps the aligned bytes alive after the frame it came in is gone.
+    PartedPush push = pa.take(7);
+    ASSERT_EQ(push.parts.size(), 1u);
+    store.reset();
+    f = Frame();
+    m = Message();
+    std::vector<float> again(values.size());
+    if (enc) halves_to_floats(HalfKind::Bf16, push.parts[0].halves, again.data(), again.size());
+    else std::copy(push.parts[0].data, push.parts[0].data + again.size(), again.begin());
+    EXPECT_EQ(again, values);
+  }
 }
 
 }  // namespace limbo::ps

@@ -82,6 +82,16 @@ void encode_header(const Header& h, unsigned char out[kHeaderBytes]) {
   put<uint64_t>(p, h.offset);
 }
 
+Frame aligned_frame(const Frame& f, size_t alignment) {
+  if (reinterpret_cast<uintptr_t>(f.data) % alignment == 0) return f;
+  // Whole floats: aligned for any value width the protocol has.
+  auto copy = std::make_shared<std::vector<float>>((f.size + sizeof(float) - 1) / sizeof(float));
+  std::memcpy(copy->data(), f.data, f.size);
+  Frame a = float_frame(std::move(copy));
+  a.size = f.size;
+  return a;
+}
+
 Decoded decode(const std::vector<Frame>& frames, uint64_t max_payload_bytes) {
   Decoded d;
   auto fail = [&](Reject r, std::string why) {

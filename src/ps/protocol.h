@@ -102,6 +102,11 @@ inline Frame float_frame(std::shared_ptr<std::vector<float>> v) {
   return f;
 }
 
+// `f` itself when its bytes start at a multiple of `alignment`; else a
+// frame that owns an aligned copy of them. ZeroMQ may hand out a frame at
+// any byte offset, and values are read in place.
+Frame aligned_frame(const Frame& f, size_t alignment);
+
 // Floats [offset, offset + n) of a shard's slice (a gradient that arrived in
 // parts): float32 at `data`, or 16-bit values at `halves` (comm.compression;
 // `data` null), widened by their reader a cache-sized chunk at a time.

@@ -53,33 +53,20 @@ PushAssembler::Result PushAssembler::add(const Message& m, uint64_t handled_seq)
     else p.ignore_rest = true;
     return r;
   }
-  Frame f = m.payload;
+  const Frame f = aligned_frame(m.payload, value_bytes(h.flags));
   GradPart part{p.received, reinterpret_cast<const float*>(f.data), n};
   if (h.flags & kValueEncoding) {
     // 16-bit values (comm.compression): kept as they came; the shard widens
     // them a chunk at a time inside its update (no widened copy of the part).
-    if (reinterpret_cast<uintptr_t>(f.data) % alignof(uint16_t) != 0) {  // ZeroMQ may hand out any offset
-      auto copy = std::shared_ptr<uint16_t>(new uint16_t[static_cast<size_t>(n)], std::default_delete<uint16_t[]>());
-      std::memcpy(copy.get(), f.data, f.size);
-      f.data = reinterpret_cast<const unsigned char*>(copy.get());
-      f.keep = copy;
-    }
     part.data = nullptr;
     part.halves = reinterpret_cast<const uint16_t*>(f.data);
     part.bf16 = (h.flags & kBf16Values) != 0;
-  } else if (reinterpret_cast<uintptr_t>(f.data) % alignof(float) != 0) {
-    // ZeroMQ may hand out payloads at any byte offset; copy the rare unaligned one.
-    auto copy = std::shared_ptr<float>(new float[static_cast<size_t>(n)], std::default_delete<float[]>());
-    std::memcpy(copy.get(), f.data, f.size);
-    f.data = reinterpret_cast<const unsigned char*>(copy.get());
-    f.keep = copy;
-    part.data = copy.get();
   }
   r.outcome = Result::Outcome::Added;
   r.first = first;
   r.complete = last;
   r.part = part;
-  p.frames.push_back(std::move(f));
+  p.frames.push_back(f);
   p.parts.push_back(r.part);
   p.received += n;
   return r;

@@ -373,17 +373,11 @@ struct Server::Impl {
   // update it belongs to; the gradient itself stands either way.
   void take_buffers(const PartedPush& push) {
     if (opt.shard != 0 || push.buffers.size == 0) return;
-    const auto* v = reinterpret_cast<const float*>(push.buffers.data);
-    const size_t n = push.buffers.size / sizeof(float);
+    const Frame b = aligned_frame(push.buffers, alignof(float));
+    const size_t n = b.size / sizeof(float);
     json meta = json::parse(push.meta.empty() ? "{}" : push.meta, nullptr, /*allow_exceptions=*/false);
     const int64_t averaged = meta.is_object() ? meta.value("averaged", static_cast<int64_t>(n)) : -1;
-    std::vector<float> aligned;
-    if (reinterpret_cast<uintptr_t>(v) % alignof(float) != 0) {  // ZeroMQ may hand out any offset
-      aligned.resize(n);
-      std::memcpy(aligned.data(), push.buffers.data, push.buffers.size);
-      v = aligned.data();
-    }
-    if (buffers.add(v, n, averaged)) return;
+    if (buffers.add(reinterpret_cast<const float*>(b.data), n, averaged)) return;
     if (++buffers_refused <= 3)
       log_warn("shard 0: buffers sent by learner " + std::to_string(push.head.sender) +
                " do not fit (another model, or damaged); the gradient is kept, its buffers are not");

@@ -179,14 +179,9 @@ Message ShardLinks::receive_weights(ShardLink& l, float* flat_all, uint64_t seq,
                         std::to_string(m.header.clock) + " after " + std::to_string(got) + " of " +
                         std::to_string(l.numel) + " floats" + (got > 0 ? " at clock " + std::to_string(first.header.clock) : std::string()));
     if (m.header.flags & kValueEncoding) {
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(m.payload.data);
-      std::vector<uint16_t> aligned;
-      if (reinterpret_cast<uintptr_t>(src) % alignof(uint16_t) != 0) {  // ZeroMQ may hand out any offset
-        aligned.resize(static_cast<size_t>(n));
-        std::memcpy(aligned.data(), m.payload.data, m.payload.size);
-        src = aligned.data();
-      }
-      halves_to_floats(half_kind(m.header.flags), src, flat + got, static_cast<size_t>(n));
+      const Frame a = aligned_frame(m.payload, sizeof(uint16_t));
+      halves_to_floats(half_kind(m.header.flags), reinterpret_cast<const uint16_t*>(a.data), flat + got,
+                       static_cast<size_t>(n));
     } else {
       copy_floats(flat + got, m.payload.data, m.payload.size);
     }
