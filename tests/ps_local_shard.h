@@ -37,9 +37,12 @@ inline AggregatorOptions softsync(int n) {
 constexpr int64_t kTotal = 1000;
 
 struct LocalShard {
-  explicit LocalShard(AggregatorOptions agg, CurveKeys keys = {}, int64_t part_floats = -1, int64_t total = kTotal)
+  explicit LocalShard(AggregatorOptions agg, CurveKeys keys = {}, int64_t part_floats = -1, int64_t total = kTotal,
+                      int shard = 0, int shards = 1)
       : initial(static_cast<size_t>(total), 1.f) {
     ServerOptions o;
+    o.shard = shard;
+    o.shards = shards;
     if (part_floats >= 0) o.part_floats = part_floats;
     o.dir = dir.path() + "/shard";
     o.agg = agg;

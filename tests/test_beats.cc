@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <sstream>
 #include <thread>
 
 #include "comm/auth.h"
@@ -116,8 +117,10 @@ TEST(Beats, ForgedReplayedOrMisaddressedDatagramsAreRefused) {
   EXPECT_TRUE(listener.table()->read().empty());
   send("LB1 " + nonce + " s1 1\n11 5 0", kSecret);
   ASSERT_TRUE(eventually([&] { return listener.table()->read().count(11) == 1; }));
-  send("LB1 " + nonce + " s1 1\n11 6 0", kSecret);  // the same number again
+  send("LB1 " + nonce + " s1 1\n11 5 0", kSecret);  // byte for byte the same datagram, replayed
   ASSERT_TRUE(refused(3));
+  send("LB1 " + nonce + " s1 1\n11 6 0", kSecret);  // the same number again
+  ASSERT_TRUE(refused(4));
   EXPECT_EQ(listener.table()->read().at(11).counter, 5);
   ::close(fd);
   // A sender with the secret gets through and is acknowledged; one without
@@ -127,10 +130,165 @@ TEST(Beats, ForgedReplayedOrMisaddressedDatagramsAreRefused) {
   auto table = LocalBeats::in_process();
   table->beat(table->acquire(), 12);
   BeatSender wrong(table, sender_options(store, "not the secret, but as long as it"));
-  ASSERT_TRUE(eventually([&] { return listener.refused() > 3; }));
+  ASSERT_TRUE(eventually([&] { return listener.refused() > 4; }));
   BeatSender right(table, sender_options(store, kSecret));
   ASSERT_TRUE(eventually([&] { return listener.table()->read().count(12) == 1 && right.acked_ns() > 0; }));
   EXPECT_EQ(wrong.acked_ns(), 0);
+}
+
+// A sealed message, as the job's members write them.
+std::string sealed(const std::string& body, const std::string& key) {
+  std::string mac;
+  for (unsigned char c : comm::hmac_sha256(key, body)) {
+    char h[3];
+    std::snprintf(h, sizeof h, "%02x", c);
+    mac += h;
+  }
+  return body + "\nmac " + mac;
+}
+
+// Found: an acknowledgement counted whenever its number was not above the
+// sender's current one and it named the sender, not the listener: one
+// recorded acknowledgement, replayed, kept a relay "acknowledged" for ever
+// (no cut-off, no search for a new coordinator). Now an acknowledgement
+// names the listener and each number counts once: a replayed one, an old
+// coordinator's, and one for a datagram never sent count not at all.
+TEST(Beats, AReplayedOrMisaddressedAcknowledgementCountsNever) {
+  const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  socklen_t alen = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &alen);
+  const std::string nonce = "00112233aabbccdd";
+  auto store = std::make_shared<comm::MemoryKvStore>();
+  store->set("elastic/beat_addr", "127.0.0.1:" + std::to_string(ntohs(a.sin_port)) + " " + nonce);
+  auto table = LocalBeats::in_process();
+  table->beat(table->acquire(), 4);
+  BeatSender relay(table, sender_options(store, kSecret));
+  // The first datagram: its sender's nonce and number.
+  char buf[2048];
+  sockaddr_in from{};
+  socklen_t flen = sizeof from;
+  timeval tv{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  const ssize_t n = ::recvfrom(fd, buf, sizeof buf, 0, reinterpret_cast<sockaddr*>(&from), &flen);
+  ASSERT_GT(n, 0);
+  std::istringstream in(std::string(buf, static_cast<size_t>(n)));
+  std::string magic, coord, sender;
+  int64_t seq = 0;
+  ASSERT_TRUE(in >> magic >> coord >> sender >> seq);
+  ASSERT_EQ(coord, nonce);
+  auto answer = [&](const std::string& msg) {
+    ::sendto(fd, msg.data(), msg.size(), 0, reinterpret_cast<sockaddr*>(&from), flen);
+  };
+  const std::string ack = sealed("LA2 " + nonce + " " + sender + " " + std::to_string(seq), kSecret);
+  answer(ack);
+  ASSERT_TRUE(eventually([&] { return relay.acked_ns() > 0; }));
+  const int64_t first = relay.acked_ns();
+  for (int k = 0; k < 15; ++k) {
+    answer(ack);  // the same bytes again
+    answer(sealed("LA2 ffffffffffffffff " + sender + " " + std::to_string(seq + 1), kSecret));  // another listener
+    answer(sealed("LA1 " + sender + " " + std::to_string(seq + 1), kSecret));  // no listener named
+    answer(sealed("LA2 " + nonce + " " + sender + " 999999999", kSecret));      // never sent
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_EQ(relay.acked_ns(), first);
+  // A fresh acknowledgement of a datagram it sent still counts.
+  answer(sealed("LA2 " + nonce + " " + sender + " " + std::to_string(seq + 1), kSecret));
+  EXPECT_TRUE(eventually([&] { return relay.acked_ns() > first; }));
+  ::close(fd);
+}
+
+// Found: the listener computed the MAC over each datagram (up to 64 KiB)
+// before its cheap checks, and its drain loop never looked at its stop
+// flag: a flood at line rate crowded out the real beats (false evictions)
+// and held up the listener's stop for as long as it lasted. Now a flood
+// of datagrams without the listener's nonce costs a peek each: a member
+// beating every 20 ms is never heard from more than 0.4 s (the default
+// heartbeat timeout) apart, and a flooded listener stops at once.
+TEST(Beats, AFloodWithoutTheSecretCrowdsOutNoBeat) {
+  auto store = std::make_shared<comm::MemoryKvStore>();
+  auto listener = std::make_unique<BeatListener>("127.0.0.1", "127.0.0.1", kSecret);
+  store->set("elastic/beat_addr", listener->address());
+  const std::string addr = listener->address();
+  const int port = std::stoi(addr.substr(addr.find(':') + 1));
+  auto table = LocalBeats::in_process();
+  const int slot = table->acquire();
+  std::atomic<bool> stop{false};
+  std::thread worker([&] {
+    while (!stop) {
+      table->beat(slot, 21);
+      std::this_thread::sleep_for(20ms);
+    }
+  });
+  BeatSender relay(table, sender_options(store, kSecret));
+  ASSERT_TRUE(eventually([&] { return listener->table()->read().count(21) == 1; }));
+  std::atomic<int64_t> flooded{0};
+  std::thread flood([&] {
+    const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(static_cast<uint16_t>(port));
+    to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    std::string junk = "LB1 0000000000000000 f 1\n" + std::string(60000, '7');
+    while (!stop) {
+      if (::sendto(fd, junk.data(), junk.size(), 0, reinterpret_cast<sockaddr*>(&to), sizeof to) > 0) ++flooded;
+    }
+    ::close(fd);
+  });
+  double worst = 0;
+  const auto until = Clock::now() + 3s;
+  while (Clock::now() < until) {
+    const auto seen = listener->table()->read().at(21).at;
+    worst = std::max(worst, std::chrono::duration<double>(Clock::now() - seen).count());
+    std::this_thread::sleep_for(10ms);
+  }
+  // The listener stops while the flood goes on.
+  const auto t0 = Clock::now();
+  listener.reset();
+  const double stop_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  stop = true;
+  flood.join();
+  worker.join();
+  std::printf("flood: %lld datagrams of 60 KB in 3 s; longest gap between beats heard %.3f s; stop %.3f s\n",
+              static_cast<long long>(flooded.load()), worst, stop_seconds);
+  EXPECT_GT(flooded.load(), 1000);
+  EXPECT_LT(worst, 0.4);
+  EXPECT_LT(stop_seconds, 1.0);
+}
+
+// Found: entry() loaded a slot's counter, then its id, so a slot reused
+// across a respawn could read as {the new worker's id, the old worker's
+// counter}: the new worker's beats were then ignored until its counter
+// passed the old one, and it was evicted. Under the sequence lock a reader
+// sees one worker's id with that worker's counter only: here worker k
+// beats 2000 - k times, so any mixed read shows a counter above its id's.
+TEST(Beats, ASlotReusedAcrossARespawnIsNeverReadTorn) {
+  auto table = LocalBeats::in_process();
+  const int slot = table->acquire();
+  std::atomic<bool> done{false};
+  std::thread writer([&] {
+    for (int64_t k = 1; k < 1500; ++k) {
+      table->release(slot);
+      table->acquire();
+      for (int64_t j = 0; j < 2000 - k; ++j) table->beat(slot, k);
+    }
+    done = true;
+  });
+  int64_t reads = 0, torn = 0;
+  while (!done) {
+    const auto e = table->entry(slot);
+    ++reads;
+    if (e.id > 0 && e.counter > 2000 - e.id) ++torn;
+    if (e.id == 0 && e.counter > 0) ++torn;
+  }
+  writer.join();
+  std::printf("%lld reads, %lld torn\n", static_cast<long long>(reads), static_cast<long long>(torn));
+  EXPECT_GT(reads, 1000);
+  EXPECT_EQ(torn, 0);
 }
 
 // An etcd take-over: the new coordinator listens elsewhere and writes its

@@ -6,6 +6,7 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "optim/optimizer.h"
 #include "train/checkpoint.h"
 #include "train/safetensors.h"
 #include "train/trainer.h"
@@ -150,6 +151,103 @@ TEST(Checkpoint, AnotherOptimizersStateIsNotLoaded) {
   load_checkpoint(d.file("checkpoint.pt"), b.model(), &b.optimizer());
   EXPECT_FALSE(b.optimizer().has_state());
   EXPECT_EQ(b.optimizer().steps(), 0);
+}
+
+// Found: resuming after the frozen set changed (the usual "unfreeze the
+// backbone, then --resume") stepped an m-float state with n > m floats of
+// parameters, writing past its end; with fewer trainable parameters it used
+// the wrong slices. Now the load is refused, naming each parameter whose
+// requires_grad changed, either way; the optimizer itself refuses a state of
+// another size; and the same frozen set resumes.
+TEST(Checkpoint, AStateSavedForOtherTrainableParametersIsRefusedByName) {
+  limbo::testing::TempDir d;
+  torch::nn::Sequential net(torch::nn::Linear(4, 3), torch::nn::Linear(3, 2));
+  auto set_frozen = [&](bool frozen) {
+    for (auto& p : net[0]->parameters()) p.set_requires_grad(!frozen);
+  };
+  auto trainable = [&] {
+    int64_t n = 0;
+    for (auto& p : net->parameters())
+      if (p.requires_grad()) n += p.numel();
+    return n;
+  };
+  optim::OptimizerOptions oo;
+  oo.algorithm = "adamw";
+  set_frozen(true);
+  auto opt = optim::make_optimizer(oo);
+  torch::Tensor w = torch::zeros({trainable()}), g = torch::ones({trainable()});
+  opt->step(w, g, 0.01);
+  TrainState st;
+  save_checkpoint(d.file("c.pt"), *net, *opt, st);
+  for (bool frozen : {false, true}) {
+    SCOPED_TRACE(frozen ? "the same frozen set" : "unfrozen");
+    set_frozen(frozen);
+    auto fresh = optim::make_optimizer(oo);
+    if (frozen) {
+      EXPECT_NO_THROW(load_checkpoint(d.file("c.pt"), *net, fresh.get()));
+      EXPECT_EQ(fresh->steps(), 1);
+      continue;
+    }
+    try {
+      load_checkpoint(d.file("c.pt"), *net, fresh.get());
+      ADD_FAILURE() << "a state of 8 floats loaded for 23 trainable floats";
+    } catch (const InvalidInput& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("0.weight (frozen then, trainable now)"), std::string::npos) << m;
+      EXPECT_NE(m.find("0.bias (frozen then, trainable now)"), std::string::npos) << m;
+      EXPECT_EQ(m.find("1.weight"), std::string::npos) << m;
+    }
+  }
+  // The other way: saved with everything trainable, resumed with the first
+  // layer frozen.
+  set_frozen(false);
+  auto all = optim::make_optimizer(oo);
+  torch::Tensor w2 = torch::zeros({trainable()}), g2 = torch::ones({trainable()});
+  all->step(w2, g2, 0.01);
+  save_checkpoint(d.file("all.pt"), *net, *all, st);
+  set_frozen(true);
+  auto fewer = optim::make_optimizer(oo);
+  try {
+    load_checkpoint(d.file("all.pt"), *net, fewer.get());
+    ADD_FAILURE() << "a state of 23 floats loaded for 8 trainable floats";
+  } catch (const InvalidInput& e) {
+    EXPECT_NE(std::string(e.what()).find("0.weight (trainable then, frozen now)"), std::string::npos) << e.what();
+  }
+  // The optimizer never steps a state of another size.
+  auto small = optim::make_optimizer(oo);
+  small->set_state({torch::zeros({8}), torch::zeros({8})}, 1);
+  torch::Tensor big = torch::zeros({23}), big_g = torch::ones({23});
+  EXPECT_THROW(small->step(big, big_g, 0.01), std::invalid_argument);
+}
+
+// Found: a checkpoint written without the optimizer's moments (by a member
+// that held only its shard of a sharded state) kept the update count, so a
+// resumed Adam started with zero moments at t = N + 1: its bias correction
+// off, the first steps about 3x too long. Now the count restarts at 0 with
+// the moments, as PyTorch starts a fresh state, and the load says so; the
+// first update then equals a fresh optimizer's.
+TEST(Checkpoint, NoMomentsMeansTheUpdateCountRestarts) {
+  limbo::testing::TempDir d;
+  torch::nn::Sequential net(torch::nn::Linear(4, 3));
+  optim::OptimizerOptions oo;
+  oo.algorithm = "adam";
+  auto bare = optim::make_optimizer(oo);
+  bare->set_state({}, 500);  // what a member holding only its shard writes
+  TrainState st;
+  save_checkpoint(d.file("c.pt"), *net, *bare, st);
+  auto resumed = optim::make_optimizer(oo);
+  ::testing::internal::CaptureStderr();
+  load_checkpoint(d.file("c.pt"), *net, resumed.get());
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(resumed->steps(), 0);
+  EXPECT_FALSE(resumed->has_state());
+  EXPECT_NE(log.find("holds no optimizer state"), std::string::npos) << log;
+  auto fresh = optim::make_optimizer(oo);
+  torch::Tensor a = torch::ones({15}), b = torch::ones({15}), g = torch::full({15}, 0.5f);
+  resumed->step(a, g, 0.1);
+  fresh->step(b, g, 0.1);
+  EXPECT_TRUE(torch::equal(a, b));
+  EXPECT_NEAR(1.0 - a[0].item<float>(), 0.1, 1e-6);  // one step of lr, not 3x
 }
 
 // train.accumulate: 4 micro-batches of 16 make the same steps as one batch

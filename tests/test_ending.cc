@@ -38,6 +38,30 @@ std::vector<std::string> job(const std::string& run, std::vector<std::string> ex
   return a;
 }
 
+// Found: Slurm's warning (SIGUSR1) while the job ended was forwarded as
+// SIGTERM with a 5 s grace, so a writer still in its final evaluation or
+// checkpoint was killed, the launcher exited 1 and the requeue script did
+// not requeue: the result was lost. Now the ending goes on through the
+// warning: the writer, 8 s from its final checkpoint when the warning
+// comes, writes it and the summary, and the launcher exits 0.
+TEST(Ending, SlurmsWarningDuringTheEndingLetsTheEndingFinish) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::string run = d.file("run"), log = d.file("log");
+  auto a = job(run, {"train.testing_writer_dies_at=\"slow\""});
+  a[2] = "2";  // --nproc 2
+  const pid_t launcher = limbo::testing::spawn_limbo(a, log);
+  ASSERT_TRUE(limbo::testing::wait_for_text(log, "takes 8 s before its final checkpoint", 120)) << slurp(log);
+  ASSERT_EQ(::kill(launcher, SIGUSR1), 0);
+  auto r = limbo::testing::wait_child(launcher, log, 120);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("goes on through Slurm's warning"), std::string::npos) << r.output;
+  ASSERT_TRUE(file_exists(run + "/summary.json")) << r.output;
+  ASSERT_TRUE(file_exists(run + "/checkpoint.pt")) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(slurp(run + "/summary.json"))["samples"].get<int64_t>(), 1200);
+}
+
 // Found: 3 workers, rank 0 (the writer) SIGKILLed at the last step or as
 // training completed: the survivors printed the test accuracy, the
 // launcher exited 0, and the run directory had neither summary.json nor

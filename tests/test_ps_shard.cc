@@ -393,6 +393,63 @@ TEST(Shard, TheBuffersOfALargeModelTravelWithPushesAndWeights) {
   }
 }
 
+// Found: a learner checked its gradient for NaN and Inf before the 16-bit
+// encoding, so an fp16 push whose value (plus its residual) passed 65504
+// became infinite on one shard only: that shard refused it while the other
+// applied its part. Now such a gradient goes out as NaN to every shard and
+// both refuse it, as does one whose residual carries it over the range;
+// the weights of both stay as they were.
+TEST(Shard, AnFp16PushThatOverflowsOnOneShardIsRefusedByEvery) {
+  LocalShard a(softsync(1), {}, -1, kTotal, 0, 2), b(softsync(1), {}, -1, kTotal, 1, 2);
+  WorkerOptions o;
+  o.servers = {a.endpoint, b.endpoint};
+  o.learner_id = 1;
+  o.request_timeout = std::chrono::milliseconds(10000);
+  o.push_encoding = kFp16Values;
+  ShardLinks links(o, {}, a.fp, kTotal);
+  ASSERT_EQ(links.all().size(), 2u);
+  std::vector<float> weights(kTotal);
+  auto push_both = [&](std::vector<float>& g) {
+    std::vector<std::string> status;
+    for (auto& l : links.all()) {
+      links.receive_weights(*l, weights.data(), links.send_pull(*l, 0), [&] { return links.send_pull(*l, 0); });
+      const uint64_t push = links.send_push(*l, g.data(), -1, "", [] { return std::shared_ptr<void>(); });
+      uint64_t pull = links.send_pull(*l, 0);
+      auto ack = json::parse(links.await(*l, push, MsgType::PushAck, [&] { return pull = links.send_pull(*l, 0); }).meta);
+      links.receive_weights(*l, weights.data(), pull, [&] { return pull = links.send_pull(*l, 0); });
+      status.push_back(ack.value("status", std::string()) + ":" + ack.value("code", std::string()));
+      if (ack.value("status", std::string()) == "accepted") links.accepted(*l);
+    }
+    return status;
+  };
+  // A plain step: both accept (the residual of 65510 -> 65504 is 6).
+  std::vector<float> g(kTotal, 0.f);
+  g[kTotal - 1] = 65510.f;  // shard 1's slice
+  ASSERT_TRUE(links.prepare_push(g.data(), true));
+  auto st = push_both(g);
+  EXPECT_EQ(st[0], "accepted:");
+  EXPECT_EQ(st[1], "accepted:");
+  const std::vector<float> after_one = weights;
+  // 70000 in shard 1's slice only: infinite in fp16.
+  std::vector<float> big(kTotal, 0.001f);
+  big[kTotal - 1] = 70000.f;
+  EXPECT_FALSE(links.prepare_push(big.data(), true));
+  st = push_both(big);
+  EXPECT_EQ(st[0], "rejected:non_finite");
+  EXPECT_EQ(st[1], "rejected:non_finite");
+  EXPECT_EQ(weights, after_one);  // neither shard applied its part
+  // 65515 alone fits, but 65515 + the residual 6 rounds to infinity.
+  std::vector<float> near(kTotal, 0.001f);
+  near[kTotal - 1] = 65515.f;
+  EXPECT_FALSE(links.pushable(near.data()));
+  // A loss that is not finite spoils a finite gradient too.
+  std::vector<float> fine(kTotal, 0.001f);
+  EXPECT_FALSE(links.prepare_push(fine.data(), false));
+  EXPECT_TRUE(std::isnan(fine[0]));
+  EXPECT_EQ(a.finish()["updates"], 1);
+  EXPECT_EQ(b.finish()["updates"], 1);
+}
+
 // The hello names the learner's model (every parameter's name and shape) so
 // that a refusal can name both models. A model of thousands of parameter
 // tensors made a hello over the meta limit: refused as `meta_size` instead of

@@ -159,6 +159,53 @@ TEST(ShardStateTest, SixteenBitPartsUpdateExactlyAsTheirWidenedFloats) {
   }
 }
 
+// Found: every step in progress wrote its optimizer state into the same
+// spare buffers. Learner A's push streams; learner B's push, not finite,
+// completes meanwhile and is refused; A's update then adopted the state B
+// had written over (NaN weights next, every later gradient refused). Now A
+// ends exactly as it would alone, for SGD with momentum, Adam and AdamW,
+// first update or later, with B refused before or after a finite update.
+TEST(ShardStateTest, ARefusedPushDuringAStreamedOneLeavesItsStateAlone) {
+  const int64_t n = 3000;
+  std::vector<float> w(n), g1(n), g2(n), bad(n);
+  for (int64_t i = 0; i < n; ++i) {
+    w[i] = 0.3f - 1e-4f * static_cast<float>(i);
+    g1[i] = 0.01f * static_cast<float>(i % 11) - 0.04f;
+    g2[i] = -0.02f * static_cast<float>(i % 5) + 0.03f;
+    bad[i] = 100.f * g2[i];
+  }
+  bad[n - 1] = std::nanf("");  // B writes every output before its last value says no
+  for (const char* algorithm : {"sgd", "adam", "adamw"}) {
+    SCOPED_TRACE(algorithm);
+    optim::OptimizerOptions oo;
+    oo.algorithm = algorithm;
+    oo.momentum = 0.9;
+    oo.weight_decay = 0.01;
+    ShardState alone(n, w.data(), UpdateOptions{0.01, oo}), both(n, w.data(), UpdateOptions{0.01, oo});
+    auto stream_a = [&](ShardState& st, const std::vector<float>& g, bool with_b) {
+      StreamedStep a = st.begin_step(0.01);
+      st.step_part(a, GradPart{0, g.data(), n / 2});
+      if (with_b) EXPECT_FALSE(st.step_single(bad.data(), 0.01));  // B: refused, whole
+      st.step_part(a, GradPart{n / 2, g.data() + n / 2, n - n / 2});
+      EXPECT_TRUE(st.current(a));
+      return st.finish_step(a);
+    };
+    for (int round = 0; round < 3; ++round) {
+      const auto& g = round % 2 ? g2 : g1;
+      ASSERT_TRUE(stream_a(alone, g, false));
+      ASSERT_TRUE(stream_a(both, g, true)) << round;
+      ASSERT_EQ(both.optimizer().steps(), alone.optimizer().steps());
+      ASSERT_EQ(std::memcmp(both.weights()->data_ptr<float>(), alone.weights()->data_ptr<float>(), n * 4), 0)
+          << round;
+      for (size_t i = 0; i < alone.optimizer().state().size(); ++i)
+        ASSERT_EQ(std::memcmp(both.optimizer().state()[i].data_ptr<float>(),
+                              alone.optimizer().state()[i].data_ptr<float>(), n * 4),
+                  0)
+            << "round " << round << ", " << alone.optimizer().state_names()[i];
+    }
+  }
+}
+
 // Each shard keeps the AdamW state of its own slice: two shards of half the
 // weights, fed the halves of the same gradients at the same rates, hold
 // exactly what one shard of all of them holds and what the optimizer's own

@@ -131,6 +131,50 @@ TEST(ShardedState, ASigkilledMembersShardComesFromItsHomeAndNothingIsLost) {
   }
 }
 
+// Found: a member frozen (SIGSTOP) with sharded state was left out of the
+// round by its missing heartbeats, but its home was read only when its
+// process was gone: the survivors declared the state lost, fell back, and
+// then re-formed for ever. A frozen member's home is now adopted as a
+// killed member's is (it is out of the round; a frozen process cannot
+// write its committed versions). Each rank of 2 is frozen or killed as it
+// starts step 41, sharded and replicated, SGD with momentum and AdamW: the
+// survivor goes on from step 40, with nothing lost, and ends bit for bit
+// where the replicated run with a killed member ends.
+TEST(ShardedState, AFrozenOrKilledMemberOfEitherRankLosesNothing) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  for (const std::string algo : {"sgd", "adamw"}) {
+    const std::vector<std::string> base = {"--set", "optim.algorithm=\"" + algo + "\"", "--set",
+                                           algo == "sgd" ? "optim.lr=0.01" : "optim.lr=0.002",
+                                           "--set", "train.testing_die_at_step=40"};
+    const auto ref = run_job(d, "ref-" + algo, 2, 1, base);
+    for (const std::string rank : {"0", "1"})
+      for (const bool freeze : {false, true})
+        for (const bool sharded : {false, true}) {
+          if (rank == "1" && !freeze && !sharded) continue;  // the reference
+          const std::string name = algo + "-r" + rank + (freeze ? "-frozen" : "-killed") + (sharded ? "-sharded" : "");
+          SCOPED_TRACE(name);
+          auto a = base;
+          a.insert(a.end(), {"--set", "train.testing_die_rank=" + rank, "--set",
+                             std::string("train.testing_die_by_freezing=") + (freeze ? "true" : "false"), "--set",
+                             std::string("optim.shard_state=") + (sharded ? "true" : "false")});
+          const auto run = run_job(d, name, 2, 1, a);
+          const std::string log = slurp(run + "/metrics.jsonl");
+          EXPECT_EQ(log.find("fell back"), std::string::npos);
+          // One change: the survivor alone from step 40 on.
+          std::vector<nlohmann::json> changes;
+          std::istringstream in(log);
+          for (std::string line; std::getline(in, line);)
+            if (line.find("\"kind\":\"membership\"") != std::string::npos) changes.push_back(nlohmann::json::parse(line));
+          ASSERT_EQ(changes.size(), 2u) << log;
+          EXPECT_EQ(changes[1]["step"].get<int64_t>(), 40);
+          EXPECT_EQ(changes[1]["world"].get<int64_t>(), 1);
+          expect_same_checkpoint(ref, run);
+          limbo::testing::expect_exactly_once(run, 1, 3000);
+        }
+  }
+}
+
 // A worker started by hand joins a running sharded job of 2: the others
 // hold the whole state at the agreed change, and the joiner receives only
 // its own shard of it (a third of the state), not the whole. Every sample
@@ -199,6 +243,30 @@ TEST(ShardedState, WhenAShardAndItsCopyAreLostTheJobFallsBackToTheCheckpoint) {
   EXPECT_EQ(s["workers"].get<int64_t>(), 2);
   EXPECT_GT(s["test_accuracy"].get<double>(), 0.5);
   EXPECT_NE(slurp(run + "/metrics.jsonl").find("fell back to the newest checkpoint"), std::string::npos);
+}
+
+// Found: when a shard and its copy were lost and no member had a
+// checkpoint, every member forgot its step, the step -1 decoded to member
+// 65536 of the group, and the round failed to form and was retried for
+// ever (19,140 rounds in 6.5 minutes). Now the job ends with a clear error
+// at once, and no round is retried.
+TEST(ShardedState, AStateLostWithNoCheckpointAnywhereEndsTheJobWithAClearError) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::string run = d.file("run");
+  std::vector<std::string> a = {"launch", "--nproc", "3", "--min-workers", "1", "--"};
+  auto t = job_args(run, 1);
+  a.insert(a.end(), t.begin(), t.end());
+  a.insert(a.end(), {"--set", "optim.shard_state=true", "--set", "train.checkpoint_every_epochs=0",
+                     "--set", "train.testing_die_at_step=45", "--set", "train.testing_die_without_home=true"});
+  const pid_t launcher = limbo::testing::spawn_limbo(a, d.file("log"));
+  auto r = limbo::testing::wait_child(launcher, d.file("log"), 120);
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("is lost"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("no member has a checkpoint to fall back to"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("failed to form"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("65536"), std::string::npos) << r.output;
 }
 
 // The checkpoint of a sharded run is the replicated path's: a run switches

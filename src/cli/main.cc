@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/memory.h"
+#include "train/membership.h"
 
 namespace {
 
@@ -224,6 +225,8 @@ int main(int argc, char** argv) {
     return report("peer failure", e.what(), kExitPeerFailure);
   } catch (const Timeout& e) {
     return report("timeout", e.what(), kExitTimeout);
+  } catch (const train::StateLost& e) {
+    return report("state lost", e.what(), kExitFailure);
   } catch (const c10::Error& e) {
     return report("internal error (libtorch)", e.what_without_backtrace(), kExitFailure);
   } catch (const std::exception& e) {

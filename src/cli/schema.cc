@@ -274,9 +274,9 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(I("train.testing_pace_until_workers", 0, 0, 1 << 20,
              "testing aid: train.slow_step_ms applies only while the elastic job has fewer workers "
              "than N (0 = always)"));
-    s->add(S("train.testing_writer_dies_at", "", {"", "last_step", "done", "eval", "checkpoint", "summary", "hang"},
+    s->add(S("train.testing_writer_dies_at", "", {"", "last_step", "done", "eval", "checkpoint", "summary", "hang", "slow"},
              "testing aid: the member writing the run directory kills itself (SIGKILL) at this point of "
-             "the job's ending (hang: stops for ever before the final checkpoint)"));
+             "the job's ending (hang: stops for ever before the final checkpoint; slow: waits 8 s there)"));
     s->add(B("train.testing_die_in_isgd", false,
              "testing aid: the process kills itself (SIGKILL) when its group enters ISGD's extra "
              "iterations"));
@@ -291,6 +291,9 @@ std::shared_ptr<const Schema> train_schema() {
              "testing aid: the worker of train.testing_die_at_step first kills (SIGKILL) every other process "
              "of its network namespace, its launcher included: a whole host lost at once (refused outside a "
              "network namespace of its own)"));
+    s->add(B("train.testing_die_by_freezing", false,
+             "testing aid: the worker of train.testing_die_at_step stops itself (SIGSTOP) instead of dying: it "
+             "stays frozen, its connections open (with train.testing_die_with_host, the whole host freezes)"));
     s->add(I("train.testing_die_in_bucket", 0, 0, std::nullopt,
              "testing aid: in its Nth step, the process kills itself (SIGKILL) as its "
              "communication thread starts the second gradient bucket (0 = never)"));
@@ -428,6 +431,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.die_rank = static_cast<int>(c.get_int("train.testing_die_rank"));
   t.train.die_without_home = c.get_bool("train.testing_die_without_home");
   t.train.die_with_host = c.get_bool("train.testing_die_with_host");
+  t.train.die_by_freezing = c.get_bool("train.testing_die_by_freezing");
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));
   t.threads.blas = static_cast<int>(c.get_int("train.blas_threads"));

@@ -30,6 +30,11 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
 void AllReduceUpdate::set_group(std::shared_ptr<comm::Collective> group) {
   group_ = std::move(group);
   planned_ = false;
+  // A new group re-shards the state (sync_sharded_state): a gather made
+  // before it no longer holds, and a joiner has made none. Every member of
+  // the group starts from none, so whether a gather runs never differs
+  // between them.
+  gathered_everywhere_ = -1;
   if (!shard_ || !group_) return;
   bounds_ = shard_bounds(flat_.numel(), group_->size());
   reducer_.set_shards(bounds_);

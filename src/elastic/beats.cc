@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "comm/auth.h"
 #include "common/error.h"
@@ -28,7 +29,7 @@ int64_t monotonic_ns() {
 
 namespace {
 
-constexpr uint64_t kTableMagic = 0x31746165426f626cULL;  // "lboBeat1"
+constexpr uint64_t kTableMagic = 0x32746165426f626cULL;  // "lboBeat2"
 constexpr size_t kMaxBeatDatagram = 65000;
 constexpr int kEntriesPerDatagram = 800;  // at most ~60 bytes each
 
@@ -72,8 +73,11 @@ bool resolve_udp(const std::string& host, int port, sockaddr_in* out) {
 struct LocalBeats::Shared {
   uint64_t magic;
   std::atomic<int64_t> sent_ns, acked_ns;
+  // A sequence lock per slot: odd while its writer (the worker beating, or
+  // the launcher clearing it for the next worker) changes it, so that a
+  // reader never takes one worker's id with another's counter.
   struct Slot {
-    std::atomic<int64_t> id, counter, beat_ns;
+    std::atomic<int64_t> version, id, counter, beat_ns;
   } slots[kSlots];
 };
 
@@ -141,31 +145,61 @@ int LocalBeats::acquire() {
   return -1;
 }
 
+namespace {
+
+// A slot's writer: the version odd around the change (one writer at a time:
+// the worker that holds the slot, or its launcher after it exited).
+template <class F>
+void write_slot(std::atomic<int64_t>& version, F&& change) {
+  const int64_t v = version.load(std::memory_order_relaxed);
+  version.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  change();
+  version.store(v + 2, std::memory_order_release);
+}
+
+}  // namespace
+
 void LocalBeats::release(int slot) {
   if (slot < 0 || slot >= static_cast<int>(used_.size())) return;
-  s_->slots[slot].id.store(0);
-  s_->slots[slot].counter.store(0);
+  auto& s = s_->slots[slot];
+  write_slot(s.version, [&] {
+    s.id.store(0, std::memory_order_relaxed);
+    s.counter.store(0, std::memory_order_relaxed);
+  });
   used_[slot] = false;
 }
 
-// The time first, then the counter: a reader that sees the new counter sees
-// a time at least as new.
 void LocalBeats::beat(int slot, int64_t id) {
   auto& s = s_->slots[slot];
-  s.id.store(id, std::memory_order_relaxed);
-  s.beat_ns.store(monotonic_ns(), std::memory_order_relaxed);
-  s.counter.fetch_add(1, std::memory_order_release);
+  write_slot(s.version, [&] {
+    s.id.store(id, std::memory_order_relaxed);
+    s.beat_ns.store(monotonic_ns(), std::memory_order_relaxed);
+    s.counter.store(s.counter.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  });
 }
 
-int64_t LocalBeats::counter(int slot) const { return s_->slots[slot].counter.load(std::memory_order_acquire); }
+int64_t LocalBeats::counter(int slot) const { return entry(slot).counter; }
 
 LocalBeats::Entry LocalBeats::entry(int slot) const {
   const auto& s = s_->slots[slot];
-  Entry e;
-  e.counter = s.counter.load(std::memory_order_acquire);
-  e.id = s.id.load(std::memory_order_relaxed);
-  e.beat_ns = s.beat_ns.load(std::memory_order_relaxed);
-  return e;
+  // A change takes a few stores; a writer frozen in the middle of one
+  // (SIGSTOP) never ends it, and its slot then reads as empty: the frozen
+  // worker is not relayed, and found silent, as it should be.
+  for (int tries = 0; tries < 64; ++tries) {
+    const int64_t v = s.version.load(std::memory_order_acquire);
+    if (v & 1) {
+      std::this_thread::yield();
+      continue;
+    }
+    Entry e;
+    e.id = s.id.load(std::memory_order_relaxed);
+    e.counter = s.counter.load(std::memory_order_relaxed);
+    e.beat_ns = s.beat_ns.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (s.version.load(std::memory_order_relaxed) == v) return e;
+  }
+  return Entry{};
 }
 
 std::vector<LocalBeats::Entry> LocalBeats::entries() const {
@@ -231,10 +265,22 @@ BeatListener::~BeatListener() {
 
 void BeatListener::loop() {
   std::vector<char> buf(kMaxBeatDatagram + 1);
+  // What every datagram for this listener starts with. Anything else (a
+  // flood from a sender without the address's nonce) is refused from a
+  // peek at its first bytes, without copying it whole or computing a MAC.
+  const std::string head = "LB1 " + nonce_ + " ";
   while (!stop_) {
     pollfd p{fd_, POLLIN, 0};
     if (::poll(&p, 1, 50) <= 0) continue;
-    while (true) {
+    for (int k = 0; k < 4096 && !stop_; ++k) {  // a flood never holds up a stop
+      char first[64];
+      const ssize_t h = ::recv(fd_, first, std::min(sizeof first, head.size()), MSG_DONTWAIT | MSG_PEEK);
+      if (h < 0) break;
+      if (static_cast<size_t>(h) < head.size() || std::memcmp(first, head.data(), head.size()) != 0) {
+        ::recv(fd_, first, 1, MSG_DONTWAIT | MSG_TRUNC);  // drops the datagram
+        ++refused_;
+        continue;
+      }
       sockaddr_in from{};
       socklen_t flen = sizeof from;
       const ssize_t n = ::recvfrom(fd_, buf.data(), kMaxBeatDatagram, MSG_DONTWAIT, reinterpret_cast<sockaddr*>(&from), &flen);
@@ -245,14 +291,23 @@ void BeatListener::loop() {
 }
 
 // "LB1 <listener nonce> <sender nonce> <seq>" then "<id> <counter> <age µs>"
-// lines, sealed; answered with "LA1 <sender nonce> <seq>", sealed.
+// lines, sealed; answered with "LA2 <listener nonce> <sender nonce> <seq>",
+// sealed.
 void BeatListener::take(const char* data, size_t len, const void* from, unsigned from_len) {
   const auto now = std::chrono::steady_clock::now();
+  // The header's cheap checks first (this listener, a number newer than
+  // the sender's last), then the MAC over the whole datagram.
+  std::string magic, coord, sender;
+  int64_t seq = 0;
+  {
+    std::istringstream head(std::string(data, std::min<size_t>(len, 96)));
+    if (!(head >> magic >> coord >> sender >> seq) || magic != "LB1" || coord != nonce_) return void(++refused_);
+  }
+  if (auto known = senders_.find(sender); known != senders_.end() && seq <= known->second.first)
+    return void(++refused_);
   std::string body;
   if (!unseal(token_, std::string(data, len), &body)) return void(++refused_);
   std::istringstream in(body);
-  std::string magic, coord, sender;
-  int64_t seq = 0;
   if (!(in >> magic >> coord >> sender >> seq) || magic != "LB1" || coord != nonce_) return void(++refused_);
   auto& last = senders_[sender];
   if (seq <= last.first) return void(++refused_);
@@ -263,7 +318,7 @@ void BeatListener::take(const char* data, size_t len, const void* from, unsigned
   if (senders_.size() > 4096)  // senders gone for a minute (workers restarted) are forgotten
     for (auto it = senders_.begin(); it != senders_.end();)
       it = now - it->second.second > std::chrono::minutes(1) ? senders_.erase(it) : std::next(it);
-  const std::string ack = seal(token_, "LA1 " + sender + " " + std::to_string(seq));
+  const std::string ack = seal(token_, "LA2 " + nonce_ + " " + sender + " " + std::to_string(seq));
   ::sendto(fd_, ack.data(), ack.size(), MSG_DONTWAIT, static_cast<const sockaddr*>(from), from_len);
 }
 
@@ -367,9 +422,16 @@ void BeatSender::receive_acks(std::chrono::milliseconds wait) {
     std::string body;
     if (!unseal(opt_.token, std::string(buf, static_cast<size_t>(n)), &body)) continue;
     std::istringstream in(body);
-    std::string magic, sender;
+    std::string magic, coord, sender;
     int64_t seq = 0;
-    if (!(in >> magic >> sender >> seq) || magic != "LA1" || sender != nonce_ || seq > seq_) continue;
+    // From the listener this sender sends to, for a datagram it sent, and
+    // newer than the last one acknowledged: a recorded acknowledgement
+    // replayed counts never again, and one from a former coordinator not at
+    // all (either would keep a cut-off relay "acknowledged").
+    if (!(in >> magic >> coord >> sender >> seq) || magic != "LA2" || coord != coord_nonce_ || sender != nonce_ ||
+        seq > seq_ || seq <= acked_seq_)
+      continue;
+    acked_seq_ = seq;
     const int64_t now = monotonic_ns();
     acked_ns_ = now;
     if (only_slot_ < 0) table_->mark_acked(now);

@@ -25,7 +25,15 @@
 // under it; each sender numbers its datagrams and the listener takes only
 // increasing numbers per sender, and names itself with a random nonce that
 // every datagram repeats, so a recorded datagram cannot be replayed to it
-// or to a later coordinator.
+// or to a later coordinator. An acknowledgement names the listener too, and
+// a sender counts each number once: a recorded one replayed never keeps a
+// relay "acknowledged". A datagram that does not start with this
+// listener's nonce is dropped from a peek at its first bytes, before any
+// MAC is computed, so a flood from a sender without it costs little.
+//
+// A slot of the host's table is read under a sequence lock: a reader never
+// takes one worker's id with another's counter (a slot reused across a
+// respawn).
 #pragma once
 
 #include <netinet/in.h>
@@ -72,7 +80,8 @@ class LocalBeats {
   int acquire();
   void release(int slot);
 
-  // A worker's beat: its id, the counter one up, the time now.
+  // A worker's beat: its id, the counter one up, the time now. One writer
+  // at a time per slot (its worker; release() once it exited).
   void beat(int slot, int64_t id);
   int64_t counter(int slot) const;
   Entry entry(int slot) const;
@@ -179,7 +188,7 @@ class BeatSender {
   int fd_ = -1;
   std::shared_ptr<comm::KvStore> store_;         // (resolve thread only)
   std::string addr_text_, coord_nonce_, nonce_;  // (send thread only)
-  int64_t seq_ = 0, asked_ns_ = 0;
+  int64_t seq_ = 0, asked_ns_ = 0, acked_seq_ = 0;
   // The resolve thread's answer: a new address, taken by the send thread.
   std::mutex mu_;
   std::condition_variable cv_;

@@ -18,6 +18,19 @@ double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 
 }  // namespace
 
+std::pair<double, int> max_and_rank(comm::Collective& g, double value) {
+  torch::NoGradGuard no_grad;
+  // Encoded so that one max picks both: value * R + (R - 1 - rank). The
+  // remainder is taken with floor, so that negative values (a step of -1:
+  // a member that forgot its step) decode too.
+  const double kRanks = 65536.0;
+  auto key = torch::tensor({value * kRanks + (kRanks - 1 - g.rank())}, torch::kFloat64);
+  g.allreduce_max(key);
+  const double v = key.item<double>();
+  const double top = std::floor(v / kRanks);
+  return {top, static_cast<int>(kRanks - 1 - (v - top * kRanks))};
+}
+
 std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage, std::vector<int>* earlier) {
   torch::NoGradGuard no_grad;
   auto ids = torch::full({g.size()}, -1.0, torch::kFloat64);
@@ -37,14 +50,10 @@ std::pair<bool, int> storage_writer(comm::Collective& g, int64_t storage, std::v
 std::string share_records(comm::Collective& g, const train::SyncTargets& s, bool writer) {
   torch::NoGradGuard no_grad;
   const int64_t size = s.record_count ? s.record_count() : 0;
-  // The fullest copy (the most records; ties: the lowest rank), encoded so
-  // that a max picks it; then whether some writer's copy holds fewer.
-  const double kRanks = 65536.0;
-  auto key = torch::tensor({static_cast<double>(size) * kRanks + (kRanks - 1 - g.rank())}, torch::kFloat64);
-  g.allreduce_max(key);
-  const double v = key.item<double>();
-  const int source = static_cast<int>(kRanks - 1 - std::fmod(v, kRanks));
-  const int64_t most = static_cast<int64_t>(std::floor(v / kRanks));
+  // The fullest copy (the most records; ties: the lowest rank); then
+  // whether some writer's copy holds fewer.
+  const auto [top, source] = max_and_rank(g, static_cast<double>(size));
+  const int64_t most = static_cast<int64_t>(top);
   const bool behind = writer && size < most;
   auto any = torch::tensor({behind ? 1.0 : 0.0}, torch::kFloat64);
   g.allreduce_max(any);
@@ -63,13 +72,7 @@ std::string share_records(comm::Collective& g, const train::SyncTargets& s, bool
 namespace {
 
 // The member with the newest committed step (ties: the lowest rank).
-int newest_member(comm::Collective& g, int64_t step) {
-  const double kRanks = 65536.0;
-  auto key = torch::tensor({static_cast<double>(step) * kRanks + (kRanks - 1 - g.rank())}, torch::kFloat64);
-  g.allreduce_max(key);
-  const double v = key.item<double>();
-  return static_cast<int>(kRanks - 1 - std::fmod(v, kRanks));
-}
+int newest_member(comm::Collective& g, int64_t step) { return max_and_rank(g, static_cast<double>(step)).second; }
 
 // Buffers, the batch-size policy and ISGD's statistics from `source`.
 void sync_small_state(comm::Collective& g, train::SyncTargets& s, int source) {
@@ -158,7 +161,7 @@ Ranges subtract(std::pair<int64_t, int64_t> r, Ranges minus) {
 
 }  // namespace
 
-ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllReduceUpdate& rule, int64_t round) {
+ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllReduceUpdate& rule, const Round& round) {
   torch::NoGradGuard no_grad;
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t n = s.weights.numel();
@@ -175,11 +178,18 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   const int64_t step = meta[0].item<int64_t>();
   has_state = meta[4].item<int64_t>() != 0;
   steps = meta[7].item<int64_t>();
+  // Every member forgot its step (a fallback that found no checkpoint in
+  // any member's run directory): nothing is left to train on from.
+  if (step < 0)
+    throw StateLostForGood("no member has a checkpoint to fall back to (train.checkpoint_every_steps and "
+                           "train.checkpoint_every_epochs write one); the job cannot go on");
 
   // What this member holds at `step`: its homes' versions (its own, and
-  // the homes of dead members of this host), the whole weights when no
-  // all-gather has touched them since, the whole state after a gather.
-  if (!rule.home_prefix().empty()) rule.adopt_dead(open_dead_homes(rule.home_prefix().substr(1)));
+  // the homes of this host's members gone from the round: dead or frozen),
+  // the whole weights when no all-gather has touched them since, the whole
+  // state after a gather.
+  if (!rule.home_prefix().empty())
+    rule.adopt_dead(open_departed_homes(rule.home_prefix().substr(1), round.members));
   std::vector<Held> held;
   for (ShardHome* h : rule.kept_homes()) {
     const int v = h->version_of(step);
@@ -270,8 +280,8 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   // hosts an all-reduce (what the groups across hosts reduce-scatter with).
   const auto& bounds = rule.bounds();
   const int64_t lo = bounds[g.rank()], hi = bounds[g.rank() + 1];
-  std::vector<ShardHome*> homes{&rule.new_home(round, states)};
-  for (ShardHome* c : rule.new_copy_homes(round, states)) homes.push_back(c);
+  std::vector<ShardHome*> homes{&rule.new_home(round.number, states)};
+  for (ShardHome* c : rule.new_copy_homes(round.number, states)) homes.push_back(c);
   ShardHome& home = *homes[0];
   if (has_state)
     for (int i = 0; i < states; ++i)
@@ -341,7 +351,7 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
       int source = 0;
       ShardSync shards;
       if (rule_->sharded()) {
-        shards = sync_sharded_state(*group, s, *rule_, next.number);
+        shards = sync_sharded_state(*group, s, *rule_, next);
         source = shards.source;
       } else {
         source = sync_state(*group, s);

@@ -34,6 +34,11 @@ std::string share_records(comm::Collective& g, const train::SyncTargets& s, bool
 // No member holds some shard of the optimizer state (or of the weights) at
 // the newest committed step: a shard and its copy were lost together.
 using ShardsLost = train::StateLost;
+using StateLostForGood = train::StateLostForGood;
+
+// The largest `value` among the members and the lowest rank holding it
+// (any value a double holds exactly, negative ones too).
+std::pair<double, int> max_and_rank(comm::Collective& g, double value);
 
 struct ShardSync {
   int source = 0;              // the member whose step and small state everyone took
@@ -44,11 +49,13 @@ struct ShardSync {
 
 // sync_state() for sharded optimizer state: the weights and every shard of
 // the newest committed step are assembled from the members' homes (their
-// own and those of dead members on their host, elastic/shards.h), the
-// weights whole on every member and the state re-sharded for this group,
-// each member receiving only its new shard. Throws ShardsLost when some
-// shard is held by no member.
-ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllReduceUpdate& rule, int64_t round);
+// own and those of their host's members gone from `round`, dead or frozen,
+// elastic/shards.h), the weights whole on every member and the state
+// re-sharded for this group, each member receiving only its new shard.
+// Throws ShardsLost when some shard is held by no member, and
+// StateLostForGood when no member has a step left (after a fallback that
+// found no checkpoint anywhere).
+ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllReduceUpdate& rule, const Round& round);
 
 class ElasticMembership : public train::Membership {
  public:

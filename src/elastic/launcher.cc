@@ -409,6 +409,14 @@ void Job::on_signal(int sig) {
   log_info("launch: got signal " + std::to_string(sig) + "; stopping the job (workers get signal " +
            std::to_string(fwd) + ")");
   if (!user_signal_) user_signal_ = sig;
+  if (phase_ == Phase::Completing && sig == SIGUSR1) {
+    // Training completed: what is left (the final evaluation, checkpoint
+    // and summary) takes seconds and the warning gives the job its time, so
+    // the ending goes on; killing the writer in it would lose the result.
+    log_info("launch: training has completed; its ending (final evaluation, checkpoint and summary) goes on "
+             "through Slurm's warning");
+    return;
+  }
   if (phase_ == Phase::Stopping || phase_ == Phase::Lost) sup_.signal_all(fwd);
   else if (phase_ == Phase::Completing) sup_.begin_stop(fwd, opt_.kill_grace);  // training completed: still 0
   else stop(128 + sig, "stopped by signal " + std::to_string(sig), fwd);
@@ -715,6 +723,14 @@ int Job::finish() {
       log_warn("launch: exit code " + std::to_string(code) + ": training completed, but " + run_dir_ +
                " has no final checkpoint and summary (the members that write them died while the job ended); "
                "the last checkpoint there is the newest state (--resume)");
+    }
+    if (code != 0 && user_signal_ == SIGUSR1) {
+      // Warned ahead of preemption, and the ending did not deliver: the
+      // requeued job resumes from the last checkpoint and ends again.
+      log_warn("launch: exit code " + std::to_string(kExitPreempted) + " instead of " + std::to_string(code) +
+               ": Slurm's warning (SIGUSR1) came while the job ended; requeue the job, or run it again with "
+               "--resume");
+      code = kExitPreempted;
     }
     if (!killed_after_done_.empty() && code == 0) record_killed(run_dir_, killed_after_done_);
     if (election_ && election_->leading()) {

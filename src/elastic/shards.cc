@@ -149,15 +149,38 @@ void ShardHome::unlink() {
   if (!name_.empty()) ::shm_unlink(name_.c_str());
 }
 
-std::vector<std::unique_ptr<ShardHome>> open_dead_homes(const std::string& prefix) {
+namespace {
+
+// The member id in a home's name (prefix, then "m<id>-r<round>..."), or -1.
+int64_t member_of(const std::string& name, const std::string& prefix) {
+  size_t at = prefix.size();
+  if (name.size() <= at + 1 || name[at] != 'm') return -1;
+  int64_t id = 0;
+  bool digits = false;
+  for (++at; at < name.size() && name[at] >= '0' && name[at] <= '9'; ++at) {
+    id = id * 10 + (name[at] - '0');
+    digits = true;
+  }
+  return digits && at < name.size() && name[at] == '-' ? id : -1;
+}
+
+}  // namespace
+
+std::vector<std::unique_ptr<ShardHome>> open_departed_homes(const std::string& prefix,
+                                                            const std::vector<int64_t>& members) {
   std::vector<std::unique_ptr<ShardHome>> out;
   DIR* d = ::opendir("/dev/shm");
   if (!d) return out;
   while (dirent* e = ::readdir(d)) {
     const std::string name = e->d_name;
     if (name.rfind(prefix, 0) != 0) continue;
+    const int64_t member = member_of(name, prefix);
+    const bool in_round = member >= 0 && std::find(members.begin(), members.end(), member) != members.end();
     auto home = ShardHome::open("/" + name);
-    if (home && home->owner() != ::getpid() && !running(home->owner())) out.push_back(std::move(home));
+    if (!home || home->owner() == ::getpid()) continue;
+    // Dead, or alive but out of the round: a frozen (SIGSTOPped) member
+    // keeps its process, and its home holds the same committed versions.
+    if (!running(home->owner()) || (member >= 0 && !in_round)) out.push_back(std::move(home));
   }
   ::closedir(d);
   return out;

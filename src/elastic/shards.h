@@ -17,9 +17,9 @@
 // (sync_sharded_state).
 //
 // A home with a name lives in POSIX shared memory (/dev/shm, 0600) and
-// outlives its process: when a member dies, the members on its host open
-// its home (open_dead_homes) and hand its shard on, so a crash loses no
-// optimizer state. Names are limbo-zero-<job>-m<member>-r<round>; the
+// outlives its process: when a member dies or is left out of the round
+// (frozen), the members on its host open its home (open_departed_homes) and
+// hand its shard on, so a crash or a freeze loses no optimizer state. Names are limbo-zero-<job>-m<member>-r<round>; the
 // header records the host (comm::host_identity()) and the owner's pid, so
 // only a dead owner's home on the same host is read.
 #pragma once
@@ -90,9 +90,13 @@ class ShardHome {
   std::vector<float> private_;  // the memory when not shared
 };
 
-// The homes under /dev/shm named `prefix`* whose owner is no longer
-// running, made on this host.
-std::vector<std::unique_ptr<ShardHome>> open_dead_homes(const std::string& prefix);
+// The homes under /dev/shm named `prefix`*, made on this host, of members
+// gone from the round of `members`: those whose owner is no longer running,
+// and those of a member id outside `members` whatever its process does (a
+// frozen member is out of the round, but alive). A frozen member cannot
+// write its committed versions: a step is written beside them.
+std::vector<std::unique_ptr<ShardHome>> open_departed_homes(const std::string& prefix,
+                                                            const std::vector<int64_t>& members);
 
 // Removes every home named `prefix`*; returns how many.
 int remove_homes(const std::string& prefix);

@@ -22,6 +22,13 @@ bool Optimizer::step(torch::Tensor& w, const torch::Tensor& g, double lr) {
     state_.assign(names.size(), torch::Tensor());
     for (auto& t : state_) t = torch::empty({n}, torch::kFloat32);
   }
+  // The rule writes n floats of each state tensor: a state of another size
+  // (restored for another set of trainable parameters) would be written
+  // past its end or stepped in the wrong slices.
+  for (size_t i = 0; i < state_.size(); ++i)
+    if (state_[i].numel() != n)
+      throw std::invalid_argument("Optimizer::step: the state '" + names[i] + "' holds " +
+                                  std::to_string(state_[i].numel()) + " floats, the parameters " + std::to_string(n));
   std::vector<const float*> in;
   std::vector<float*> out;
   for (auto& t : state_) {

@@ -10,6 +10,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
@@ -35,8 +37,30 @@ class PushResidual {
     std::copy(pending_.begin() + offset, pending_.begin() + offset + n, residual_.begin() + offset);
   }
   const std::vector<float>& residual() const { return residual_; }
+  // Whether every value of g[0, total) + residual rounds to a finite 16-bit
+  // value (fp16 overflows to infinity at 65520; bf16 only where float32
+  // nearly does). A value that does not would be infinite on one shard
+  // only, which refuses it while the others apply their parts: the learner
+  // sends such a gradient as NaN everywhere instead.
+  bool encodes_finite(HalfKind kind, const float* g, int64_t total) const {
+    const float limit = kind == HalfKind::Fp16 ? 65520.0f : bf16_overflow();
+    const bool have = static_cast<int64_t>(residual_.size()) == total;
+    bool ok = true;
+    for (int64_t i = 0; i < total; ++i) {
+      const float v = g[i] + (have ? residual_[static_cast<size_t>(i)] : 0.0f);
+      ok &= std::fabs(v) < limit;  // false for NaN too
+    }
+    return ok;
+  }
 
  private:
+  // The smallest float that bf16's round-to-nearest-even makes infinite.
+  static float bf16_overflow() {
+    const uint32_t u = 0x7f7f8000u;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
   std::vector<float> residual_, pending_;
 };
 

@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "common/error.h"
@@ -221,6 +223,18 @@ uint64_t ShardLinks::send_push(ShardLink& l, const float* g, int64_t lease_id, c
     if (!sent) break;
   }
   return h.seq;
+}
+
+bool ShardLinks::pushable(const float* g) const {
+  if (!all_finite(g, static_cast<size_t>(total_))) return false;
+  const uint8_t enc = opt_.push_encoding;
+  return !enc || residual_.encodes_finite(half_kind(enc), g, total_);
+}
+
+bool ShardLinks::prepare_push(float* g, bool loss_finite) const {
+  if (loss_finite && pushable(g)) return true;
+  std::fill(g, g + total_, std::numeric_limits<float>::quiet_NaN());
+  return false;
 }
 
 void ShardLinks::bye() {

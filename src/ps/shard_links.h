@@ -70,6 +70,15 @@ class ShardLinks {
   // (shard 0: the model's buffers) goes with the first part.
   uint64_t send_push(ShardLink& l, const float* g, int64_t lease_id, const std::string& meta,
                      const std::function<std::shared_ptr<void>()>& keep, const Frame* buffers = nullptr);
+  // Whether gradient `g` (the whole flat gradient) reaches every shard
+  // finite: every value finite, and under 16-bit pushes every value plus
+  // its residual within the 16-bit range. One read pass, no allocation.
+  bool pushable(const float* g) const;
+  // Each shard checks only its own slice, so a gradient that is not
+  // pushable (or whose loss is not finite) is made NaN everywhere before
+  // it is sent: every shard refuses it alike and none applies the finite
+  // rest of it. Returns whether `g` was left as it was.
+  bool prepare_push(float* g, bool loss_finite) const;
   // The shard accepted the last push: its 16-bit rounding residual counts.
   void accepted(const ShardLink& l) { residual_.commit(l.offset, l.numel); }
   // Leaves every shard.

@@ -18,6 +18,7 @@ namespace {
 
 constexpr int64_t kParallelGrain = 1 << 20;  // floats per task of a parallel pass
 constexpr size_t kSpareVersions = 4;          // released versions kept for re-use
+constexpr size_t kSpareStates = 2;            // released optimizer states kept for re-use
 
 // memcpy with streaming (non-temporal) stores: a learner's copy of the
 // weights it pulled is far larger than the caches and is read again only by
@@ -174,11 +175,21 @@ StreamedStep ShardState::begin_step(double alpha) {
   s.next = fresh_version();
   s.alpha = alpha;
   // The new state is written beside the current one, which stays as it is
-  // until the step is published (an abandoned step changes nothing).
+  // until the step is published (an abandoned step changes nothing). Each
+  // step in progress writes buffers of its own: a streamed push and a
+  // single step made meanwhile (another learner's push, which may turn out
+  // not finite) must never write into the same memory.
   const size_t k = opt_->state_names().size();
-  while (spare_state_.size() < k) spare_state_.push_back(torch::empty({numel_}, torch::kFloat32));
-  s.state_next = spare_state_;
+  if (!spare_states_.empty()) {
+    s.state_next = std::move(spare_states_.back());
+    spare_states_.pop_back();
+  }
+  while (s.state_next.size() < k) s.state_next.push_back(torch::empty({numel_}, torch::kFloat32));
   return s;
+}
+
+void ShardState::keep_spare_state(std::vector<torch::Tensor> state) {
+  if (!state.empty() && spare_states_.size() < kSpareStates) spare_states_.push_back(std::move(state));
 }
 
 void ShardState::step_part(StreamedStep& s, const GradPart& g) {
@@ -195,9 +206,9 @@ bool ShardState::finish_step(StreamedStep& s) {
   const bool ok = s.finite;
   if (ok) {
     publish(std::move(s.next));
-    // The old state becomes the next step's spare (none before the first update).
-    spare_state_ = opt_->has_state() ? opt_->state() : std::vector<torch::Tensor>();
-    opt_->set_state(s.state_next, opt_->steps() + 1);
+    // The old state becomes a later step's spare (none before the first update).
+    if (opt_->has_state()) keep_spare_state(opt_->state());
+    opt_->set_state(std::move(s.state_next), opt_->steps() + 1);
   } else {
     abandon(s);
   }
@@ -207,6 +218,7 @@ bool ShardState::finish_step(StreamedStep& s) {
 
 void ShardState::abandon(StreamedStep& s) {
   if (s.next && spare_.size() < kSpareVersions) spare_.push_back(std::move(s.next));
+  keep_spare_state(std::move(s.state_next));
   s = StreamedStep();
 }
 
@@ -237,8 +249,11 @@ void ShardState::restore(const float* weights, const std::vector<std::vector<flo
     std::memcpy(t.data_ptr<float>(), v.data(), static_cast<size_t>(numel_) * 4);
     tensors.push_back(t);
   }
-  opt_->set_state(std::move(tensors), steps);
-  spare_state_.clear();
+  // No state: the update count restarts with it (Adam's bias correction
+  // at a count of N with zero moments would move the first steps too far).
+  const bool none = tensors.empty() && !opt_->state_names().empty();
+  opt_->set_state(std::move(tensors), none ? 0 : steps);
+  spare_states_.clear();
 }
 
 }  // namespace limbo::ps

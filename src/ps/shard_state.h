@@ -104,7 +104,10 @@ class ShardState {
   std::vector<std::shared_ptr<torch::Tensor>> spare_;
   torch::Tensor accum_;
   double alpha_sum_ = 0;                   // of the accumulated gradients
-  std::vector<torch::Tensor> spare_state_;  // buffers a streamed step writes its state into
+  // Released optimizer states that a later step writes into (each step in
+  // progress holds its own, never shared).
+  std::vector<std::vector<torch::Tensor>> spare_states_;
+  void keep_spare_state(std::vector<torch::Tensor> state);
 };
 
 // Copies a received payload into place, split over the intra-op threads for

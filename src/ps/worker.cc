@@ -233,13 +233,11 @@ double Learner::compute_and_push(const json& lease) {
   compute_seconds_ += step_compute;
   compute_squares_ += step_compute * step_compute;
 
-  // Each shard checks only its own slice, so a gradient (or loss) that is
-  // not finite anywhere is sent as NaN everywhere: every shard refuses it
-  // alike, and none applies the finite rest of it.
-  // One read pass without an allocation (isfinite() would write a bool per
-  // parameter first).
-  const float* g = flat.grad().data_ptr<float>();
-  if (!std::isfinite(lv) || !all_finite(g, static_cast<size_t>(flat.grad().numel()))) flat.grad().fill_(NAN);
+  // A gradient (or loss) that is not finite anywhere, or that a 16-bit
+  // push would make infinite anywhere (fp16 overflows at 65520), goes out
+  // as NaN to every shard (ShardLinks::prepare_push).
+  float* g = flat.grad().data_ptr<float>();
+  shards_.prepare_push(g, std::isfinite(lv));
   const BufferPush b = buffers_to_push();
   for (auto& l : shards_.all())
     push_seq_[l->index] = shards_.send_push(*l, g, lease_id, l->index == 0 ? b.meta : std::string(),

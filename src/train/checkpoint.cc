@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <set>
 
 #include "common/error.h"
 #include "common/files.h"
@@ -81,9 +82,70 @@ torch::serialize::InputArchive open_archive(const std::string& path) {
   return ar;
 }
 
+// The names of the trainable parameters (requires_grad), in the flat
+// buffer's order: the optimizer's state covers exactly these.
+std::vector<std::string> trainable_names(torch::nn::Module& m) {
+  std::vector<std::string> out;
+  for (const auto& p : m.named_parameters(true))
+    if (p.value().requires_grad()) out.push_back(p.key());
+  return out;
+}
+
+int64_t trainable_numel(torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters(true))
+    if (p.requires_grad()) n += p.numel();
+  return n;
+}
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> out;
+  for (size_t at = 0, nl; (nl = text.find('\n', at)) != std::string::npos; at = nl + 1)
+    out.push_back(text.substr(at, nl - at));
+  return out;
+}
+
+// The state was saved for another set of trainable parameters (a parameter
+// frozen or unfrozen since): refused by name, as resuming it would step
+// the wrong slices, or write past the end of the state.
+void check_same_trainable(torch::serialize::InputArchive& o, torch::nn::Module& model, int64_t state_numel,
+                          const std::string& path) {
+  const auto now = trainable_names(model);
+  torch::Tensor saved_t;
+  std::string changed;
+  if (o.try_read("trainable", saved_t)) {
+    const auto saved = split_lines(tensor_bytes(saved_t));
+    if (saved == now && state_numel == trainable_numel(model)) return;
+    const std::set<std::string> was(saved.begin(), saved.end()), is(now.begin(), now.end());
+    int listed = 0, more = 0;
+    auto note = [&](const std::string& name, const char* how) {
+      if (++listed > 8) return void(++more);
+      changed += (changed.empty() ? "" : ", ") + name + " (" + how + ")";
+    };
+    for (const auto& p : model.named_parameters(true)) {
+      const bool a = was.count(p.key()) > 0, b = is.count(p.key()) > 0;
+      if (a && !b) note(p.key(), "trainable then, frozen now");
+      if (!a && b) note(p.key(), "frozen then, trainable now");
+    }
+    if (more > 0) changed += " and " + std::to_string(more) + " more";
+    if (changed.empty()) changed = "the trainable parameters differ in order or size";
+    else changed = "requires_grad changed for " + changed;
+  } else {
+    // A checkpoint from before the list was kept: only the sizes can tell.
+    if (state_numel == trainable_numel(model)) return;
+    changed = "its state covers " + std::to_string(state_numel) + " floats, the trainable parameters now " +
+              std::to_string(trainable_numel(model)) + " (requires_grad changed for some parameter)";
+  }
+  throw InvalidInput("checkpoint '" + path + "' holds the optimizer state of other trainable parameters: " +
+                     changed + ". Resume with the parameters frozen as they were, or start a new run from "
+                     "these weights (limbo export --checkpoint " + path +
+                     " --format torchscript, then model.path) with a fresh optimizer");
+}
+
 // The optimizer's section: every state tensor its configuration names, or
 // none (a checkpoint before the first update, or of another algorithm).
-void load_optimizer(torch::serialize::InputArchive& root, optim::Optimizer& opt, const std::string& path) {
+void load_optimizer(torch::serialize::InputArchive& root, optim::Optimizer& opt, torch::nn::Module& model,
+                    const std::string& path) {
   torch::serialize::InputArchive o;
   if (!root.try_read("optim", o)) {
     opt.reset_state();
@@ -104,8 +166,16 @@ void load_optimizer(torch::serialize::InputArchive& root, optim::Optimizer& opt,
              opt.algorithm() + "' starts with none");
     opt.reset_state();
   } else if (tensors.size() != opt.state_names().size()) {
-    opt.set_state({}, steps);
+    // No moments: the update count restarts with them (Adam's bias
+    // correction at t = N + 1 with zero moments would move the first steps
+    // about 3x too far; PyTorch starts a fresh state at step 0).
+    if (steps > 0 && !opt.state_names().empty())
+      log_warn("checkpoint '" + path + "' holds no optimizer state (" + std::to_string(steps) +
+               " updates were made; its writer held only a shard of a sharded state, or it was written "
+               "without it): the optimizer starts afresh at update 0");
+    opt.set_state({}, 0);
   } else {
+    if (!tensors.empty()) check_same_trainable(o, model, tensors[0].numel(), path);
     opt.set_state(std::move(tensors), steps);
   }
 }
@@ -122,6 +192,9 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
   }
   o.write("step", scalar(opt.steps()));
   o.write("algorithm", bytes_tensor(opt.algorithm()));
+  std::string trainable;
+  for (const auto& name : trainable_names(model)) trainable += name + "\n";
+  o.write("trainable", bytes_tensor(trainable));
   s.write("format_version", scalar(kFormatVersion));
   s.write("step", scalar(st.step));
   s.write("epoch", scalar(st.cursor.epoch));
@@ -170,17 +243,14 @@ TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, op
     throw InvalidInput("checkpoint '" + path + "' has an unsupported format version");
   torch::Tensor stored_desc;
   if (s.try_read("model_description", stored_desc)) {  // absent in older checkpoints
-    std::vector<std::string> stored;
-    std::string text = tensor_bytes(stored_desc);
-    for (size_t at = 0, nl; (nl = text.find('\n', at)) != std::string::npos; at = nl + 1)
-      stored.push_back(text.substr(at, nl - at));
+    const std::vector<std::string> stored = split_lines(tensor_bytes(stored_desc));
     auto diff = first_difference(stored, model_description(model));
     if (!diff.empty())
       throw InvalidInput("checkpoint '" + path + "' was written for another model: " + diff +
                          " (another model.path, model or dataset?)");
   }
   load_into(model, m, path, "");
-  if (opt) load_optimizer(root, *opt, path);
+  if (opt) load_optimizer(root, *opt, model, path);
   TrainState st;
   st.step = read_int(s, "step", path);
   st.cursor.epoch = read_int(s, "epoch", path);

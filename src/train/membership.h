@@ -53,6 +53,13 @@ class StateLost : public limbo::Error {
  public:
   using Error::Error;
 };
+// The state is lost and no member has a checkpoint either (every member
+// fell back and forgot its step): the job ends with this error instead of
+// re-forming for ever.
+class StateLostForGood : public StateLost {
+ public:
+  using StateLost::StateLost;
+};
 
 struct Membership {
   struct Established {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <thread>
 
 #include "common/error.h"
 #include "common/files.h"
@@ -32,7 +33,7 @@ std::string net_namespace(const std::string& pid) {
 
 // Testing aid (train.testing_die_with_host): SIGKILLs every other process
 // of this network namespace, a virtual host of the tests.
-void kill_this_host() {
+void kill_this_host(int sig) {
   const std::string mine = net_namespace("self");
   if (mine.empty() || mine == net_namespace("1"))
     throw InvalidInput("train.testing_die_with_host needs a network namespace of its own (a virtual host)");
@@ -42,7 +43,7 @@ void kill_this_host() {
     const std::string name = e->d_name;
     if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
     const pid_t pid = static_cast<pid_t>(std::stol(name));
-    if (pid != ::getpid() && net_namespace(name) == mine) ::kill(pid, SIGKILL);
+    if (pid != ::getpid() && net_namespace(name) == mine) ::kill(pid, sig);
   }
   ::closedir(d);
 }
@@ -248,14 +249,17 @@ void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detect
                       [&r] { return r.run_dir.record_count(); }};
   flat_->buffers_to_flat();  // the module's buffers travel in the state sync
   Membership::Established est;
-  std::string why = reason;
+  std::string why = reason, lost_what;
   for (bool fell_back = false;;) {
     try {
       est = membership_->establish(targets, why);
       break;
     } catch (const StateLost& e) {
-      if (fell_back) throw;
+      // A second loss ends the job (no checkpoint anywhere, or the
+      // checkpoint's holders lost too): never a retry for ever.
+      if (fell_back) throw StateLostForGood(lost_what + "; " + e.what());
       fell_back = true;
+      lost_what = e.what();
       // Every member saw the same holes: each loads its run directory's
       // newest checkpoint, or forgets its step (the others' is taken).
       const int64_t lost = state_.step;
@@ -346,11 +350,13 @@ bool Trainer::train_step(Run& r) {
   const auto step_start = Clock::now();
   if (r.t.die_at_step > 0 && state_.step == r.t.die_at_step && rank_ == r.t.die_rank && r.world > 1 &&
       r.membership_changes == 0) {
-    std::fprintf(stderr, "testing: rank %d dies starting step %ld\n", rank_, static_cast<long>(state_.step + 1));
+    const int sig = r.t.die_by_freezing ? SIGSTOP : SIGKILL;
+    std::fprintf(stderr, "testing: rank %d %s starting step %ld\n", rank_, r.t.die_by_freezing ? "freezes" : "dies",
+                 static_cast<long>(state_.step + 1));
     std::fflush(stderr);
     if (r.t.die_without_home) rule_->testing_drop_kept_state();
-    if (r.t.die_with_host) kill_this_host();
-    ::kill(::getpid(), SIGKILL);
+    if (r.t.die_with_host) kill_this_host(sig);
+    ::kill(::getpid(), sig);
   }
   r.batch = r.loader->next();
   auto& batch = r.batch;
@@ -672,8 +678,15 @@ nlohmann::json Trainer::run() {
     if (r.left) return {{"left", true}, {"steps", state_.step}};
   }
   // Sharded state: whole for the final checkpoint where it is written (and
-  // everywhere for the sample log's fingerprints, a testing aid).
-  gather_state(r, "final checkpoint", (writer_ && !checkpoint_path_.empty()) || t.sample_log);
+  // everywhere for the sample log's fingerprints, a testing aid). A failure
+  // there re-forms, and training may have completed elsewhere meanwhile.
+  try {
+    gather_state(r, "final checkpoint", (writer_ && !checkpoint_path_.empty()) || t.sample_log);
+  } catch (const CompletedElsewhere& e) {
+    log_warn(std::string(e.what()) + " (at step " + std::to_string(state_.step) +
+             ", gathering the state for the final checkpoint); this member ends");
+    return {{"left", true}, {"completed_elsewhere", true}, {"steps", state_.step}};
+  }
   if (elastic) {
     membership_->publish_done();  // the launcher ends the job on this
     membership_->leave();         // done: not a failure for the coordinator
@@ -703,6 +716,11 @@ nlohmann::json Trainer::run() {
     r.run_dir.append_metrics(rec);
   }
   writer_dies_at("checkpoint");
+  if (cfg_.train.writer_dies_at == "slow" && writer_ && elastic) {
+    std::fprintf(stderr, "testing: the writer takes 8 s before its final checkpoint\n");
+    std::fflush(stderr);
+    std::this_thread::sleep_for(std::chrono::seconds(8));
+  }
   if (cfg_.train.writer_dies_at == "hang" && writer_ && elastic) {
     std::fprintf(stderr, "testing: the writer hangs before its final checkpoint\n");
     std::fflush(stderr);

@@ -70,6 +70,9 @@ struct TrainOptions {
   // ... and first SIGKILLs every other process of its network namespace,
   // its launcher and the host's other workers: a whole (virtual) host lost.
   bool die_with_host = false;
+  // ... by SIGSTOP instead (frozen: the process, its memory and its
+  // connections stay; with die_with_host the whole host freezes).
+  bool die_by_freezing = false;
   // Testing aid: the member that writes the run directory SIGKILLs itself
   // at this point of the job's ending: "last_step" (the last step's update
   // done, before it commits), "done" (training completed), "eval" (the
