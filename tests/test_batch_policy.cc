@@ -3,9 +3,14 @@
 #include <gtest/gtest.h>
 
 #include "common/error.h"
+#include "optim/adam.h"
 #include "optim/batch_policy.h"
+#include "optim/lr_schedule.h"
+#include "train/step.h"
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 using namespace limbo;
 using namespace limbo::optim;
@@ -184,3 +189,48 @@ TEST(BatchPolicy, ParsesNames) {
 }
 
 }  // namespace
+
+// Suspicion S2, confirmed: under the square-root rule (1 - beta1) * kappa
+// reaches 1 at kappa = 10 for beta1 = 0.9, and Adam's momentum is then off
+// (a job started on 1 worker that grows to 10). It is now said once, with
+// what to set: elastic.reference_batch = the largest global batch keeps
+// kappa at most 1, where no beta is lost and nothing is said.
+TEST(BatchPolicy, TheSquareRootRuleSaysWhenItTurnsAdamsMomentumOff) {
+  OptimizerOptions adam;
+  adam.algorithm = "adamw";
+  EXPECT_EQ(sqrt_rule_warning(adam, 9.9), "");
+  const std::string w = sqrt_rule_warning(adam, 10.0);
+  EXPECT_NE(w.find("beta1 = 0.900 (momentum)"), std::string::npos) << w;
+  EXPECT_EQ(w.find("beta2"), std::string::npos) << w;
+  EXPECT_NE(w.find("elastic.reference_batch"), std::string::npos) << w;
+  EXPECT_NE(sqrt_rule_warning(adam, 1000.0).find("beta2"), std::string::npos);
+  OptimizerOptions sgd;
+  EXPECT_EQ(sqrt_rule_warning(sgd, 1000.0), "");
+  // Through the step's policy: 1 worker of batch 8, then 10. Said once.
+  auto run = [&](int64_t reference) {
+    BatchPolicyOptions o;
+    o.kind = BatchPolicyKind::Linear;
+    o.rule = ScalingRule::Sqrt;
+    o.reference_batch = reference;
+    BatchSizePolicy policy(o);
+    LrScheduleOptions lo;
+    lo.kind = "constant";
+    LrSchedule schedule(lo);
+    auto opt = make_optimizer(adam);
+    double worst_kappa = 0;
+    ::testing::internal::CaptureStderr();
+    for (int64_t t = 0; t < 20; ++t) {
+      auto p = train::policy_step(policy, schedule, *opt, 0.0, t, t < 5 ? 8 : 80);
+      worst_kappa = std::max(worst_kappa, p.policy.kappa);
+    }
+    return std::make_pair(::testing::internal::GetCapturedStderr(), worst_kappa);
+  };
+  const auto [grown, kappa] = run(0);
+  EXPECT_DOUBLE_EQ(kappa, 10.0);
+  size_t said = 0;
+  for (size_t at = grown.find("turns beta1"); at != std::string::npos; at = grown.find("turns beta1", at + 1)) ++said;
+  EXPECT_EQ(said, 1u) << grown;
+  const auto [planned, planned_kappa] = run(80);  // the largest global batch as the reference
+  EXPECT_DOUBLE_EQ(planned_kappa, 1.0);
+  EXPECT_EQ(planned.find("square-root"), std::string::npos) << planned;
+}

@@ -6,9 +6,12 @@
 
 #include "common/error.h"
 #include "common/files.h"
+#include "models/net.h"
+#include "optim/flat_params.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
 #include "train/safetensors.h"
+#include "train/step.h"
 #include "train/trainer.h"
 #include "test_util.h"
 
@@ -272,6 +275,47 @@ TEST(Accumulate, FourMicroBatchesOf16MakeTheStepsOfOneBatchOf64) {
   EXPECT_TRUE(torch::allclose(one.optimizer().state()[0], four.optimizer().state()[0], 1e-4, 1e-6));
   EXPECT_EQ(four.step().micro_batches(), 4);
   std::printf("max |w(K=4, b=16) - w(K=1, b=64)| after 8 steps: %.3g\n", diff);
+}
+
+// The test above gives both runs the same 64 samples, so a step that
+// skipped the split (one pass over the whole batch) would pass it too.
+// Here the model records what each forward sees: with K = 4 a batch of 64
+// goes through as four different parts of 16 (10 as 3, 3, 2, 2), the parts'
+// losses differ, and their share-weighted gradients sum to the whole
+// batch's gradient.
+TEST(Accumulate, EachMicroBatchIsItsOwnPartOfTheBatch) {
+  struct Probe : models::Net {
+    Probe() { fc = register_module("fc", torch::nn::Linear(6, 3)); }
+    torch::Tensor forward(const torch::Tensor& x) override {
+      seen.push_back(x.size(0));
+      firsts.push_back(x[0][0].item<float>());
+      return fc(x);
+    }
+    torch::nn::Linear fc{nullptr};
+    std::vector<int64_t> seen;
+    std::vector<float> firsts;
+  };
+  for (const int64_t n : {64, 10}) {
+    SCOPED_TRACE(n);
+    torch::manual_seed(5);
+    Probe net;
+    optim::FlatParams flat(net);
+    TrainStep step(net, flat, LossKind::CrossEntropy, false);
+    torch::Tensor x = torch::randn({n, 6}), y = torch::randint(0, 3, {n});
+    const double whole_loss = step.gradient(x, y);
+    const torch::Tensor whole = flat.grad().clone();
+    net.seen.clear();
+    net.firsts.clear();
+    step.set_micro_batches(4);
+    const double parts_loss = step.gradient(x, y);
+    const std::vector<int64_t> want = n == 64 ? std::vector<int64_t>{16, 16, 16, 16} : std::vector<int64_t>{3, 3, 2, 2};
+    EXPECT_EQ(net.seen, want);
+    const int64_t a = want[0], b = want[0] + want[1];
+    EXPECT_EQ(net.firsts, (std::vector<float>{x[0][0].item<float>(), x[a][0].item<float>(), x[b][0].item<float>(),
+                                              x[b + want[2]][0].item<float>()}));
+    EXPECT_NEAR(parts_loss, whole_loss, 1e-5);
+    EXPECT_TRUE(torch::allclose(flat.grad(), whole, 1e-5, 1e-6));
+  }
 }
 
 TEST(Trainer, DeterministicForASeedAndThreadCount) {

@@ -38,6 +38,39 @@ std::vector<std::string> job(const std::string& run, std::vector<std::string> ex
   return a;
 }
 
+// Found: once training completed the coordinator stopped watching beats,
+// and it skipped members that had left (every member leaves before its
+// final evaluation, checkpoint and summary): a writer frozen there
+// (SIGSTOP, a host that lost power) was never marked silent, the others
+// waited out --finish-timeout and the job exited 4 with neither file. Now
+// the coordinator watches the members that left: a frozen writer is marked
+// silent within a heartbeat timeout, the next member writes both files,
+// the frozen one is killed (it can never write beside it), and the job
+// exits 0 long before the finish timeout, at each point of the ending.
+TEST(Ending, AWriterFrozenInTheEndingIsReplaced) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  for (const char* point : {"done", "eval", "checkpoint"}) {
+    SCOPED_TRACE(point);
+    TempDir d;
+    const std::string run = d.file("run"), log = d.file("log");
+    auto a = job(run, {std::string("train.testing_writer_dies_at=") + point, "train.testing_die_by_freezing=true"});
+    a.insert(a.begin() + 5, {"--finish-timeout", "120"});
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = limbo::testing::wait_child(limbo::testing::spawn_limbo(a, log), log, 200);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_FALSE(r.timed_out) << r.output;
+    EXPECT_NE(r.output.find(std::string("the writer freezes at '") + point + "'"), std::string::npos) << r.output;
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("this member writes them"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("stopped beating in the job's ending (frozen); killing it"), std::string::npos)
+        << r.output;
+    EXPECT_LT(took, 100.0) << r.output;  // not the finish timeout (120 s)
+    ASSERT_TRUE(file_exists(run + "/summary.json")) << r.output;
+    ASSERT_TRUE(file_exists(run + "/checkpoint.pt")) << r.output;
+    EXPECT_EQ(nlohmann::json::parse(slurp(run + "/summary.json"))["samples"].get<int64_t>(), 1200);
+  }
+}
+
 // Found: Slurm's warning (SIGUSR1) while the job ended was forwarded as
 // SIGTERM with a 5 s grace, so a writer still in its final evaluation or
 // checkpoint was killed, the launcher exited 1 and the requeue script did

@@ -104,6 +104,40 @@ TEST_F(EtcdJob, TheHostThatStartedTheJobIsKilledTheOthersTrainOn) {
   }
 }
 
+// Found: in the job's ending no launcher watched the members that had
+// left, so a writer whose whole host froze after training completed (its
+// launcher, and here the coordinator, frozen with it) was never marked
+// silent: the others waited out --finish-timeout and the job lost its
+// final files. Now another launcher takes the coordination over in the
+// ending too, marks the frozen writer silent, and the next member writes
+// the final checkpoint and summary; the other hosts exit 0.
+TEST_F(EtcdJob, TheWritersHostFrozenInTheEndingAnotherMemberWritesTheFiles) {
+  HostJob job{*hosts_, 2};
+  job.launcher_extra = {"--finish-timeout", "120"};
+  job.train_extra = {"--set", "train.testing_writer_dies_at=done", "--set", "train.testing_die_by_freezing=true",
+                     "--set", "train.testing_die_with_host=true"};
+  ASSERT_TRUE(start(job));
+  int frozen = -1;
+  const auto until = std::chrono::steady_clock::now() + 120s;
+  while (frozen < 0 && std::chrono::steady_clock::now() < until) {
+    for (int h = 0; h < 3; ++h)
+      if (slurp(job.log(h)).find("the writer freezes at 'done' with its host") != std::string::npos) frozen = h;
+    std::this_thread::sleep_for(50ms);
+  }
+  ASSERT_GE(frozen, 0) << job.all_logs();
+  job.wait_all(100, {frozen});
+  hosts_->signal_host(frozen, SIGKILL);
+  const std::string logs = job.all_logs();
+  for (int h = 0; h < 3; ++h) {
+    if (h == frozen) continue;
+    EXPECT_EQ(job.results[h].exit_code, 0) << "host " << h << logs;
+  }
+  EXPECT_NE(logs.find("this member writes them"), std::string::npos) << logs;
+  ASSERT_TRUE(limbo::file_exists(job.run + "/summary.json")) << logs;
+  ASSERT_TRUE(limbo::file_exists(job.run + "/checkpoint.pt")) << logs;
+  EXPECT_EQ(nlohmann::json::parse(slurp(job.run + "/summary.json"))["samples"].get<int64_t>(), 2 * 3000);
+}
+
 // Every host keeps the run's records in its own run directory (hosts 1
 // and 2 here; host 0 the default one). The starting host, which runs rank
 // 0, is killed: each survivor's directory holds the whole run (metrics

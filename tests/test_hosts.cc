@@ -349,3 +349,54 @@ TEST(JobSecret, AFloodOfAThousandSilentConnectionsKeepsNoMemberOut) {
 }
 
 }  // namespace
+
+namespace {
+
+class TwoJobs : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+    hosts_ = std::make_unique<VirtualHosts>(2);
+    if (!hosts_->ok()) GTEST_SKIP() << hosts_->why();
+  }
+  std::unique_ptr<VirtualHosts> hosts_;
+};
+
+}  // namespace
+
+// Found: under Slurm the store's port is 29400 + job id mod 1000 on the
+// job's first node, with no job identity checked: two jobs sharing a first
+// node, with ids equal mod 1000, met in one store (a token shared between
+// jobs does not tell them apart). A launcher now refuses a store that holds
+// another job's name, by name (exit 2), and one that cannot host on a taken
+// port says so (exit 2), instead of joining the other job.
+TEST_F(TwoJobs, ALauncherRefusesAnotherJobsStoreByName) {
+  HostJob job{*hosts_, 20};
+  job.host_extra[0] = {"--job-name", "slurm-1234"};
+  job.host_extra[1] = {"--job-name", "slurm-2234"};
+  job.launch(0, 1, 1);
+  ASSERT_TRUE(limbo::testing::wait_for_text(job.run + "/metrics.jsonl", "\"kind\":\"train\"", 60))
+      << slurp(job.log(0));
+  job.launch(1, 1, 1);
+  auto other = limbo::testing::wait_child(job.launchers[1], job.log(1), 60);
+  job.launchers.erase(1);
+  EXPECT_EQ(other.exit_code, 2) << other.output;
+  EXPECT_NE(other.output.find("belongs to job 'slurm-1234', not to this launcher's job 'slurm-2234'"),
+            std::string::npos)
+      << other.output;
+  // The same port on the first node, for a third job: refused, said.
+  const std::string third_log = job.d.file("third.log");
+  auto third = limbo::testing::wait_child(
+      limbo::testing::spawn_process(hosts_->in(0, {LIMBO_BINARY, "launch", "--nproc", "1", "--min-workers", "1",
+                                                   "--rdzv", job.rdzv(), "--job-name", "slurm-3234", "--", "--set",
+                                                   "train.epochs=1"}),
+                                    third_log),
+      third_log, 60);
+  EXPECT_EQ(third.exit_code, 2) << third.output;
+  EXPECT_NE(third.output.find("cannot host the rendezvous store on " + job.rdzv()), std::string::npos) << third.output;
+  // The first job never saw either.
+  ::kill(job.launchers[0], SIGTERM);
+  auto first = limbo::testing::wait_child(job.launchers[0], job.log(0), 120);
+  EXPECT_EQ(first.exit_code, 143) << first.output;
+  EXPECT_EQ(slurp(job.log(0)).find("joined 2"), std::string::npos) << first.output;
+}

@@ -248,10 +248,22 @@ TEST(Adam, TheBatchScaleSetsTheSquareRootRulesBetasAndEps) {
     plain->step(w2, g[t].contiguous(), 1e-3);
   }
   EXPECT_TRUE(torch::allclose(w1, w2, 1e-6, 1e-7));
-  // A kappa so large that kappa (1 - beta1) passes 1: beta1 stops at 0.
+  // A kappa so large that kappa (1 - beta) passes 1: both betas stop at 0
+  // (no average of the past left) and eps is divided by sqrt(1000): the
+  // update of an Adam set that way, from the same state.
   scaled->set_batch_scale(1000.0);
+  auto clamped = o;
+  clamped.beta1 = 0.0;
+  clamped.beta2 = 0.0;
+  clamped.eps = o.eps / std::sqrt(1000.0);
+  auto at_zero = make_optimizer(clamped);
+  const auto before = scaled->snapshot();
+  at_zero->set_state(before.tensors, before.steps);
+  torch::Tensor w3 = w1.clone();
   EXPECT_TRUE(scaled->step(w1, g[0].contiguous(), 1e-3));
-  EXPECT_TRUE(torch::isfinite(w1).all().item<bool>());
+  at_zero->step(w3, g[0].contiguous(), 1e-3);
+  EXPECT_TRUE(torch::allclose(w1, w3, 1e-6, 1e-7));
+  EXPECT_TRUE(torch::allclose(scaled->state()[0], g[0], 1e-6, 1e-7));  // exp_avg is the gradient alone
 }
 
 // The parameter server's SGD form (rate inside the buffer) equals PyTorch's

@@ -185,7 +185,9 @@ TEST(ShardStateTest, ARefusedPushDuringAStreamedOneLeavesItsStateAlone) {
     auto stream_a = [&](ShardState& st, const std::vector<float>& g, bool with_b) {
       StreamedStep a = st.begin_step(0.01);
       st.step_part(a, GradPart{0, g.data(), n / 2});
-      if (with_b) EXPECT_FALSE(st.step_single(bad.data(), 0.01));  // B: refused, whole
+      if (with_b) {
+        EXPECT_FALSE(st.step_single(bad.data(), 0.01));  // B: refused, whole
+      }
       st.step_part(a, GradPart{n / 2, g.data() + n / 2, n - n / 2});
       EXPECT_TRUE(st.current(a));
       return st.finish_step(a);

@@ -1,7 +1,11 @@
 // Sharded optimizer state across a re-formation, with members as threads of
 // this process (each its own model and Gloo group on a shared store): what
-// a gather made before a change is worth after the state was re-sharded.
+// a gather made before a change is worth after the state was re-sharded;
+// and the homes in /dev/shm that ended jobs leave.
 #include <gtest/gtest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <torch/torch.h>
 
@@ -11,6 +15,7 @@
 #include "comm/collective.h"
 #include "elastic/allreduce_update.h"
 #include "elastic/elastic_membership.h"
+#include "elastic/shards.h"
 #include "member_threads.h"
 #include "models/net.h"
 #include "optim/batch_policy.h"
@@ -96,4 +101,38 @@ TEST(ShardSync, AGatherBeforeARegroupingIsMadeAgainAfterIt) {
     ASSERT_EQ(o.state()[0].numel(), n) << "the final gather returned without gathering";
     for (size_t i = 0; i < whole.size(); ++i) EXPECT_TRUE(torch::equal(o.state()[i], whole[i])) << i;
   }));
+}
+
+// Found: a launcher SIGKILLed (Slurm's KillWait) never removes its job's
+// shard homes, and they stayed in /dev/shm. The next launcher on the host
+// removes the homes of every job none of whose homes here has a running
+// owner; a job with one live owner keeps all of its homes (the others may
+// be a dead member's, still to be handed on), and so does the job the
+// launcher joins.
+TEST(ShardSync, HomesThatEndedJobsLeftAreRemovedAndLiveJobsKeepTheirs) {
+  const std::string dead = "0123456789abcdef", live = "fedcba9876543210", joined = "00000000ffffffff";
+  auto made_by_a_dead_process = [](const std::string& name) {
+    const pid_t child = ::fork();
+    if (child == 0) {
+      elastic::ShardHome h(name, 64, 0, 32, 1);
+      ::_exit(h.shared() ? 0 : 1);  // the name stays: nobody unlinks it
+    }
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  };
+  ASSERT_TRUE(made_by_a_dead_process("/limbo-zero-" + dead + "-m1-r1"));
+  ASSERT_TRUE(made_by_a_dead_process("/limbo-zero-" + dead + "-m2-r1-c0"));
+  ASSERT_TRUE(made_by_a_dead_process("/limbo-zero-" + live + "-m3-r1"));
+  ASSERT_TRUE(made_by_a_dead_process("/limbo-zero-" + joined + "-m5-r1"));
+  elastic::ShardHome mine("/limbo-zero-" + live + "-m4-r1", 64, 32, 64, 1);  // this process: running
+  ASSERT_TRUE(mine.shared());
+  auto exists = [](const std::string& name) { return ::access(("/dev/shm/" + name).c_str(), F_OK) == 0; };
+  EXPECT_EQ(elastic::remove_orphaned_homes(joined), 2);
+  EXPECT_FALSE(exists("limbo-zero-" + dead + "-m1-r1"));
+  EXPECT_FALSE(exists("limbo-zero-" + dead + "-m2-r1-c0"));
+  EXPECT_TRUE(exists("limbo-zero-" + live + "-m3-r1"));
+  EXPECT_TRUE(exists("limbo-zero-" + live + "-m4-r1"));
+  EXPECT_TRUE(exists("limbo-zero-" + joined + "-m5-r1"));
+  EXPECT_EQ(elastic::remove_homes("limbo-zero-" + live + "-") + elastic::remove_homes("limbo-zero-" + joined + "-"), 3);
 }

@@ -245,6 +245,30 @@ TEST(ShardedState, WhenAShardAndItsCopyAreLostTheJobFallsBackToTheCheckpoint) {
   EXPECT_NE(slurp(run + "/metrics.jsonl").find("fell back to the newest checkpoint"), std::string::npos);
 }
 
+// Found: elastic.momentum was applied to the optimizer's own state only.
+// After a sharded sync that is a view of the member's home, so `reset`
+// dropped the view and reset nothing (and `rescale` left the copies kept
+// on the next host as they were). Now the batch change that follows a
+// member's loss resets or rescales the momentum in every home: sharded and
+// replicated end bit for bit alike under each mode, SGD and AdamW.
+TEST(ShardedState, ElasticMomentumActsOnTheShardsAsOnTheReplicatedState) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  for (const std::string algo : {"sgd", "adamw"})
+    for (const std::string mode : {"reset", "rescale"}) {
+      SCOPED_TRACE(algo + " " + mode);
+      const std::vector<std::string> a = {"--set", "optim.algorithm=\"" + algo + "\"", "--set",
+                                          algo == "sgd" ? "optim.lr=0.01" : "optim.lr=0.002",
+                                          "--set", "elastic.momentum=\"" + mode + "\"",
+                                          "--set", "train.testing_die_at_step=40"};
+      auto on = a;
+      on.insert(on.end(), {"--set", "optim.shard_state=true"});
+      const auto rep = run_job(d, "rep-" + algo + "-" + mode, 2, 1, a);
+      const auto sh = run_job(d, "shard-" + algo + "-" + mode, 2, 1, on);
+      expect_same_checkpoint(rep, sh);
+    }
+}
+
 // Found: when a shard and its copy were lost and no member had a
 // checkpoint, every member forgot its step, the step -1 decoded to member
 // 65536 of the group, and the round failed to form and was retried for
@@ -265,7 +289,11 @@ TEST(ShardedState, AStateLostWithNoCheckpointAnywhereEndsTheJobWithAClearError) 
   EXPECT_NE(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("is lost"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("no member has a checkpoint to fall back to"), std::string::npos) << r.output;
-  EXPECT_EQ(r.output.find("failed to form"), std::string::npos) << r.output;
+  // (A round replaced while it formed is retried once or twice; never for ever.)
+  size_t retries = 0;
+  for (size_t at = r.output.find("failed to form"); at != std::string::npos; at = r.output.find("failed to form", at + 1))
+    ++retries;
+  EXPECT_LE(retries, 4u) << r.output;
   EXPECT_EQ(r.output.find("65536"), std::string::npos) << r.output;
 }
 

@@ -8,6 +8,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 #include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 
 #include <chrono>
 #include <memory>
@@ -15,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/collective.h"
 #include "comm/store.h"
 #include "common/error.h"
 #include "test_util.h"
@@ -187,3 +190,24 @@ TEST(Store, AClientReachesAServerThatStartsLaterAndNamesItWhenThereIsNone) {
 }
 
 }  // namespace
+
+// Found: under etcd the coordinator's beat listener advertised the route
+// towards etcd's first endpoint, which is loopback when that endpoint is
+// on this machine: no other host could reach it. The address now comes
+// from the first endpoint that is not local, else from an interface that
+// is up; loopback only on a machine with nothing else.
+TEST(Addresses, TheAddressOtherHostsReachIsNotLoopbackWhenEtcdIsLocal) {
+  bool other = false;
+  ifaddrs* all = nullptr;
+  ASSERT_EQ(::getifaddrs(&all), 0);
+  for (ifaddrs* i = all; i; i = i->ifa_next)
+    other = other || (i->ifa_addr && i->ifa_addr->sa_family == AF_INET && (i->ifa_flags & IFF_UP) &&
+                      !(i->ifa_flags & IFF_LOOPBACK));
+  ::freeifaddrs(all);
+  const std::string a = limbo::comm::reachable_address({"127.0.0.1", "localhost"});
+  EXPECT_TRUE(limbo::comm::is_local_address(a)) << a;
+  if (!other) GTEST_SKIP() << "this machine has no interface but loopback";
+  EXPECT_NE(a.rfind("127.", 0), 0u) << a;
+  // A non-local endpoint first: the route towards it.
+  EXPECT_EQ(limbo::comm::reachable_address({a, "127.0.0.1"}), a);
+}

@@ -249,6 +249,10 @@ std::vector<std::string> apply_slurm(LaunchArgs& a) {
     a.rdzv = host + ":" + std::to_string(job->rendezvous_port());
     said.push_back("--rdzv " + a.rdzv + " (" + why + "; port 29400 + job id mod 1000)");
   }
+  if (!given("--job-name")) {
+    a.job_name = "slurm-" + job->job_id;
+    said.push_back("--job-name " + a.job_name + " (SLURM_JOB_ID: the store refuses another job's launchers)");
+  }
   bool dir_in_args = false;
   for (size_t i = 0; i + 1 < a.train_args.size(); ++i) dir_in_args = dir_in_args || a.train_args[i] == "--run-dir";
   if (!given("--run-dir") && !dir_in_args) {
@@ -303,6 +307,7 @@ int run_launch(const LaunchArgs& a) {
   lo.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000));
   lo.status = a.status;
   lo.token = a.token;
+  lo.job_name = a.job_name;
   // Workers take the secret from their environment (not argv, which `ps` shows).
   if (!a.token.empty()) ::setenv("LIMBO_JOB_TOKEN", a.token.c_str(), 1);
   // One run directory for the whole job (members and the status page):

@@ -51,6 +51,7 @@ struct LaunchArgs {
   std::string status = "127.0.0.1:0";  // ADDR:PORT of the job's status page (port 0 = any free)
   std::string token_file;
   std::string token;
+  std::string job_name;  // --job-name (under Slurm: slurm-<job id>)
   // --rdzv etcd://...: etcd's user/password and TLS files.
   std::string etcd_user, etcd_password_file, etcd_cacert, etcd_cert, etcd_key;
   bool dry_run = false;            // print what would run (with what came from Slurm) and stop

@@ -104,6 +104,9 @@ int main(int argc, char** argv) {
   launch->add_option("--token-file", launch_args.token_file,
                      "file holding the job secret that guards the rendezvous store; the same file on every "
                      "launcher of the job (default: $LIMBO_JOB_TOKEN; none: no check)");
+  launch->add_option("--job-name", launch_args.job_name,
+                     "a name for the job: a launcher refuses a rendezvous store that holds another name (under "
+                     "Slurm: slurm-<job id>)");
   launch->add_option("--keys", launch_args.keys_file, "async: CURVE key file from `limbo keygen`");
   launch->add_flag("--resume", launch_args.resume,
                    "continue an interrupted job from the checkpoint in --run-dir (data-parallel: its workers start "

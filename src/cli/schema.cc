@@ -292,8 +292,9 @@ std::shared_ptr<const Schema> train_schema() {
              "of its network namespace, its launcher included: a whole host lost at once (refused outside a "
              "network namespace of its own)"));
     s->add(B("train.testing_die_by_freezing", false,
-             "testing aid: the worker of train.testing_die_at_step stops itself (SIGSTOP) instead of dying: it "
-             "stays frozen, its connections open (with train.testing_die_with_host, the whole host freezes)"));
+             "testing aid: the worker of train.testing_die_at_step (and the writer of train.testing_writer_dies_at) "
+             "stops itself (SIGSTOP) instead of dying: it stays frozen, its connections open (with "
+             "train.testing_die_with_host, the whole host freezes)"));
     s->add(I("train.testing_die_in_bucket", 0, 0, std::nullopt,
              "testing aid: in its Nth step, the process kills itself (SIGKILL) as its "
              "communication thread starts the second gradient bucket (0 = never)"));

@@ -120,6 +120,13 @@ std::unique_ptr<Collective> make_gloo_group(const GroupOptions& opt, int rank, i
 // for loopback hosts. Throws PeerFailure if there is no route.
 std::string local_address_towards(const std::string& host);
 
+// The address other machines reach this one by, seen from `hosts` (e.g.
+// etcd's endpoints): the route towards the first of them that is not
+// loopback; when every one is local (an etcd on this machine), the first
+// non-loopback IPv4 address of an interface that is up; loopback only
+// when this machine has nothing else.
+std::string reachable_address(const std::vector<std::string>& hosts);
+
 // True when `host` is an address of this machine (it can be bound here).
 bool is_local_address(const std::string& host);
 

@@ -12,6 +12,8 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <signal.h>
+#include <ifaddrs.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -455,6 +457,32 @@ std::string local_address_towards(const std::string& host) {
   ::freeaddrinfo(res);
   if (out.empty()) throw PeerFailure("no route from this machine to '" + host + "'");
   return out;
+}
+
+std::string reachable_address(const std::vector<std::string>& hosts) {
+  auto loopback = [](const std::string& a) { return a.rfind("127.", 0) == 0; };
+  for (const auto& h : hosts) {
+    try {
+      const std::string a = local_address_towards(h);
+      if (!loopback(a)) return a;
+    } catch (const PeerFailure&) {
+      // no route to this one: the next
+    }
+  }
+  ifaddrs* all = nullptr;
+  std::string found;
+  if (::getifaddrs(&all) == 0) {
+    for (ifaddrs* i = all; i && found.empty(); i = i->ifa_next) {
+      if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP) || (i->ifa_flags & IFF_LOOPBACK))
+        continue;
+      char buf[INET_ADDRSTRLEN];
+      const auto* in = reinterpret_cast<const sockaddr_in*>(i->ifa_addr);
+      if (::inet_ntop(AF_INET, &in->sin_addr, buf, sizeof buf)) found = buf;
+    }
+    ::freeifaddrs(all);
+  }
+  if (!found.empty()) return found;
+  return hosts.empty() ? std::string("127.0.0.1") : local_address_towards(hosts.front());
 }
 
 bool is_local_address(const std::string& host) {

@@ -4,10 +4,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 
 #include "common/error.h"
@@ -74,8 +77,22 @@ void append_line(const std::string& path, const std::string& line) {
   if (::close(fd) != 0) throw Error("cannot append to '" + path + "': " + std::strerror(errno));
 }
 
+std::string temp_name(const std::string& path) {
+  char host[64] = {0};
+  ::gethostname(host, sizeof host - 1);
+  static std::atomic<uint64_t> counter{0};
+  std::random_device rd;
+  char tail[64];
+  std::snprintf(tail, sizeof tail, ".%d.%08x%04x", static_cast<int>(::getpid()), rd(),
+                static_cast<unsigned>(counter.fetch_add(1) & 0xffff));
+  std::string h = host;
+  for (char& c : h)
+    if (c == '/' || c == ' ') c = '_';
+  return path + ".tmp." + h + tail;
+}
+
 void write_file_atomic(const std::string& path, const std::string& data) {
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  std::string tmp = temp_name(path);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   if (fd < 0)
     throw Error("cannot create '" + tmp + "': " + std::strerror(errno));

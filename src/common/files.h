@@ -9,6 +9,11 @@ namespace limbo {
 // fsync, rename over the target, fsync of the directory. Readers see the old
 // or the new file, never a partial one, also after a crash. Throws limbo::Error naming the path on failure.
 void write_file_atomic(const std::string& path, const std::string& data);
+// A name beside `path` for its next version, written and renamed into
+// place: unique across the hosts that share a directory (the host's name,
+// the pid and random bits; two hosts with the same pid must never write
+// one file).
+std::string temp_name(const std::string& path);
 
 // Flushes a written file to disk (fsync); throws limbo::Error naming the path
 // when the file cannot be opened or the flush fails (a full or failing disk).

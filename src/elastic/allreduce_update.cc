@@ -207,6 +207,30 @@ void AllReduceUpdate::gather_state(optim::Optimizer& opt, int64_t step, bool her
   if (everywhere) gathered_everywhere_ = step;
 }
 
+void AllReduceUpdate::scale_momentum(optim::Optimizer& opt, double factor, int64_t step) {
+  if (!shard_ || !home_) return opt.scale_momentum(factor);  // the replicated path
+  // The optimizer holds views of this member's home after a sync (the
+  // whole range in a group of one), or a gathered whole state of its own.
+  const float* held = opt.has_state() ? opt.state()[0].data_ptr<float>() : nullptr;
+  const bool views = held && home_->states() > 0 && (held == home_->state(0, 0) || held == home_->state(1, 0));
+  if (views) opt.set_state({}, factor == 0 ? 0 : opt.steps());  // scaled through the home below
+  else if (held) opt.scale_momentum(factor);
+  std::vector<ShardHome*> mine;
+  if (home_) mine.push_back(home_.get());
+  for (auto& c : copies_) mine.push_back(c.get());
+  const int slot = opt.momentum_index();
+  for (ShardHome* h : mine) {
+    const int v = h->version_of(step);
+    if (v < 0 || !h->has_state(v)) continue;
+    if (factor == 0) {
+      h->commit(v, step, 0, false);  // no state: the next update starts afresh
+      continue;
+    }
+    if (slot >= h->states()) continue;
+    torch::from_blob(h->state(v, slot), {h->size()}, torch::kFloat32).mul_(factor);
+  }
+}
+
 void AllReduceUpdate::release_state(optim::Optimizer& opt, int64_t step) {
   if (!shard_ || !home_ || gathered_everywhere_ == step || !opt.has_state() || opt.state()[0].numel() == home_->size())
     return;

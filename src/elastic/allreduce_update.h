@@ -111,6 +111,10 @@ class AllReduceUpdate : public train::UpdateRule {
   // step put it everywhere.
   void gather_state(optim::Optimizer& opt, int64_t step, bool here) override;
   void release_state(optim::Optimizer& opt, int64_t step) override;
+  // Sharded: in every home this member keeps at `step` (its own and the
+  // copies it keeps for another host), so that a copy stays the owner's
+  // bits; and in `opt` where it holds the whole state.
+  void scale_momentum(optim::Optimizer& opt, double factor, int64_t step) override;
   void state_replaced() override { weights_step_ = kWeightsUnknown; gathered_everywhere_ = -1; }
   // Removes the names of this member's homes (train.testing_die_without_home).
   void testing_drop_kept_state() override;

@@ -55,6 +55,15 @@ void Coordinator::resume() {
   }
   if (auto a = store_->try_get("elastic/abort")) aborted_round_ = std::stoll(*a);
   resumed_ = current_.number > 0;
+  // The silence marks an earlier coordinator wrote: erased once their
+  // member beats again, as this one's are (a stale mark would hand a
+  // healthy writer's files to a second writer).
+  const std::string silent = "elastic/silent/";
+  for (const auto& [key, value] : store_->list(silent)) {
+    const std::string tail = key.substr(silent.size());
+    if (!tail.empty() && tail.size() <= 18 && tail.find_first_not_of("0123456789") == std::string::npos)
+      marked_silent_.insert(std::stoll(tail));
+  }
 }
 
 namespace {
@@ -126,7 +135,7 @@ Coordinator::Result Coordinator::poll() {
 // some member's heartbeat advances (within half a timeout); when beats
 // come again after everyone was quiet that long, every member starts a
 // fresh timeout.
-Coordinator::Liveness Coordinator::liveness(Time now) {
+Coordinator::Liveness Coordinator::liveness(Time now, bool ending) {
   Liveness l;
   const auto seen = beats_->read();
   const auto real_now = std::chrono::steady_clock::now();
@@ -152,7 +161,7 @@ Coordinator::Liveness Coordinator::liveness(Time now) {
   if (advanced || last_any_beat_ == Time{}) last_any_beat_ = now;
   for (int64_t id : joined_) {
     if (dead_.count(id) || dead_keys_.count(id)) continue;
-    if (left_keys_.count(id)) {
+    if (left_keys_.count(id) && !ending) {
       l.left.insert(id);
       continue;
     }
@@ -167,6 +176,10 @@ Coordinator::Liveness Coordinator::liveness(Time now) {
     if (now - heartbeats_[id].second > opt_.heartbeat_timeout && !everyone_quiet) {
       l.silent.insert(id);
       continue;  // silent for too long (crashed, stopped or cut off) while others beat
+    }
+    if (left_keys_.count(id)) {
+      l.left.insert(id);  // (ending) left, and still beating
+      continue;
     }
     l.alive.push_back(id);
   }
@@ -198,7 +211,10 @@ void Coordinator::mark_silent(const Liveness& l) {
       marked_silent_.insert(id);
     }
   for (auto it = marked_silent_.begin(); it != marked_silent_.end();) {
-    if (l.silent.count(*it)) {
+    // Erased once the member beats again (alive, or left and beating in
+    // the ending); kept for one never heard from since (a lost host).
+    const bool beating = std::binary_search(l.alive.begin(), l.alive.end(), *it) || l.left.count(*it) > 0;
+    if (l.silent.count(*it) || !beating) {
       ++it;
       continue;
     }
@@ -261,6 +277,15 @@ void Coordinator::write_round(const Liveness& l, Result& r) {
   current_.number = next;  // only once every key is written (a store error: the next poll writes it again)
   current_.members = l.alive;
   r.new_round = true;
+}
+
+void Coordinator::poll_ending() {
+  const auto now = clock_();
+  read_members();
+  Liveness l = liveness(now, /*ending=*/true);
+  failed_ = false;
+  last_poll_ = now;
+  mark_silent(l);
 }
 
 Coordinator::Result Coordinator::poll_once() {

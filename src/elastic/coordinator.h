@@ -86,6 +86,12 @@ class Coordinator {
     std::vector<int64_t> crashed;  // those of them whose process the launcher saw exit
   };
   Result poll();
+  // After training completed no round is written any more, but the
+  // members that left still write the final evaluation, checkpoint and
+  // summary: one whose beats stop (frozen, its host lost or frozen) is
+  // marked `silent/<id>` like a member in training, so the next member of
+  // its storage takes over; the mark of one that beats again is erased.
+  void poll_ending();
   // The launcher saw worker `id`'s process exit.
   void mark_dead(int64_t id) { dead_.insert(id); }
   const Round& current() const { return current_; }
@@ -101,7 +107,8 @@ class Coordinator {
   Result poll_once();
   void read_members();
   void note_key(const std::string& key, const std::string* value);
-  Liveness liveness(Time now);
+  // `ending`: members that left are watched for silence too.
+  Liveness liveness(Time now, bool ending = false);
   void abort_silent(const Liveness& l, Result& r);
   void mark_silent(const Liveness& l);
   bool below_minimum(size_t alive, Time now, Result& r);

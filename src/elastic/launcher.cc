@@ -129,6 +129,7 @@ const char* phase_name(Phase p) {
 }
 
 constexpr double kStragglerGrace = 1.0;  // s after completion before a member that has not left is killed
+constexpr double kFrozenInTheEnding = 5.0;  // s a member that left may stand still before it is killed
 constexpr double kAckGrace = 3.0;        // s the hosting launcher waits for the others to see completion
 constexpr int kDoneKeptSeconds = 3600;   // s an etcd job's completion outlives its other keys
 
@@ -145,6 +146,7 @@ class Job {
   void tick();
   void poll_store();
   void complete_tick();
+  void check_job_name();
   void apply_schedule();
   void enter(Phase p, const std::string& why);
   void complete(const std::string& why);
@@ -196,12 +198,13 @@ class Job {
   std::string last_store_error_;
   int64_t launcher_id_ = 0;
   bool acked_ = false;
-  std::set<pid_t> terminating_, killed_after_done_, checked_after_done_;
+  std::set<pid_t> terminating_, killed_after_done_;
   // The ending: workers that took part in it (set `left`, or exited during
   // it without being killed as stragglers), each straggler's last heartbeat
   // and when it changed, and whether the ending outlasted --finish-timeout.
   std::set<pid_t> finishers_;
   std::map<pid_t, std::pair<std::string, Clock::time_point>> beats_;
+  std::map<pid_t, std::pair<std::string, Clock::time_point>> left_beats_;  // (ending) members that left
   Clock::time_point last_beat_seen_{};
   bool finish_timed_out_ = false;
   std::filesystem::file_time_type started_ = std::filesystem::file_time_type::clock::now();
@@ -220,7 +223,16 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
       throw InvalidInput("--rdzv " + opt_.etcd->url() + ": an etcd rendezvous is for elastic jobs (add --min-workers)");
     log_info("launch: joining job '" + opt_.etcd->job + "' through etcd at " + opt_.etcd->url());
   } else if (hosting_) {
-    store_ = comm::host_store(opt_.rdzv_host, &port_, opt_.token);
+    try {
+      store_ = comm::host_store(opt_.rdzv_host, &port_, opt_.token);
+    } catch (const Error& e) {
+      if (port_ == 0) throw;
+      // A port taken (another job's store: two Slurm jobs whose derived
+      // ports collide) is said, never joined silently.
+      throw InvalidInput("cannot host the rendezvous store on " + opt_.rdzv_host + ":" + std::to_string(port_) +
+                         " (" + e.what() + "); another job's store may hold the port (under Slurm it is 29400 + "
+                         "job id mod 1000): give --rdzv HOST:PORT with a free port");
+    }
   } else {
     if (!opt_.elastic || port_ == 0)
       throw InvalidInput("--rdzv " + opt_.rdzv_host + " is not an address of this machine; to join "
@@ -273,6 +285,7 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
     } else {
       comm::connect_kv_store(opt_.rdzv_host, port_, hosting_ ? call_timeout : opt_.rendezvous_timeout, opt_.token);
       kv_ = comm::connect_kv_store(opt_.rdzv_host, port_, call_timeout, opt_.token);
+      check_job_name();
       launcher_id_ = kv_->add("elastic/launchers", 1);
     }
   }
@@ -313,10 +326,13 @@ void Job::make_coordinator() {
                                std::make_pair(std::string(Election::kKey), election_->fence_value()));
   // The heartbeats come to this launcher: on the store's address when it
   // hosts the store, else on its own address towards etcd.
+  // Under etcd, an address the other hosts reach: not the route towards a
+  // local endpoint, which is loopback.
   std::string host = opt_.rdzv_host;
   if (opt_.etcd) {
-    const auto& ep = opt_.etcd->endpoints.at(0);
-    host = comm::local_address_towards(ep.substr(0, ep.rfind(':')));
+    std::vector<std::string> hosts;
+    for (const auto& ep : opt_.etcd->endpoints) hosts.push_back(ep.substr(0, ep.rfind(':')));
+    host = comm::reachable_address(hosts);
   }
   auto listener = std::make_unique<BeatListener>(host, host, opt_.token);
   co.beat_address = listener->address();
@@ -332,7 +348,7 @@ void Job::elect() {
     listener_.reset();  // senders find the new coordinator's address
     log_warn("launch: stopped coordinating (another launcher took over)");
   }
-  if (lead && !coordinator_ && phase_ != Phase::Completing) {
+  if (lead && !coordinator_) {  // in the ending too: it watches the members that write the final files
     try {
       make_coordinator();
       const auto& r = coordinator_->current();
@@ -358,6 +374,15 @@ void Job::start_worker(int index, bool resume) {
 }
 
 int Job::run() {
+  if (opt_.elastic) {
+    // What an earlier launcher on this host, killed before it could, left
+    // in /dev/shm (not this job's: a launcher rejoining a running job may
+    // have its workers' homes to hand on).
+    std::optional<std::string> tag;
+    with_store([&] { tag = kv_->try_get("elastic/job_tag"); });
+    if (const int n = remove_orphaned_homes(tag.value_or("")))
+      log_info("launch: removed " + std::to_string(n) + " shard homes that ended jobs left in /dev/shm");
+  }
   for (next_index_ = 0; next_index_ < opt_.nproc; ++next_index_) start_worker(next_index_, false);
   while (!finished()) {
     if (int sig = sup_.take_signal()) on_signal(sig);
@@ -399,6 +424,25 @@ int64_t Job::worker_id_of(pid_t pid) {
       if (value == want) found = std::strtoll(key.c_str() + prefix.size(), nullptr, 10);  // 0 when not a number
   });
   return found;
+}
+
+// The hosting launcher writes the job's name into its store; any other
+// launcher that has a name refuses a store that holds another (two Slurm
+// jobs whose derived ports collide on a shared first node would otherwise
+// meet in one store, and a token shared between jobs does not tell them
+// apart).
+void Job::check_job_name() {
+  if (hosting_) {
+    kv_->set("elastic/job_name", opt_.job_name);
+    return;
+  }
+  if (opt_.job_name.empty()) return;
+  const auto theirs = kv_->try_get("elastic/job_name");
+  if (theirs && !theirs->empty() && *theirs != opt_.job_name)
+    throw InvalidInput("the rendezvous store at " + opt_.rdzv_host + ":" + std::to_string(port_) +
+                       " belongs to job '" + *theirs + "', not to this launcher's job '" + opt_.job_name +
+                       "' (two jobs on one address: under Slurm the port is 29400 + job id mod 1000 on the first "
+                       "node; give one of them --rdzv HOST:PORT)");
 }
 
 void Job::on_signal(int sig) {
@@ -614,12 +658,26 @@ void Job::complete_tick() {
       killed_after_done_.insert(pid);
     }
   }
+  // The coordinator still watches the members' beats: a member frozen in
+  // its ending is marked silent, and the next member of its storage writes
+  // the final files in its place.
+  if (coordinator_) {
+    try {
+      coordinator_->poll_ending();
+    } catch (const comm::FencedOut& e) {
+      election_->step_down(e.what());
+      coordinator_.reset();
+      listener_.reset();
+    } catch (const std::exception&) {
+      // a store call that failed: the next tick polls again
+    }
+  }
   if (seconds_since(done_at_) < kStragglerGrace) return;
   // The store gone for longer than the hosting launcher waits for the
   // others at the end: nothing can be asked any more.
   const bool store_gone = seconds_since(last_contact_) > kAckGrace;
   for (const auto& [pid, idx] : sup_.children()) {
-    if (killed_after_done_.count(pid) || checked_after_done_.count(pid)) continue;
+    if (killed_after_done_.count(pid)) continue;
     const std::string want = process_key(pid);
     int64_t id = 0;
     bool left = false;
@@ -635,8 +693,19 @@ void Job::complete_tick() {
     const std::string beat = slot == slot_of_.end() ? "" : std::to_string(beats_table_->counter(slot->second));
     if (!answered && !store_gone) continue;
     if (left) {
-      checked_after_done_.insert(pid);
+      // Writing its final files: watched until it exits. One whose beats
+      // stand still (frozen) has been replaced by the next member of its
+      // storage; it is killed, so that it can never write beside that one.
       finishers_.insert(pid);
+      auto w = left_beats_.find(pid);
+      if (w == left_beats_.end() || w->second.first != beat) {
+        left_beats_[pid] = {beat, Clock::now()};
+      } else if (seconds_since(w->second.second) > kFrozenInTheEnding) {
+        log_warn("launch: worker pid " + std::to_string(pid) + " (id " + std::to_string(id) +
+                 ") stopped beating in the job's ending (frozen); killing it (the next member writes its files)");
+        sup_.signal(pid, SIGKILL);
+        killed_after_done_.insert(pid);
+      }
       continue;
     }
     auto it = beats_.find(pid);

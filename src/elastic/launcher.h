@@ -58,6 +58,10 @@ struct LaunchOptions {
   // The job secret guarding the rendezvous store (comm/auth.h); empty =
   // none. Workers get it through LIMBO_JOB_TOKEN in their environment.
   std::string token;
+  // The job's name (--job-name; under Slurm "slurm-<job id>"): a launcher
+  // refuses a rendezvous store that holds another job's name (two jobs
+  // whose derived ports collide, a token shared between jobs). Empty: none.
+  std::string job_name;
   // The job's rendezvous in etcd instead of a store hosted by the launcher
   // at rdzv_host:rdzv_port (elastic only): no launcher hosts anything, any
   // can coordinate (elastic/election.h), and workers talk to etcd.

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <map>
+#include <set>
 
 #include "comm/shm_group.h"
 #include "common/error.h"
@@ -184,6 +186,32 @@ std::vector<std::unique_ptr<ShardHome>> open_departed_homes(const std::string& p
   }
   ::closedir(d);
   return out;
+}
+
+int remove_orphaned_homes(const std::string& keep_tag) {
+  const std::string base = "limbo-zero-";
+  constexpr size_t kTag = 16;  // Member::job_tag(): 16 hex digits
+  std::map<std::string, std::vector<std::string>> names;
+  std::set<std::string> alive;
+  DIR* d = ::opendir("/dev/shm");
+  if (!d) return 0;
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.rfind(base, 0) != 0 || name.size() < base.size() + kTag + 2) continue;
+    const std::string tag = name.substr(base.size(), kTag);
+    if (tag == keep_tag) continue;
+    auto home = ShardHome::open("/" + name);
+    if (!home) continue;  // another host's (a shared /dev/shm), or not a home
+    names[tag].push_back(name);
+    if (running(home->owner())) alive.insert(tag);
+  }
+  ::closedir(d);
+  int removed = 0;
+  for (const auto& [tag, list] : names) {
+    if (alive.count(tag)) continue;
+    for (const auto& name : list) removed += ::shm_unlink(("/" + name).c_str()) == 0;
+  }
+  return removed;
 }
 
 int remove_homes(const std::string& prefix) {

@@ -98,6 +98,12 @@ class ShardHome {
 std::vector<std::unique_ptr<ShardHome>> open_departed_homes(const std::string& prefix,
                                                             const std::vector<int64_t>& members);
 
+// Removes the homes a job left on this host when no process of it is left
+// here to read them (a launcher SIGKILLed, as Slurm's KillWait does, never
+// removes its job's homes): those of every job tag, but `keep_tag`, none of
+// whose homes on this host has a running owner. Returns how many.
+int remove_orphaned_homes(const std::string& keep_tag = "");
+
 // Removes every home named `prefix`*; returns how many.
 int remove_homes(const std::string& prefix);
 

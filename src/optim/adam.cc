@@ -2,10 +2,29 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <string>
 
 #include "common/error.h"
 
 namespace limbo::optim {
+
+std::string sqrt_rule_warning(const OptimizerOptions& o, double kappa) {
+  if ((o.algorithm != "adam" && o.algorithm != "adamw") || kappa <= 1.0) return "";
+  // (1 - 0.9) * 10 is 1 - 2e-16 in double: what is left of beta is nothing.
+  auto gone = [&](double beta) { return (1.0 - beta) * kappa >= 1.0 - 1e-9; };
+  std::string lost;
+  if (gone(o.beta1)) lost = "beta1 = " + std::to_string(o.beta1).substr(0, 5) + " (momentum)";
+  if (gone(o.beta2))
+    lost += (lost.empty() ? "" : " and ") + std::string("beta2 = ") + std::to_string(o.beta2).substr(0, 5);
+  if (lost.empty()) return "";
+  char k[32];
+  std::snprintf(k, sizeof k, "%.3g", kappa);
+  return std::string("the square-root batch rule at batch ratio kappa = ") + k + " turns " + lost +
+         " into 0: (1 - beta) * kappa reached 1, so the optimizer keeps nothing of past gradients there. "
+         "Set elastic.reference_batch to the largest global batch the job will have (kappa then stays at "
+         "most 1), or elastic.scaling = \"linear\"";
+}
 
 Adam::Adam(OptimizerOptions opt) : Optimizer(std::move(opt)), decoupled_(options().algorithm == "adamw") {
   const auto& o = options();

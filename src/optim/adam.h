@@ -15,9 +15,19 @@
 // (UpdateScalars::decay_lr).
 #pragma once
 
+#include <string>
+
 #include "optim/optimizer.h"
 
 namespace limbo::optim {
+
+// Under the square-root rule, (1 - beta) * kappa reaches 1 once kappa >=
+// 1 / (1 - beta): that beta is then 0, the moving average gone (with
+// beta1 = 0.9 from kappa = 10 on: no momentum at all). The warning for
+// `opt` at `kappa`, naming what to set (elastic.reference_batch to the
+// largest global batch of the job keeps kappa <= 1), or "" when both
+// betas keep some of their past.
+std::string sqrt_rule_warning(const OptimizerOptions& opt, double kappa);
 
 class Adam : public Optimizer {
  public:

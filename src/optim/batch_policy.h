@@ -65,6 +65,9 @@ class BatchSizePolicy {
     bool changed = false;          // the global batch changed at this step
     double momentum_factor = 1.0;  // multiply the momentum buffer by this (0 = reset)
   };
+  // Whether the square-root rule's loss of a beta was said (once a run).
+  bool warned_about_betas() const { return warned_betas_; }
+  void set_warned_about_betas() { warned_betas_ = true; }
   // Called once per step, in order, with the global batch of that step.
   Step step(int64_t iteration, int64_t global_batch);
 
@@ -84,6 +87,7 @@ class BatchSizePolicy {
   int64_t reference_ = 0;
   int64_t last_batch_ = 0;
   double from_ = 1.0, to_ = 1.0, current_ = 1.0;
+  bool warned_betas_ = false;
   int64_t ramp_start_ = 0;
 };
 

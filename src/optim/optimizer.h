@@ -111,6 +111,8 @@ class Optimizer {
   // Batch-change policies: multiplies the state that carries past gradients'
   // direction (SGD's momentum buffer, Adam's exp_avg); 0 clears all state.
   void scale_momentum(double factor);
+  // The index, in state_names() order, of the state scale_momentum() scales.
+  int momentum_index() const { return momentum_slot(); }
 
  protected:
   // Index of the state tensor scale_momentum() multiplies.

@@ -217,7 +217,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
   root.write("model", m);
   root.write("optim", o);
   root.write("state", s);
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  std::string tmp = temp_name(path);
   // Flush to disk before the rename (and the directory after it), so a crash
   // leaves the old or the new checkpoint, never a torn one; a failed flush
   // leaves the old checkpoint in place and stops the run.

@@ -9,7 +9,9 @@
 #include <thread>
 
 #include "common/error.h"
+#include "common/log.h"
 #include "data/tensor_dataset.h"
+#include "optim/adam.h"
 
 namespace limbo::train {
 namespace F = torch::nn::functional;
@@ -279,11 +281,23 @@ nlohmann::json eval_fields(const EvalResult& r) {
 }
 
 PolicyStep policy_step(optim::BatchSizePolicy& policy, const optim::LrSchedule& schedule, optim::Optimizer& opt,
-                       double epoch, int64_t step, int64_t nominal_global_batch) {
+                       double epoch, int64_t step, int64_t nominal_global_batch,
+                       const std::function<void(double)>& scale_momentum) {
   PolicyStep p;
   p.policy = policy.step(step, nominal_global_batch);
-  if (p.policy.changed && p.policy.momentum_factor != 1.0) opt.scale_momentum(p.policy.momentum_factor);
-  opt.set_batch_scale(policy.options().rule == optim::ScalingRule::Sqrt ? p.policy.kappa : 1.0);
+  if (p.policy.changed && p.policy.momentum_factor != 1.0) {
+    if (scale_momentum) scale_momentum(p.policy.momentum_factor);
+    else opt.scale_momentum(p.policy.momentum_factor);
+  }
+  const bool sqrt_rule = policy.options().rule == optim::ScalingRule::Sqrt;
+  opt.set_batch_scale(sqrt_rule ? p.policy.kappa : 1.0);
+  if (sqrt_rule && !policy.warned_about_betas()) {
+    const std::string w = optim::sqrt_rule_warning(opt.options(), p.policy.kappa);
+    if (!w.empty()) {
+      log_warn(w);
+      policy.set_warned_about_betas();
+    }
+  }
   p.lr = schedule.lr(epoch, step) * p.policy.multiplier;
   return p;
 }

@@ -166,8 +166,12 @@ struct PolicyStep {
   optim::BatchSizePolicy::Step policy;
   double lr = 0;
 };
+// `scale_momentum` does the keeping, resetting or rescaling (by a factor;
+// 0 = reset) where the state is not (only) the optimizer's own (sharded
+// state: the homes and their copies); by default opt.scale_momentum().
 PolicyStep policy_step(optim::BatchSizePolicy& policy, const optim::LrSchedule& schedule, optim::Optimizer& opt,
-                       double epoch, int64_t step, int64_t nominal_global_batch);
+                       double epoch, int64_t step, int64_t nominal_global_batch,
+                       const std::function<void(double)>& scale_momentum = {});
 
 // A training-metrics line, the same fields from every loop (the status page,
 // `limbo plot` and /metrics read them): {"kind": "train", step, epoch,

@@ -134,9 +134,12 @@ Trainer::~Trainer() = default;
 // dies at `point` of the job's ending.
 void Trainer::writer_dies_at(const char* point) {
   if (cfg_.train.writer_dies_at != point || !writer_ || !membership_ || took_over_) return;
-  std::fprintf(stderr, "testing: the writer dies at '%s'\n", point);
+  const bool freeze = cfg_.train.die_by_freezing;
+  std::fprintf(stderr, "testing: the writer %s at '%s'%s\n", freeze ? "freezes" : "dies", point,
+               cfg_.train.die_with_host ? " with its host" : "");
   std::fflush(stderr);
-  ::kill(::getpid(), SIGKILL);
+  if (cfg_.train.die_with_host) kill_this_host(freeze ? SIGSTOP : SIGKILL);
+  ::kill(::getpid(), freeze ? SIGSTOP : SIGKILL);
 }
 
 void Trainer::checkpoint(const std::string& why) {
@@ -366,7 +369,8 @@ bool Trainer::train_step(Run& r) {
   // The policy sees the nominal global batch (b * workers), not the smaller
   // last batch of an epoch, so only membership changes move it.
   auto ps = policy_step(*batch_policy_, *schedule_, optimizer(), r.epoch_progress, state_.step,
-                        cfg_.loader.batch_size * r.world);
+                        cfg_.loader.batch_size * r.world,
+                        [&](double factor) { rule_->scale_momentum(optimizer(), factor, state_.step); });
   r.policy = ps.policy;
   r.lr = ps.lr;
 

@@ -106,6 +106,10 @@ class UpdateRule {
   // member's shard again (the whole stays only where a membership change
   // needs it). No-op by default.
   virtual void release_state(optim::Optimizer& opt, int64_t step) {}
+  // elastic.momentum at a batch change: multiplies the momentum of the
+  // state of committed step `step` by `factor` (0: clears the whole state
+  // and its update count). The default acts on `opt`'s own state.
+  virtual void scale_momentum(optim::Optimizer& opt, double factor, int64_t step) { opt.scale_momentum(factor); }
   // The trainer replaced the weights and state (a checkpoint loaded after
   // the state was lost): what the rule knew of them no longer holds.
   virtual void state_replaced() {}
