@@ -351,17 +351,7 @@ TEST(JobSecret, AFloodOfAThousandSilentConnectionsKeepsNoMemberOut) {
 }  // namespace
 
 namespace {
-
-class TwoJobs : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
-    hosts_ = std::make_unique<VirtualHosts>(2);
-    if (!hosts_->ok()) GTEST_SKIP() << hosts_->why();
-  }
-  std::unique_ptr<VirtualHosts> hosts_;
-};
-
+class TwoJobs : public LostHost {};  // two hosts, as LostHost's
 }  // namespace
 
 // Found: under Slurm the store's port is 29400 + job id mod 1000 on the

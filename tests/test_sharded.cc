@@ -47,6 +47,17 @@ std::string run_job(TempDir& d, const std::string& name, int nproc, int epochs, 
   return run;
 }
 
+// A sharded job of 3 whose rank 1 dies at step 45 with its home removed
+// first (a shard and its copy lost together), checkpointing as `ckpt` says.
+std::vector<std::string> lost_shard_job(const std::string& run, const std::string& ckpt) {
+  std::vector<std::string> a = {"launch", "--nproc", "3", "--min-workers", "1", "--"};
+  auto t = job_args(run, 1);
+  a.insert(a.end(), t.begin(), t.end());
+  a.insert(a.end(), {"--set", "optim.shard_state=true", "--set", ckpt, "--set", "train.testing_die_at_step=45",
+                     "--set", "train.testing_die_without_home=true"});
+  return a;
+}
+
 }  // namespace
 
 // SGD with momentum and AdamW, two workers on one host (shared memory) and
@@ -228,12 +239,7 @@ TEST(ShardedState, WhenAShardAndItsCopyAreLostTheJobFallsBackToTheCheckpoint) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   TempDir d;
   const std::string run = d.file("run");
-  std::vector<std::string> a = {"launch", "--nproc", "3", "--min-workers", "1", "--"};
-  auto t = job_args(run, 1);
-  a.insert(a.end(), t.begin(), t.end());
-  a.insert(a.end(), {"--set", "optim.shard_state=true", "--set", "train.checkpoint_every_steps=20",
-                     "--set", "train.testing_die_at_step=45", "--set", "train.testing_die_without_home=true"});
-  auto r = limbo::testing::run_limbo(a);
+  auto r = limbo::testing::run_limbo(lost_shard_job(run, "train.checkpoint_every_steps=20"));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("is lost"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("falling back to the newest checkpoint (step 40 here): steps 41 to 45"), std::string::npos)
@@ -278,12 +284,7 @@ TEST(ShardedState, AStateLostWithNoCheckpointAnywhereEndsTheJobWithAClearError) 
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   TempDir d;
   const std::string run = d.file("run");
-  std::vector<std::string> a = {"launch", "--nproc", "3", "--min-workers", "1", "--"};
-  auto t = job_args(run, 1);
-  a.insert(a.end(), t.begin(), t.end());
-  a.insert(a.end(), {"--set", "optim.shard_state=true", "--set", "train.checkpoint_every_epochs=0",
-                     "--set", "train.testing_die_at_step=45", "--set", "train.testing_die_without_home=true"});
-  const pid_t launcher = limbo::testing::spawn_limbo(a, d.file("log"));
+  const pid_t launcher = limbo::testing::spawn_limbo(lost_shard_job(run, "train.checkpoint_every_epochs=0"), d.file("log"));
   auto r = limbo::testing::wait_child(launcher, d.file("log"), 120);
   ASSERT_FALSE(r.timed_out) << r.output;
   EXPECT_NE(r.exit_code, 0) << r.output;

@@ -101,7 +101,8 @@ TEST(SlurmLaunch, TakesNodesWorkersRendezvousAndRunDirectoryFromTheJob) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   for (const char* want : {"from Slurm: --nproc 3 (SLURM_CPUS_PER_TASK)", "from Slurm: --min-workers 3 --max-workers 9",
                            "from Slurm: --start-workers 9", "from Slurm: --rdzv n07:29721",
-                           "from Slurm: --run-dir runs/slurm-4321", "workers on this host: 3",
+                           "from Slurm: --run-dir runs/slurm-4321", "from Slurm: --job-name slurm-4321",
+                           "workers on this host: 3",
                            "elastic: min 3, max 9, the first round waits for 9", "rendezvous: n07:29721",
                            "training arguments: --config x.toml --run-dir runs/slurm-4321"})
     EXPECT_NE(r.output.find(want), std::string::npos) << "no '" << want << "' in:\n" << r.output;

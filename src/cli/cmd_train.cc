@@ -249,7 +249,10 @@ std::vector<std::string> apply_slurm(LaunchArgs& a) {
     a.rdzv = host + ":" + std::to_string(job->rendezvous_port());
     said.push_back("--rdzv " + a.rdzv + " (" + why + "; port 29400 + job id mod 1000)");
   }
-  if (!given("--job-name")) {
+  // Only with the derived port, the one two jobs can share by accident: a
+  // launcher given --rdzv (a node given back joining the running job from a
+  // job of its own, docs/slurm.md) means that store.
+  if (!given("--job-name") && !given("--rdzv")) {
     a.job_name = "slurm-" + job->job_id;
     said.push_back("--job-name " + a.job_name + " (SLURM_JOB_ID: the store refuses another job's launchers)");
   }

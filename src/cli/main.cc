@@ -202,7 +202,8 @@ int main(int argc, char** argv) {
     if (*train && !train_args.dist_rdzv.empty()) train_args.token = cli::job_token(train_args.token_file);
     if (*train) return cli::run_train(train_args);
     if (*launch) {
-      for (const char* f : {"--nproc", "--rdzv", "--min-workers", "--max-workers", "--start-workers", "--run-dir"})
+      for (const char* f : {"--nproc", "--rdzv", "--min-workers", "--max-workers", "--start-workers", "--run-dir",
+                            "--job-name"})
         if (launch->count(f) > 0) launch_args.given.emplace_back(f);
       launch_args.token = cli::job_token(launch_args.token_file);
       if (launch_args.dry_run && launch_args.mode != "sync")

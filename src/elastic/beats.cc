@@ -445,9 +445,11 @@ void BeatSender::loop() {
     take_resolved();
     const int64_t now = monotonic_ns();
     // No address yet, or no answer for three intervals (the coordinator
-    // moved, or is gone): ask for the address again, at most once an
-    // interval, and go on sending to the one there is meanwhile.
-    const bool unanswered = now - std::max(acked_ns_.load(), asked_ns_) > 3 * interval;
+    // moved, or is gone): ask for the address again, once an interval
+    // while the answers stay away (a take-over's new address is found
+    // within an interval of being written, not three), and go on sending to
+    // the one there is meanwhile.
+    const bool unanswered = now - acked_ns_.load() > 3 * interval;
     if ((addr_text_.empty() || unanswered) && now - asked_ns_ > interval) {
       asked_ns_ = now;
       {

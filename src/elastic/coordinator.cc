@@ -173,7 +173,13 @@ Coordinator::Liveness Coordinator::liveness(Time now, bool ending) {
     } else if (it->second.first != beat) {
       it->second = {beat, std::max(it->second.second, made_at(id))};
     }
-    if (now - heartbeats_[id].second > opt_.heartbeat_timeout && !everyone_quiet) {
+    // After a take-over, a member's relay finds the new coordinator's
+    // address a few intervals late (it asks again only once acknowledgements
+    // stop): one not yet heard from since is given three timeouts, not one,
+    // so that a take-over evicts no live host (a bounded wait).
+    const bool finding_us = resumed_at_ != Time{} && !beat_since_resume_.count(id) &&
+                            now - resumed_at_ < 3 * opt_.heartbeat_timeout;
+    if (now - heartbeats_[id].second > opt_.heartbeat_timeout && !everyone_quiet && !finding_us) {
       l.silent.insert(id);
       continue;  // silent for too long (crashed, stopped or cut off) while others beat
     }
@@ -292,10 +298,10 @@ Coordinator::Result Coordinator::poll_once() {
   const auto now = clock_();
   Result r;
   read_members();
+  if (resumed_ && resumed_at_ == Time{}) resumed_at_ = now;
   Liveness l = liveness(now);
   failed_ = false;
   last_poll_ = now;
-  if (resumed_ && resumed_at_ == Time{}) resumed_at_ = now;
   r.alive = static_cast<int>(l.alive.size());
   abort_silent(l, r);
   mark_silent(l);
