@@ -678,6 +678,24 @@ void Job::complete_tick() {
   const bool store_gone = seconds_since(last_contact_) > kAckGrace;
   for (const auto& [pid, idx] : sup_.children()) {
     if (killed_after_done_.count(pid)) continue;
+    // Its heartbeat, from this host's table.
+    const auto slot = slot_of_.find(pid);
+    const std::string beat = slot == slot_of_.end() ? "" : std::to_string(beats_table_->counter(slot->second));
+    if (auto w = left_beats_.find(pid); w != left_beats_.end()) {
+      // Left, writing its final files: watched by its beats alone (no store
+      // call) until it exits. One whose beats stand still (frozen) has been
+      // replaced by the next member of its storage; it is killed, so that it
+      // can never write beside that one.
+      if (w->second.first != beat) {
+        w->second = {beat, Clock::now()};
+      } else if (seconds_since(w->second.second) > kFrozenInTheEnding) {
+        log_warn("launch: worker pid " + std::to_string(pid) +
+                 " stopped beating in the job's ending (frozen); killing it (the next member writes its files)");
+        sup_.signal(pid, SIGKILL);
+        killed_after_done_.insert(pid);
+      }
+      continue;
+    }
     const std::string want = process_key(pid);
     int64_t id = 0;
     bool left = false;
@@ -688,24 +706,10 @@ void Job::complete_tick() {
       if (!id) return;
       left = kv_->try_get("elastic/left/" + std::to_string(id)).has_value();
     });
-    // Its heartbeat, from this host's table.
-    const auto slot = slot_of_.find(pid);
-    const std::string beat = slot == slot_of_.end() ? "" : std::to_string(beats_table_->counter(slot->second));
     if (!answered && !store_gone) continue;
     if (left) {
-      // Writing its final files: watched until it exits. One whose beats
-      // stand still (frozen) has been replaced by the next member of its
-      // storage; it is killed, so that it can never write beside that one.
       finishers_.insert(pid);
-      auto w = left_beats_.find(pid);
-      if (w == left_beats_.end() || w->second.first != beat) {
-        left_beats_[pid] = {beat, Clock::now()};
-      } else if (seconds_since(w->second.second) > kFrozenInTheEnding) {
-        log_warn("launch: worker pid " + std::to_string(pid) + " (id " + std::to_string(id) +
-                 ") stopped beating in the job's ending (frozen); killing it (the next member writes its files)");
-        sup_.signal(pid, SIGKILL);
-        killed_after_done_.insert(pid);
-      }
+      left_beats_[pid] = {beat, Clock::now()};
       continue;
     }
     auto it = beats_.find(pid);

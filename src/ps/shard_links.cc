@@ -226,9 +226,9 @@ uint64_t ShardLinks::send_push(ShardLink& l, const float* g, int64_t lease_id, c
 }
 
 bool ShardLinks::pushable(const float* g) const {
-  if (!all_finite(g, static_cast<size_t>(total_))) return false;
+  // One read pass either way: the 16-bit range check fails on NaN and Inf too.
   const uint8_t enc = opt_.push_encoding;
-  return !enc || residual_.encodes_finite(half_kind(enc), g, total_);
+  return enc ? residual_.encodes_finite(half_kind(enc), g, total_) : all_finite(g, static_cast<size_t>(total_));
 }
 
 bool ShardLinks::prepare_push(float* g, bool loss_finite) const {
