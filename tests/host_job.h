@@ -61,6 +61,7 @@ struct HostJob {
   std::map<int, std::vector<std::string>> host_extra;  // more launcher arguments for one host
   std::map<int, std::string> host_run;  // a run directory of one host's own (default: the shared one)
   std::vector<std::string> train_extra;  // more training arguments (every host)
+  std::map<int, std::vector<std::string>> host_train_extra;  // more training arguments of one host's workers
   TempDir d;
   std::string run = d.file("run");
   int port = 29500 + ::getpid() % 400;
@@ -81,6 +82,7 @@ struct HostJob {
         "--set", "train.threads=1", "--set", "train.progress=false", "--set", "train.sample_log=true",
         "--set", "train.slow_step_ms=20", "--set", "elastic.collective_timeout=30"};
     a.insert(a.end(), train_extra.begin(), train_extra.end());
+    if (host_train_extra.count(h)) a.insert(a.end(), host_train_extra.at(h).begin(), host_train_extra.at(h).end());
     return a;
   }
   void launch(int h, int nproc, int min) {

@@ -140,37 +140,55 @@ TEST_F(TwoByTwo, AWorkerKilledOrFrozenOnEitherHostTheOthersReformAtOnce) {
 
 // Host B (ranks 2 and 3) lost whole: as rank 2 starts step 21 it SIGKILLs
 // every process of its host, its launcher and the other worker, then
-// itself. With sharded AdamW state, the shards of B's workers have copies
-// on host A (rank 2's on rank 0, rank 3's on rank 1), updated in every
-// step; the two survivors re-shard from them and finish. Their weights and
-// optimizer state equal, bit for bit, those of a replicated run with the
-// same history, every sample is used once, and nothing falls back to a
-// checkpoint. (Without the copies the state of step 20 would be lost:
-// B's homes in /dev/shm name B's host, and A reads no other host's.)
+// itself (or, the fourth review, SIGSTOPs them: a host frozen whole, whose
+// shards are neither gone nor reachable). With sharded AdamW state, the
+// shards of B's workers have copies on host A (rank 2's on rank 0, rank
+// 3's on rank 1), updated in every step; the two survivors re-shard from
+// them and finish. Their weights and optimizer state equal, bit for bit,
+// those of a replicated run with the same history, every sample is used
+// once, and nothing falls back to a checkpoint. (Without the copies the
+// state of step 20 would be lost: B's homes in /dev/shm name B's host, and
+// A reads no other host's.)
 TEST_F(TwoByTwo, AHostLostWholeLosesNoShardOfTheOptimizerState) {
-  std::map<bool, std::unique_ptr<HostJob>> jobs;  // each keeps its run directory
-  for (bool shard : {false, true}) {
-    SCOPED_TRACE(shard ? "sharded" : "replicated");
-    jobs[shard] = std::make_unique<HostJob>(*hosts_, 2);
-    HostJob& job = *jobs[shard];
+  struct Case {
+    const char* name;
+    bool shard, freeze;
+  };
+  std::map<std::string, std::unique_ptr<HostJob>> jobs;  // each keeps its run directory
+  for (const Case c : {Case{"replicated", false, false}, Case{"sharded", true, false},
+                       Case{"sharded, host frozen", true, true}}) {
+    SCOPED_TRACE(c.name);
+    jobs[c.name] = std::make_unique<HostJob>(*hosts_, 2);
+    HostJob& job = *jobs[c.name];
     job.train_limit = 2000;
     job.train_extra = {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002",
                        "--set", "train.testing_die_at_step=20", "--set", "train.testing_die_rank=2",
                        "--set", "train.testing_die_with_host=true",
-                       "--set", std::string("optim.shard_state=") + (shard ? "true" : "false")};
+                       "--set", std::string("train.testing_die_by_freezing=") + (c.freeze ? "true" : "false"),
+                       "--set", std::string("optim.shard_state=") + (c.shard ? "true" : "false")};
     ASSERT_TRUE(start(job, 1));
-    job.wait_all();
+    if (c.freeze) {
+      job.wait_all(120, {1});
+      for (pid_t p : hosts_->pids(1)) ::kill(p, SIGKILL);
+      for (pid_t p : hosts_->pids(1)) ::kill(p, SIGCONT);
+    } else {
+      job.wait_all();
+      EXPECT_EQ(job.results[1].signal, SIGKILL) << job.all_logs();
+    }
     EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();
-    EXPECT_EQ(job.results[1].signal, SIGKILL) << job.all_logs();
     EXPECT_EQ(ranks_on(job, 0, 4), (std::set<int>{0, 1})) << job.all_logs();
     EXPECT_EQ(ranks_on(job, 1, 4), (std::set<int>{2, 3})) << job.all_logs();
     const std::string logs = job.all_logs();
-    EXPECT_NE(logs.find("testing: rank 2 dies starting step 21"), std::string::npos) << logs;
+    EXPECT_NE(logs.find(std::string("testing: rank 2 ") + (c.freeze ? "freezes" : "dies") + " starting step 21"),
+              std::string::npos)
+        << logs;
     EXPECT_NE(logs.find("2 workers, rank 0"), std::string::npos) << logs;
     EXPECT_EQ(logs.find("falling back"), std::string::npos) << logs;
-    EXPECT_TRUE(job.workers(1).empty()) << "host B still runs a process";
+    if (!c.freeze) {
+      EXPECT_TRUE(job.workers(1).empty()) << "host B still runs a process";
+    }
     limbo::testing::expect_exactly_once(job.run, 2, 2000);
-    if (!shard) continue;
+    if (!c.shard) continue;
     // The re-forming after the loss moved the state of step 20 from the
     // homes and copies on host A: each member received its new shard.
     int reformed = 0;
@@ -183,7 +201,8 @@ TEST_F(TwoByTwo, AHostLostWholeLosesNoShardOfTheOptimizerState) {
       }
     EXPECT_EQ(reformed, 1) << logs;
   }
-  limbo::testing::expect_same_checkpoint(jobs[false]->run, jobs[true]->run);
+  limbo::testing::expect_same_checkpoint(jobs["replicated"]->run, jobs["sharded"]->run);
+  limbo::testing::expect_same_checkpoint(jobs["replicated"]->run, jobs["sharded, host frozen"]->run);
 }
 
 // Three hosts of one worker each; a shard's copy is on the next host
@@ -232,4 +251,49 @@ TEST(ShardedHosts, TwoHostsLostTogetherFallBackToTheNewestCheckpoint) {
   EXPECT_EQ(s["epochs"].get<double>(), 3.0);
   EXPECT_EQ(s["workers"].get<int64_t>(), 1);
   EXPECT_GT(s["test_accuracy"].get<double>(), 0.5);
+}
+
+// The fourth review: elastic.momentum = rescale scaled the owner's home of
+// each shard but not its copy on the next host, so a later host loss
+// restored momentum that the rescaling had missed. Three hosts of one
+// worker each (ranks 0, 1, 2 in launch order; rank r's copy on host r + 1);
+// host C is lost whole at step 15 (3 -> 2 members: the momentum is
+// rescaled, in the homes and in the copies of the new shards), then host B
+// at step 30 (rank 1's shard comes from its copy on host A). Under each
+// momentum mode the sharded job ends bit for bit where the replicated one
+// does.
+TEST(ShardedHosts, TheCopiesFollowElasticMomentumThroughALaterHostLoss) {
+  if (!limbo::testing::have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  VirtualHosts hosts(3);
+  if (!hosts.ok()) GTEST_SKIP() << hosts.why();
+  for (const std::string mode : {"rescale", "reset"}) {
+    std::map<bool, std::unique_ptr<HostJob>> jobs;  // each keeps its run directory
+    for (bool shard : {false, true}) {
+      SCOPED_TRACE(mode + (shard ? ", sharded" : ", replicated"));
+      jobs[shard] = std::make_unique<HostJob>(hosts, 2);
+      HostJob& job = *jobs[shard];
+      job.train_limit = 2400;
+      job.launcher_extra = {"--start-workers", "3"};
+      job.train_extra = {"--set", "optim.algorithm=\"sgd\"", "--set", "optim.lr=0.01", "--set", "optim.momentum=0.9",
+                         "--set", "elastic.momentum=\"" + mode + "\"", "--set", "train.testing_die_with_host=true",
+                         "--set", std::string("optim.shard_state=") + (shard ? "true" : "false")};
+      job.host_train_extra[1] = {"--set", "train.testing_die_at_step=30", "--set", "train.testing_die_rank=1",
+                                 "--set", "train.testing_die_after_changes=1"};
+      job.host_train_extra[2] = {"--set", "train.testing_die_at_step=15", "--set", "train.testing_die_rank=2"};
+      job.launch(0, 1, 1);
+      std::this_thread::sleep_for(2s);
+      job.launch(1, 1, 1);
+      std::this_thread::sleep_for(2s);
+      job.launch(2, 1, 1);
+      job.wait_all();
+      const std::string logs = job.all_logs();
+      ASSERT_EQ(job.results[0].exit_code, 0) << logs;
+      for (int h : {0, 1, 2}) EXPECT_EQ(ranks_on(job, h, 3), (std::set<int>{h})) << logs;
+      EXPECT_NE(logs.find("testing: rank 2 dies starting step 16"), std::string::npos) << logs;
+      EXPECT_NE(logs.find("testing: rank 1 dies starting step 31"), std::string::npos) << logs;
+      EXPECT_EQ(logs.find("falling back"), std::string::npos) << logs;
+      limbo::testing::expect_exactly_once(job.run, 2, 2400);
+    }
+    limbo::testing::expect_same_checkpoint(jobs[false]->run, jobs[true]->run);
+  }
 }

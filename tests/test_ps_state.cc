@@ -62,10 +62,11 @@ TEST(ShardStateTest, StreamsWithMomentumAndWeightDecay) {
   }
   // An overtaken step, abandoned after two of three parts: nothing changes.
   stream(g2, 0.05, 2, /*finish=*/false);
-  // Step 2 with the second gradient, streamed: v = mu v + d.
+  // Step 2 with the second gradient (stale: half the rate), streamed:
+  // v = mu v + d, the decay at the update's own rate.
   ASSERT_TRUE(stream(g2, 0.05, 4));
   for (int64_t i = 0; i < n; ++i) {
-    const double d = 0.05 * g2[i] + alpha0 * wd * want[i];
+    const double d = 0.05 * g2[i] + 0.05 * wd * want[i];
     v[i] = mu * v[i] + d;
     want[i] = want[i] - v[i];
   }
@@ -83,6 +84,43 @@ TEST(ShardStateTest, StreamsWithMomentumAndWeightDecay) {
   EXPECT_FALSE(stream(bad, 0.1, 3));
   EXPECT_EQ(s.weights(), before);
   EXPECT_EQ(std::memcmp(s.optimizer().state()[0].data_ptr<float>(), mom_before.data(), n * 4), 0);
+}
+
+// The fourth review (S1): a shard ran weight decay at the base rate alpha0
+// in every update, whatever the update's staleness-divided rate, so
+// n-softsync (about n updates a round, each at alpha0 / n) decayed n times
+// what a hardsync round or a synchronous step does. By default the decay
+// now runs at the update's rate (a synchronous AdamW step decays at its
+// own rate); ps.weight_decay_rate = base keeps the former rule. With a zero
+// gradient Adam's step is zero, so one update is the decay alone: w (1 -
+// rate wd), for SGD and AdamW, whole and streamed.
+TEST(ShardStateTest, WeightDecayRunsAtTheUpdatesRateUnlessTheBaseRateIsAsked) {
+  const int64_t n = 64;
+  const double alpha0 = 0.1, wd = 0.5, alpha = alpha0 / 4;  // a gradient of staleness 4
+  std::vector<float> w(n), zero(n, 0.0f);
+  for (int64_t i = 0; i < n; ++i) w[i] = 1.0f + 0.01f * static_cast<float>(i);
+  for (const char* algorithm : {"sgd", "adamw"})
+    for (bool base : {false, true})
+      for (bool streamed : {false, true}) {
+        SCOPED_TRACE(std::string(algorithm) + (base ? ", base rate" : ", update's rate") +
+                     (streamed ? ", streamed" : ", whole"));
+        optim::OptimizerOptions oo;
+        oo.algorithm = algorithm;
+        oo.momentum = 0;
+        oo.weight_decay = wd;
+        ShardState s(n, w.data(), UpdateOptions{alpha0, oo, base});
+        if (streamed) {
+          ASSERT_TRUE(s.streams());
+          StreamedStep st = s.begin_step(alpha);
+          s.step_part(st, GradPart{0, zero.data(), n});
+          ASSERT_TRUE(s.finish_step(st));
+        } else {
+          ASSERT_TRUE(s.step_single(zero.data(), alpha));
+        }
+        const double rate = base ? alpha0 : alpha;
+        const float* got = s.weights()->data_ptr<float>();
+        for (int64_t i = 0; i < n; ++i) ASSERT_NEAR(got[i], w[i] * (1 - rate * wd), 1e-6) << i;
+      }
 }
 
 // 16-bit gradient parts (comm.compression) are widened a chunk at a time
@@ -245,7 +283,7 @@ TEST(ShardStateTest, EachShardKeepsTheAdamStateOfItsSlice) {
       sl.s[i] = t == 0 ? nullptr : ref_state[i].data_ptr<float>();
     }
     sl.n = n;
-    ASSERT_TRUE(ref_opt->update(sl, optim::UpdateScalars{alphas[t], alpha0, t + 1}));
+    ASSERT_TRUE(ref_opt->update(sl, optim::UpdateScalars{alphas[t], alphas[t], t + 1}));  // decay at the update's rate
     if (t == 1) {  // an overtaken step, abandoned half way: nothing changes
       StreamedStep st = whole.begin_step(alpha0);
       whole.step_part(st, GradPart{0, gp, half});

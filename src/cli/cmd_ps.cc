@@ -109,6 +109,7 @@ int run_ps_server(const PsServerArgs& a) {
   so.resume = a.resume;
   so.agg = aggregator_options(cfg);
   so.optimizer = tc.optimizer;
+  so.decay_at_base_rate = cfg.get_string("ps.weight_decay_rate") == "base";
   so.heartbeat_timeout = millis(cfg.get_float("ps.heartbeat_timeout"));
   so.checkpoint_every = cfg.get_int("ps.checkpoint_every");
   so.log_every = cfg.get_int("ps.log_every");
@@ -197,7 +198,7 @@ int run_sim(const SimArgs& a) {
   sim::AsyncSimOptions so;
   so.learners = static_cast<int>(cfg.get_int("sim.learners"));
   so.agg = aggregator_options(cfg);
-  so.update = {so.agg.alpha0, tc.optimizer};
+  so.update = {so.agg.alpha0, tc.optimizer, cfg.get_string("ps.weight_decay_rate") == "base"};
   so.compute.kind = sim::parse_compute_kind(cfg.get_string("sim.compute"));
   so.compute.mean = cfg.get_float("sim.compute_mean");
   so.compute.cv = cfg.get_float("sim.compute_cv");

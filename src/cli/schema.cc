@@ -206,6 +206,9 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(S("ps.staleness", "inverse", {"constant", "inverse"},
              "parameter server: learning rate of a gradient of staleness tau: optim.lr, or "
              "optim.lr / tau (optim.lr at tau = 0)"));
+    s->add(S("ps.weight_decay_rate", "update", {"update", "base"},
+             "parameter server: the rate weight decay runs at: each update's own (staleness-divided) rate, as "
+             "a synchronous step decays at its rate, or the base rate optim.lr in every update"));
     s->add(I("ps.max_staleness", 0, 0, std::nullopt,
              "parameter server: staleness bound (0 = none); see ps.bound_action"));
     s->add(S("ps.bound_action", "drop", {"drop", "wait"},
@@ -274,9 +277,11 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(I("train.testing_pace_until_workers", 0, 0, 1 << 20,
              "testing aid: train.slow_step_ms applies only while the elastic job has fewer workers "
              "than N (0 = always)"));
-    s->add(S("train.testing_writer_dies_at", "", {"", "last_step", "done", "eval", "checkpoint", "summary", "hang", "slow"},
+    s->add(S("train.testing_writer_dies_at", "", {"", "last_step", "done", "eval", "checkpoint", "summary", "hang", "slow",
+                                                        "slow_done"},
              "testing aid: the member writing the run directory kills itself (SIGKILL) at this point of "
-             "the job's ending (hang: stops for ever before the final checkpoint; slow: waits 8 s there)"));
+             "the job's ending (hang: stops for ever before the final checkpoint; slow: waits 8 s there; slow_done: every "
+             "member waits 3 s before it publishes that training completed)"));
     s->add(B("train.testing_die_in_isgd", false,
              "testing aid: the process kills itself (SIGKILL) when its group enters ISGD's extra "
              "iterations"));
@@ -284,6 +289,9 @@ std::shared_ptr<const Schema> train_schema() {
              "testing aid: the worker of rank train.testing_die_rank kills itself (SIGKILL) as it starts "
              "step N + 1, before any collective of it, unless the group has changed since the start (0 = never)"));
     s->add(I("train.testing_die_rank", 1, 0, std::nullopt, "testing aid: see train.testing_die_at_step"));
+    s->add(I("train.testing_die_after_changes", 0, 0, std::nullopt,
+             "testing aid: train.testing_die_at_step applies after this many changes of the group, not at the "
+             "start (a second loss after a first one)"));
     s->add(B("train.testing_die_without_home", false,
              "testing aid: the worker of train.testing_die_at_step first removes its shard homes (its "
              "optimizer state is lost with it)"));
@@ -430,6 +438,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.die_in_isgd = c.get_bool("train.testing_die_in_isgd");
   t.train.die_at_step = c.get_int("train.testing_die_at_step");
   t.train.die_rank = static_cast<int>(c.get_int("train.testing_die_rank"));
+  t.train.die_after_changes = c.get_int("train.testing_die_after_changes");
   t.train.die_without_home = c.get_bool("train.testing_die_without_home");
   t.train.die_with_host = c.get_bool("train.testing_die_with_host");
   t.train.die_by_freezing = c.get_bool("train.testing_die_by_freezing");

@@ -135,6 +135,10 @@ void Supervisor::begin_stop(int sig, std::chrono::milliseconds grace, const std:
   }
 }
 
+void Supervisor::hold_kills() {
+  for (auto& [pid, c] : children_) c.kill_at = std::chrono::steady_clock::time_point::max();
+}
+
 std::vector<Supervisor::Exit> Supervisor::stop(int sig, std::chrono::milliseconds grace, const std::string& role) {
   begin_stop(sig, grace, role);
   std::vector<Exit> out;

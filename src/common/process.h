@@ -69,6 +69,9 @@ class Supervisor {
   // Sends `sig` to the children of `role` now and SIGKILL to those still
   // running `grace` later (done by poll()); does not wait.
   void begin_stop(int sig, std::chrono::milliseconds grace, const std::string& role = "");
+  // Takes back the SIGKILLs that begin_stop() scheduled (the signal
+  // itself was sent).
+  void hold_kills();
   // begin_stop(), then waits until every child of `role` has exited;
   // returns their exits.
   std::vector<Exit> stop(int sig, std::chrono::milliseconds grace, const std::string& role = "");

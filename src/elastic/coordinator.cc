@@ -178,7 +178,7 @@ Coordinator::Liveness Coordinator::liveness(Time now, bool ending) {
     // stop): one not yet heard from since is given three timeouts, not one,
     // so that a take-over evicts no live host (a bounded wait).
     const bool finding_us = resumed_at_ != Time{} && !beat_since_resume_.count(id) &&
-                            now - resumed_at_ < 3 * opt_.heartbeat_timeout;
+                            now - resumed_at_ < kTakeOverGraceTimeouts * opt_.heartbeat_timeout;
     if (now - heartbeats_[id].second > opt_.heartbeat_timeout && !everyone_quiet && !finding_us) {
       l.silent.insert(id);
       continue;  // silent for too long (crashed, stopped or cut off) while others beat

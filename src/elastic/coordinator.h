@@ -47,6 +47,11 @@
 
 namespace limbo::elastic {
 
+// After a take-over, a member not yet heard from by the new coordinator
+// is evicted only after this many heartbeat timeouts (its relay looks the
+// new address up once acknowledgements stop; see BeatSender).
+inline constexpr int kTakeOverGraceTimeouts = 3;
+
 struct CoordinatorOptions {
   int min_workers = 1;
   int max_workers = 1 << 20;

@@ -144,8 +144,9 @@ class Job {
   void on_all_gone();
   void on_round(const Coordinator::Result& r);
   void tick();
-  void poll_store();
+  void poll_store(bool now = false);
   void complete_tick();
+  void warned_tick();
   void check_job_name();
   void apply_schedule();
   void enter(Phase p, const std::string& why);
@@ -194,6 +195,7 @@ class Job {
   int result_ = 0;  // the exit code Stopping / an all-gone job ends with
   std::string exit_reason_;
   int user_signal_ = 0;
+  bool warned_stop_ = false;  // Stopping on Slurm's warning (SIGUSR1)
   Clock::time_point done_at_{}, last_contact_ = Clock::now(), last_done_check_{};
   std::string last_store_error_;
   int64_t launcher_id_ = 0;
@@ -453,6 +455,12 @@ void Job::on_signal(int sig) {
   log_info("launch: got signal " + std::to_string(sig) + "; stopping the job (workers get signal " +
            std::to_string(fwd) + ")");
   if (!user_signal_) user_signal_ = sig;
+  // Training may have completed a moment ago, before this launcher's next
+  // look at the store (it looks every 0.1 s): it looks now, so that a
+  // warning in the ending is taken as one.
+  if (opt_.elastic && sig == SIGUSR1 && phase_ != Phase::Completing && phase_ != Phase::Stopping &&
+      phase_ != Phase::Lost)
+    poll_store(true);
   if (phase_ == Phase::Completing && sig == SIGUSR1) {
     // Training completed: what is left (the final evaluation, checkpoint
     // and summary) takes seconds and the warning gives the job its time, so
@@ -463,7 +471,10 @@ void Job::on_signal(int sig) {
   }
   if (phase_ == Phase::Stopping || phase_ == Phase::Lost) sup_.signal_all(fwd);
   else if (phase_ == Phase::Completing) sup_.begin_stop(fwd, opt_.kill_grace);  // training completed: still 0
-  else stop(128 + sig, "stopped by signal " + std::to_string(sig), fwd);
+  else {
+    warned_stop_ = sig == SIGUSR1;
+    stop(128 + sig, "stopped by signal " + std::to_string(sig), fwd);
+  }
 }
 
 void Job::on_exit(const Supervisor::Exit& ex) {
@@ -597,6 +608,7 @@ void Job::tick() {
     url_written_ = true;
   }
   if (phase_ == Phase::Completing) return complete_tick();
+  if (opt_.elastic && phase_ == Phase::Stopping && warned_stop_) return warned_tick();
   if (!opt_.elastic || phase_ == Phase::Stopping || phase_ == Phase::Lost) return;
   poll_store();
   if (phase_ == Phase::Completing || phase_ == Phase::Lost) return;
@@ -616,10 +628,29 @@ void Job::tick() {
   }
 }
 
+// Stopping on Slurm's warning while training completes elsewhere (its
+// last step was under way, or done before this launcher looked): the
+// workers took the SIGTERM in their ending, which goes on, so the scheduled
+// SIGKILLs are taken back and the job ends as one that completed (0 once
+// the final files are written, 75 if they are not).
+void Job::warned_tick() {
+  if (seconds_since(last_done_check_) < 0.1) return;
+  last_done_check_ = Clock::now();
+  bool done = false;
+  if (!with_store([&] { done = kv_->try_get("elastic/done").has_value(); }) || !done) return;
+  sup_.hold_kills();
+  warned_stop_ = false;
+  result_ = 0;
+  exit_reason_.clear();
+  log_info("launch: training completed as Slurm's warning came; its ending (final evaluation, checkpoint and "
+           "summary) goes on through the warning");
+  complete("training completed (elastic/done)");
+}
+
 // Completion, and contact with the store (a non-hosting launcher that
 // cannot reach it for --rdzv-timeout has lost the job).
-void Job::poll_store() {
-  if (seconds_since(last_done_check_) < 0.1) return;
+void Job::poll_store(bool now) {
+  if (!now && seconds_since(last_done_check_) < 0.1) return;
   last_done_check_ = Clock::now();
   bool done = false;
   if (with_store([&] { done = kv_->try_get("elastic/done").has_value(); })) {

@@ -10,9 +10,9 @@
 // t is the optimizer's update count (Optimizer::steps() + 1), kept with the
 // state. Under the square-root batch rule at batch ratio kappa
 // (Optimizer::set_batch_scale), 1 - beta1 and 1 - beta2 are multiplied by
-// kappa (at most 1) and eps divided by sqrt(kappa). On a parameter-server shard `lr` is the staleness-divided rate of
-// the update and the decoupled decay runs at the shard's base rate
-// (UpdateScalars::decay_lr).
+// kappa (at most 1) and eps divided by sqrt(kappa). On a parameter-server
+// shard `lr` is the staleness-divided rate of the update, and the decoupled
+// decay runs at UpdateScalars::decay_lr (the same rate by default).
 #pragma once
 
 #include <string>

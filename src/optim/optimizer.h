@@ -57,7 +57,7 @@ struct UpdateSlice {
 
 struct UpdateScalars {
   double lr = 0;        // this update's learning rate
-  double decay_lr = 0;  // the rate weight decay is applied at (= lr, but a PS shard's base rate)
+  double decay_lr = 0;  // the rate weight decay is applied at (= lr; a PS shard may use its base rate)
   int64_t t = 1;        // 1-based number of this update (bias correction)
 };
 

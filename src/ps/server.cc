@@ -555,7 +555,7 @@ Server::Server(ServerOptions opt, ModelFingerprint fp, const float* initial, int
   s.range = partition(total, s.opt.shards)[s.opt.shard];
   s.pushes = std::make_unique<PushAssembler>(s.range.numel);
   s.state = std::make_unique<ShardState>(s.range.numel, initial + s.range.offset,
-                                         UpdateOptions{s.opt.agg.alpha0, s.opt.optimizer});
+                                         UpdateOptions{s.opt.agg.alpha0, s.opt.optimizer, s.opt.decay_at_base_rate});
   if (s.opt.shard == 0 && s.opt.dataset_size > 0)
     s.leases = std::make_unique<LeaseBook>(s.opt.dataset_size, s.opt.batch, s.opt.epochs);
   make_dirs(s.opt.dir);

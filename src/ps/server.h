@@ -34,6 +34,7 @@ struct ServerOptions {
   std::string dir;  // shard directory (required)
   AggregatorOptions agg;
   optim::OptimizerOptions optimizer;       // makes the update from the aggregated gradient
+  bool decay_at_base_rate = false;         // see UpdateOptions
   std::chrono::milliseconds heartbeat_timeout{10000};  // without a message before a learner is dropped
   int64_t checkpoint_every = 500;         // updates; 0 = only at exit
   int64_t log_every = 100;                // updates per metrics line

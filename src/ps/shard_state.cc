@@ -101,7 +101,7 @@ void copy_floats(float* dst, const void* src, size_t bytes) {
 }
 
 ShardState::ShardState(int64_t numel, const float* initial, UpdateOptions opt)
-    : numel_(numel), alpha0_(opt.alpha0) {
+    : numel_(numel), alpha0_(opt.alpha0), decay_at_base_rate_(opt.decay_at_base_rate) {
   opt.optimizer.lr_in_buffer = true;  // see the header: the rate scales only its own gradient
   opt_ = optim::make_optimizer(opt.optimizer);
   weights_ = std::make_shared<torch::Tensor>(torch::empty({numel}, torch::kFloat32));
@@ -129,7 +129,7 @@ bool ShardState::update_range(float* out, const float* w, const float* g, int64_
                               const std::vector<torch::Tensor>& state_out) {
   const auto& in = opt_->state();
   const bool have = opt_->has_state();
-  const optim::UpdateScalars k{lr, alpha0_, opt_->steps() + 1};
+  const optim::UpdateScalars k{lr, decay_at_base_rate_ ? alpha0_ : lr, opt_->steps() + 1};
   std::atomic<bool> ok{true};
   at::parallel_for(0, n, kParallelGrain, [&](int64_t a, int64_t b) {
     optim::UpdateSlice sl;

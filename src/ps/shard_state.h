@@ -16,8 +16,9 @@
 // alpha (the staleness rule divides it). k gradients are applied as one: their
 // alpha-weighted mean g = sum alpha_l g_l / sum alpha_l at the mean rate
 // sum alpha_l / k. SGD runs in its lr_in_buffer form (buf = m buf + alpha g +
-// alpha0 wd w; w <- w - buf), so a stale gradient's smaller rate scales only
-// that gradient; weight decay runs at the base rate alpha0.
+// decay_lr wd w; w <- w - buf), so a stale gradient's smaller rate scales
+// only that gradient. Weight decay (SGD's, AdamW's decoupled one) runs at the
+// update's rate, or at alpha0 (UpdateOptions::decay_at_base_rate).
 //
 // Published versions are never written again: a holder of weights() (a send
 // in flight, a simulated learner's snapshot) keeps its version alive; old
@@ -45,8 +46,14 @@ struct StreamedStep {
 };
 
 struct UpdateOptions {
-  double alpha0 = 0.01;               // the base rate (weight decay runs at it)
+  double alpha0 = 0.01;               // the base rate
   optim::OptimizerOptions optimizer;  // optim.* (SGD: momentum 0 = plain steps)
+  // The rate weight decay runs at (ps.weight_decay_rate): false, the
+  // update's own rate alpha(tau) (as a synchronous step decays at its own
+  // rate: a stale update decays as little as it moves, so the decay per
+  // sample is the same under every protocol); true, the base rate alpha0 in
+  // every update (n-softsync then decays about n times a hardsync round's).
+  bool decay_at_base_rate = false;
 };
 
 class ShardState {
@@ -99,6 +106,7 @@ class ShardState {
 
   int64_t numel_;
   double alpha0_;
+  bool decay_at_base_rate_;
   std::unique_ptr<optim::Optimizer> opt_;
   std::shared_ptr<torch::Tensor> weights_;
   std::vector<std::shared_ptr<torch::Tensor>> spare_;

@@ -352,7 +352,7 @@ void Trainer::eval_now(Run& r) {
 bool Trainer::train_step(Run& r) {
   const auto step_start = Clock::now();
   if (r.t.die_at_step > 0 && state_.step == r.t.die_at_step && rank_ == r.t.die_rank && r.world > 1 &&
-      r.membership_changes == 0) {
+      r.membership_changes == r.t.die_after_changes) {
     const int sig = r.t.die_by_freezing ? SIGSTOP : SIGKILL;
     std::fprintf(stderr, "testing: rank %d %s starting step %ld\n", rank_, r.t.die_by_freezing ? "freezes" : "dies",
                  static_cast<long>(state_.step + 1));
@@ -692,6 +692,11 @@ nlohmann::json Trainer::run() {
     return {{"left", true}, {"completed_elsewhere", true}, {"steps", state_.step}};
   }
   if (elastic) {
+    if (cfg_.train.writer_dies_at == "slow_done") {
+      std::fprintf(stderr, "testing: training ended; this member publishes it in 3 s\n");
+      std::fflush(stderr);
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+    }
     membership_->publish_done();  // the launcher ends the job on this
     membership_->leave();         // done: not a failure for the coordinator
     writer_dies_at("done");

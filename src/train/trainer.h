@@ -66,6 +66,7 @@ struct TrainOptions {
   // step die_at_step + 1 (0 = never), before any collective of it.
   int64_t die_at_step = 0;
   int die_rank = 1;
+  int64_t die_after_changes = 0;  // ... once the group has changed this many times
   bool die_without_home = false;  // ... and first removes its shard homes (both copies lost)
   // ... and first SIGKILLs every other process of its network namespace,
   // its launcher and the host's other workers: a whole (virtual) host lost.
@@ -78,7 +79,8 @@ struct TrainOptions {
   // done, before it commits), "done" (training completed), "eval" (the
   // final evaluation), "checkpoint" (before the final checkpoint), "summary"
   // (before the summary); "hang": instead stops for ever before the final
-  // checkpoint (a hung mount); "" never.
+  // checkpoint (a hung mount); "slow": waits 8 s there instead; "slow_done":
+  // every member waits 3 s before it publishes the completion; "" never.
   std::string writer_dies_at;
   // Steps in a row whose gradient or loss is not finite (each skipped) after
   // which the run stops as diverged (0 = never).
