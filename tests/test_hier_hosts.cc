@@ -101,41 +101,50 @@ TEST_F(TwoByTwo, HierarchicalAndFlatJobsEndWithTheSameBits) {
 // the others re-form at once, first as a hierarchical group of 2 + 1, then
 // as a flat group of one worker per host, and the job finishes with every
 // sample used once per epoch. (A launcher whose other worker goes on does
-// not start a lost one again.)
+// not start a lost one again.) Replicated SGD, and sharded AdamW (the
+// fourth review: a frozen member's shard is adopted like a killed one's,
+// across hosts too; nothing falls back to a checkpoint).
 TEST_F(TwoByTwo, AWorkerKilledOrFrozenOnEitherHostTheOthersReformAtOnce) {
-  HostJob job{*hosts_, 8};
-  ASSERT_TRUE(start(job, 2));
-  std::this_thread::sleep_for(1s);
+  for (const bool shard : {false, true}) {
+    SCOPED_TRACE(shard ? "sharded adamw" : "replicated sgd");
+    HostJob job{*hosts_, 8};
+    if (shard)
+      job.train_extra = {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002", "--set",
+                         "optim.shard_state=true"};
+    ASSERT_TRUE(start(job, 2));
+    std::this_thread::sleep_for(1s);
 
-  auto b = job.workers(1);
-  ASSERT_EQ(b.size(), 2u) << job.all_logs();
-  double t0 = limbo::testing::wall_now();
-  ::kill(b[0], SIGKILL);
-  for (int i = 0; i < 200 && job.reformed_after(t0) < 0; ++i) std::this_thread::sleep_for(50ms);
-  const double killed = job.reformed_after(t0);
-  EXPECT_GT(killed, 0) << job.all_logs();
-  EXPECT_LT(killed, 5) << "re-formed only after a timeout";
-  std::this_thread::sleep_for(1s);
+    auto b = job.workers(1);
+    ASSERT_EQ(b.size(), 2u) << job.all_logs();
+    double t0 = limbo::testing::wall_now();
+    ::kill(b[0], SIGKILL);
+    for (int i = 0; i < 200 && job.reformed_after(t0) < 0; ++i) std::this_thread::sleep_for(50ms);
+    const double killed = job.reformed_after(t0);
+    EXPECT_GT(killed, 0) << job.all_logs();
+    EXPECT_LT(killed, 5) << "re-formed only after a timeout";
+    std::this_thread::sleep_for(1s);
 
-  auto a = job.workers(0);
-  ASSERT_EQ(a.size(), 2u) << job.all_logs();
-  t0 = limbo::testing::wall_now();
-  ::kill(a[1], SIGSTOP);
-  for (int i = 0; i < 200 && job.reformed_after(t0) < 0; ++i) std::this_thread::sleep_for(50ms);
-  const double frozen = job.reformed_after(t0);
-  EXPECT_GT(frozen, 0) << job.all_logs();
-  EXPECT_LT(frozen, 5) << "re-formed only after a timeout";
-  ::kill(a[1], SIGKILL);
-  ::kill(a[1], SIGCONT);
+    auto a = job.workers(0);
+    ASSERT_EQ(a.size(), 2u) << job.all_logs();
+    t0 = limbo::testing::wall_now();
+    ::kill(a[1], SIGSTOP);
+    for (int i = 0; i < 200 && job.reformed_after(t0) < 0; ++i) std::this_thread::sleep_for(50ms);
+    const double frozen = job.reformed_after(t0);
+    EXPECT_GT(frozen, 0) << job.all_logs();
+    EXPECT_LT(frozen, 5) << "re-formed only after a timeout";
+    ::kill(a[1], SIGKILL);
+    ::kill(a[1], SIGCONT);
 
-  job.wait_all();
-  for (int h : {0, 1}) EXPECT_EQ(job.results[h].exit_code, 0) << job.all_logs();
-  const std::string logs = job.all_logs();
-  EXPECT_NE(logs.find("4 workers, rank 0, hierarchical"), std::string::npos) << logs;
-  EXPECT_NE(logs.find("3 workers, rank 0, hierarchical"), std::string::npos) << logs;
-  EXPECT_NE(logs.find("2 workers, rank 0, gloo"), std::string::npos) << logs;
-  limbo::testing::expect_exactly_once(job.run, 8, 3000);
-  std::cout << "re-formed " << killed << " s after the kill, " << frozen << " s after the stop\n";
+    job.wait_all();
+    for (int h : {0, 1}) EXPECT_EQ(job.results[h].exit_code, 0) << job.all_logs();
+    const std::string logs = job.all_logs();
+    EXPECT_NE(logs.find("4 workers, rank 0, hierarchical"), std::string::npos) << logs;
+    EXPECT_NE(logs.find("3 workers, rank 0, hierarchical"), std::string::npos) << logs;
+    EXPECT_NE(logs.find("2 workers, rank 0, gloo"), std::string::npos) << logs;
+    EXPECT_EQ(logs.find("falling back"), std::string::npos) << logs;
+    limbo::testing::expect_exactly_once(job.run, 8, 3000);
+    std::cout << "re-formed " << killed << " s after the kill, " << frozen << " s after the stop\n";
+  }
 }
 
 // Host B (ranks 2 and 3) lost whole: as rank 2 starts step 21 it SIGKILLs

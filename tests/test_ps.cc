@@ -57,6 +57,10 @@ TEST(Aggregator, StalenessAndLearningRate) {
   EXPECT_DOUBLE_EQ(staleness_lr(StalenessPolicy::Inverse, 0.1, 1), 0.1);
   EXPECT_DOUBLE_EQ(staleness_lr(StalenessPolicy::Inverse, 0.1, 4), 0.025);
   EXPECT_DOUBLE_EQ(staleness_lr(StalenessPolicy::Constant, 0.1, 4), 0.1);
+  EXPECT_DOUBLE_EQ(staleness_lr(StalenessPolicy::InverseSqrt, 0.1, 0), 0.1);
+  EXPECT_DOUBLE_EQ(staleness_lr(StalenessPolicy::InverseSqrt, 0.1, 4), 0.05);
+  EXPECT_EQ(parse_staleness_policy("inverse_sqrt"), StalenessPolicy::InverseSqrt);
+  EXPECT_STREQ(policy_name(StalenessPolicy::InverseSqrt), "inverse_sqrt");
 
   Aggregator a(softsync(2));  // lambda 2, n 2 -> c 1
   a.add_learner(1);

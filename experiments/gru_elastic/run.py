@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Does a GRU train worse elastically than in one process? (fourth fault
 review, S4.) A scripted GRU over the image rows of Fashion-MNIST, one epoch
 of SGD with momentum, against PyTorch eager on the same model:
@@ -12,16 +12,15 @@ of SGD with momentum, against PyTorch eager on the same model:
 Seeds interleaved (every contender for seed 1, then seed 2, ...). Writes
 results/results.md (median and range over the seeds). Usage:
 
-  experiments/gru_elastic/run.py [--seeds 3] [--limbo build/limbo]
+  experiments/gru_elastic/run.py [--seeds 3] [--limbo build/src/cli/limbo]
 """
 import argparse
-import gzip
 import json
 import os
 import shutil
 import statistics
-import struct
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -29,28 +28,12 @@ import numpy as np
 import torch
 from torch import nn
 
-FMNIST = "/usr/share/datasets/fashion-mnist"
 HERE = os.path.dirname(os.path.abspath(__file__))
+# The model and the IDX reader of the TorchScript tests' fixtures.
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "python"))
+from make_fixtures import FMNIST, GruRows, idx  # noqa: E402
+
 LR, MOMENTUM = 0.05, 0.9
-
-
-class GruRows(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gru = nn.GRU(28, 48, batch_first=True)
-        self.out = nn.Linear(48, 10)
-
-    def forward(self, x):
-        h, _ = self.gru(x.reshape(x.shape[0], 28, 28))
-        return self.out(h[:, -1])
-
-
-def idx(path):
-    with gzip.open(path) as f:
-        data = f.read()
-    nd = data[3]
-    dims = struct.unpack(">" + "I" * nd, data[4:4 + 4 * nd])
-    return np.frombuffer(data[4 + 4 * nd:], np.uint8).reshape(dims)
 
 
 def load(split):
@@ -99,7 +82,7 @@ def limbo(exe, model_path, seed, batch, nproc, policy):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--limbo", default=os.path.join(HERE, "..", "..", "build", "limbo"))
+    ap.add_argument("--limbo", default=os.path.join(HERE, "..", "..", "build", "src", "cli", "limbo"))
     a = ap.parse_args()
     torch.set_num_threads(1)
     exe = os.path.abspath(a.limbo)

@@ -16,6 +16,9 @@ learner pulled), so every contender does the same compute:
                      alpha0 / tau; AdamW's decoupled decay at the update's
                      own rate (ps.weight_decay_rate = update, the default)
                      or at alpha0 in every update (= base, the rule before)
+  n-softsync, inverse_sqrt / constant
+                     the rate alpha0 / sqrt(tau), or alpha0 whatever tau
+                     (ps.staleness), decay at the update's rate
 
 Seeds are interleaved (every contender for seed 1, then seed 2, ...).
 Writes results/README.md: held-out loss (nats/byte) per contender, median
@@ -44,6 +47,9 @@ def contenders(a):
         for rule in ("update", "base"):
             c[f"{n}-softsync, decay at {rule}"] = (
                 "sim", ['ps.protocol="softsync"', f"ps.softsync_n={n}", f'ps.weight_decay_rate="{rule}"'])
+        for policy in ("inverse_sqrt", "constant"):
+            c[f"{n}-softsync, {policy}"] = (
+                "sim", ['ps.protocol="softsync"', f"ps.softsync_n={n}", f'ps.staleness="{policy}"'])
     return c
 
 
@@ -76,7 +82,7 @@ def main():
     ap.add_argument("--lr", type=float, default=0.003)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--data", default=os.path.join(ROOT, "data", "gpt"))
-    ap.add_argument("--limbo", default=os.path.join(ROOT, "build", "limbo"))
+    ap.add_argument("--limbo", default=os.path.join(ROOT, "build", "src", "cli", "limbo"))
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     a = ap.parse_args()
     a.limbo = os.path.abspath(a.limbo)
@@ -84,15 +90,24 @@ def main():
     runs = contenders(a)
     loss = {k: [] for k in runs}
     tau = {k: [] for k in runs}
+    # Each finished run is kept in results/runs.json (an interrupted or
+    # extended campaign goes on where it stopped; delete the file to redo).
+    os.makedirs(a.out, exist_ok=True)
+    cache_path = os.path.join(a.out, "runs.json")
+    cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
     for seed in range(1, a.seeds + 1):
         for name, (kind, extra) in runs.items():
-            t0 = time.time()
-            l, t = run(a, kind, extra, seed)
-            loss[name].append(l)
-            if t is not None:
-                tau[name].append(t)
-            print(f"seed {seed}  {name:32s} held-out loss {l:.4f}  ({time.time() - t0:.0f} s)", flush=True)
-    os.makedirs(a.out, exist_ok=True)
+            key = f"{name} | seed {seed} | lambda {a.learners} | wd {a.weight_decay} | lr {a.lr}"
+            if key not in cache:
+                t0 = time.time()
+                l, t = run(a, kind, extra, seed)
+                cache[key] = {"loss": l, "staleness_mean": t}
+                with open(cache_path, "w") as f:
+                    json.dump(cache, f, indent=1)
+                print(f"seed {seed}  {name:32s} held-out loss {l:.4f}  ({time.time() - t0:.0f} s)", flush=True)
+            loss[name].append(cache[key]["loss"])
+            if cache[key]["staleness_mean"] is not None:
+                tau[name].append(cache[key]["staleness_mean"])
     lines = ["| run | held-out loss, nats/byte (median) | range over seeds | mean staleness |",
              "| --- | --- | --- | --- |"]
     for name, v in loss.items():
@@ -100,7 +115,9 @@ def main():
         lines.append(f"| {name} | {statistics.median(v):.4f} | {min(v):.4f}–{max(v):.4f} | {t} |")
     text = ("# AdamW on the parameter server under staleness\n\n" + "\n".join(lines) +
             f"\n\n{a.seeds} seeds; lambda = {a.learners} learners of batch {a.batch}; AdamW lr {a.lr} (constant), "
-            f"weight decay {a.weight_decay}, clipping 1.0, bf16, one epoch; inverse staleness rule.\n"
+            f"weight decay {a.weight_decay}, clipping 1.0, bf16, one epoch; the inverse staleness rule (alpha0 / tau) and "
+            "the decay at the update's rate unless the row names another; the simulator's compute times normal, "
+            "cv 0.2.\n"
             f"Command: experiments/ps_adam/run.py --seeds {a.seeds} --learners {a.learners} "
             f"--weight-decay {a.weight_decay}\n")
     with open(os.path.join(a.out, "README.md"), "w") as f:

@@ -203,9 +203,9 @@ std::shared_ptr<const Schema> train_schema() {
              "parameter server: hardsync (one gradient from every learner per update) or "
              "n-softsync (update every floor(learners / n) gradients)"));
     s->add(I("ps.softsync_n", 1, 1, 1 << 20, "parameter server: n of n-softsync"));
-    s->add(S("ps.staleness", "inverse", {"constant", "inverse"},
-             "parameter server: learning rate of a gradient of staleness tau: optim.lr, or "
-             "optim.lr / tau (optim.lr at tau = 0)"));
+    s->add(S("ps.staleness", "inverse", {"constant", "inverse", "inverse_sqrt"},
+             "parameter server: learning rate of a gradient of staleness tau: optim.lr, "
+             "optim.lr / tau, or optim.lr / sqrt(tau) (optim.lr at tau = 0)"));
     s->add(S("ps.weight_decay_rate", "update", {"update", "base"},
              "parameter server: the rate weight decay runs at: each update's own (staleness-divided) rate, as "
              "a synchronous step decays at its rate, or the base rate optim.lr in every update"));

@@ -1,5 +1,7 @@
 #include "ps/aggregator.h"
 
+#include <cmath>
+
 #include "common/error.h"
 
 namespace limbo::ps {
@@ -13,7 +15,8 @@ Protocol parse_protocol(const std::string& s) {
 StalenessPolicy parse_staleness_policy(const std::string& s) {
   if (s == "constant") return StalenessPolicy::Constant;
   if (s == "inverse") return StalenessPolicy::Inverse;
-  throw InvalidInput("unknown staleness policy '" + s + "' (expected constant or inverse)");
+  if (s == "inverse_sqrt") return StalenessPolicy::InverseSqrt;
+  throw InvalidInput("unknown staleness policy '" + s + "' (expected constant, inverse or inverse_sqrt)");
 }
 
 BoundAction parse_bound_action(const std::string& s) {
@@ -23,10 +26,17 @@ BoundAction parse_bound_action(const std::string& s) {
 }
 
 const char* protocol_name(Protocol p) { return p == Protocol::Hardsync ? "hardsync" : "softsync"; }
-const char* policy_name(StalenessPolicy p) { return p == StalenessPolicy::Constant ? "constant" : "inverse"; }
+const char* policy_name(StalenessPolicy p) {
+  switch (p) {
+    case StalenessPolicy::Constant: return "constant";
+    case StalenessPolicy::InverseSqrt: return "inverse_sqrt";
+    default: return "inverse";
+  }
+}
 
 double staleness_lr(StalenessPolicy p, double alpha0, int64_t tau) {
   if (p == StalenessPolicy::Constant || tau <= 0) return alpha0;
+  if (p == StalenessPolicy::InverseSqrt) return alpha0 / std::sqrt(static_cast<double>(tau));
   return alpha0 / static_cast<double>(tau);
 }
 

@@ -11,7 +11,8 @@
 //   n-softsync  - update as soon as c = max(1, floor(lambda / n)) gradients
 //                 are pending, from any learners. lambda = registered learners,
 //                 re-read whenever it changes.
-// Each gradient gets alpha(tau): constant alpha0, or inverse alpha0 / tau
+// Each gradient gets alpha(tau): constant alpha0, or inverse alpha0 / tau,
+// or inverse_sqrt alpha0 / sqrt(tau)
 // (alpha0 at tau = 0). The update is  w -= (1/k) sum alpha(tau_l) g_l  over
 // the k gradients pending (k = c normally; k can exceed c under the "wait"
 // bound, when an update was held back).
@@ -34,7 +35,7 @@
 namespace limbo::ps {
 
 enum class Protocol { Hardsync, Softsync };
-enum class StalenessPolicy { Constant, Inverse };
+enum class StalenessPolicy { Constant, Inverse, InverseSqrt };
 enum class BoundAction { Drop, Wait };
 Protocol parse_protocol(const std::string& s);
 StalenessPolicy parse_staleness_policy(const std::string& s);
