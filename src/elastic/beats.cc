@@ -30,8 +30,12 @@ int64_t monotonic_ns() {
 namespace {
 
 constexpr uint64_t kTableMagic = 0x32746165426f626cULL;  // "lboBeat2"
-constexpr size_t kMaxBeatDatagram = 65000;
-constexpr int kEntriesPerDatagram = 800;  // at most ~60 bytes each
+// A datagram carries at most kEntriesPerDatagram beats of at most 64
+// bytes each (three int64 numbers), a header and a MAC: anything longer is
+// refused from a peek at its length, so a flood that carries the
+// listener's nonce costs a MAC over at most this much.
+constexpr int kEntriesPerDatagram = 200;
+constexpr size_t kMaxBeatDatagram = kEntriesPerDatagram * 64 + 512;
 
 std::string to_hex(const std::string& bytes) {
   static const char* d = "0123456789abcdef";
@@ -274,9 +278,12 @@ void BeatListener::loop() {
     if (::poll(&p, 1, 50) <= 0) continue;
     for (int k = 0; k < 4096 && !stop_; ++k) {  // a flood never holds up a stop
       char first[64];
-      const ssize_t h = ::recv(fd_, first, std::min(sizeof first, head.size()), MSG_DONTWAIT | MSG_PEEK);
-      if (h < 0) break;
-      if (static_cast<size_t>(h) < head.size() || std::memcmp(first, head.data(), head.size()) != 0) {
+      // (With MSG_TRUNC the datagram's whole length comes back.)
+      const ssize_t len =
+          ::recv(fd_, first, std::min(sizeof first, head.size()), MSG_DONTWAIT | MSG_PEEK | MSG_TRUNC);
+      if (len < 0) break;
+      if (static_cast<size_t>(len) < head.size() || static_cast<size_t>(len) > kMaxBeatDatagram ||
+          std::memcmp(first, head.data(), head.size()) != 0) {
         ::recv(fd_, first, 1, MSG_DONTWAIT | MSG_TRUNC);  // drops the datagram
         ++refused_;
         continue;
