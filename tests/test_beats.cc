@@ -330,6 +330,25 @@ TEST(Beats, ASlotReusedAcrossARespawnIsNeverReadTorn) {
   EXPECT_EQ(torn, 0);
 }
 
+// The review: a worker killed in the middle of a beat leaves its slot's
+// version odd; the release after it wrote two more numbers, so the parity
+// stayed inverted and every later holder of that slot (the restarted
+// worker, most likely: the lowest free slot is handed out) read as empty,
+// was never relayed, and was evicted. The release now ends even.
+TEST(Beats, ASlotReleasedAfterAWorkerKilledMidBeatIsReadAgain) {
+  auto table = LocalBeats::in_process();
+  const int slot = table->acquire();
+  table->beat(slot, 5);
+  table->testing_cut_beat(slot);  // killed in the middle of its next beat
+  EXPECT_EQ(table->entry(slot).id, 0);  // (a slot mid-change reads as empty)
+  table->release(slot);
+  ASSERT_EQ(table->acquire(), slot);
+  table->beat(slot, 6);
+  EXPECT_EQ(table->entry(slot).id, 6);
+  EXPECT_EQ(table->entry(slot).counter, 1);
+  EXPECT_EQ(table->entries().size(), 1u);
+}
+
 // An etcd take-over: the new coordinator listens elsewhere and writes its
 // address; senders that miss acknowledgements read it again.
 TEST(Beats, ASenderFollowsTheCoordinatorToItsNewAddress) {

@@ -95,6 +95,31 @@ TEST(Ending, SlurmsWarningDuringTheEndingLetsTheEndingFinish) {
   EXPECT_EQ(nlohmann::json::parse(slurp(run + "/summary.json"))["samples"].get<int64_t>(), 1200);
 }
 
+// The review: a warning in the ending took back every kill, so a writer
+// hung there (a hung mount, here one that ignores SIGTERM) held the job
+// until --finish-timeout (600 s), longer than Slurm's warning gives: Slurm
+// killed the launcher, with no exit 75 and no requeue. Now the ending may go
+// on for --warning-grace after the warning; then the workers still running
+// are killed and the launcher exits 75.
+TEST(Ending, AWritersHangAfterSlurmsWarningEndsWithARequeueInTime) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::string run = d.file("run"), log = d.file("log");
+  auto a = job(run, {"train.testing_writer_dies_at=\"hang\""});
+  a[2] = "2";  // --nproc 2
+  a.insert(a.begin() + 5, {"--warning-grace", "3"});
+  const pid_t launcher = limbo::testing::spawn_limbo(a, log);
+  ASSERT_TRUE(limbo::testing::wait_for_text(log, "the writer hangs before its final checkpoint", 120)) << slurp(log);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_EQ(::kill(launcher, SIGUSR1), 0);
+  auto r = limbo::testing::wait_child(launcher, log, 60);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 75) << r.output;
+  EXPECT_NE(r.output.find("went on for --warning-grace (3 s) after Slurm's warning"), std::string::npos) << r.output;
+  EXPECT_LT(took, 30.0) << r.output;
+}
+
 // Found (CI): the warning came after the workers had written elastic/done
 // but before the launcher's next look at the store; it stopped the job
 // instead, killed the writer in its final checkpoint 5 s later and exited

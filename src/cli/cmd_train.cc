@@ -307,6 +307,7 @@ int run_launch(const LaunchArgs& a) {
   lo.elastic = a.min_workers > 0 || a.max_workers > 0;
   lo.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.rdzv_timeout * 1000));
   lo.finish_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.finish_timeout * 1000));
+  lo.warning_grace = std::chrono::milliseconds(static_cast<int64_t>(a.warning_grace * 1000));
   lo.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(a.heartbeat_timeout * 1000));
   lo.status = a.status;
   lo.token = a.token;

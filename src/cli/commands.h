@@ -38,6 +38,7 @@ struct LaunchArgs {
   int start_workers = 0;  // elastic: the first round waits for this many (0 = --nproc)
   double rdzv_timeout = 120;  // seconds below the minimum before the job stops
   double finish_timeout = 600;  // seconds the ending may take after training completed
+  double warning_grace = 45;    // seconds the ending may take after Slurm's warning
   double heartbeat_timeout = 0.4;  // seconds without a worker's heartbeat before it counts as gone
   std::string elastic_schedule;  // "epoch:workers,..."
   // --mode async: a parameter-server job.

@@ -85,6 +85,11 @@ int main(int argc, char** argv) {
                      "elastic: seconds the ending (final evaluation, checkpoint, summary) may take after training "
                      "completed; then the workers still running are killed and the job fails (default 600)")
       ->check(CLI::Range(0.1, 1e7));
+  launch->add_option("--warning-grace", launch_args.warning_grace,
+                     "elastic: seconds the ending may go on after Slurm's warning (SIGUSR1) when training completes "
+                     "as it comes; then the workers still running are killed and the job exits 75 (requeue). Keep "
+                     "it below the warning's lead time (default 45, for --signal=B:USR1@60)")
+      ->check(CLI::Range(0.1, 1e7));
   launch->add_option("--heartbeat-timeout", launch_args.heartbeat_timeout,
                      "elastic: seconds without a worker's heartbeat (sent every timeout/4 from a thread "
                      "of its own) before it counts as gone and the others re-form (default 0.4)")

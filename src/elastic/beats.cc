@@ -167,10 +167,15 @@ void write_slot(std::atomic<int64_t>& version, F&& change) {
 void LocalBeats::release(int slot) {
   if (slot < 0 || slot >= static_cast<int>(used_.size())) return;
   auto& s = s_->slots[slot];
-  write_slot(s.version, [&] {
-    s.id.store(0, std::memory_order_relaxed);
-    s.counter.store(0, std::memory_order_relaxed);
-  });
+  // Its worker may have been killed in the middle of a beat, leaving the
+  // version odd: the release starts from the next odd number and ends even,
+  // so that the slot's next holder is read again.
+  auto& v = s.version;
+  v.store(v.load(std::memory_order_relaxed) | 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  s.id.store(0, std::memory_order_relaxed);
+  s.counter.store(0, std::memory_order_relaxed);
+  v.store(v.load(std::memory_order_relaxed) + 1, std::memory_order_release);
   used_[slot] = false;
 }
 
@@ -181,6 +186,11 @@ void LocalBeats::beat(int slot, int64_t id) {
     s.beat_ns.store(monotonic_ns(), std::memory_order_relaxed);
     s.counter.store(s.counter.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   });
+}
+
+void LocalBeats::testing_cut_beat(int slot) {
+  auto& v = s_->slots[slot].version;
+  v.store(v.load(std::memory_order_relaxed) + 1, std::memory_order_release);
 }
 
 int64_t LocalBeats::counter(int slot) const { return entry(slot).counter; }

@@ -83,6 +83,9 @@ class LocalBeats {
   // A worker's beat: its id, the counter one up, the time now. One writer
   // at a time per slot (its worker; release() once it exited).
   void beat(int slot, int64_t id);
+  // Testing aid: the first half of a beat, as a worker killed in the middle
+  // of one leaves its slot (the version odd: the slot reads as empty).
+  void testing_cut_beat(int slot);
   int64_t counter(int slot) const;
   Entry entry(int slot) const;
   std::vector<Entry> entries() const;  // the slots in use

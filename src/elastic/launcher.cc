@@ -196,6 +196,8 @@ class Job {
   std::string exit_reason_;
   int user_signal_ = 0;
   bool warned_stop_ = false;  // Stopping on Slurm's warning (SIGUSR1)
+  bool warned_completed_ = false;  // ... that found the job completed: its final files are checked
+  Clock::time_point warned_at_{};  // when Slurm's warning came (the ending's bound: --warning-grace)
   Clock::time_point done_at_{}, last_contact_ = Clock::now(), last_done_check_{};
   std::string last_store_error_;
   int64_t launcher_id_ = 0;
@@ -455,6 +457,7 @@ void Job::on_signal(int sig) {
   log_info("launch: got signal " + std::to_string(sig) + "; stopping the job (workers get signal " +
            std::to_string(fwd) + ")");
   if (!user_signal_) user_signal_ = sig;
+  if (sig == SIGUSR1 && warned_at_ == Clock::time_point{}) warned_at_ = Clock::now();
   // Training may have completed a moment ago, before this launcher's next
   // look at the store (it looks every 0.1 s): it looks now, so that a
   // warning in the ending is taken as one.
@@ -638,8 +641,9 @@ void Job::warned_tick() {
   last_done_check_ = Clock::now();
   bool done = false;
   if (!with_store([&] { done = kv_->try_get("elastic/done").has_value(); }) || !done) return;
-  sup_.hold_kills();
+  sup_.hold_kills();  // (the ending's bound is --warning-grace, in complete_tick)
   warned_stop_ = false;
+  warned_completed_ = true;
   result_ = 0;
   exit_reason_.clear();
   log_info("launch: training completed as Slurm's warning came; its ending (final evaluation, checkpoint and "
@@ -679,11 +683,17 @@ void Job::poll_store(bool now) {
 // exit, at most --finish-timeout.
 void Job::complete_tick() {
   if (!opt_.elastic) return;
-  if (!finish_timed_out_ && seconds_since(done_at_) > opt_.finish_timeout.count() / 1000.0) {
+  const bool warned_out = warned_at_ != Clock::time_point{} &&
+                          seconds_since(warned_at_) > opt_.warning_grace.count() / 1000.0;
+  if (!finish_timed_out_ && (warned_out || seconds_since(done_at_) > opt_.finish_timeout.count() / 1000.0)) {
     finish_timed_out_ = true;
-    log_warn("launch: the job's ending took longer than --finish-timeout (" +
-             std::to_string(opt_.finish_timeout.count() / 1000) + " s); killing the " +
-             std::to_string(sup_.count()) + " workers still running");
+    log_warn(warned_out ? "launch: the job's ending went on for --warning-grace (" +
+                              std::to_string(opt_.warning_grace.count() / 1000) +
+                              " s) after Slurm's warning; killing the " + std::to_string(sup_.count()) +
+                              " workers still running"
+                        : "launch: the job's ending took longer than --finish-timeout (" +
+                              std::to_string(opt_.finish_timeout.count() / 1000) + " s); killing the " +
+                              std::to_string(sup_.count()) + " workers still running");
     for (const auto& [pid, idx] : sup_.children()) {
       sup_.signal(pid, SIGKILL);
       killed_after_done_.insert(pid);
@@ -774,6 +784,20 @@ bool Job::final_files_written() const {
 
 bool Job::finished() {
   if (sup_.count() > 0) return false;
+  if (phase_ == Phase::Stopping && opt_.elastic && warned_stop_) {
+    // Every worker exited before warned_tick() saw the completion (the
+    // review: a job that completed as the warning came exited 75 and was
+    // requeued): one last look.
+    bool done = false;
+    if (with_store([&] { done = kv_->try_get("elastic/done").has_value(); }) && done) {
+      warned_stop_ = false;
+      warned_completed_ = true;
+      result_ = 0;
+      exit_reason_.clear();
+      log_info("launch: training completed as Slurm's warning came; its workers have ended");
+      complete("training completed (elastic/done)");
+    }
+  }
   if (phase_ == Phase::Stopping || phase_ == Phase::Lost) return true;
   if (phase_ != Phase::Completing) return false;
   if (!opt_.elastic) return true;
@@ -819,7 +843,7 @@ int Job::finish() {
       log_warn("launch: exit code " + std::to_string(code) + ": training completed, but the ending (final "
                "evaluation, checkpoint and summary) outlasted --finish-timeout; the last checkpoint in the run "
                "directory is the newest state");
-    } else if (!run_dir_.empty() && !finishers_.empty() && !final_files_written()) {
+    } else if (!run_dir_.empty() && (!finishers_.empty() || warned_completed_) && !final_files_written()) {
       // Training completed, but no member wrote the final checkpoint and
       // summary here (each member that could died while the job ended):
       // the job has not delivered its result.

@@ -46,6 +46,12 @@ struct LaunchOptions {
   // running are killed and the job fails (a final checkpoint stuck on a
   // hung mount must not hold the job for ever).
   std::chrono::milliseconds finish_timeout{600000};
+  // Elastic: how long the ending may go on after Slurm's warning (SIGUSR1)
+  // came in or just before it; then the workers still running are killed
+  // and the launcher exits 75 (requeue). Below the warning's lead time
+  // (`#SBATCH --signal=B:USR1@60`), so that the launcher ends before Slurm
+  // kills it.
+  std::chrono::milliseconds warning_grace{45000};
   // Scheduled elasticity (implies elastic): (epoch, worker count), ascending.
   // The launcher starts workers or SIGTERMs its newest ones as the job's
   // progress (published by rank 0) passes each epoch.
