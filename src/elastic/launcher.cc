@@ -147,6 +147,7 @@ class Job {
   void poll_store(bool now = false);
   void complete_tick();
   void warned_tick();
+  bool warned_job_completed(const std::string& what_now);
   void check_job_name();
   void apply_schedule();
   void enter(Phase p, const std::string& why);
@@ -639,16 +640,24 @@ void Job::tick() {
 void Job::warned_tick() {
   if (seconds_since(last_done_check_) < 0.1) return;
   last_done_check_ = Clock::now();
-  bool done = false;
-  if (!with_store([&] { done = kv_->try_get("elastic/done").has_value(); }) || !done) return;
+  if (!warned_job_completed("its ending (final evaluation, checkpoint and summary) goes on through the warning"))
+    return;
   sup_.hold_kills();  // (the ending's bound is --warning-grace, in complete_tick)
+}
+
+// A stop on Slurm's warning that finds `elastic/done`: the job completed
+// as the warning came, and ends as a completed one (its final files checked
+// by finish()). False while the store says otherwise or does not answer.
+bool Job::warned_job_completed(const std::string& what_now) {
+  bool done = false;
+  if (!with_store([&] { done = kv_->try_get("elastic/done").has_value(); }) || !done) return false;
   warned_stop_ = false;
   warned_completed_ = true;
   result_ = 0;
   exit_reason_.clear();
-  log_info("launch: training completed as Slurm's warning came; its ending (final evaluation, checkpoint and "
-           "summary) goes on through the warning");
+  log_info("launch: training completed as Slurm's warning came; " + what_now);
   complete("training completed (elastic/done)");
+  return true;
 }
 
 // Completion, and contact with the store (a non-hosting launcher that
@@ -788,15 +797,7 @@ bool Job::finished() {
     // Every worker exited before warned_tick() saw the completion (the
     // review: a job that completed as the warning came exited 75 and was
     // requeued): one last look.
-    bool done = false;
-    if (with_store([&] { done = kv_->try_get("elastic/done").has_value(); }) && done) {
-      warned_stop_ = false;
-      warned_completed_ = true;
-      result_ = 0;
-      exit_reason_.clear();
-      log_info("launch: training completed as Slurm's warning came; its workers have ended");
-      complete("training completed (elastic/done)");
-    }
+    warned_job_completed("its workers have ended");
   }
   if (phase_ == Phase::Stopping || phase_ == Phase::Lost) return true;
   if (phase_ != Phase::Completing) return false;
