@@ -1,7 +1,7 @@
 # limbo_torch_target(<target>): compile flags + shared libtorch PCH.
 function(limbo_torch_target target)
   target_link_libraries(${target} PUBLIC ${TORCH_LIBRARIES})
-  target_compile_options(${target} PRIVATE -Wall -Wextra -Wno-unused-parameter)
+  target_compile_options(${target} PRIVATE -fPIC -Wall -Wextra -Wno-unused-parameter)
   if(LIMBO_USE_PCH)
     target_precompile_headers(${target} REUSE_FROM limbo_pch)
   endif()

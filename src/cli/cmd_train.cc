@@ -18,6 +18,7 @@
 #include "comm/kv_store.h"
 #include "elastic/allreduce_update.h"
 #include "elastic/elastic_membership.h"
+#include "elastic/join.h"
 #include "elastic/launcher.h"
 #include "train/trainer.h"
 
@@ -36,21 +37,7 @@ std::string default_run_dir(const Config& cfg) {
   return timestamped_run_dir(cfg.get_string("model.name") + "-" + cfg.get_string("data.dataset"));
 }
 
-std::atomic<bool> g_leave_requested{false};
-void on_sigterm(int) { g_leave_requested = true; }
-
-std::pair<std::string, int> split_host_port(const std::string& s, const char* flag) {
-  auto colon = s.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size())
-    throw InvalidInput(std::string(flag) + " expects HOST:PORT, got '" + s + "'");
-  try {
-    int port = std::stoi(s.substr(colon + 1));
-    if (port < 0 || port > 65535) throw std::out_of_range("port");
-    return {s.substr(0, colon), port};
-  } catch (const std::exception&) {
-    throw InvalidInput(std::string(flag) + ": bad port in '" + s + "'");
-  }
-}
+using elastic::split_host_port;
 
 }  // namespace
 
@@ -91,7 +78,15 @@ int run_train(const TrainArgs& a) {
     page = std::make_unique<status::Server>(std::make_shared<status::Board>("train"), host, port);
   }
   train::Trainer trainer(tc);
-  elastic::ReduceOptions reduce_options;
+  elastic::JoinOptions jo;
+  jo.rdzv = a.dist_rdzv;
+  jo.token = a.token;
+  jo.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
+  jo.shared_memory = cfg.get_bool("comm.shared_memory");
+  jo.hierarchical = cfg.get_bool("comm.hierarchical");
+  jo.collective_timeout = cfg.get_float("elastic.collective_timeout");
+  jo.round_timeout = cfg.get_float("elastic.round_timeout");
+  auto& reduce_options = jo.reduce;
   reduce_options.compression = compression;
   reduce_options.overlap = cfg.get_bool("elastic.overlap");
   reduce_options.bucket_bytes = static_cast<int64_t>(cfg.get_float("elastic.bucket_mb") * (1 << 20));
@@ -100,81 +95,13 @@ int run_train(const TrainArgs& a) {
   if (reduce_options.shard_state && cfg.get_string("optim.algorithm") == "isgd")
     throw InvalidInput("optim.shard_state = true does not run with optim.algorithm = \"isgd\" (its extra "
                        "updates step the whole model on every worker); use sgd, adam or adamw");
-  if (distributed) {
-    comm::GroupOptions go;
-    std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
-    go.prefix = "limbo/static";
-    go.token = a.token;
-    go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
-    go.shared_memory = cfg.get_bool("comm.shared_memory");
-    go.hierarchical = cfg.get_bool("comm.hierarchical");
-    auto group = comm::make_group(go, a.dist_rank, a.dist_world);
-    trainer.set_update_rule(std::make_shared<elastic::AllReduceUpdate>(
-        std::shared_ptr<comm::Collective>(std::move(group)), trainer.optimizer_step(), trainer.params(),
-        reduce_options));
-  }
+  if (distributed)
+    trainer.set_update_rule(
+        elastic::join_static(jo, a.dist_rank, a.dist_world, trainer.optimizer_step(), trainer.params()));
   if (a.elastic) {
-    comm::GroupOptions go;
-    go.timeout = std::chrono::milliseconds(
-        static_cast<int64_t>(1000 * cfg.get_float("elastic.collective_timeout")));
-    go.direct_allreduce = cfg.get_bool("elastic.direct_allreduce");
-    go.shared_memory = cfg.get_bool("comm.shared_memory");
-    go.hierarchical = cfg.get_bool("comm.hierarchical");
-    go.token = a.token;
-    elastic::MemberOptions mo;
-    mo.round_timeout = std::chrono::milliseconds(
-        static_cast<int64_t>(1000 * cfg.get_float("elastic.round_timeout")));
-    std::shared_ptr<comm::KvStore> kv;
-    if (comm::is_etcd_url(a.dist_rdzv)) {
-      // Every store call of this worker goes to etcd; its credentials come
-      // from the environment the launcher set.
-      auto eo = comm::parse_etcd_url(a.dist_rdzv, "--dist-rdzv");
-      comm::etcd_from_env(&eo);
-      std::tie(go.store_host, go.store_port) = split_host_port(eo.endpoints[0], "--dist-rdzv");
-      for (const auto& ep : eo.endpoints) go.control_ports.push_back(split_host_port(ep, "--dist-rdzv").second);
-      const auto call_timeout = go.timeout;
-      go.connect_store = [eo, call_timeout]() -> std::shared_ptr<comm::KvStore> {
-        return comm::connect_etcd(eo, call_timeout);
-      };
-      mo.connect = [eo]() -> std::shared_ptr<comm::KvStore> {
-        return comm::connect_etcd(eo, std::chrono::milliseconds(1000));
-      };
-      mo.cut_off_after = std::chrono::seconds(10);
-      mo.watch_wait = std::chrono::milliseconds(1000);
-      kv = comm::connect_etcd(eo, go.timeout);
-    } else {
-      std::tie(go.store_host, go.store_port) = split_host_port(a.dist_rdzv, "--dist-rdzv");
-      kv = comm::connect_kv_store(go.store_host, go.store_port, go.timeout, go.token);
-    }
-    mo.group = go;
-    // The launcher's heartbeat table and this worker's slot in it.
-    if (const char* slot = std::getenv("LIMBO_BEAT_SLOT")) {
-      const std::string v = slot;
-      const auto colon = v.rfind(':');
-      try {
-        if (colon == std::string::npos) throw Error("not NAME:SLOT");
-        mo.beats = elastic::LocalBeats::open(v.substr(0, colon));
-        mo.beat_slot = std::stoi(v.substr(colon + 1));
-      } catch (const std::exception& e) {
-        log_warn("LIMBO_BEAT_SLOT='" + v + "' is not usable (" + e.what() + "); this worker sends its own heartbeats");
-        mo.beats.reset();
-      }
-    }
-    auto member = std::make_unique<elastic::Member>(std::move(kv), mo);
-    if (reduce_options.shard_state) reduce_options.home_prefix = "/limbo-zero-" + member->job_tag() + "-";
-    auto rule = std::make_shared<elastic::AllReduceUpdate>(nullptr, trainer.optimizer_step(), trainer.params(),
-                                                           reduce_options);
-    trainer.set_update_rule(rule);
-    // SIGTERM, SIGINT (Ctrl-C reaches every process of the terminal's
-    // group) and SIGUSR1 (Slurm's `--signal`): finish the current step, leave at the next agreed boundary; the
-    // writer checkpoints first when it leaves.
-    struct sigaction sa {};
-    sa.sa_handler = on_sigterm;
-    ::sigaction(SIGTERM, &sa, nullptr);
-    ::sigaction(SIGINT, &sa, nullptr);
-    ::sigaction(SIGUSR1, &sa, nullptr);  // Slurm's warning ahead of preemption or the time limit
-    trainer.set_membership(std::make_unique<elastic::ElasticMembership>(
-        std::move(member), rule, [] { return g_leave_requested.load(); }));
+    auto joined = elastic::join_elastic(jo, trainer.optimizer_step(), trainer.params(), elastic::leave_on_signals());
+    trainer.set_update_rule(joined.rule);
+    trainer.set_membership(std::move(joined.membership));
   }
   if (page && !tc.run_dir.empty()) {
     page->watch(tc.run_dir + "/metrics.jsonl");
@@ -299,6 +226,12 @@ int run_launch(const LaunchArgs& a) {
     std::tie(lo.rdzv_host, lo.rdzv_port) = split_host_port(a.rdzv, "--rdzv");
   }
   lo.train_args = a.train_args;
+  if (!lo.train_args.empty() && !lo.train_args[0].empty() && lo.train_args[0][0] != '-') {
+    // `limbo launch ... -- python3 train.py ARGS`: the user's program is the
+    // workers; the launcher's own flags for them go into their environment.
+    lo.program = lo.train_args;
+    lo.train_args.clear();
+  }
   // launch --resume: every worker continues from the run directory's
   // checkpoint (the same as `-- --resume`); in an elastic job the newest
   // state among the members wins (state sync).
@@ -349,8 +282,15 @@ int run_launch(const LaunchArgs& a) {
     std::printf("rendezvous: %s\n", lo.etcd ? lo.etcd->url().c_str()
                                              : (lo.rdzv_host + ":" + std::to_string(lo.rdzv_port)).c_str());
     std::string cmd;
-    for (const auto& t : lo.train_args) cmd += " " + t;
-    std::printf("training arguments:%s\n", cmd.c_str());
+    for (const auto& t : lo.program.empty() ? lo.train_args : lo.program) cmd += " " + t;
+    if (lo.program.empty()) {
+      std::printf("training arguments:%s\n", cmd.c_str());
+    } else {
+      std::printf("program:%s\n", cmd.c_str());
+      std::string flags;
+      for (const auto& t : lo.train_args) flags += " " + t;
+      std::printf("launcher's arguments (in the program's environment):%s\n", flags.c_str());
+    }
     return 0;
   }
   return elastic::launch(lo);

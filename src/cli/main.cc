@@ -121,7 +121,8 @@ int main(int argc, char** argv) {
                      "the URL is printed and written to the run directory as status.url)");
   launch->add_flag("--dry-run", launch_args.dry_run,
                    "print the settings the job would run with (under Slurm: what came from the job) and stop");
-  launch->add_option("train_args", launch_args.train_args, "arguments for `limbo train` (after --)");
+  launch->add_option("train_args", launch_args.train_args,
+                    "after --: arguments for `limbo train`, or a program to run as the workers (python3 train.py ...)");
 
   cli::PsServerArgs ps_args;
   auto* ps_server = app.add_subcommand("ps-server", "run one parameter-server shard");

@@ -88,6 +88,14 @@ void sync_small_state(comm::Collective& g, train::SyncTargets& s, int source) {
     g.broadcast(st, source);
     s.isgd->load_state(st);
   }
+  if (s.pack_extra || s.unpack_extra) {  // the front end's own state (every member runs the same front end)
+    torch::Tensor blob = g.rank() == source && s.pack_extra ? s.pack_extra().contiguous() : torch::Tensor();
+    auto n = torch::tensor({blob.defined() ? blob.numel() : int64_t{0}}, torch::kInt64);
+    g.broadcast(n, source);
+    if (g.rank() != source || !blob.defined()) blob = torch::empty({n.item<int64_t>()}, torch::kUInt8);
+    if (blob.numel() > 0) g.broadcast(blob, source);
+    if (g.rank() != source && s.unpack_extra) s.unpack_extra(blob);
+  }
 }
 
 torch::Tensor meta_of(const train::SyncTargets& s, bool has_state, int64_t optimizer_steps) {

@@ -40,8 +40,57 @@ bool sets_threads(const std::vector<std::string>& args) {
   return false;
 }
 
+// `name` as execve needs it: as given when it holds a '/', else the first
+// executable of that name on PATH.
+std::string find_program(const std::string& name) {
+  if (name.find('/') != std::string::npos) return name;
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path ? path : "/usr/bin:/bin");
+  for (std::string d; std::getline(dirs, d, ':');) {
+    const std::string p = (d.empty() ? "." : d) + "/" + name;
+    if (::access(p.c_str(), X_OK) == 0) return p;
+  }
+  throw InvalidInput("launch: cannot find the program '" + name + "' on PATH");
+}
+
+// A user's program as a worker: what `limbo train` gets as flags goes into
+// its environment (LaunchOptions::program).
+pid_t spawn_program_worker(Supervisor& sup, const LaunchOptions& opt, int rank, int threads, const std::string& rdzv,
+                           std::vector<std::string> env) {
+  std::string run_dir;
+  bool resume = false;
+  for (size_t i = 0; i < opt.train_args.size(); ++i) {
+    if (opt.train_args[i] == "--run-dir" && i + 1 < opt.train_args.size()) run_dir = opt.train_args[++i];
+    else if (opt.train_args[i] == "--resume") resume = true;
+  }
+  env.push_back("LIMBO_RDZV=" + rdzv);
+  if (opt.elastic) {
+    env.push_back("LIMBO_ELASTIC=1");
+  } else {
+    env.push_back("LIMBO_RANK=" + std::to_string(rank));
+    env.push_back("LIMBO_WORLD=" + std::to_string(opt.nproc));
+  }
+  if (!run_dir.empty()) env.push_back("LIMBO_RUN_DIR=" + run_dir);
+  if (resume) env.push_back("LIMBO_RESUME=1");
+  if (threads > 0) env.push_back("LIMBO_THREADS=" + std::to_string(threads));
+  if (rank > 0) env.push_back("LIMBO_PROGRESS=0");
+#ifndef LIMBO_PYTHON_DIR
+#define LIMBO_PYTHON_DIR ""
+#endif
+  const std::string py = !opt.python_path.empty() ? opt.python_path : LIMBO_PYTHON_DIR;
+  if (!py.empty()) {
+    const char* old = std::getenv("PYTHONPATH");
+    env.push_back("PYTHONPATH=" + py + (old && *old ? ":" + std::string(old) : ""));
+  }
+  const std::vector<std::string> args(opt.program.begin() + 1, opt.program.end());
+  const pid_t pid = sup.start(find_program(opt.program[0]), args, "worker", rank, env);
+  log_info("launch: worker rank " + std::to_string(rank) + " pid " + std::to_string(pid) + " (" + opt.program[0] + ")");
+  return pid;
+}
+
 pid_t spawn_worker(Supervisor& sup, const LaunchOptions& opt, int rank, int threads, const std::string& rdzv,
                    const std::vector<std::string>& env) {
+  if (!opt.program.empty()) return spawn_program_worker(sup, opt, rank, threads, rdzv, env);
   std::vector<std::string> args = {"train"};
   if (threads > 0) args.insert(args.end(), {"--set", "train.threads=" + std::to_string(threads)});
   if (rank > 0) args.insert(args.end(), {"--set", "train.progress=false"});

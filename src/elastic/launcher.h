@@ -31,6 +31,17 @@ struct LaunchOptions {
   int rdzv_port = 0;  // 0 = pick a free port
   std::vector<std::string> train_args;
   std::string self_exe;  // path of the limbo binary to run for workers
+  // A program to run as the workers instead of `limbo train` (e.g.
+  // {"python3", "train.py", ...}: a Python loop with the `limbo` module).
+  // It learns the job from its environment: LIMBO_RDZV, LIMBO_ELASTIC=1 or
+  // LIMBO_RANK and LIMBO_WORLD, LIMBO_RUN_DIR, LIMBO_RESUME=1, LIMBO_THREADS,
+  // LIMBO_PROGRESS=0 (all but the first), LIMBO_JOB_TOKEN, LIMBO_BEAT_SLOT;
+  // PYTHONPATH starts with the build's Python module. train_args then hold
+  // only what the launcher itself adds (--run-dir, --resume).
+  std::vector<std::string> program;
+  // Put first on a program's PYTHONPATH; empty: the build's Python module
+  // (<build>/python).
+  std::string python_path;
   int cores = 0;         // cores to split among workers; 0 = all
   std::chrono::milliseconds store_timeout{300000};
   std::chrono::milliseconds kill_grace{5000};

@@ -36,6 +36,11 @@ struct SyncTargets {
   // worker and timings; they agree in count.)
   std::function<std::string()> records;
   std::function<int64_t()> record_count;
+  // The front end's own state (train/session.h: SessionParts::pack_extra),
+  // as bytes, taken from the member whose state everyone takes. Both empty:
+  // none.
+  std::function<torch::Tensor()> pack_extra;
+  std::function<void(const torch::Tensor&)> unpack_extra;
 };
 
 // Training completed on other members while this member's step failed or

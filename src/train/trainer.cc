@@ -48,11 +48,6 @@ void kill_this_host(int sig) {
   ::closedir(d);
 }
 
-// Failures of a peer, after which an elastic group re-forms.
-bool recoverable(const Error& e) {
-  return dynamic_cast<const PeerFailure*>(&e) != nullptr || dynamic_cast<const Timeout*>(&e) != nullptr;
-}
-
 // The file that holds the samples, for messages.
 std::string sample_origin(const data::Dataset& d) {
   return d.tensors ? d.tensors->x.origin : d.stream ? d.stream->tokens.origin : d.name;
@@ -125,7 +120,6 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
     isgd_ = std::make_unique<optim::IsgdController>(
         cfg_.isgd, data::batches_per_epoch(splits_->train.size(), global, cfg_.loader.drop_last));
   }
-  if (!cfg_.run_dir.empty()) checkpoint_path_ = cfg_.run_dir + "/checkpoint.pt";
 }
 
 Trainer::~Trainer() = default;
@@ -133,7 +127,9 @@ Trainer::~Trainer() = default;
 // Testing aid (train.testing_writer_dies_at): the run directory's writer
 // dies at `point` of the job's ending.
 void Trainer::writer_dies_at(const char* point) {
-  if (cfg_.train.writer_dies_at != point || !writer_ || !membership_ || took_over_) return;
+  if (cfg_.train.writer_dies_at != point || !session_ || !session_->elastic() || !session_->writer() ||
+      session_->took_over())
+    return;
   const bool freeze = cfg_.train.die_by_freezing;
   std::fprintf(stderr, "testing: the writer %s at '%s'%s\n", freeze ? "freezes" : "dies", point,
                cfg_.train.die_with_host ? " with its host" : "");
@@ -142,45 +138,19 @@ void Trainer::writer_dies_at(const char* point) {
   ::kill(::getpid(), freeze ? SIGSTOP : SIGKILL);
 }
 
-void Trainer::checkpoint(const std::string& why) {
-  if (checkpoint_path_.empty() || !writer_) return;
-  if (isgd_) state_.extra["isgd"] = isgd_->state();
-  state_.extra["batch_policy"] = batch_policy_->state();
-  if (optimizer().has_state() && optimizer().state()[0].numel() != flat_->numel()) {
-    // Sharded state that this member does not hold whole (it took over the
-    // final files from a writer lost in the job's ending).
-    log_warn("checkpoint (" + why + "): this member holds only its shard of the optimizer state; the "
-             "checkpoint keeps the weights and the update count without it");
-    auto bare = optim::make_optimizer(optimizer().options());
-    bare->set_state({}, optimizer().steps());
-    save_checkpoint(checkpoint_path_, *model_, *bare, state_);
-    return;
-  }
-  save_checkpoint(checkpoint_path_, *model_, optimizer(), state_);
-  log_debug("checkpoint (" + why + ") at step " + std::to_string(state_.step));
-}
-
 // Everything one call of run() keeps between steps.
 struct Trainer::Run {
-  Run(const TrainOptions& opt, bool elastic, const std::string& dir)
-      : t(opt), elastic(elastic), run_dir(dir, opt.resume || elastic) {}
+  Run(const TrainOptions& opt, Session& session) : t(opt), elastic(session.elastic()), s(session), run_dir(session.run_dir()) {}
 
   const TrainOptions& t;
   const bool elastic;
-  RunDir run_dir;
+  Session& s;
+  RunDir& run_dir;
   std::unique_ptr<data::BatchLoader> loader;
   std::unique_ptr<data::Sampler> log_sampler;
   std::unique_ptr<Progress> progress;
   int64_t n = 0, total_steps = 0, resumed_from = -1;
-  int world = 1;
-  int64_t storage = 0;  // RunDir::storage_id (elastic)
   Clock::time_point wall_start = Clock::now();
-
-  // Membership events.
-  int64_t membership_changes = 0;
-  nlohmann::json recoveries = nlohmann::json::array();
-  nlohmann::json pending_event;  // a change whose first completed step is still to come
-  Clock::time_point pending_since;
   bool left = false;
 
   // This step.
@@ -204,127 +174,16 @@ struct Trainer::Run {
   }
 };
 
-void Trainer::resume() {
-  if (checkpoint_path_.empty() || !file_exists(checkpoint_path_))
-    throw InvalidInput("--resume: no checkpoint at '" + checkpoint_path_ + "'");
-  state_ = load_checkpoint(checkpoint_path_, *model_, &optimizer());
-  state_.config_toml = cfg_.config_toml;
-  if (auto bp = state_.extra.find("batch_policy"); bp != state_.extra.end())
-    batch_policy_->load_state(bp->second);
-  if (isgd_) {
-    auto it = state_.extra.find("isgd");
-    if (it == state_.extra.end())
-      throw InvalidInput("--resume: checkpoint '" + checkpoint_path_ +
-                         "' was written without ISGD state (optim.algorithm differs?)");
-    isgd_->load_state(it->second);
-  }
-  log_info("resumed from step " + std::to_string(state_.step) + " (epoch " +
-           std::to_string(state_.cursor.epoch) + ", position " +
-           std::to_string(state_.cursor.position) + ")");
-}
-
-// A step whose gradient or loss was not finite: the weights did not move
-// (on every member alike); the buffers go back to before its forward. Its
-// batch counts as seen, as with PyTorch's GradScaler. Too many in a row end
-// the run: the model has diverged.
-void Trainer::skip_step(Run& r, const std::vector<torch::Tensor>& buffers_before) {
-  if (!buffers_before.empty()) flat_->restore_buffers(buffers_before);
-  state_.skipped_steps += 1;
-  state_.skipped_in_a_row += 1;
-  const int64_t limit = cfg_.train.max_nonfinite_steps;
-  log_warn("step " + std::to_string(state_.step + 1) + " skipped: the " +
-           (r.world > 1 ? "reduced " : "") + "gradient or loss is not finite (loss " +
-           std::to_string(r.res.loss) + "; " + std::to_string(state_.skipped_in_a_row) + " in a row)");
-  if (limit > 0 && state_.skipped_in_a_row >= limit)
-    throw Diverged(std::to_string(state_.skipped_in_a_row) + " steps in a row (steps " +
-                   std::to_string(state_.step + 2 - state_.skipped_in_a_row) + " to " +
-                   std::to_string(state_.step + 1) + ") had a gradient or loss that is not finite; "
-                   "the model has diverged. Lower optim.lr, check the data for NaN or inf, or use "
-                   "comm.compression = \"bf16\" instead of \"fp16\" (train.max_nonfinite_steps "
-                   "sets how many are allowed)");
-}
-
-// (Re)joins the group: new world/rank, newest state everywhere, loader moved.
-void Trainer::reform(Run& r, const std::string& reason, Clock::time_point detected,
-                     double detection) {
-  SyncTargets targets{flat_->data(), flat_->buffers(), optimizer(), state_, *batch_policy_, isgd_.get(),
-                      r.storage, [&r] { return r.run_dir.read_metrics(); },
-                      [&r] { return r.run_dir.record_count(); }};
-  flat_->buffers_to_flat();  // the module's buffers travel in the state sync
-  Membership::Established est;
-  std::string why = reason, lost_what;
-  for (bool fell_back = false;;) {
-    try {
-      est = membership_->establish(targets, why);
-      break;
-    } catch (const StateLost& e) {
-      // A second loss ends the job (no checkpoint anywhere, or the
-      // checkpoint's holders lost too): never a retry for ever.
-      if (fell_back) throw StateLostForGood(lost_what + "; " + e.what());
-      fell_back = true;
-      lost_what = e.what();
-      // Every member saw the same holes: each loads its run directory's
-      // newest checkpoint, or forgets its step (the others' is taken).
-      const int64_t lost = state_.step;
-      if (!checkpoint_path_.empty() && file_exists(checkpoint_path_)) {
-        resume();
-      } else {
-        state_.step = -1;
-      }
-      rule_->state_replaced();
-      flat_->buffers_to_flat();
-      std::string what = " (none in this run directory: another member's is taken)";
-      if (state_.step >= 0)
-        what = " (step " + std::to_string(state_.step) + " here): " +
-               (state_.step >= lost ? std::string("no step is lost")
-                                    : "steps " + std::to_string(state_.step + 1) + " to " + std::to_string(lost) +
-                                          " are trained again");
-      log_warn(std::string(e.what()) + "; falling back to the newest checkpoint" + what);
-      why = std::string("optimizer state lost at step ") + std::to_string(lost) +
-            ": fell back to the newest checkpoint";
-    }
-  }
-  flat_->flat_to_buffers();
-  r.world = est.world;
+// After every (re)formation: the loader moves to the new group (and the
+// pace of a testing aid, ISGD's window).
+void Trainer::reformed(Run& r, const Membership::Established& est) {
   if (cfg_.train.pace_until_workers > 0)
-    step_->set_testing_delay(r.world < cfg_.train.pace_until_workers ? cfg_.train.slow_step
-                                                                     : std::chrono::milliseconds(0));
-  rank0_ = est.rank == 0;
-  rank_ = est.rank;
-  writer_ = est.writes_run_dir;
-  r.run_dir.set_writer(writer_);
-  r.run_dir.replace_records(est.records);  // a copy that was behind now holds the whole run
-  if (rank0_) r.run_dir.set_mirror([m = membership_.get()](const nlohmann::json& rec) { m->publish_record(rec); });
-  else r.run_dir.set_mirror(nullptr);
-  r.loader->restart(state_.cursor, r.world, est.rank);
+    step_->set_testing_delay(est.world < cfg_.train.pace_until_workers ? cfg_.train.slow_step
+                                                                       : std::chrono::milliseconds(0));
+  r.loader->restart(state_.cursor, est.world, est.rank);
   if (isgd_)  // the control window holds one epoch of the new global batches
     isgd_->set_batches_per_epoch(data::batches_per_epoch(
-        r.n, cfg_.loader.batch_size * r.world, cfg_.loader.drop_last));
-  r.pending_event = est.event;
-  r.pending_event["detection_seconds"] = detection;
-  r.pending_since = detected;
-  std::string shards;
-  if (est.event.contains("shard_bytes_received"))
-    shards = "; optimizer state: " + std::to_string(est.event["shard_bytes_received"].get<int64_t>()) +
-             " bytes received (this worker's shard), " + std::to_string(est.event["shard_bytes_sent"].get<int64_t>()) +
-             " bytes of weights and state sent";
-  log_info("membership round " + std::to_string(est.event["round"].get<int64_t>()) + ": " +
-           std::to_string(r.world) + " workers, rank " + std::to_string(est.rank) + ", " +
-           est.event.value("transport", std::string("gloo")) + " (" + reason + ")" + shards);
-}
-
-void Trainer::gather_state(Run& r, const std::string& why, bool here) {
-  for (;;) {
-    const auto t0 = Clock::now();
-    try {
-      rule_->gather_state(optimizer(), state_.step, here);
-      return;
-    } catch (const Error& e) {
-      if (!r.elastic || !recoverable(e)) throw;
-      log_warn("gathering the optimizer state (" + why + ") failed: " + e.what());
-      reform(r, std::string("failure while gathering the optimizer state: ") + e.what(), t0, seconds_since(t0));
-    }
-  }
+        r.n, cfg_.loader.batch_size * est.world, cfg_.loader.drop_last));
 }
 
 void Trainer::eval_now(Run& r) {
@@ -351,10 +210,10 @@ void Trainer::eval_now(Run& r) {
 // re-formed: the step did not commit and is redone.
 bool Trainer::train_step(Run& r) {
   const auto step_start = Clock::now();
-  if (r.t.die_at_step > 0 && state_.step == r.t.die_at_step && rank_ == r.t.die_rank && r.world > 1 &&
-      r.membership_changes == r.t.die_after_changes) {
+  if (r.t.die_at_step > 0 && state_.step == r.t.die_at_step && r.s.rank() == r.t.die_rank && r.s.world() > 1 &&
+      r.s.membership_changes() == r.t.die_after_changes) {
     const int sig = r.t.die_by_freezing ? SIGSTOP : SIGKILL;
-    std::fprintf(stderr, "testing: rank %d %s starting step %ld\n", rank_, r.t.die_by_freezing ? "freezes" : "dies",
+    std::fprintf(stderr, "testing: rank %d %s starting step %ld\n", r.s.rank(), r.t.die_by_freezing ? "freezes" : "dies",
                  static_cast<long>(state_.step + 1));
     std::fflush(stderr);
     if (r.t.die_without_home) rule_->testing_drop_kept_state();
@@ -369,7 +228,7 @@ bool Trainer::train_step(Run& r) {
   // The policy sees the nominal global batch (b * workers), not the smaller
   // last batch of an epoch, so only membership changes move it.
   auto ps = policy_step(*batch_policy_, *schedule_, optimizer(), r.epoch_progress, state_.step,
-                        cfg_.loader.batch_size * r.world,
+                        cfg_.loader.batch_size * r.s.world(),
                         [&](double factor) { rule_->scale_momentum(optimizer(), factor, state_.step); });
   r.policy = ps.policy;
   r.lr = ps.lr;
@@ -399,45 +258,20 @@ bool Trainer::train_step(Run& r) {
         anchor = flat_->data().clone();
     };
   }
-  const auto apply_start = Clock::now();
-  try {
-    r.res = rule_->apply(ctx);
-  } catch (const Error& e) {
-    if (!r.elastic || !recoverable(e)) throw;
-    // The step did not commit here: re-form, take the newest state, redo.
-    if (!buffers_before.empty()) flat_->restore_buffers(buffers_before);
-    log_warn(std::string("step ") + std::to_string(state_.step + 1) + " failed: " + e.what());
-    reform(r, std::string("failure: ") + e.what(), apply_start, seconds_since(apply_start));
-    return false;
-  }
-  if (cfg_.train.writer_dies_at == "last_step" && writer_ && r.elastic &&
+  auto applied = r.s.apply(ctx, buffers_before);
+  if (!applied) return false;  // the group re-formed: the step is redone
+  r.res = *applied;
+  if (cfg_.train.writer_dies_at == "last_step" && r.s.writer() && r.elastic &&
       (batch.plan.end.epoch >= r.t.epochs || (r.t.max_steps > 0 && state_.step + 1 >= r.t.max_steps)))
     writer_dies_at("last_step");
-  if (r.res.skipped) {
-    skip_step(r, buffers_before);
-  } else {
-    state_.skipped_in_a_row = 0;
-    if (opt_->clip_norm() > 0) {
-      r.norm_sum += opt_->last_norm();
-      r.norm_n += 1;
-    }
+  if (!r.res.skipped && opt_->clip_norm() > 0) {
+    r.norm_sum += opt_->last_norm();
+    r.norm_n += 1;
   }
-  // Commit: from here this step counts (state sync takes the newest step).
-  state_.step += 1;
-  state_.samples += r.res.global_batch;
-  state_.cursor = batch.plan.end;
+  r.s.commit(r.res, batch.plan.end, buffers_before);
   if (r.t.sample_log && !cfg_.run_dir.empty())
     log_committed_batch(cfg_.run_dir, state_.step, batch.plan,
-                        r.log_sampler->epoch_order(batch.plan.begin.epoch), r.world);
-  if (!r.pending_event.is_null()) {
-    r.pending_event["first_step_seconds"] = seconds_since(r.pending_since);
-    if (r.pending_event["reason"] != "start") {
-      r.membership_changes += 1;
-      r.recoveries.push_back(r.pending_event["first_step_seconds"]);
-    }
-    r.run_dir.append_metrics(r.pending_event);
-    r.pending_event = nullptr;
-  }
+                        r.log_sampler->epoch_order(batch.plan.begin.epoch), r.s.world());
   if (decision.triggered) {
     auto x0 = Clock::now();
     if (!anchor.defined()) anchor = flat_->data().clone();  // anchor after the update
@@ -453,8 +287,7 @@ bool Trainer::train_step(Run& r) {
       // re-forms and takes one member's weights (state sync) and goes on.
       log_warn("ISGD's extra iterations after step " + std::to_string(state_.step) +
                " interrupted: " + e.what());
-      reform(r, std::string("failure during ISGD extra iterations: ") + e.what(), x0,
-             seconds_since(x0));
+      r.s.reform(std::string("failure during ISGD extra iterations: ") + e.what(), x0, seconds_since(x0));
     }
     if (ir.not_finite)
       log_warn("ISGD's extra iterations after step " + std::to_string(state_.step) + " stopped after " +
@@ -521,9 +354,7 @@ void Trainer::after_epoch_and_step(Run& r) {
     const int64_t done = state_.cursor.epoch;
     if (t.eval_every_epochs > 0 && done % t.eval_every_epochs == 0) eval_now(r);
     if (t.checkpoint_every_epochs > 0 && done % t.checkpoint_every_epochs == 0) {
-      gather_state(r, "checkpoint", writer_ && !checkpoint_path_.empty());
-      checkpoint("epoch " + std::to_string(done));
-      rule_->release_state(optimizer(), state_.step);
+      r.s.checkpoint_now("epoch " + std::to_string(done));
     }
     r.window.reset();  // exclude eval/checkpoint time from throughput
   }
@@ -533,26 +364,11 @@ void Trainer::after_epoch_and_step(Run& r) {
     r.window.reset();
   }
   if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0) {
-    gather_state(r, "checkpoint", writer_ && !checkpoint_path_.empty());
-    checkpoint("step " + std::to_string(state_.step));
-    rule_->release_state(optimizer(), state_.step);
+    r.s.checkpoint_now("step " + std::to_string(state_.step));
   }
-  if (r.elastic && rank0_ && (state_.step % 10 == 0 || last_in_epoch))
-    membership_->publish_progress(r.epoch_now(state_.cursor));
-  if (r.elastic && membership_->change_agreed()) {
-    // Sharded state: every member holds it whole across the change (a
-    // leaving member's shard stays with the others; a joiner gets its own).
-    gather_state(r, "membership change", true);
-    if (membership_->leaving()) {
-      // A member leaving at the request of the job (the launcher stopping
-      // it: Ctrl-C, SIGTERM) may be the last: the writer checkpoints first.
-      checkpoint("leaving after step " + std::to_string(state_.step));
-      membership_->leave();
-      r.left = true;
-      log_info("leaving the job after step " + std::to_string(state_.step));
-      return;
-    }
-    reform(r, "membership change agreed after step " + std::to_string(state_.step), Clock::now(), 0.0);
+  if (r.s.after_step(r.epoch_now(state_.cursor), state_.step % 10 == 0 || last_in_epoch)) {
+    r.left = true;
+    return;
   }
   if (t.pause_at_step > 0 && state_.step == t.pause_at_step) {
     std::fprintf(stderr, "paused at step %ld\n", static_cast<long>(state_.step));
@@ -593,9 +409,9 @@ nlohmann::json Trainer::summary(Run& r) {
   s["algorithm"] = cfg_.algorithm;
   if (auto rs = rule_->summary(); !rs.empty()) s["communication"] = rs;
   if (r.elastic) {
-    s["membership_changes"] = r.membership_changes;
-    s["recovery_seconds"] = r.recoveries;
-    s["workers"] = r.world;
+    s["membership_changes"] = r.s.membership_changes();
+    s["recovery_seconds"] = r.s.recoveries();
+    s["workers"] = r.s.world();
   }
   return s;
 }
@@ -619,18 +435,23 @@ std::string Trainer::optimizer_fingerprint() {
 nlohmann::json Trainer::run() {
   const auto& t = cfg_.train;
   const bool elastic = membership_ != nullptr;
-  if (!elastic && !checkpoint_path_.empty() && file_exists(checkpoint_path_) && !t.resume)
+  const std::string ckpt = cfg_.run_dir.empty() ? "" : cfg_.run_dir + "/checkpoint.pt";
+  if (!elastic && !ckpt.empty() && file_exists(ckpt) && !t.resume)
     throw InvalidInput("run directory '" + cfg_.run_dir +
                        "' already holds a checkpoint; pass --resume to continue that run, or "
                        "choose another --run-dir");
+  SessionParts parts{*model_, *flat_, opt_, *batch_policy_, isgd_.get(), state_, cfg_.run_dir,
+                     t.max_nonfinite_steps, {}, {}};
+  session_ = std::make_unique<Session>(std::move(parts), rule_, std::move(membership_), t.resume,
+                                       static_cast<int>(cfg_.loader.world));
+  Session& session = *session_;
   int64_t resumed_from = -1;
   if (t.resume) {
-    resume();
+    session.resume();
     resumed_from = state_.step;
   }
-  Run r(t, elastic, cfg_.run_dir);
+  Run r(t, session);
   r.resumed_from = resumed_from;
-  if (elastic) r.storage = r.run_dir.storage_id();
   const auto& train_set = splits_->train;
   r.n = train_set.size();
   auto loader_opt = cfg_.loader;
@@ -642,22 +463,18 @@ nlohmann::json Trainer::run() {
   const int64_t per_epoch = data::batches_per_epoch(r.n, global_batch, loader_opt.drop_last);
   r.total_steps = t.epochs * per_epoch;
   if (t.max_steps > 0) r.total_steps = std::min(r.total_steps, t.max_steps);
-  r.world = loader_opt.world;
+  session.set_on_reform([this, &r](const Membership::Established& est) { reformed(r, est); });
 
   log_info("training " + cfg_.model.name + " (" + std::to_string(models::parameter_count(*model_)) +
            " parameters) on " + train_set.name + " (" + std::to_string(r.n) + " samples), batch " +
            std::to_string(global_batch) + ", " + std::to_string(t.epochs) + " epochs, " +
            std::to_string(threads_.intra_op) + " threads, BLAS " + threads_.blas_library);
 
-  if (elastic) {
-    try {
-      reform(r, "start", Clock::now(), 0.0);
-    } catch (const CompletedElsewhere& e) {
-      log_warn(std::string(e.what()) + "; nothing left to train");
-      return {{"left", true}, {"completed_elsewhere", true}, {"steps", state_.step}};
-    }
-  } else {
-    rule_->start(flat_->data(), flat_->buffers());
+  try {
+    session.start();
+  } catch (const CompletedElsewhere& e) {
+    log_warn(std::string(e.what()) + "; nothing left to train");
+    return {{"left", true}, {"completed_elsewhere", true}, {"steps", state_.step}};
   }
   r.run_dir.write_config(cfg_.config_toml);
   r.log_sampler = std::make_unique<data::Sampler>(r.n, loader_opt.order, loader_opt.seed);
@@ -684,21 +501,15 @@ nlohmann::json Trainer::run() {
   // Sharded state: whole for the final checkpoint where it is written (and
   // everywhere for the sample log's fingerprints, a testing aid). A failure
   // there re-forms, and training may have completed elsewhere meanwhile.
-  try {
-    gather_state(r, "final checkpoint", (writer_ && !checkpoint_path_.empty()) || t.sample_log);
-  } catch (const CompletedElsewhere& e) {
-    log_warn(std::string(e.what()) + " (at step " + std::to_string(state_.step) +
-             ", gathering the state for the final checkpoint); this member ends");
+  if (!session.gather_final((session.writer() && !ckpt.empty()) || t.sample_log))
     return {{"left", true}, {"completed_elsewhere", true}, {"steps", state_.step}};
-  }
   if (elastic) {
     if (cfg_.train.writer_dies_at == "slow_done") {
       std::fprintf(stderr, "testing: training ended; this member publishes it in 3 s\n");
       std::fflush(stderr);
       std::this_thread::sleep_for(std::chrono::seconds(3));
     }
-    membership_->publish_done();  // the launcher ends the job on this
-    membership_->leave();         // done: not a failure for the coordinator
+    session.training_done();
     writer_dies_at("done");
   }
   if (t.sample_log && !cfg_.run_dir.empty()) {
@@ -710,32 +521,25 @@ nlohmann::json Trainer::run() {
   }
   writer_dies_at("eval");
   if (r.last_eval_step != state_.step) eval_now(r);
-  if (elastic && !writer_ && r.storage != 0) {
-    // The member writing this storage's run directory may die while the
-    // job ends: the next member of the storage takes over.
-    if (membership_->wait_final(r.storage)) return summary(r);
-    log_warn("the member writing " + cfg_.run_dir + " is gone before it wrote the final checkpoint and "
-             "summary; this member writes them");
-    writer_ = true;
-    took_over_ = true;
-    r.run_dir.set_writer(true);
+  if (!session.writes_final()) return summary(r);
+  if (session.took_over()) {
     nlohmann::json rec = {{"kind", "eval"}, {"step", state_.step}, {"epoch", r.epoch_now(state_.cursor)},
                           {"train_seconds", r.train_seconds}, {"taken_over", true}};
     rec.update(eval_fields(r.last_eval));
     r.run_dir.append_metrics(rec);
   }
   writer_dies_at("checkpoint");
-  if (cfg_.train.writer_dies_at == "slow" && writer_ && elastic) {
+  if (cfg_.train.writer_dies_at == "slow" && session.writer() && elastic) {
     std::fprintf(stderr, "testing: the writer takes 8 s before its final checkpoint\n");
     std::fflush(stderr);
     std::this_thread::sleep_for(std::chrono::seconds(8));
   }
-  if (cfg_.train.writer_dies_at == "hang" && writer_ && elastic) {
+  if (cfg_.train.writer_dies_at == "hang" && session.writer() && elastic) {
     std::fprintf(stderr, "testing: the writer hangs before its final checkpoint\n");
     std::fflush(stderr);
     for (;;) ::pause();
   }
-  checkpoint("final");
+  session.checkpoint("final");
   if (t.progress) {
     char buf[96];
     if (std::isnan(r.last_eval.accuracy)) std::snprintf(buf, sizeof buf, "test loss %.4f", r.last_eval.loss);
@@ -745,7 +549,7 @@ nlohmann::json Trainer::run() {
   writer_dies_at("summary");
   auto s = summary(r);
   r.run_dir.write_summary(s);
-  if (elastic && writer_) membership_->publish_final(r.storage);
+  session.final_written();
   return s;
 }
 

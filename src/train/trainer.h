@@ -27,6 +27,7 @@
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
 #include "train/membership.h"
+#include "train/session.h"
 #include "train/step.h"
 #include "train/threads.h"
 #include "train/update_rule.h"
@@ -141,26 +142,15 @@ class Trainer {
 
  private:
   struct Run;  // the state of one run() (trainer.cc)
-  void checkpoint(const std::string& why);
   void writer_dies_at(const char* point);
-  bool took_over_ = false;  // wrote the final results in place of a writer that died
-  void resume();
-  void reform(Run& r, const std::string& reason, Clock::time_point detected, double detection);
-  // Sharded optimizer state: every member gathers the whole state (for a
-  // checkpoint or a membership change), re-forming and retrying when a
-  // member is lost meanwhile.
-  void gather_state(Run& r, const std::string& why, bool here);
+  void reformed(Run& r, const Membership::Established& est);
   bool train_step(Run& r);  // false when the step failed and the group re-formed
   void log_step(Run& r);
   void after_epoch_and_step(Run& r);
   void eval_now(Run& r);
-  void skip_step(Run& r, const std::vector<torch::Tensor>& buffers_before);
   double buffer_fingerprint() const;  // the sum of every buffer (sample_log)
   std::string optimizer_fingerprint();  // update count and each state tensor's sum (sample_log)
   nlohmann::json summary(Run& r);
-  bool writer_ = true;  // this member writes the run directory and checkpoints
-  int rank_ = 0;        // in the current group
-  bool rank0_ = true;   // publishes progress and records (elastic)
 
   TrainerConfig cfg_;
   ThreadReport threads_;
@@ -174,9 +164,9 @@ class Trainer {
   std::shared_ptr<UpdateRule> rule_;
   std::unique_ptr<optim::IsgdController> isgd_;
   std::unique_ptr<optim::BatchSizePolicy> batch_policy_;
-  std::unique_ptr<Membership> membership_;
+  std::unique_ptr<Membership> membership_;  // handed to the session at run()
+  std::unique_ptr<Session> session_;
   TrainState state_;
-  std::string checkpoint_path_;
 };
 
 // Builds InputSpec from a dataset.

@@ -60,8 +60,14 @@ class OptimizerStep {
       : opt_(std::move(opt)), clip_(clip_norm) {}
   void apply(torch::Tensor& w, torch::Tensor& g, double lr) {
     if (clip_ > 0) last_norm_ = optim::clip_grad_norm(g, clip_);
-    opt_->step(w, g, lr);
+    if (external_) external_(lr);
+    else opt_->step(w, g, lr);
   }
+  // The front end's own optimizer (a Python user's torch.optim) in place of
+  // optimizer()'s update: called with the rate after clipping, it updates
+  // the weights from the gradient in place (the parameters' data and grad
+  // are views of `w` and `g`). optimizer() then holds no state.
+  void set_external(std::function<void(double lr)> step) { external_ = std::move(step); }
   optim::Optimizer& optimizer() { return *opt_; }
   const optim::Optimizer& optimizer() const { return *opt_; }
   double clip_norm() const { return clip_; }
@@ -75,6 +81,7 @@ class OptimizerStep {
   std::unique_ptr<optim::Optimizer> opt_;
   double clip_;
   double last_norm_ = std::nan("");
+  std::function<void(double lr)> external_;
 };
 
 class UpdateRule {

@@ -1,0 +1,395 @@
+"""Limbo from Python: elastic data-parallel training in your own PyTorch loop.
+
+    import limbo
+    job = limbo.Job(model, optimizer, dataset=train_set, batch_size=64, epochs=3)
+    loader = DataLoader(train_set, batch_sampler=job.sampler, num_workers=2)
+    for x, y in job.batches(loader):
+        loss = F.cross_entropy(model(x), y)
+        job.backward(loss)
+        job.step()
+    job.finish(test_accuracy=evaluate(model))
+
+Run it alone (`python3 train.py`: one member, no launcher) or as the workers
+of a job (`limbo launch --nproc 2 --min-workers 1 -- python3 train.py`): the
+same code joins the job from the launcher's environment. docs/python.md
+describes every argument, the guarantees and the error policy.
+"""
+
+import atexit
+import io
+import json
+import math
+import os
+import sys
+
+import torch
+
+from . import _core
+from ._core import InvalidInput, LimboError
+
+__all__ = ["Job", "InvalidInput", "LimboError", "UsageError"]
+
+
+class UsageError(InvalidInput):
+    """The job was used out of order (a step outside the loop, a batch without a step)."""
+
+
+def _env_flag(name):
+    return os.environ.get(name, "") not in ("", "0", "false")
+
+
+def _adam_like(optimizer):
+    return any("Adam" in c.__name__ for c in type(optimizer).__mro__)
+
+
+class _Sampler:
+    """The DataLoader's batch_sampler: this member's sample ids for each step,
+    from the job's committed position (every sample exactly once an epoch
+    across the whole group, whatever joins or leaves)."""
+
+    def __init__(self, job):
+        self._job = job
+
+    def __iter__(self):
+        core = self._job._core
+        epoch, position = core.cursor
+        ahead = 0
+        while True:
+            planned = core.plan(epoch, position, ahead)
+            if planned is None:
+                return
+            ids, epoch, position = planned
+            ahead += 1
+            yield ids
+
+    def __len__(self):
+        job = self._job
+        core = job._core
+        global_batch = job.batch_size * core.world
+        per_epoch = (job.dataset_size // global_batch if job.drop_last
+                     else -(-job.dataset_size // global_batch))
+        epoch, position = core.cursor
+        left = per_epoch * (job.epochs - epoch) - (-(-position // global_batch))
+        if job.max_steps:
+            left = min(left, job.max_steps - core.steps)
+        return max(0, left)
+
+
+class Job:
+    """One member of an elastic data-parallel job, around the user's model,
+    optimizer and data.
+
+    model       any torch.nn.Module (float32 parameters on the CPU); its
+                parameters and buffers become views of Limbo's flat buffers.
+                Build it completely first; frozen parameters (requires_grad
+                False) are left alone, buffers are kept in step as the CLI does.
+    optimizer   any torch.optim optimizer over the model's parameters: Limbo
+                calls its step() with the reduced gradient; its state_dict is
+                handed to joiners, taken from the newest member after a failed
+                step, and saved in checkpoints.
+    scheduler   an lr_scheduler, stepped after every committed step (its state
+                travels with the optimizer's), or None.
+    dataset     the training set (map-style: len() and indices) or its size.
+    batch_size  samples per member per step; the global batch is
+                batch_size x workers.
+    epochs, max_steps, seed, order ("shuffle" | "sequential" | "fixed_cycle"),
+    drop_last   what is trained, in which order (a function of the seed).
+    state       a dict of the user's own state, saved and restored with the
+                job's (updated in place).
+    run_dir     where metrics.jsonl, checkpoints and summary.json go
+                (default: the launcher's --run-dir; alone: none).
+    resume      continue from run_dir's checkpoint (default: the launcher's
+                --resume).
+    clip_grad_norm   clip the reduced gradient to this global norm (0: off).
+    scale_lr    multiply the optimizer's learning rates, for each step, by the
+                batch policy's multiplier (Dynamic SGD for SGD, the
+                square-root rule for Adam-like optimizers); job.lr_multiplier
+                is the value either way.
+    batch_policy, lr_scaling, reference_batch, ramp_steps
+                the batch policy (docs/config.md: elastic.batch_policy ...).
+    checkpoint_every_epochs, checkpoint_every_steps, log_every
+                as in the CLI (a final checkpoint is always written).
+    overlap, bucket_mb, compression, shared_memory, hierarchical,
+    collective_timeout, round_timeout
+                communication, as the CLI's keys of the same names.
+    """
+
+    def __init__(self, model, optimizer, *, dataset, batch_size, epochs=1, max_steps=0,
+                 scheduler=None, seed=1, order="shuffle", drop_last=False, state=None,
+                 run_dir=None, resume=None, clip_grad_norm=0.0, scale_lr=True,
+                 batch_policy="dynamic", lr_scaling="auto", reference_batch=0, ramp_steps=200,
+                 checkpoint_every_epochs=1, checkpoint_every_steps=0, log_every=50,
+                 overlap=True, bucket_mb=4.0, compression="none", shared_memory=True,
+                 hierarchical=True, collective_timeout=10.0, round_timeout=120.0,
+                 max_nonfinite_steps=10):
+        if not isinstance(model, torch.nn.Module):
+            raise InvalidInput("model must be a torch.nn.Module, got %s" % type(model).__name__)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidInput("optimizer must be a torch.optim.Optimizer, got %s" % type(optimizer).__name__)
+        owned = {id(p) for p in model.parameters()}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) not in owned:
+                    raise InvalidInput("the optimizer holds a parameter that is not the model's")
+        devices = {str(p.device) for p in model.parameters()} | {str(b.device) for b in model.buffers()}
+        if len(devices) > 1:
+            raise InvalidInput("the model's tensors are on several devices (%s); Limbo trains on the CPU: "
+                               "model.to('cpu') first" % ", ".join(sorted(devices)))
+        try:
+            size = len(dataset)
+        except TypeError:
+            size = dataset
+        if not isinstance(size, int) or isinstance(size, bool):
+            raise InvalidInput("dataset must be a map-style data set (with len()) or its size, got %r"
+                               % type(dataset).__name__)
+        if state is not None and not isinstance(state, dict):
+            raise InvalidInput("state must be a dict, got %s" % type(state).__name__)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.state = state if state is not None else {}
+        self.dataset_size, self.batch_size = size, int(batch_size)
+        self.epochs, self.max_steps, self.drop_last = int(epochs), int(max_steps), bool(drop_last)
+        self.scale_lr = bool(scale_lr)
+        self._checkpoint_epochs = int(checkpoint_every_epochs)
+        self._checkpoint_steps = int(checkpoint_every_steps)
+        self._log_every = int(log_every)
+        env = os.environ
+        if run_dir is None:
+            run_dir = env.get("LIMBO_RUN_DIR", "")
+        if resume is None:
+            resume = _env_flag("LIMBO_RESUME")
+        if env.get("LIMBO_THREADS"):
+            torch.set_num_threads(int(env["LIMBO_THREADS"]))
+        self._progress = env.get("LIMBO_PROGRESS", "1") != "0"
+        if lr_scaling == "auto":
+            lr_scaling = "sqrt" if _adam_like(optimizer) else "linear"
+        options = dict(
+            batch_size=self.batch_size, dataset_size=size, epochs=self.epochs, max_steps=self.max_steps,
+            seed=int(seed), order=order, drop_last=self.drop_last, run_dir=run_dir or "", resume=bool(resume),
+            clip_grad_norm=float(clip_grad_norm), batch_policy=batch_policy, lr_scaling=lr_scaling,
+            reference_batch=int(reference_batch), ramp_steps=int(ramp_steps), log_every=self._log_every,
+            overlap=bool(overlap), bucket_mb=float(bucket_mb), compression=compression,
+            shared_memory=bool(shared_memory), hierarchical=bool(hierarchical),
+            collective_timeout=float(collective_timeout), round_timeout=float(round_timeout),
+            max_nonfinite_steps=int(max_nonfinite_steps),
+            rdzv=env.get("LIMBO_RDZV", ""), elastic=_env_flag("LIMBO_ELASTIC"),
+            rank=int(env.get("LIMBO_RANK", "0")), world=int(env.get("LIMBO_WORLD", "1")),
+            token=env.get("LIMBO_JOB_TOKEN", ""))
+        options["config_toml"] = self._describe(options)
+        params = list(model.named_parameters())
+        buffers = [(n, b) for n, b in model.named_buffers() if b is not None]
+        self._core = _core.Core(params, buffers, options, self._pack, self._unpack, self._optimizer_step)
+        self.sampler = _Sampler(self)
+        self._loss = None
+        self._stepped = True
+        self._ended = False
+        self._summary = None
+        self._finished = False
+        self._started = self._core.start()
+        atexit.register(self._at_exit)
+
+    # -- what the loop sees ------------------------------------------------
+    @property
+    def world(self):
+        """Members in the group now."""
+        return self._core.world
+
+    @property
+    def rank(self):
+        """This member's rank in the group now."""
+        return self._core.rank
+
+    @property
+    def step_count(self):
+        """Committed steps (every member agrees)."""
+        return self._core.steps
+
+    @property
+    def epoch(self):
+        """Fractional epochs trained (committed)."""
+        return self._core.epoch
+
+    @property
+    def samples(self):
+        return self._core.samples
+
+    @property
+    def global_batch(self):
+        """Samples in this step's global batch (all members)."""
+        return self._core.global_batch
+
+    @property
+    def lr_multiplier(self):
+        """The batch policy's multiplier for this step's learning rate."""
+        return self._core.lr_multiplier
+
+    @property
+    def is_writer(self):
+        """This member writes the run directory."""
+        return self._core.writer
+
+    @property
+    def run_dir(self):
+        return self._core.run_dir
+
+    @property
+    def left(self):
+        """This member left the job (asked to stop, or training completed elsewhere)."""
+        return self._core.left
+
+    @property
+    def epoch_ended(self):
+        """The last committed step ended an epoch (a place to evaluate)."""
+        return self._epoch_ended
+
+    def global_ids(self):
+        """The sample ids of this step's global batch (every member's), in order."""
+        return self._core.global_ids()
+
+    def batches(self, loader):
+        """Yields the loader's batches, one step each, until training is
+        complete. After a failed step or a membership change the loader is
+        started again from the committed position with the new group, so the
+        failed step's samples are dealt again."""
+        if getattr(loader, "batch_sampler", None) is not self.sampler:
+            raise UsageError("the DataLoader must take its batches from the job: "
+                             "DataLoader(dataset, batch_sampler=job.sampler, ...)")
+        self._epoch_ended = False
+        if not self._started:
+            return
+        core = self._core
+        while not core.complete():
+            generation = core.generation
+            core.clear_plans()
+            iterator = iter(loader)
+            for batch in iterator:
+                core.begin_step()
+                self._stepped = False
+                yield batch
+                if not self._stepped:
+                    raise UsageError("job.step() was not called for a batch of job.batches(): "
+                                     "call job.backward(loss) and job.step() once a batch")
+                if core.left or core.generation != generation:
+                    break
+            del iterator
+            if core.left:
+                return
+        self._ended = core.end_training()
+
+    def backward(self, loss):
+        """loss.backward(), with the gradient reduced across the group in
+        buckets while backward runs. `loss` is this member's mean loss over
+        its batch."""
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise InvalidInput("job.backward() takes the scalar loss tensor of this member's batch")
+        value = float(loss.detach())
+        self._core.backward_starts(value)
+        self._loss = value
+        loss.backward()
+
+    def step(self):
+        """The optimizer's step with the group's gradient, committed on every
+        member, then the scheduler's step. Returns False when the step did not
+        commit (a member failed; the group re-formed and the batch is dealt
+        again) or this member is leaving: skip what counts steps then."""
+        if not self._core.in_step:
+            raise UsageError("job.step() outside the training loop: call it for a batch of "
+                             "`for batch in job.batches(loader)`, once a batch")
+        loss = self._loss if self._loss is not None else float("nan")
+        self._loss = None
+        self._stepped = True
+        if not self._core.step(loss):
+            return False
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self._epoch_ended = self._core.cursor[1] == 0
+        steps = self._core.steps
+        if self._epoch_ended and self._checkpoint_epochs > 0 and self._core.cursor[0] % self._checkpoint_epochs == 0:
+            self._core.checkpoint("epoch %d" % self._core.cursor[0])
+        if self._checkpoint_steps > 0 and steps % self._checkpoint_steps == 0:
+            self._core.checkpoint("step %d" % steps)
+        if self._progress and self._core.rank == 0 and (steps % self._log_every == 0 or self._epoch_ended):
+            print("limbo: step %d epoch %.2f loss %.4f workers %d" % (steps, self._core.epoch,
+                                                                   self._core.last_loss, self._core.world),
+                  file=sys.stderr, flush=True)
+        return not self._core.after_step()
+
+    @property
+    def loss(self):
+        """The group's mean loss of the last committed step."""
+        return self._core.last_loss
+
+    def log(self, **metrics):
+        """Numbers to add to the next metrics line (metrics.jsonl, the status page)."""
+        self._core.log(metrics)
+
+    def record(self, kind="eval", **fields):
+        """A record of its own in metrics.jsonl now (e.g. an evaluation)."""
+        self._core.record(kind, fields)
+
+    def finish(self, **results):
+        """After the loop: the final checkpoint and summary.json (with
+        `results`, e.g. test_accuracy=...), written once per storage. Returns
+        the summary (None on a member that left before the end)."""
+        if self._finished:
+            return self._summary
+        if not self._ended:
+            if self._core.left or not self._started:
+                return None
+            raise UsageError("job.finish() before training completed: run the loop of job.batches() to its end")
+        self._finished = True
+        self._summary = json.loads(self._core.finish(results))
+        return self._summary
+
+    # -- state that travels --------------------------------------------------
+    def _pack(self):
+        buf = io.BytesIO()
+        torch.save({"optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                    "state": self.state}, buf)
+        return buf.getvalue()
+
+    def _unpack(self, data):
+        saved = torch.load(io.BytesIO(bytes(data)))
+        self.optimizer.load_state_dict(saved["optimizer"])
+        if self.scheduler is not None and saved.get("scheduler") is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        self.state.clear()
+        self.state.update(saved["state"])
+
+    def _optimizer_step(self, multiplier):
+        groups = self.optimizer.param_groups
+        if not self.scale_lr or multiplier == 1.0:
+            self.optimizer.step()
+            return
+        rates = [g["lr"] for g in groups]
+        for g in groups:
+            g["lr"] = g["lr"] * multiplier
+        try:
+            self.optimizer.step()
+        finally:
+            for g, lr in zip(groups, rates):
+                g["lr"] = lr
+
+    def _at_exit(self):
+        # A loop that ran to its end without finish(): the final files are
+        # still written (the launcher waits for them).
+        if self._ended and not self._finished:
+            try:
+                self.finish()
+            except Exception as e:  # noqa: BLE001 - reported, the interpreter is exiting
+                print("limbo: the final checkpoint and summary could not be written: %s" % e, file=sys.stderr)
+
+    def _describe(self, options):
+        lines = ["# a Python training loop (limbo.Job)", "[job]"]
+        for key in ("batch_size", "dataset_size", "epochs", "max_steps", "seed", "order", "drop_last",
+                    "clip_grad_norm", "batch_policy", "lr_scaling", "reference_batch", "ramp_steps",
+                    "overlap", "bucket_mb", "compression"):
+            v = options[key]
+            if isinstance(v, bool):
+                v = "true" if v else "false"
+            elif isinstance(v, str):
+                v = '"%s"' % v
+            lines.append("%s = %s" % (key, v))
+        lines.append('model = "%s"' % type(self.model).__name__)
+        lines.append('optimizer = "%s"' % type(self.optimizer).__name__)
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,533 @@
+// limbo._core: the elastic step of train/session.h for a training loop in
+// Python (python/limbo/__init__.py wraps it; docs/python.md).
+//
+// The user's nn.Module is seen through its parameters and buffers, shared
+// with Python without a copy (the same tensors): FlatParams re-points them
+// into Limbo's flat buffers, so the gradient is all-reduced in buckets as
+// backward produces it (post-hooks on the parameters' gradient
+// accumulators) and the user's torch.optim optimizer, called back at the
+// update, steps the views in place. Everything else (the group, state sync
+// with the user's optimizer state as bytes, the commit, checkpoints, the
+// run directory, the ending) is the Session the CLI's trainer drives.
+//
+// Long calls release the GIL; callbacks into Python take it back.
+#include <torch/extension.h>
+
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include <deque>
+#include <map>
+
+#include "comm/auth.h"
+#include "comm/compression.h"
+#include "common/error.h"
+#include "common/files.h"
+#include "common/log.h"
+#include "data/sampler.h"
+#include "elastic/join.h"
+#include "optim/batch_policy.h"
+#include "optim/flat_params.h"
+#include "optim/optimizer.h"
+#include "train/checkpoint.h"
+#include "train/session.h"
+#include "train/step.h"
+#include "train/update_rule.h"
+
+namespace py = pybind11;
+
+namespace limbo::python {
+namespace {
+
+using Named = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// A torch::nn::Module tree that names the user's tensors as the Python
+// module does ("block.0.weight": child "block", its child "0", parameter
+// "weight"), holding the very same tensors: checkpoints then carry the
+// usual dotted names, and loading one writes into the user's parameters.
+std::shared_ptr<torch::nn::Module> module_tree(const Named& params, const Named& buffers) {
+  auto root = std::make_shared<torch::nn::Module>("Model");
+  auto place = [&](const std::string& name) -> std::pair<torch::nn::Module*, std::string> {
+    torch::nn::Module* m = root.get();
+    size_t at = 0;
+    for (size_t dot; (dot = name.find('.', at)) != std::string::npos; at = dot + 1) {
+      const std::string part = name.substr(at, dot - at);
+      if (part.empty()) throw InvalidInput("the model names a tensor '" + name + "' with an empty part");
+      auto children = m->named_children();
+      if (auto* c = children.find(part)) {
+        m = c->get();
+      } else {
+        m = m->register_module(part, std::make_shared<torch::nn::Module>(part)).get();
+      }
+    }
+    return {m, name.substr(at)};
+  };
+  for (const auto& [name, t] : params) {
+    auto [m, leaf] = place(name);
+    m->register_parameter(leaf, t, t.requires_grad());
+  }
+  for (const auto& [name, t] : buffers) {
+    auto [m, leaf] = place(name);
+    m->register_buffer(leaf, t);
+  }
+  return root;
+}
+
+template <typename T>
+T get(const py::dict& d, const char* key, T fallback) {
+  return d.contains(key) ? d[key].cast<T>() : fallback;
+}
+
+class Core {
+ public:
+  Core(const Named& params, const Named& buffers, const py::dict& o, py::function pack, py::function unpack,
+       py::function step)
+      : pack_(std::move(pack)), unpack_(std::move(unpack)), step_(std::move(step)) {
+    batch_size_ = get<int64_t>(o, "batch_size", 0);
+    dataset_size_ = get<int64_t>(o, "dataset_size", 0);
+    epochs_ = get<int64_t>(o, "epochs", 1);
+    max_steps_ = get<int64_t>(o, "max_steps", 0);
+    log_every_ = get<int64_t>(o, "log_every", 50);
+    drop_last_ = get<bool>(o, "drop_last", false);
+    if (batch_size_ < 1) throw InvalidInput("batch_size must be at least 1, got " + std::to_string(batch_size_));
+    if (dataset_size_ < 1) throw InvalidInput("the data set is empty (dataset_size " + std::to_string(dataset_size_) + ")");
+    if (epochs_ < 1) throw InvalidInput("epochs must be at least 1, got " + std::to_string(epochs_));
+    sampler_ = std::make_unique<data::Sampler>(dataset_size_, data::parse_order(get<std::string>(o, "order", "shuffle")),
+                                               get<uint64_t>(o, "seed", 1));
+    for (const auto& [name, t] : params) {
+      if (!t.device().is_cpu())
+        throw InvalidInput("parameter '" + name + "' is on " + t.device().str() + "; Limbo trains on the CPU");
+      if (t.requires_grad() && t.scalar_type() != torch::kFloat32)
+        throw InvalidInput("parameter '" + name + "' is " + std::string(c10::toString(t.scalar_type())) +
+                           "; Limbo trains float32 parameters (keep the model in float32; bf16 is for autocast)");
+    }
+    for (const auto& [name, t] : buffers)
+      if (!t.device().is_cpu())
+        throw InvalidInput("buffer '" + name + "' is on " + t.device().str() + "; Limbo trains on the CPU");
+    model_ = module_tree(params, buffers);
+    flat_ = std::make_unique<optim::FlatParams>(*model_);
+    if (flat_->numel() == 0) throw InvalidInput("the model has no trainable parameters");
+    optim::OptimizerOptions oo;
+    opt_ = std::make_shared<train::OptimizerStep>(optim::make_optimizer(oo), get<double>(o, "clip_grad_norm", 0.0));
+    opt_->set_external([this](double lr) {
+      py::gil_scoped_acquire gil;
+      step_(lr);
+    });
+    optim::BatchPolicyOptions bp;
+    bp.kind = optim::parse_batch_policy(get<std::string>(o, "batch_policy", "dynamic"));
+    bp.rule = optim::parse_scaling_rule(get<std::string>(o, "lr_scaling", "linear"), "sgd");
+    bp.reference_batch = get<int64_t>(o, "reference_batch", 0);
+    bp.ramp_iterations = get<int64_t>(o, "ramp_steps", 200);
+    policy_ = std::make_unique<optim::BatchSizePolicy>(bp);
+    state_.config_toml = get<std::string>(o, "config_toml", "");
+
+    const std::string rdzv = get<std::string>(o, "rdzv", "");
+    const bool elastic = get<bool>(o, "elastic", false);
+    const int world = get<int>(o, "world", 1), rank = get<int>(o, "rank", 0);
+    std::shared_ptr<train::UpdateRule> rule;
+    std::unique_ptr<train::Membership> membership;
+    if (rdzv.empty()) {
+      rule = std::make_shared<train::LocalUpdate>(opt_);
+    } else {
+      elastic::JoinOptions jo;
+      jo.rdzv = rdzv;
+      const std::string token = get<std::string>(o, "token", "");
+      if (!token.empty()) jo.token = comm::check_token(token, "LIMBO_JOB_TOKEN");
+      jo.direct_allreduce = get<bool>(o, "direct_allreduce", true);
+      jo.shared_memory = get<bool>(o, "shared_memory", true);
+      jo.hierarchical = get<bool>(o, "hierarchical", true);
+      jo.collective_timeout = get<double>(o, "collective_timeout", 10.0);
+      jo.round_timeout = get<double>(o, "round_timeout", 120.0);
+      jo.reduce.overlap = get<bool>(o, "overlap", true);
+      jo.reduce.bucket_bytes = static_cast<int64_t>(get<double>(o, "bucket_mb", 4.0) * (1 << 20));
+      jo.reduce.compression = comm::parse_compression(get<std::string>(o, "compression", "none"));
+      if (elastic) {
+        py::gil_scoped_release no_gil;
+        auto joined = elastic::join_elastic(jo, opt_, *flat_,
+                                            get_leave_ ? get_leave_ : (get_leave_ = elastic::leave_on_signals()));
+        rule = joined.rule;
+        membership = std::move(joined.membership);
+      } else {
+        if (world < 1 || rank < 0 || rank >= world)
+          throw InvalidInput("rank " + std::to_string(rank) + " is not in [0, " + std::to_string(world) + ")");
+        py::gil_scoped_release no_gil;
+        rule = elastic::join_static(jo, rank, world, opt_, *flat_);
+      }
+    }
+    train::SessionParts parts{*model_, *flat_, opt_, *policy_, nullptr, state_, get<std::string>(o, "run_dir", ""),
+                              get<int64_t>(o, "max_nonfinite_steps", 10), {}, {}};
+    parts.pack_extra = [this]() {
+      py::gil_scoped_acquire gil;
+      py::bytes b = pack_();
+      const std::string s = b;
+      auto t = torch::empty({static_cast<int64_t>(s.size())}, torch::kUInt8);
+      std::memcpy(t.data_ptr<uint8_t>(), s.data(), s.size());
+      return t;
+    };
+    parts.unpack_extra = [this](const torch::Tensor& t) {
+      py::gil_scoped_acquire gil;
+      unpack_(py::bytes(reinterpret_cast<const char*>(t.data_ptr<uint8_t>()), static_cast<size_t>(t.numel())));
+    };
+    resume_ = get<bool>(o, "resume", false);
+    const std::string run_dir = get<std::string>(o, "run_dir", "");
+    if (membership == nullptr && rank == 0 && !run_dir.empty() && !resume_ && file_exists(run_dir + "/checkpoint.pt"))
+      throw InvalidInput("run directory '" + run_dir + "' already holds a checkpoint; pass resume=True (or "
+                         "`limbo launch --resume`) to continue that run, or choose another run directory");
+    std::string dir = run_dir;
+    if (membership == nullptr && rank != 0) dir.clear();  // a static job's member 0 writes the run directory
+    parts.run_dir = dir;
+    session_ = std::make_unique<train::Session>(std::move(parts), rule, std::move(membership), resume_,
+                                                rdzv.empty() || elastic ? 1 : world);
+    session_->set_on_reform([this](const train::Membership::Established&) {
+      generation_ += 1;
+      plans_.clear();
+    });
+    if (!rdzv.empty() && !elastic) static_rank_ = rank;
+  }
+
+  // Resume, form the group, write the configuration. False: training
+  // completed elsewhere before this member got in.
+  bool start() {
+    py::gil_scoped_release no_gil;
+    if (resume_) session_->resume();
+    try {
+      session_->start();
+    } catch (const train::CompletedElsewhere& e) {
+      log_warn(std::string(e.what()) + "; nothing left to train");
+      left_ = true;
+      return false;
+    }
+    session_->run_dir().write_config(state_.config_toml);
+    window_.reset();
+    wall_start_ = Clock::now();
+    return true;
+  }
+
+  bool complete() const {
+    return state_.cursor.epoch >= epochs_ || (max_steps_ > 0 && state_.step >= max_steps_) || left_;
+  }
+
+  // The next batch of this member from `at` (the sampler's position), or
+  // None past the end; the plan is queued for begin_step().
+  py::object plan(int64_t epoch, int64_t position, int64_t steps_ahead) {
+    if (epoch >= epochs_ || (max_steps_ > 0 && state_.step + steps_ahead >= max_steps_)) return py::none();
+    auto p = data::plan_batch(*sampler_, {epoch, position}, batch_size_, world(), rank(), drop_last_);
+    py::list ids;
+    for (int64_t id : p.ids) ids.append(id);
+    plans_.push_back(std::move(p));
+    return py::make_tuple(ids, plans_.back().end.epoch, plans_.back().end.position);
+  }
+  void clear_plans() { plans_.clear(); }
+
+  // A batch of the loader arrived: its plan becomes the step's.
+  void begin_step() {
+    if (plans_.empty()) throw Error("internal: a batch arrived that no plan of this member's sampler made");
+    if (in_step_) throw InvalidInput("the previous batch's step was not taken: call job.step() once for every batch");
+    plan_ = std::move(plans_.front());
+    plans_.pop_front();
+    if (!(plan_.begin == state_.cursor) && plan_.begin.position != 0)
+      throw Error("internal: the batch does not start at the committed cursor");
+    check_model();
+    in_step_ = true;
+    step_start_ = Clock::now();
+    backward_started_ = false;
+    buffers_before_.clear();
+    if (!flat_->buffer_entries().empty()) buffers_before_ = flat_->save_buffers();
+    policy_step_ = policy_->step(state_.step, batch_size_ * world());
+  }
+
+  // Before the user's backward: the gradient zeroed (and re-attached where
+  // the user's zero_grad(set_to_none=True) dropped it), then the rule may
+  // reduce buckets as backward fills them.
+  void backward_starts(double loss) {
+    need_step("job.backward()");
+    if (backward_started_)
+      throw InvalidInput("job.backward() was called twice in one step; call it once a step (gradient "
+                         "accumulation: sum the micro-batches' losses, or make the batch larger)");
+    backward_started_ = true;
+    attach_grads(/*keep=*/false);
+    flat_->zero_grad();
+    ctx_ = std::make_unique<train::StepContext>(context(loss));
+    rule().backward_starts(*ctx_);
+  }
+
+  // The step: the gradient reduced, the update (the user's optimizer
+  // through set_external), the commit. False: a peer failed, the step did
+  // not commit, the group re-formed (or training completed elsewhere:
+  // left()); the loop redoes it from the committed cursor.
+  bool step(double loss) {
+    need_step("job.step()");
+    in_step_ = false;
+    if (!backward_started_) {
+      // The user ran backward itself: the gradient is wherever autograd put it.
+      attach_grads(/*keep=*/true);
+      ctx_ = std::make_unique<train::StepContext>(context(loss));
+    }
+    std::optional<train::StepResult> res;
+    {
+      py::gil_scoped_release no_gil;
+      try {
+        res = session_->apply(*ctx_, buffers_before_);
+      } catch (const train::CompletedElsewhere& e) {
+        log_warn(std::string(e.what()) + " (at step " + std::to_string(state_.step) + "); this member ends");
+        left_ = true;
+        return false;
+      }
+    }
+    ctx_.reset();
+    if (!res) return false;
+    session_->commit(*res, plan_.end, buffers_before_);
+    last_loss_ = res->loss;
+    last_global_ = res->global_batch;
+    samples_this_run_ += res->global_batch;
+    window_.add(res->loss, res->global_batch);
+    train_seconds_ += seconds_since(step_start_);  // from the batch's arrival: forward, backward, update
+    return true;
+  }
+
+  // After the committed step (and the user's scheduler step): the metrics
+  // line, then an agreed membership change. True: this member left.
+  bool after_step() {
+    log_step();
+    py::gil_scoped_release no_gil;
+    try {
+      if (session_->after_step(epoch(), state_.step % 10 == 0 || plan_.last_in_epoch)) left_ = true;
+    } catch (const train::CompletedElsewhere& e) {
+      log_warn(std::string(e.what()) + "; this member ends");
+      left_ = true;
+    }
+    return left_;
+  }
+
+  void checkpoint(const std::string& why) {
+    py::gil_scoped_release no_gil;
+    session_->checkpoint_now(why);
+  }
+
+  void log(const py::dict& metrics) {
+    for (const auto& [k, v] : metrics) user_[py::str(k).cast<std::string>()] = py::float_(v.cast<py::object>()).cast<double>();
+  }
+  void record(const std::string& kind, const py::dict& fields) {
+    nlohmann::json rec = {{"kind", kind}, {"step", state_.step}, {"epoch", epoch()}};
+    for (const auto& [k, v] : fields) rec[py::str(k).cast<std::string>()] = py::float_(v.cast<py::object>()).cast<double>();
+    session_->run_dir().append_metrics(rec);
+  }
+
+  // Training ended: the sharded state gathered, completion published, this
+  // member off the coordinator's watch. False: completed elsewhere.
+  bool end_training() {
+    py::gil_scoped_release no_gil;
+    if (!session_->gather_final(session_->writer())) {
+      left_ = true;
+      return false;
+    }
+    session_->training_done();
+    return true;
+  }
+
+  // The final checkpoint and summary (with the user's fields), where this
+  // member writes them. Returns the summary.
+  std::string finish(const py::dict& fields) {
+    nlohmann::json s = {{"train_loss", std::isnan(last_loss_) ? nlohmann::json() : nlohmann::json(last_loss_)},
+                        {"epochs", epoch()},
+                        {"steps", state_.step},
+                        {"samples", state_.samples},
+                        {"skipped_steps", state_.skipped_steps},
+                        {"wall_seconds", seconds_since(wall_start_)},
+                        {"train_seconds", train_seconds_},
+                        {"samples_per_second", train_seconds_ > 0 ? samples_this_run_ / train_seconds_ : 0.0},
+                        {"front_end", "python"},
+                        {"trainable_parameters", flat_->numel()},
+                        {"parameters", flat_->numel() + flat_->frozen_numel()},
+                        {"update_rule", rule().name()},
+                        {"workers", world()}};
+    if (session_->elastic()) {
+      s["membership_changes"] = session_->membership_changes();
+      s["recovery_seconds"] = session_->recoveries();
+    }
+    if (auto rs = rule().summary(); !rs.empty()) s["communication"] = rs;
+    nlohmann::json eval = {{"kind", "eval"}, {"step", state_.step}, {"epoch", epoch()}, {"train_seconds", train_seconds_}};
+    for (const auto& [k, v] : fields) {
+      const std::string key = py::str(k).cast<std::string>();
+      if (v.is_none()) s[key] = nullptr;
+      else if (py::isinstance<py::str>(v)) s[key] = v.cast<std::string>();
+      else s[key] = eval[key] = py::float_(v.cast<py::object>()).cast<double>();
+    }
+    py::gil_scoped_release no_gil;
+    if (!session_->writes_final()) return s.dump();
+    if (eval.size() > 4 || session_->took_over()) {
+      if (session_->took_over()) eval["taken_over"] = true;
+      session_->run_dir().append_metrics(eval);
+    }
+    session_->checkpoint("final");
+    session_->run_dir().write_summary(s);
+    session_->final_written();
+    return s.dump();
+  }
+
+  // The global batch of the current step (every member's ids, in order).
+  std::vector<int64_t> global_ids() {
+    const auto& order = sampler_->epoch_order(plan_.begin.epoch);
+    return {order.begin() + plan_.begin.position, order.begin() + plan_.begin.position + plan_.global_size};
+  }
+
+  int world() const { return session_->world(); }
+  int rank() const { return static_rank_ >= 0 ? static_rank_ : session_->rank(); }
+  int64_t generation() const { return generation_; }
+  int64_t steps() const { return state_.step; }
+  int64_t samples() const { return state_.samples; }
+  py::tuple cursor() const { return py::make_tuple(state_.cursor.epoch, state_.cursor.position); }
+  double epoch() const {
+    return state_.cursor.epoch + static_cast<double>(state_.cursor.position) / static_cast<double>(dataset_size_);
+  }
+  double lr_multiplier() const { return policy_step_.multiplier; }
+  int64_t global_batch() const { return plan_.global_size > 0 ? plan_.global_size : batch_size_ * world(); }
+  bool writer() const { return session_->writer(); }
+  bool left() const { return left_; }
+  bool elastic() const { return session_->elastic(); }
+  bool in_step() const { return in_step_; }
+  double last_loss() const { return last_loss_; }
+  std::string run_dir() const { return session_ ? const_cast<train::Session&>(*session_).run_dir().path() : ""; }
+  std::map<std::string, int64_t> batch() const {
+    return {{"size", static_cast<int64_t>(plan_.ids.size())}, {"global", plan_.global_size}};
+  }
+
+ private:
+  train::UpdateRule& rule() { return session_->rule(); }
+  const train::UpdateRule& rule() const { return const_cast<train::Session&>(*session_).rule(); }
+
+  void need_step(const char* what) const {
+    if (!in_step_)
+      throw InvalidInput(std::string(what) + " outside the training loop: call it for a batch of "
+                         "`for batch in job.batches(loader)`, once a batch");
+  }
+
+  // A model changed after the job took it (a parameter's data replaced, a
+  // layer resized): its tensors are no longer Limbo's views.
+  void check_model() const {
+    const auto& ps = flat_->parameters();
+    const auto& es = flat_->entries();
+    const float* base = flat_->data().data_ptr<float>();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (!ps[i].defined() || ps[i].sizes().vec() != es[i].shape || ps[i].data_ptr<float>() != base + es[i].offset)
+        throw InvalidInput("parameter '" + es[i].name + "' changed after limbo.Job took the model (its data was "
+                           "replaced or resized); build the model completely before creating the job");
+    }
+  }
+
+  // Each parameter's gradient back to its view of the flat gradient: a
+  // gradient autograd or the user put elsewhere is copied in (keep), or
+  // dropped (the step starts from zero).
+  void attach_grads(bool keep) {
+    torch::NoGradGuard no_grad;
+    auto& ps = const_cast<std::vector<torch::Tensor>&>(flat_->parameters());
+    const auto& es = flat_->entries();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      auto view = flat_->grad().narrow(0, es[i].offset, es[i].numel).view(es[i].shape);
+      auto& g = ps[i].mutable_grad();
+      if (g.defined() && g.data_ptr() == view.data_ptr() && g.sizes() == view.sizes()) continue;
+      if (keep) {
+        if (g.defined()) view.copy_(g);
+        else view.zero_();
+      }
+      g = view;
+    }
+  }
+
+  train::StepContext context(double loss) {
+    return {flat_->data(), flat_->grad(), flat_->grad_with_slot(), loss,
+            static_cast<int64_t>(plan_.ids.size()), plan_.global_size, policy_step_.multiplier, state_.step, {}};
+  }
+
+  void log_step() {
+    if (!((window_.steps() > 0 && state_.step % log_every_ == 0) || plan_.last_in_epoch)) return;
+    train::StepRecord rec;
+    rec.step = state_.step;
+    rec.epoch = epoch();
+    rec.samples = state_.samples;
+    rec.lr_multiplier = policy_step_.multiplier;
+    rec.batch_size = last_global_;
+    rec.skipped_steps = state_.skipped_steps;
+    rec.workers = world();
+    if (opt_->clip_norm() > 0 && !std::isnan(opt_->last_norm())) rec.grad_norm = opt_->last_norm();
+    auto j = train::step_record(rec, window_);
+    for (const auto& [k, v] : user_) j[k] = v;
+    session_->run_dir().append_metrics(j);
+    window_.reset();
+  }
+
+  py::function pack_, unpack_, step_;
+  std::function<bool()> get_leave_;
+  std::shared_ptr<torch::nn::Module> model_;
+  std::unique_ptr<optim::FlatParams> flat_;
+  std::shared_ptr<train::OptimizerStep> opt_;
+  std::unique_ptr<optim::BatchSizePolicy> policy_;
+  std::unique_ptr<data::Sampler> sampler_;
+  train::TrainState state_;
+  std::unique_ptr<train::Session> session_;
+  std::unique_ptr<train::StepContext> ctx_;
+  std::deque<data::BatchPlan> plans_;
+  data::BatchPlan plan_;
+  optim::BatchSizePolicy::Step policy_step_;
+  std::vector<torch::Tensor> buffers_before_;
+  train::MetricsWindow window_;
+  std::map<std::string, double> user_;
+  Clock::time_point wall_start_ = Clock::now(), step_start_ = Clock::now();
+  int64_t batch_size_ = 0, dataset_size_ = 0, epochs_ = 1, max_steps_ = 0, log_every_ = 50;
+  int64_t generation_ = 0, samples_this_run_ = 0, last_global_ = 0;
+  int static_rank_ = -1;  // a static job's rank (elastic: the session's)
+  double train_seconds_ = 0, last_loss_ = NAN;
+  bool drop_last_ = false, resume_ = false, in_step_ = false, backward_started_ = false, left_ = false;
+};
+
+}  // namespace
+}  // namespace limbo::python
+
+PYBIND11_MODULE(_core, m) {
+  using limbo::python::Core;
+  m.doc() = "Limbo's elastic step for a training loop in Python (use the `limbo` package)";
+  static py::exception<limbo::InvalidInput> invalid(m, "InvalidInput", PyExc_ValueError);
+  static py::exception<limbo::Error> error(m, "LimboError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const limbo::InvalidInput& e) {
+      invalid(e.what());
+    } catch (const limbo::Error& e) {
+      error(e.what());
+    }
+  });
+  py::class_<Core>(m, "Core")
+      .def(py::init<const limbo::python::Named&, const limbo::python::Named&, const py::dict&, py::function,
+                    py::function, py::function>())
+      .def("start", &Core::start)
+      .def("complete", &Core::complete)
+      .def("plan", &Core::plan)
+      .def("clear_plans", &Core::clear_plans)
+      .def("begin_step", &Core::begin_step)
+      .def("backward_starts", &Core::backward_starts)
+      .def("step", &Core::step)
+      .def("after_step", &Core::after_step)
+      .def("checkpoint", &Core::checkpoint)
+      .def("log", &Core::log)
+      .def("record", &Core::record)
+      .def("end_training", &Core::end_training)
+      .def("finish", &Core::finish)
+      .def("global_ids", &Core::global_ids)
+      .def("batch", &Core::batch)
+      .def_property_readonly("world", &Core::world)
+      .def_property_readonly("rank", &Core::rank)
+      .def_property_readonly("generation", &Core::generation)
+      .def_property_readonly("steps", &Core::steps)
+      .def_property_readonly("samples", &Core::samples)
+      .def_property_readonly("cursor", &Core::cursor)
+      .def_property_readonly("epoch", &Core::epoch)
+      .def_property_readonly("lr_multiplier", &Core::lr_multiplier)
+      .def_property_readonly("global_batch", &Core::global_batch)
+      .def_property_readonly("writer", &Core::writer)
+      .def_property_readonly("left", &Core::left)
+      .def_property_readonly("elastic", &Core::elastic)
+      .def_property_readonly("in_step", &Core::in_step)
+      .def_property_readonly("last_loss", &Core::last_loss)
+      .def_property_readonly("run_dir", &Core::run_dir);
+}

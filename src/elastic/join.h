@@ -1,0 +1,56 @@
+// Joining a data-parallel job, as every front end does it (`limbo train`
+// under `limbo launch`, and the Python module): the group options and the
+// update rule from the job's rendezvous, and for an elastic job the Member
+// (heartbeats through the launcher's table when LIMBO_BEAT_SLOT names a
+// slot) and the Membership that re-forms the group.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "comm/collective.h"
+#include "elastic/allreduce_update.h"
+#include "elastic/elastic_membership.h"
+
+namespace limbo::elastic {
+
+// HOST:PORT; throws InvalidInput naming `flag` on anything else.
+std::pair<std::string, int> split_host_port(const std::string& s, const char* flag);
+
+struct JoinOptions {
+  std::string rdzv;   // HOST:PORT of the job's store, or an etcd URL (elastic only)
+  std::string token;  // the job secret; empty = none
+  bool direct_allreduce = true;    // elastic.direct_allreduce
+  bool shared_memory = true;       // comm.shared_memory
+  bool hierarchical = true;        // comm.hierarchical
+  double collective_timeout = 60;  // elastic.collective_timeout, seconds (elastic)
+  double round_timeout = 120;      // elastic.round_timeout, seconds (elastic)
+  ReduceOptions reduce;
+};
+
+// A static job: member `rank` of `world` (the group formed through the
+// store at opt.rdzv) and its all-reduce rule.
+std::shared_ptr<AllReduceUpdate> join_static(const JoinOptions& opt, int rank, int world,
+                                             std::shared_ptr<train::OptimizerStep> optimizer,
+                                             optim::FlatParams& flat);
+
+struct Joined {
+  std::shared_ptr<AllReduceUpdate> rule;
+  std::unique_ptr<ElasticMembership> membership;
+};
+// An elastic job: a Member of the job at opt.rdzv (nothing formed yet; the
+// front end's Session forms the first round). `want_leave` is polled after
+// every step (a SIGTERM flag).
+Joined join_elastic(const JoinOptions& opt, std::shared_ptr<train::OptimizerStep> optimizer,
+                    optim::FlatParams& flat, std::function<bool()> want_leave);
+
+// SIGTERM, SIGINT (Ctrl-C reaches every process of the terminal's group)
+// and SIGUSR1 (Slurm's warning ahead of preemption or the time limit) set a
+// flag instead of ending the process: the member finishes its step and
+// leaves at the next agreed boundary (the writer checkpoints first).
+// Returns the flag's reader.
+std::function<bool()> leave_on_signals();
+
+}  // namespace limbo::elastic
