@@ -388,9 +388,7 @@ class Core {
   bool in_step() const { return in_step_; }
   double last_loss() const { return last_loss_; }
   std::string run_dir() const { return session_ ? const_cast<train::Session&>(*session_).run_dir().path() : ""; }
-  std::map<std::string, int64_t> batch() const {
-    return {{"size", static_cast<int64_t>(plan_.ids.size())}, {"global", plan_.global_size}};
-  }
+  const std::vector<int64_t>& batch_ids() const { return plan_.ids; }
 
  private:
   train::UpdateRule& rule() { return session_->rule(); }
@@ -514,7 +512,7 @@ PYBIND11_MODULE(_core, m) {
       .def("end_training", &Core::end_training)
       .def("finish", &Core::finish)
       .def("global_ids", &Core::global_ids)
-      .def("batch", &Core::batch)
+      .def("batch_ids", &Core::batch_ids)
       .def_property_readonly("world", &Core::world)
       .def_property_readonly("rank", &Core::rank)
       .def_property_readonly("generation", &Core::generation)

@@ -30,6 +30,7 @@ LIMBO_PACKAGES=(
   libtorch-dev libgloo-dev libzmq3-dev cppzmq-dev libopenblas0-openmp
   libcli11-dev libtomlplusplus-dev nlohmann-json3-dev zlib1g-dev
   libcpp-httplib-dev libjs-chart.js dataset-fashion-mnist
+  python3-dev pybind11-dev
 )
 # The tests, benchmarks and experiments, on top: GoogleTest, network
 # namespaces, etcd and the certificates of its TLS tests, PyTorch for Python
@@ -40,6 +41,7 @@ TEST_PACKAGES=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   iproute2 openssl etcd-server etcd-client
   python3-torch python3-torchvision python3-numpy python3-matplotlib python3-prometheus-client chromium
+  python3-pytest
   munge slurmctld slurmd slurm-client
 )
 PACKAGES=("${LIMBO_PACKAGES[@]}")
@@ -177,8 +179,8 @@ if [ "$first" = 1 ]; then end "done"; fi
 target=()
 what="every target (limbo, tests, benchmarks)"
 if [ "$MODE" = limbo ]; then
-  target=(--target limbo)
-  what="limbo"
+  target=(--target limbo limbo_python)
+  what="limbo and its Python module"
 fi
 log="$LOGS/build.log"
 : >"$log"

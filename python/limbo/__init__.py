@@ -18,7 +18,6 @@ describes every argument, the guarantees and the error policy.
 import atexit
 import io
 import json
-import math
 import os
 import sys
 
@@ -181,6 +180,7 @@ class Job:
         self.sampler = _Sampler(self)
         self._loss = None
         self._stepped = True
+        self._epoch_ended = False
         self._ended = False
         self._summary = None
         self._finished = False
@@ -245,6 +245,10 @@ class Job:
         """The sample ids of this step's global batch (every member's), in order."""
         return self._core.global_ids()
 
+    def batch_ids(self):
+        """This member's sample ids of this step (the indices its batch was read from)."""
+        return self._core.batch_ids()
+
     def batches(self, loader):
         """Yields the loader's batches, one step each, until training is
         complete. After a failed step or a membership change the loader is
@@ -288,9 +292,11 @@ class Job:
 
     def step(self):
         """The optimizer's step with the group's gradient, committed on every
-        member, then the scheduler's step. Returns False when the step did not
-        commit (a member failed; the group re-formed and the batch is dealt
-        again) or this member is leaving: skip what counts steps then."""
+        member, then the scheduler's step. Returns whether it committed:
+        False when a member failed (the group re-formed and the batch is dealt
+        again); skip what counts steps then. A member asked to leave (SIGTERM,
+        Ctrl-C, Slurm's warning) commits its step and leaves at the next
+        batch: job.batches() ends."""
         if not self._core.in_step:
             raise UsageError("job.step() outside the training loop: call it for a batch of "
                              "`for batch in job.batches(loader)`, once a batch")
@@ -311,7 +317,8 @@ class Job:
             print("limbo: step %d epoch %.2f loss %.4f workers %d" % (steps, self._core.epoch,
                                                                    self._core.last_loss, self._core.world),
                   file=sys.stderr, flush=True)
-        return not self._core.after_step()
+        self._core.after_step()
+        return True
 
     @property
     def loss(self):

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""A user's training loop for the Python module's tests (test_python_job.py).
+
+Plain PyTorch the way users write it: a model that TorchScript cannot
+compile (a dict of tensors in, Python control flow and a Python helper), a
+map-style Dataset that yields dicts, a DataLoader with worker processes, any
+torch.optim optimizer with a LambdaLR schedule, metrics of its own.
+
+What the tests read, in the run directory:
+  samples-PID.txt  one line per step this member committed: "step epoch id id ..."
+                   (the step's global batch, every member's ids)
+  final-PID.txt    the final step and fingerprints of the weights, the buffers
+                   and the optimizer's state and step count
+Faults, from the environment (once, in the first process of that rank):
+  DIE_AT_STEP, DIE_RANK   after this many committed steps, the member of this rank
+  DIE_HOW                 kill (SIGKILL) | stop (SIGSTOP)
+  DIE_WHERE               before_forward | before_backward | before_step | after_step
+  PACE                    seconds each step sleeps (time for joins and kills)
+  PACE_UNTIL              ... only while the group has fewer members than this
+"""
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+import limbo
+
+
+def make_data(n, seed):
+    w = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))  # the task: one for both splits
+    x = torch.randn(n, 16, generator=torch.Generator().manual_seed(seed))
+    return x, (x @ w).argmax(1)
+
+
+class Rows(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "label": self.y[i], "index": i}
+
+
+def gated(h, gate):
+    # A Python helper with data-dependent control flow.
+    if float(gate.mean()) > 0:
+        return h * torch.sigmoid(gate)
+    return h
+
+
+class DictNet(nn.Module):
+    """forward(batch: dict) with Python control flow: not scriptable."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.gate = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])
+        self.norm = nn.BatchNorm1d(32)
+        self.out = nn.Linear(32, 4)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, batch):
+        x = batch["features"]
+        h = gated(F.relu(self.inp(x)), self.gate(x))
+        for i, block in enumerate(self.blocks):
+            h = h + F.relu(block(h)) if i % 2 == 0 else F.relu(block(h))
+        return self.frozen(self.out(self.norm(h)))
+
+
+class Plain(nn.Module):
+    """No batch statistics: a step of 2 x 16 is a step of 32, up to float rounding."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = nn.Linear(16, 32)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, batch):
+        return self.out(F.relu(self.hidden(batch["features"])))
+
+
+def fingerprint(job, model, opt):
+    w = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    b = sum(float(t.double().sum()) for t in model.buffers())
+    st = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for k, v in sorted(opt.state.get(p, {}).items()):
+                st.append(float(v.double().sum()) if torch.is_tensor(v) else float(v))
+    return "%d %.17g %.17g %.17g %s" % (job.step_count, float(w.sum()), float((w * w).sum()), b,
+                                        " ".join("%.17g" % v for v in st))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--model", choices=["dict", "plain"], default="dict")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--samples", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--loader-workers", type=int, default=2)
+    p.add_argument("--checkpoint-every-steps", type=int, default=0)
+    p.add_argument("--run-dir", default=None)
+    args = p.parse_args()
+
+    torch.manual_seed(7)
+    x, y = make_data(args.samples, 3)
+    train = Rows(x, y)
+    model = DictNet() if args.model == "dict" else Plain()
+    if args.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        opt = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if "out" in n], "lr": 3e-3},
+                                 {"params": [p for n, p in model.named_parameters() if "out" not in n]}],
+                                lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    state = {"seen_by_me": 0}
+    job = limbo.Job(model, opt, scheduler=sched, dataset=train, batch_size=args.batch_size, epochs=args.epochs,
+                    state=state, run_dir=args.run_dir, checkpoint_every_steps=args.checkpoint_every_steps,
+                    log_every=10)
+    loader = DataLoader(train, batch_sampler=job.sampler, num_workers=args.loader_workers)
+    run_dir = job.run_dir or os.environ.get("LIMBO_RUN_DIR", "")
+    pace = float(os.environ.get("PACE", "0"))
+    pace_until = int(os.environ.get("PACE_UNTIL", "0"))
+    die_at = int(os.environ.get("DIE_AT_STEP", "0"))
+    die_rank = int(os.environ.get("DIE_RANK", "1"))
+    how = signal.SIGSTOP if os.environ.get("DIE_HOW", "kill") == "stop" else signal.SIGKILL
+    where = os.environ.get("DIE_WHERE", "before_step")
+
+    def maybe_die(point):
+        # Once a job: the first member to get there claims the marker file.
+        if not (die_at > 0 and point == where and job.step_count == die_at and job.rank == die_rank
+                and job.world > 1):
+            return
+        try:
+            fd = os.open(os.path.join(run_dir, "died"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, b"%d %s\n" % (os.getpid(), point.encode()))
+        os.close(fd)
+        os.kill(os.getpid(), how)
+
+    log = open(os.path.join(run_dir, "samples-%d.txt" % os.getpid()), "a") if run_dir else None
+    for batch in job.batches(loader):
+        maybe_die("before_forward")
+        if pace and (pace_until == 0 or job.world < pace_until):
+            time.sleep(pace)
+        # The loader's batch is the one the job dealt to this member.
+        assert batch["index"].tolist() == job.batch_ids(), (batch["index"].tolist(), job.batch_ids())
+        loss = F.cross_entropy(model(batch), batch["label"])
+        maybe_die("before_backward")
+        job.backward(loss)
+        maybe_die("before_step")
+        ids, epoch = job.global_ids(), int(job.epoch)
+        if job.step():
+            state["seen_by_me"] += len(batch["label"])
+            job.log(my_metric=float(loss), lr0=opt.param_groups[0]["lr"])
+            if log:
+                log.write("%d %d %s\n" % (job.step_count, epoch, " ".join(map(str, ids))))
+                log.flush()
+        maybe_die("after_step")
+    if log:
+        log.close()
+    with torch.no_grad():
+        model.eval()
+        tx, ty = make_data(512, 4)
+        acc = float((model({"features": tx}).argmax(1) == ty).float().mean())
+    summary = job.finish(test_accuracy=acc)
+    if run_dir and job.step_count > 0 and not job.left:
+        with open(os.path.join(run_dir, "final-%d.txt" % os.getpid()), "w") as f:
+            f.write(fingerprint(job, model, opt) + "\n")
+    if summary is not None and job.is_writer:
+        print("done: %d steps, accuracy %.3f" % (summary["steps"], acc), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""The Python module `limbo` (docs/python.md), with real processes: a user's
+loop (job_script.py) alone and as the workers of `limbo launch`, members
+killed, frozen and joining, misuse.
+
+Run by CTest (tests/CMakeLists.txt) with the paths in LIMBO_BINARY and
+LIMBO_PYTHON_DIR; `pytest tests/python/test_python_job.py` works too when
+both are set.
+"""
+import collections
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+LIMBO = os.environ.get("LIMBO_BINARY", os.path.join(ROOT, "build", "src", "cli", "limbo"))
+PYDIR = os.environ.get("LIMBO_PYTHON_DIR", os.path.join(ROOT, "build", "python"))
+SCRIPT = os.path.join(HERE, "job_script.py")
+PY = sys.executable
+
+sys.path.insert(0, PYDIR)
+import torch  # noqa: E402
+import limbo  # noqa: E402
+
+
+def env(**extra):
+    e = dict(os.environ)
+    e["PYTHONPATH"] = PYDIR + (":" + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    for k in ("LIMBO_RDZV", "LIMBO_ELASTIC", "LIMBO_RANK", "LIMBO_WORLD", "LIMBO_RUN_DIR", "LIMBO_RESUME"):
+        e.pop(k, None)
+    e.update({k: str(v) for k, v in extra.items()})
+    return e
+
+
+def launch(run_dir, nproc, script_args=(), launch_args=(), timeout=300, **extra):
+    cmd = [LIMBO, "launch", "--nproc", str(nproc), "--run-dir", run_dir] + list(launch_args) + \
+          ["--", PY, SCRIPT] + list(script_args)
+    return subprocess.run(cmd, env=env(**extra), capture_output=True, text=True, timeout=timeout)
+
+
+def steps_logged(run_dir):
+    """step -> (epoch, global ids), from every member's log; members that
+    committed the same step must have logged the same batch."""
+    steps = {}
+    for path in glob.glob(os.path.join(run_dir, "samples-*.txt")):
+        for line in open(path):
+            f = line.split()
+            step, epoch, ids = int(f[0]), int(f[1]), tuple(map(int, f[2:]))
+            assert steps.setdefault(step, (epoch, ids)) == (epoch, ids), "step %d differs between members" % step
+    return steps
+
+
+def check_exactly_once(run_dir, samples, epochs):
+    steps = steps_logged(run_dir)
+    assert sorted(steps) == list(range(1, len(steps) + 1)), "committed steps have a gap"
+    per_epoch = collections.defaultdict(list)
+    for epoch, ids in steps.values():
+        per_epoch[epoch].extend(ids)
+    assert sorted(per_epoch) == list(range(epochs))
+    for epoch, ids in per_epoch.items():
+        counts = collections.Counter(ids)
+        assert sorted(counts) == list(range(samples)), "epoch %d misses samples" % epoch
+        assert max(counts.values()) == 1, "epoch %d repeats samples" % epoch
+    return steps
+
+
+def finals(run_dir):
+    return [open(p).read().split() for p in glob.glob(os.path.join(run_dir, "final-*.txt"))]
+
+
+def check_identical(run_dir, expect_members):
+    f = finals(run_dir)
+    assert len(f) >= expect_members, f
+    assert all(x == f[0] for x in f), "members differ at the end:\n%s" % "\n".join(" ".join(x) for x in f)
+    return f[0]
+
+
+def summary(run_dir):
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture
+def run_dir():
+    with tempfile.TemporaryDirectory(prefix="limbo-py-") as d:
+        yield d
+
+
+def test_alone_runs_the_same_code_without_a_launcher(run_dir):
+    r = subprocess.run([PY, SCRIPT, "--run-dir", run_dir, "--epochs", "1"], env=env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    s = summary(run_dir)
+    assert s["steps"] == 1024 // 16 and s["workers"] == 1 and s["update_rule"] == "local"
+    assert s["test_accuracy"] > 0.5, s
+    check_exactly_once(run_dir, 1024, 1)
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    train = [x for x in records if x["kind"] == "train"]
+    assert train and "my_metric" in train[-1] and "lr0" in train[-1], train[-1]
+    assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
+    # A second run into the same directory without resume is refused, naming the fix.
+    r = subprocess.run([PY, SCRIPT, "--run-dir", run_dir, "--epochs", "1"], env=env(), capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0 and "resume" in r.stderr, r.stderr
+
+
+def test_two_workers_train_what_one_process_trains(run_dir):
+    """2 workers of 16 against one process of 32, on a model without batch
+    statistics: the same global batches and, the mean of the members' mean
+    gradients being the global mean, the same weights up to float rounding."""
+    alone = os.path.join(run_dir, "alone")
+    r = subprocess.run([PY, SCRIPT, "--run-dir", alone, "--batch-size", "32", "--loader-workers", "0",
+                        "--model", "plain"], env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    two = os.path.join(run_dir, "two")
+    r = launch(two, 2, ["--loader-workers", "0", "--model", "plain"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    a, b = check_identical(alone, 1), check_identical(two, 2)
+    assert steps_logged(alone) == steps_logged(two)
+    assert a[0] == b[0]  # steps
+    for x, y in zip(a[1:3], b[1:3]):  # sum and sum of squares of the weights
+        assert abs(float(x) - float(y)) <= 1e-4 * max(1.0, abs(float(x))), (a, b)
+    assert summary(two)["workers"] == 2
+
+
+@pytest.mark.parametrize("how,where,optimizer", [
+    ("kill", "before_step", "sgd"),
+    ("kill", "before_backward", "adamw"),
+    ("kill", "after_step", "adamw"),
+    ("stop", "before_step", "adamw"),
+])
+def test_a_member_lost_between_two_lines_leaves_the_others_identical(run_dir, how, where, optimizer):
+    """A member SIGKILLed or frozen (SIGSTOP) at a point of the user's loop:
+    the others re-form without a restart, every sample is used exactly once
+    an epoch, and the survivors end with identical weights, buffers and
+    optimizer state (AdamW's state and step count included)."""
+    r = launch(run_dir, 3, ["--optimizer", optimizer], ["--min-workers", "1"],
+               DIE_AT_STEP=20, DIE_RANK=1, DIE_HOW=how, DIE_WHERE=where, PACE=0.01)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.exists(os.path.join(run_dir, "died"))
+    check_exactly_once(run_dir, 1024, 2)
+    check_identical(run_dir, 2)
+    s = summary(run_dir)
+    assert s["membership_changes"] >= 1 and s["workers"] == 2, s
+    assert "restarting the job" not in r.stderr
+
+
+def test_a_joiner_gets_the_state_and_its_share(run_dir):
+    """One worker, a second joins at epoch 0.5 (--elastic-schedule): it
+    receives the weights, buffers and AdamW state from its peer, and the
+    samples stay exactly once."""
+    # Paced at 0.2 s a step while alone, so the joiner gets in (about 25 s
+    # of training left when it starts, against a few seconds to start).
+    r = launch(run_dir, 1, ["--optimizer", "adamw"], ["--min-workers", "1", "--elastic-schedule", "0:1,0.5:2"],
+               PACE=0.2, PACE_UNTIL=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_exactly_once(run_dir, 1024, 2)
+    check_identical(run_dir, 2)
+    s = summary(run_dir)
+    assert s["workers"] == 2 and s["membership_changes"] >= 1, s
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 128 + signal.SIGINT)])
+def test_a_signal_at_the_launcher_stops_after_a_checkpoint_and_resume_goes_on(run_dir, sig, code):
+    # 4 epochs of 32 steps, at least 0.05 s each: over 6 s of training, the
+    # signal 1 s after the first committed step.
+    cmd = [LIMBO, "launch", "--nproc", "2", "--min-workers", "1", "--run-dir", run_dir, "--", PY, SCRIPT,
+           "--epochs", "4"]
+    p = subprocess.Popen(cmd, env=env(PACE=0.05), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not glob.glob(os.path.join(run_dir, "samples-*.txt")):
+        time.sleep(0.1)
+    time.sleep(1.0)
+    p.send_signal(sig)
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == code, out
+    assert os.path.exists(os.path.join(run_dir, "checkpoint.pt")), out
+    assert not os.path.exists(os.path.join(run_dir, "summary.json"))
+    r = subprocess.run([LIMBO, "launch", "--nproc", "2", "--min-workers", "1", "--run-dir", run_dir, "--resume",
+                        "--", PY, SCRIPT, "--epochs", "4"], env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_exactly_once(run_dir, 1024, 4)
+    check_identical(run_dir, 2)
+
+
+def test_misuse_is_a_clear_exception():
+    import torch.nn as nn
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [(torch.randn(4), 0)] * 8
+    with tempfile.TemporaryDirectory() as d:
+        job = limbo.Job(model, opt, dataset=data, batch_size=4, run_dir=d)
+        with pytest.raises(limbo.UsageError, match="outside the training loop"):
+            job.step()
+        with pytest.raises(limbo.InvalidInput, match="outside the training loop"):
+            job.backward(model(torch.randn(1, 4)).sum())
+        loader = torch.utils.data.DataLoader(data, batch_size=4)
+        with pytest.raises(limbo.UsageError, match="batch_sampler=job.sampler"):
+            next(iter(job.batches(loader)))
+        loader = torch.utils.data.DataLoader(data, batch_sampler=job.sampler)
+        with pytest.raises(limbo.UsageError, match="was not called"):
+            for _ in job.batches(loader):
+                pass
+        with pytest.raises(limbo.UsageError, match="before training completed"):
+            job.finish()
+    # A model that changed after the job took it.
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    job = limbo.Job(model, opt, dataset=data, batch_size=4)
+    model.weight.data = torch.zeros(2, 4)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=job.sampler)
+    with pytest.raises(limbo.InvalidInput, match="changed after limbo.Job took the model"):
+        next(iter(job.batches(loader)))
+    # Parameters on two devices; a float64 parameter; an optimizer over another model's parameters.
+    two = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2, device="meta"))
+    with pytest.raises(limbo.InvalidInput, match="several devices"):
+        limbo.Job(two, torch.optim.SGD(two[0].parameters(), lr=0.1), dataset=data, batch_size=4)
+    wide = nn.Linear(4, 2).double()
+    with pytest.raises(limbo.InvalidInput, match="float32"):
+        limbo.Job(wide, torch.optim.SGD(wide.parameters(), lr=0.1), dataset=data, batch_size=4)
+    other = nn.Linear(4, 2)
+    with pytest.raises(limbo.InvalidInput, match="not the model's"):
+        limbo.Job(nn.Linear(4, 2), torch.optim.SGD(other.parameters(), lr=0.1), dataset=data, batch_size=4)
+    with pytest.raises(limbo.InvalidInput, match="batch_size"):
+        limbo.Job(other, torch.optim.SGD(other.parameters(), lr=0.1), dataset=data, batch_size=0)
+
+
+def test_the_example_trains_fashion_mnist_under_launch(run_dir):
+    if not os.path.exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"):
+        pytest.skip("dataset-fashion-mnist is not installed")
+    example = os.path.join(ROOT, "examples", "python", "train.py")
+    r = subprocess.run([LIMBO, "launch", "--nproc", "2", "--min-workers", "1", "--run-dir", run_dir, "--",
+                        PY, example, "--model", "mlp", "--epochs", "1"], env=env(), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = summary(run_dir)
+    assert s["test_accuracy"] > 0.80 and s["workers"] == 2, s
