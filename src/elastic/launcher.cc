@@ -41,8 +41,8 @@ bool sets_threads(const std::vector<std::string>& args) {
 }
 
 // `name` as execve needs it: as given when it holds a '/', else the first
-// executable of that name on PATH.
-std::string find_program(const std::string& name) {
+// executable of that name on PATH ("" when there is none).
+std::string find_program_or_empty(const std::string& name) {
   if (name.find('/') != std::string::npos) return name;
   const char* path = std::getenv("PATH");
   std::stringstream dirs(path ? path : "/usr/bin:/bin");
@@ -50,7 +50,33 @@ std::string find_program(const std::string& name) {
     const std::string p = (d.empty() ? "." : d) + "/" + name;
     if (::access(p.c_str(), X_OK) == 0) return p;
   }
-  throw InvalidInput("launch: cannot find the program '" + name + "' on PATH");
+  return "";
+}
+
+std::string find_program(const std::string& name) {
+  std::string p = find_program_or_empty(name);
+  if (p.empty()) throw InvalidInput("launch: cannot find the program '" + name + "' on PATH");
+  return p;
+}
+
+#ifndef LIMBO_PYTHON_EXE
+#define LIMBO_PYTHON_EXE ""
+#endif
+
+// The program to exec for `name`: a bare python3 (or python) is the
+// interpreter the Python module is built for (its torch links Limbo's
+// libtorch); said once.
+std::string program_path(const std::string& name) {
+  const std::string built = LIMBO_PYTHON_EXE;
+  if ((name == "python3" || name == "python") && !built.empty() && ::access(built.c_str(), X_OK) == 0) {
+    static bool said = false;
+    if (!said && find_program_or_empty(name) != built)
+      log_info("launch: " + name + " is " + built + ", the interpreter the limbo module is built for (give a path "
+               "to run another)");
+    said = true;
+    return built;
+  }
+  return find_program(name);
 }
 
 // A user's program as a worker: what `limbo train` gets as flags goes into
@@ -83,7 +109,7 @@ pid_t spawn_program_worker(Supervisor& sup, const LaunchOptions& opt, int rank, 
     env.push_back("PYTHONPATH=" + py + (old && *old ? ":" + std::string(old) : ""));
   }
   const std::vector<std::string> args(opt.program.begin() + 1, opt.program.end());
-  const pid_t pid = sup.start(find_program(opt.program[0]), args, "worker", rank, env);
+  const pid_t pid = sup.start(program_path(opt.program[0]), args, "worker", rank, env);
   log_info("launch: worker rank " + std::to_string(rank) + " pid " + std::to_string(pid) + " (" + opt.program[0] + ")");
   return pid;
 }
@@ -1025,6 +1051,7 @@ int launch(const LaunchOptions& opt_in) {
   }
   if (opt.nproc < 1) throw InvalidInput("--nproc must be >= 1, got " + std::to_string(opt.nproc));
   if (opt.self_exe.empty()) throw InvalidInput("launch: the limbo binary path is unknown");
+  if (!opt.program.empty()) program_path(opt.program[0]);  // a program that is not there: said before anything starts
   Job job(std::move(opt));
   return job.run();
 }

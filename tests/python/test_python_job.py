@@ -167,7 +167,8 @@ def test_a_joiner_gets_the_state_and_its_share(run_dir):
     assert s["workers"] == 2 and s["membership_changes"] >= 1, s
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 128 + signal.SIGINT)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 128 + signal.SIGINT),
+                                      (signal.SIGUSR1, 75)])
 def test_a_signal_at_the_launcher_stops_after_a_checkpoint_and_resume_goes_on(run_dir, sig, code):
     # 4 epochs of 32 steps, at least 0.05 s each: over 6 s of training, the
     # signal 1 s after the first committed step.
