@@ -1,0 +1,169 @@
+#!/usr/bin/python3
+"""A user's PyTorch loop under Limbo against the same loop under DDP, and
+against `limbo train` on the same model.
+
+The same script (bench/python_loop_worker.py: the model, the data in memory,
+a DataLoader, SGD with momentum, or AdamW for the GPT) runs as
+  ddp      torch.distributed + DistributedDataParallel at its best
+           (gradient_as_bucket_view, channels-last for LeNet), gloo;
+  python   `limbo launch -- python3 worker.py` with the `limbo` module;
+  cli      `limbo train` on the same model (built in: mlp, lenet, mlp10m),
+           under the same launcher (not for the GPT).
+Contenders run interleaved, --repeats times; each reports global samples/s
+over the steps after the first 20 (`cli`: its metrics windows after the
+first). Prints each contender's median with its range and the ratios'
+medians. One intra-op thread per worker.
+
+    bench/python_loop.py [--limbo build/src/cli/limbo] [--models mlp,lenet,gpt]
+                         [--steps 200] [--repeats 3] [--hosts]
+
+--hosts runs 2 hosts x 2 workers: two network namespaces joined by a veth
+pair (needs root), one launcher (or two DDP ranks) in each.
+"""
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from limbo_run import Veth  # noqa: E402
+
+WORKER = os.path.join(HERE, "python_loop_worker.py")
+PY = "/usr/bin/python3"
+VETH = None
+PER_HOST = 1
+
+
+def last_json(out):
+    for line in reversed(out.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError("no figures in the output:\n" + out[-2000:])
+
+
+def ddp(model, batch, steps):
+    world = 2 * PER_HOST if VETH else 2
+    port = 29500 + os.getpid() % 300
+    master = VETH.ip[0] if VETH else "127.0.0.1"
+    procs = []
+    for r in range(world):
+        host = r // PER_HOST
+        env = dict(os.environ, MASTER_ADDR=master, MASTER_PORT=str(port), RANK=str(r), WORLD_SIZE=str(world),
+                   THREADS="1")
+        if VETH:
+            env["GLOO_SOCKET_IFNAME"] = VETH.dev[host]
+        procs.append(subprocess.Popen((VETH.prefix(host) if VETH else []) +
+                                      [PY, WORKER, "--mode", "ddp", "--model", model, "--batch", str(batch),
+                                       "--steps", str(steps)],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+    out = procs[0].communicate(timeout=900)[0]
+    for p in procs[1:]:
+        p.wait(timeout=120)
+    return last_json(out)["samples_per_second"]
+
+
+def launchers(limbo, after_dashes, run_dir):
+    """`limbo launch` on this host (2 workers), or one per namespace (--hosts)."""
+    if not VETH:
+        r = subprocess.run([limbo, "launch", "--nproc", "2", "--run-dir", run_dir, "--"] + after_dashes,
+                           capture_output=True, text=True, timeout=900)
+        if r.returncode:
+            raise RuntimeError("limbo launch exited %d:\n%s" % (r.returncode, r.stderr[-3000:]))
+        return r.stdout
+    rdzv = "%s:%d" % (VETH.ip[0], 29700 + os.getpid() % 200)
+    procs = []
+    for h in range(2):
+        procs.append(subprocess.Popen(VETH.prefix(h) + [limbo, "launch", "--nproc", str(PER_HOST), "--min-workers",
+                                                          str(2 * PER_HOST), "--rdzv", rdzv, "--run-dir", run_dir,
+                                                          "--"] + after_dashes,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        time.sleep(1.0)
+    out, err = procs[0].communicate(timeout=900)
+    procs[1].communicate(timeout=120)
+    if procs[0].returncode:
+        raise RuntimeError("limbo launch exited %d:\n%s" % (procs[0].returncode, err[-3000:]))
+    return out
+
+
+def python(limbo, model, batch, steps):
+    d = tempfile.mkdtemp(prefix="limbo-pyloop-")
+    try:
+        out = launchers(limbo, [PY, WORKER, "--mode", "limbo", "--model", model, "--batch", str(batch),
+                                "--steps", str(steps)], os.path.join(d, "r"))
+        return last_json(out)["samples_per_second"]
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def cli(limbo, model, batch, steps):
+    d = tempfile.mkdtemp(prefix="limbo-pyloop-")
+    spec = ["--set", "model.name=mlp", "--set", "model.width=2048", "--set", "model.depth=3"] \
+        if model == "mlp10m" else ["--set", "model.name=%s" % model]
+    try:
+        launchers(limbo, spec + ["--set", "data.batch_size=%d" % batch, "--set", "train.max_steps=%d" % steps,
+                                 "--set", "train.progress=false", "--set", "train.eval_every_epochs=0",
+                                 "--set", "train.checkpoint_every_epochs=0", "--set", "data.test_limit=500",
+                                 "--set", "optim.lr=0.01", "--set", "optim.momentum=0.9",
+                                 "--set", "elastic.batch_policy=none", "--set", "train.log_every=20"],
+                  os.path.join(d, "r"))
+        rates = []
+        for path in glob.glob(os.path.join(d, "r", "metrics.jsonl")):
+            rates = [json.loads(line)["samples_per_second"] for line in open(path)
+                     if '"kind":"train"' in line.replace(" ", "")]
+        if len(rates) < 2:
+            raise RuntimeError("too few metrics windows")
+        return statistics.mean(rates[1:])
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def main():
+    global VETH, PER_HOST
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limbo", default="build/src/cli/limbo")
+    ap.add_argument("--models", default="mlp,lenet,gpt")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hosts", action="store_true", help="2 hosts x 2 workers in network namespaces")
+    args = ap.parse_args()
+    limbo = os.path.abspath(args.limbo)
+    if args.hosts:
+        VETH, PER_HOST = Veth(), 2
+    try:
+        where = "2 hosts x 2 workers (veth)" if VETH else "2 workers on one host"
+        print("%s, batch %d per worker, %d steps, %d repeats, interleaved" % (where, args.batch, args.steps,
+                                                                            args.repeats))
+        print("%-8s %-10s %12s %12s %12s %9s %9s" % ("model", "", "ddp", "python", "cli", "py/ddp", "py/cli"))
+        for model in args.models.split(","):
+            runs = {"ddp": [], "python": [], "cli": []}
+            contenders = [("ddp", ddp), ("python", lambda *a: python(limbo, *a))]
+            if model != "gpt":
+                contenders.append(("cli", lambda *a: cli(limbo, *a)))
+            batch = 32 if model == "gpt" else args.batch
+            for _ in range(args.repeats):
+                for name, f in contenders:
+                    runs[name].append(f(model, batch, args.steps))
+            med = {k: statistics.median(v) if v else float("nan") for k, v in runs.items()}
+            ratio = lambda a, b: statistics.median([x / y for x, y in zip(runs[a], runs[b])]) \
+                if runs[b] else float("nan")  # noqa: E731
+            spread = lambda k: "%.0f-%.0f" % (min(runs[k]), max(runs[k])) if runs[k] else "-"  # noqa: E731
+            print("%-8s %-10s %12.0f %12.0f %12.0f %8.3fx %8.3fx" % (model, "median", med["ddp"], med["python"],
+                                                                   med["cli"], ratio("python", "ddp"),
+                                                                   ratio("python", "cli")))
+            print("%-8s %-10s %12s %12s %12s" % ("", "range", spread("ddp"), spread("python"), spread("cli")),
+                  flush=True)
+    finally:
+        if VETH:
+            VETH.close()
+
+
+if __name__ == "__main__":
+    main()
