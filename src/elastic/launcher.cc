@@ -1,4 +1,6 @@
 #include "elastic/launcher.h"
+#include "elastic/launch_job.h"
+#include "elastic/workers.h"
 #include "elastic/shards.h"
 
 #include <signal.h>
@@ -31,120 +33,8 @@
 #include "common/process.h"
 #include "common/timing.h"
 
+
 namespace limbo::elastic {
-namespace {
-
-bool sets_threads(const std::vector<std::string>& args) {
-  for (const auto& a : args)
-    if (a.rfind("train.threads=", 0) == 0) return true;
-  return false;
-}
-
-// `name` as execve needs it: as given when it holds a '/', else the first
-// executable of that name on PATH ("" when there is none).
-std::string find_program_or_empty(const std::string& name) {
-  if (name.find('/') != std::string::npos) return name;
-  const char* path = std::getenv("PATH");
-  std::stringstream dirs(path ? path : "/usr/bin:/bin");
-  for (std::string d; std::getline(dirs, d, ':');) {
-    const std::string p = (d.empty() ? "." : d) + "/" + name;
-    if (::access(p.c_str(), X_OK) == 0) return p;
-  }
-  return "";
-}
-
-std::string find_program(const std::string& name) {
-  std::string p = find_program_or_empty(name);
-  if (p.empty()) throw InvalidInput("launch: cannot find the program '" + name + "' on PATH");
-  return p;
-}
-
-#ifndef LIMBO_PYTHON_EXE
-#define LIMBO_PYTHON_EXE ""
-#endif
-
-// The program to exec for `name`: a bare python3 (or python) is the
-// interpreter the Python module is built for (its torch links Limbo's
-// libtorch); said once.
-std::string program_path(const std::string& name) {
-  const std::string built = LIMBO_PYTHON_EXE;
-  if ((name == "python3" || name == "python") && !built.empty() && ::access(built.c_str(), X_OK) == 0) {
-    static bool said = false;
-    if (!said && find_program_or_empty(name) != built)
-      log_info("launch: " + name + " is " + built + ", the interpreter the limbo module is built for (give a path "
-               "to run another)");
-    said = true;
-    return built;
-  }
-  return find_program(name);
-}
-
-// A user's program as a worker: what `limbo train` gets as flags goes into
-// its environment (LaunchOptions::program).
-pid_t spawn_program_worker(Supervisor& sup, const LaunchOptions& opt, int rank, int threads, const std::string& rdzv,
-                           std::vector<std::string> env) {
-  std::string run_dir;
-  bool resume = false;
-  for (size_t i = 0; i < opt.train_args.size(); ++i) {
-    if (opt.train_args[i] == "--run-dir" && i + 1 < opt.train_args.size()) run_dir = opt.train_args[++i];
-    else if (opt.train_args[i] == "--resume") resume = true;
-  }
-  env.push_back("LIMBO_RDZV=" + rdzv);
-  if (opt.elastic) {
-    env.push_back("LIMBO_ELASTIC=1");
-  } else {
-    env.push_back("LIMBO_RANK=" + std::to_string(rank));
-    env.push_back("LIMBO_WORLD=" + std::to_string(opt.nproc));
-  }
-  if (!run_dir.empty()) env.push_back("LIMBO_RUN_DIR=" + run_dir);
-  if (resume) env.push_back("LIMBO_RESUME=1");
-  if (threads > 0) env.push_back("LIMBO_THREADS=" + std::to_string(threads));
-  if (rank > 0) env.push_back("LIMBO_PROGRESS=0");
-#ifndef LIMBO_PYTHON_DIR
-#define LIMBO_PYTHON_DIR ""
-#endif
-  const std::string py = !opt.python_path.empty() ? opt.python_path : LIMBO_PYTHON_DIR;
-  if (!py.empty()) {
-    const char* old = std::getenv("PYTHONPATH");
-    env.push_back("PYTHONPATH=" + py + (old && *old ? ":" + std::string(old) : ""));
-  }
-  const std::vector<std::string> args(opt.program.begin() + 1, opt.program.end());
-  const pid_t pid = sup.start(program_path(opt.program[0]), args, "worker", rank, env);
-  log_info("launch: worker rank " + std::to_string(rank) + " pid " + std::to_string(pid) + " (" + opt.program[0] + ")");
-  return pid;
-}
-
-pid_t spawn_worker(Supervisor& sup, const LaunchOptions& opt, int rank, int threads, const std::string& rdzv,
-                   const std::vector<std::string>& env) {
-  if (!opt.program.empty()) return spawn_program_worker(sup, opt, rank, threads, rdzv, env);
-  std::vector<std::string> args = {"train"};
-  if (threads > 0) args.insert(args.end(), {"--set", "train.threads=" + std::to_string(threads)});
-  if (rank > 0) args.insert(args.end(), {"--set", "train.progress=false"});
-  args.insert(args.end(), opt.train_args.begin(), opt.train_args.end());
-  if (opt.elastic) args.insert(args.end(), {"--dist-rdzv", rdzv, "--elastic"});
-  else
-    args.insert(args.end(), {"--dist-rdzv", rdzv, "--dist-rank", std::to_string(rank),
-                             "--dist-world", std::to_string(opt.nproc)});
-  const pid_t pid = sup.start(opt.self_exe, args, "worker", rank, env);
-  log_info("launch: worker rank " + std::to_string(rank) + " pid " + std::to_string(pid));
-  return pid;
-}
-
-// Adds the workers the launcher killed after training completed to the run's
-// summary (written by the member that finished as writer).
-void record_killed(const std::string& run_dir, const std::set<pid_t>& pids) {
-  if (run_dir.empty()) return;
-  const std::string path = run_dir + "/summary.json";
-  try {
-    auto s = nlohmann::json::parse(read_file(path));
-    s["workers_killed_after_training"] = std::vector<pid_t>(pids.begin(), pids.end());
-    write_file_atomic(path, s.dump(2) + "\n");
-  } catch (const std::exception& e) {
-    log_warn(std::string("launch: could not record the killed workers in the summary: ") + e.what());
-  }
-}
-
-}  // namespace
 
 std::vector<std::pair<double, int>> parse_schedule(const std::string& text) {
   std::vector<std::pair<double, int>> out;
@@ -170,130 +60,6 @@ std::vector<std::pair<double, int>> parse_schedule(const std::string& text) {
   if (out.empty()) throw InvalidInput("--elastic-schedule is empty");
   return out;
 }
-
-namespace {
-
-// One job as this launcher sees it: a state machine over the phases of
-// "How a job ends" (docs/elastic.md). Events (a signal, a worker's exit, a
-// coordinator poll, the store's answers) move it between phases; each exit
-// code is decided in one place.
-//
-//   Starting   workers started, no round yet
-//   Running    a round of at least --min-workers exists
-//   Reforming  fewer than --min-workers alive; waits up to --rdzv-timeout
-//   Completing training completed (elastic/done, or a fixed-membership
-//              worker ended with 0): stragglers are killed a second later;
-//              exits 0 once its own workers are gone (the hosting launcher
-//              also waits, at most 3 s, until every other launcher saw it)
-//   Stopping   a signal, the minimum timeout or a fixed-membership failure:
-//              workers get SIGTERM, then SIGKILL after the grace period
-//   Lost       (not hosting) no answer from the rendezvous store for longer
-//              than --rdzv-timeout: workers are stopped, exit 5
-enum class Phase { Starting, Running, Reforming, Completing, Stopping, Lost };
-
-const char* phase_name(Phase p) {
-  switch (p) {
-    case Phase::Starting: return "starting";
-    case Phase::Running: return "running";
-    case Phase::Reforming: return "re-forming";
-    case Phase::Completing: return "completing";
-    case Phase::Stopping: return "stopping";
-    case Phase::Lost: return "lost";
-  }
-  return "?";
-}
-
-constexpr double kStragglerGrace = 1.0;  // s after completion before a member that has not left is killed
-constexpr double kFrozenInTheEnding = 5.0;  // s a member that left may stand still before it is killed
-constexpr double kAckGrace = 3.0;        // s the hosting launcher waits for the others to see completion
-constexpr int kDoneKeptSeconds = 3600;   // s an etcd job's completion outlives its other keys
-
-class Job {
- public:
-  explicit Job(LaunchOptions opt);
-  int run();
-
- private:
-  void on_signal(int sig);
-  void on_exit(const Supervisor::Exit& ex);
-  void on_all_gone();
-  void on_round(const Coordinator::Result& r);
-  void tick();
-  void poll_store(bool now = false);
-  void complete_tick();
-  void warned_tick();
-  bool warned_job_completed(const std::string& what_now);
-  void check_job_name();
-  void apply_schedule();
-  void enter(Phase p, const std::string& why);
-  void complete(const std::string& why);
-  void stop(int code, const std::string& why, int sig);
-  bool finished();
-  int finish();
-  void remove_shard_homes();
-  // Runs a store call; false (and the loss clock running) when the store
-  // did not answer.
-  bool with_store(const std::function<void()>& f);
-  int64_t worker_id_of(pid_t pid);
-  void start_worker(int index, bool resume);
-  // etcd: runs the election and starts or drops this launcher's coordinator.
-  void elect();
-  // Keeps the store up at the end until the other launchers saw completion:
-  // the hosting launcher, or (etcd) the one coordinating.
-  bool keeper() const { return hosting_ || (election_ && election_->leading()); }
-  void make_coordinator();
-  void read_records();
-  // No store call has gone through for a second: calls that can wait are
-  // skipped, so that the loop keeps its pace while the loss clock runs.
-  bool store_down() const { return seconds_since(last_contact_) > 1.0; }
-  int64_t records_seen_ = 0;
-  Clock::time_point last_records_{};
-
-  LaunchOptions opt_;
-  bool hosting_ = false;
-  int port_ = 0;
-  std::string rdzv_, run_dir_;
-  int threads_ = 0;
-  Supervisor sup_;
-  std::shared_ptr<void> store_;
-  std::shared_ptr<comm::KvStore> kv_;
-  std::unique_ptr<Coordinator> coordinator_;
-  std::unique_ptr<BeatListener> listener_;  // the coordinator's: every host's heartbeats
-  std::unique_ptr<Election> election_;
-  // This host's heartbeat table, each worker's slot in it, and the thread
-  // that relays it to the coordinator (elastic/beats.h).
-  std::shared_ptr<LocalBeats> beats_table_;
-  std::map<pid_t, int> slot_of_;
-  std::unique_ptr<BeatSender> relay_;
-  std::unique_ptr<status::Server> page_;
-  bool url_written_ = false;
-  Phase phase_ = Phase::Starting;
-  int result_ = 0;  // the exit code Stopping / an all-gone job ends with
-  std::string exit_reason_;
-  int user_signal_ = 0;
-  bool warned_stop_ = false;  // Stopping on Slurm's warning (SIGUSR1)
-  bool warned_completed_ = false;  // ... that found the job completed: its final files are checked
-  Clock::time_point warned_at_{};  // when Slurm's warning came (the ending's bound: --warning-grace)
-  Clock::time_point done_at_{}, last_contact_ = Clock::now(), last_done_check_{};
-  std::string last_store_error_;
-  int64_t launcher_id_ = 0;
-  bool acked_ = false;
-  std::set<pid_t> terminating_, killed_after_done_;
-  // The ending: workers that took part in it (set `left`, or exited during
-  // it without being killed as stragglers), each straggler's last heartbeat
-  // and when it changed, and whether the ending outlasted --finish-timeout.
-  std::set<pid_t> finishers_;
-  std::map<pid_t, std::pair<std::string, Clock::time_point>> beats_;
-  std::map<pid_t, std::pair<std::string, Clock::time_point>> left_beats_;  // (ending) members that left
-  Clock::time_point last_beat_seen_{};
-  bool finish_timed_out_ = false;
-  std::filesystem::file_time_type started_ = std::filesystem::file_time_type::clock::now();
-  bool final_files_written() const;
-  std::string start_marker_;  // RUN_DIR/.launch-<host>-<pid>, written at the start
-  int next_index_ = 0, restarts_ = 0;
-  int alive_ = 0;  // workers alive in the job at the coordinator's last poll
-  ThrottledLog poll_errors_;
-};
 
 Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
   port_ = opt_.rdzv_port;
@@ -475,6 +241,7 @@ int Job::run() {
   return finish();
 }
 
+
 void Job::enter(Phase p, const std::string& why) {
   if (p == phase_) return;
   log_info(std::string("launch: ") + phase_name(phase_) + " -> " + phase_name(p) + " (" + why + ")");
@@ -633,22 +400,7 @@ void Job::on_all_gone() {
   stop(result_, exit_reason_, SIGTERM);
 }
 
-void Job::complete(const std::string& why) {
-  if (phase_ == Phase::Completing) return;
-  done_at_ = Clock::now();
-  log_info("launch: training completed");
-  enter(Phase::Completing, why);
-}
 
-void Job::stop(int code, const std::string& why, int sig) {
-  result_ = code;
-  exit_reason_ = why;
-  sup_.begin_stop(sig, opt_.kill_grace);  // SIGKILL after the grace period
-  enter(Phase::Stopping, why);
-}
-
-// Feeds this launcher's page with the records rank 0 published since the
-// last read (twice a second; one list call).
 void Job::read_records() {
   if (!page_ || !opt_.elastic || store_down() || seconds_since(last_records_) < 0.5) return;
   last_records_ = Clock::now();
@@ -712,31 +464,7 @@ void Job::tick() {
 // workers took the SIGTERM in their ending, which goes on, so the scheduled
 // SIGKILLs are taken back and the job ends as one that completed (0 once
 // the final files are written, 75 if they are not).
-void Job::warned_tick() {
-  if (seconds_since(last_done_check_) < 0.1) return;
-  last_done_check_ = Clock::now();
-  if (!warned_job_completed("its ending (final evaluation, checkpoint and summary) goes on through the warning"))
-    return;
-  sup_.hold_kills();  // (the ending's bound is --warning-grace, in complete_tick)
-}
 
-// A stop on Slurm's warning that finds `elastic/done`: the job completed
-// as the warning came, and ends as a completed one (its final files checked
-// by finish()). False while the store says otherwise or does not answer.
-bool Job::warned_job_completed(const std::string& what_now) {
-  bool done = false;
-  if (!with_store([&] { done = kv_->try_get("elastic/done").has_value(); }) || !done) return false;
-  warned_stop_ = false;
-  warned_completed_ = true;
-  result_ = 0;
-  exit_reason_.clear();
-  log_info("launch: training completed as Slurm's warning came; " + what_now);
-  complete("training completed (elastic/done)");
-  return true;
-}
-
-// Completion, and contact with the store (a non-hosting launcher that
-// cannot reach it for --rdzv-timeout has lost the job).
 void Job::poll_store(bool now) {
   if (!now && seconds_since(last_done_check_) < 0.1) return;
   last_done_check_ = Clock::now();
@@ -765,213 +493,6 @@ void Job::poll_store(bool now) {
 // healthy member finishing its final checkpoint). Then this launcher tells
 // the hosting one it saw the completion, and waits for its own workers to
 // exit, at most --finish-timeout.
-void Job::complete_tick() {
-  if (!opt_.elastic) return;
-  const bool warned_out = warned_at_ != Clock::time_point{} &&
-                          seconds_since(warned_at_) > opt_.warning_grace.count() / 1000.0;
-  if (!finish_timed_out_ && (warned_out || seconds_since(done_at_) > opt_.finish_timeout.count() / 1000.0)) {
-    finish_timed_out_ = true;
-    log_warn(warned_out ? "launch: the job's ending went on for --warning-grace (" +
-                              std::to_string(opt_.warning_grace.count() / 1000) +
-                              " s) after Slurm's warning; killing the " + std::to_string(sup_.count()) +
-                              " workers still running"
-                        : "launch: the job's ending took longer than --finish-timeout (" +
-                              std::to_string(opt_.finish_timeout.count() / 1000) + " s); killing the " +
-                              std::to_string(sup_.count()) + " workers still running");
-    for (const auto& [pid, idx] : sup_.children()) {
-      sup_.signal(pid, SIGKILL);
-      killed_after_done_.insert(pid);
-    }
-  }
-  // The coordinator still watches the members' beats: a member frozen in
-  // its ending is marked silent, and the next member of its storage writes
-  // the final files in its place.
-  if (coordinator_) {
-    try {
-      coordinator_->poll_ending();
-    } catch (const comm::FencedOut& e) {
-      election_->step_down(e.what());
-      coordinator_.reset();
-      listener_.reset();
-    } catch (const std::exception&) {
-      // a store call that failed: the next tick polls again
-    }
-  }
-  if (seconds_since(done_at_) < kStragglerGrace) return;
-  // The store gone for longer than the hosting launcher waits for the
-  // others at the end: nothing can be asked any more.
-  const bool store_gone = seconds_since(last_contact_) > kAckGrace;
-  for (const auto& [pid, idx] : sup_.children()) {
-    if (killed_after_done_.count(pid)) continue;
-    // Its heartbeat, from this host's table.
-    const auto slot = slot_of_.find(pid);
-    const std::string beat = slot == slot_of_.end() ? "" : std::to_string(beats_table_->counter(slot->second));
-    if (auto w = left_beats_.find(pid); w != left_beats_.end()) {
-      // Left, writing its final files: watched by its beats alone (no store
-      // call) until it exits. One whose beats stand still (frozen) has been
-      // replaced by the next member of its storage; it is killed, so that it
-      // can never write beside that one.
-      if (w->second.first != beat) {
-        w->second = {beat, Clock::now()};
-      } else if (seconds_since(w->second.second) > kFrozenInTheEnding) {
-        log_warn("launch: worker pid " + std::to_string(pid) +
-                 " stopped beating in the job's ending (frozen); killing it (the next member writes its files)");
-        sup_.signal(pid, SIGKILL);
-        killed_after_done_.insert(pid);
-      }
-      continue;
-    }
-    const std::string want = process_key(pid);
-    int64_t id = 0;
-    bool left = false;
-    const bool answered = with_store([&] {
-      const std::string prefix = "elastic/host_pid/";
-      for (const auto& [key, value] : kv_->list(prefix))
-        if (value == want) id = std::strtoll(key.c_str() + prefix.size(), nullptr, 10);
-      if (!id) return;
-      left = kv_->try_get("elastic/left/" + std::to_string(id)).has_value();
-    });
-    if (!answered && !store_gone) continue;
-    if (left) {
-      finishers_.insert(pid);
-      left_beats_[pid] = {beat, Clock::now()};
-      continue;
-    }
-    auto it = beats_.find(pid);
-    if (answered && id && (it == beats_.end() || it->second.first != beat)) {
-      beats_[pid] = {beat, Clock::now()};  // beating: finishing its last step, or a slow store
-      continue;
-    }
-    if (answered && id && seconds_since(it->second.second) < kStragglerGrace) continue;
-    log_warn("launch: worker pid " + std::to_string(pid) + " (id " + std::to_string(id) +
-             ") did not finish with the others (stopped or hung); killing it");
-    sup_.signal(pid, SIGKILL);
-    killed_after_done_.insert(pid);
-  }
-}
-
-// The run directory holds a summary and a checkpoint written since this
-// launcher started (the job's own, not an earlier run's).
-bool Job::final_files_written() const {
-  // Compared with a file this launcher wrote into the run directory when it
-  // started: the same file system stamps both (no clock skew between the
-  // hosts that share a directory over NFS).
-  std::error_code ec;
-  const auto start = start_marker_.empty() ? started_ : std::filesystem::last_write_time(start_marker_, ec);
-  if (ec) return true;  // the marker is gone (removed by hand): nothing to judge by
-  for (const char* f : {"/summary.json", "/checkpoint.pt"}) {
-    const auto t = std::filesystem::last_write_time(run_dir_ + f, ec);
-    if (ec || t < start) return false;
-  }
-  return true;
-}
-
-bool Job::finished() {
-  if (sup_.count() > 0) return false;
-  if (phase_ == Phase::Stopping && opt_.elastic && warned_stop_) {
-    // Every worker exited before warned_tick() saw the completion (the
-    // review: a job that completed as the warning came exited 75 and was
-    // requeued): one last look.
-    warned_job_completed("its workers have ended");
-  }
-  if (phase_ == Phase::Stopping || phase_ == Phase::Lost) return true;
-  if (phase_ != Phase::Completing) return false;
-  if (!opt_.elastic) return true;
-  // This launcher's workers are gone: it tells the keeper, which keeps the
-  // store up while the others' workers may still need it to finish (final
-  // checkpoints, the final key, leaving).
-  if (!keeper()) {
-    if (!acked_) acked_ = with_store([&] { kv_->set("elastic/launcher_done/" + std::to_string(launcher_id_), "1"); });
-    return true;
-  }
-  // The keeper (the hosting launcher, or under etcd the coordinating one)
-  // waits until every other launcher has said so, or until no worker of the
-  // job has beaten for kAckGrace (their launchers are gone or cut off), at
-  // most --finish-timeout.
-  if (seconds_since(done_at_) > opt_.finish_timeout.count() / 1000.0) return true;
-  bool all = true;
-  const bool answered = with_store([&] {
-    const int64_t n = kv_->add("elastic/launchers", 0);
-    for (int64_t l = 1; l <= n && all; ++l)
-      if (l != launcher_id_ && !kv_->try_get("elastic/launcher_done/" + std::to_string(l))) all = false;
-  });
-  // Any worker's heartbeat heard (the coordinator's listener, while it runs).
-  if (listener_) last_beat_seen_ = std::max(last_beat_seen_, listener_->table()->last_arrival());
-  if (!answered) return seconds_since(last_contact_) > kAckGrace;
-  return all || seconds_since(std::max(last_beat_seen_, done_at_)) > kAckGrace;
-}
-
-// The job's shard homes on this host (elastic/shards.h): they outlive
-// their workers for the survivors, not the job.
-void Job::remove_shard_homes() {
-  if (!opt_.elastic) return;
-  std::optional<std::string> tag;
-  with_store([&] { tag = kv_->try_get("elastic/job_tag"); });
-  if (tag && !tag->empty()) remove_homes("limbo-zero-" + *tag + "-");
-}
-
-int Job::finish() {
-  remove_shard_homes();
-  if (phase_ == Phase::Completing) {
-    int code = 0;
-    if (finish_timed_out_) {
-      code = kExitTimeout;
-      log_warn("launch: exit code " + std::to_string(code) + ": training completed, but the ending (final "
-               "evaluation, checkpoint and summary) outlasted --finish-timeout; the last checkpoint in the run "
-               "directory is the newest state");
-    } else if (!run_dir_.empty() && (!finishers_.empty() || warned_completed_) && !final_files_written()) {
-      // Training completed, but no member wrote the final checkpoint and
-      // summary here (each member that could died while the job ended):
-      // the job has not delivered its result.
-      code = kExitFailure;
-      log_warn("launch: exit code " + std::to_string(code) + ": training completed, but " + run_dir_ +
-               " has no final checkpoint and summary (the members that write them died while the job ended); "
-               "the last checkpoint there is the newest state (--resume)");
-    }
-    if (code != 0 && user_signal_ == SIGUSR1) {
-      // Warned ahead of preemption, and the ending did not deliver: the
-      // requeued job resumes from the last checkpoint and ends again.
-      log_warn("launch: exit code " + std::to_string(kExitPreempted) + " instead of " + std::to_string(code) +
-               ": Slurm's warning (SIGUSR1) came while the job ended; requeue the job, or run it again with "
-               "--resume");
-      code = kExitPreempted;
-    }
-    if (!killed_after_done_.empty() && code == 0) record_killed(run_dir_, killed_after_done_);
-    if (election_ && election_->leading()) {
-      // The job's keys go with it, but for `elastic/done` after a good
-      // ending, kept for kDoneKeptSeconds: a launcher cut off from etcd that
-      // missed the completion sees it when it gets through, instead of
-      // starting its workers into a fresh job of the same name (from
-      // scratch); and a launcher started again with this name is told the
-      // job completed. After a failed ending the name is free at once, for
-      // --resume.
-      try {
-        comm::EtcdClient c(*opt_.etcd, std::chrono::seconds(2));
-        c.erase(opt_.etcd->prefix(), true);
-        if (code == 0) c.put(opt_.etcd->prefix() + "elastic/done", "1", c.grant_lease(kDoneKeptSeconds));
-        election_->resign();
-      } catch (const Error& e) {
-        log_warn(std::string("launch: could not delete the job's keys in etcd: ") + e.what());
-      }
-    }
-    if (!start_marker_.empty()) std::remove(start_marker_.c_str());
-    return code;
-  }
-  if (!start_marker_.empty()) std::remove(start_marker_.c_str());
-  if (user_signal_ == SIGUSR1 && phase_ == Phase::Stopping) {
-    log_warn("launch: exit code " + std::to_string(kExitPreempted) +
-             ": stopped by SIGUSR1 (ahead of preemption or the time limit) before training completed; requeue "
-             "the job, or run it again with --resume");
-    return kExitPreempted;
-  }
-  if (user_signal_ && phase_ == Phase::Stopping) {
-    log_warn("launch: exit code " + std::to_string(128 + user_signal_) + ": stopped by signal " +
-             std::to_string(user_signal_) + " before training completed (resume with --resume)");
-    return 128 + user_signal_;
-  }
-  log_warn("launch: exit code " + std::to_string(result_) + ": " + exit_reason_);
-  return result_;
-}
 
 void Job::apply_schedule() {
   if (opt_.schedule.empty()) return;
@@ -1035,8 +556,6 @@ void Job::on_round(const Coordinator::Result& r) {
     stop(kExitTimeout, "fewer workers than --min-workers for longer than the rendezvous timeout", SIGTERM);
   }
 }
-
-}  // namespace
 
 int launch(const LaunchOptions& opt_in) {
   LaunchOptions opt = opt_in;

@@ -10,6 +10,7 @@ import collections
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -271,3 +272,49 @@ def test_the_python_loop_trains_what_limbo_train_trains(run_dir):
         # Measured: at most 9e-8 apart (about one float32 ulp of these values).
         assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6), (k, (a[k] - b[k]).abs().max())
     assert summary(os.path.join(run_dir, "cli"))["steps"] == summary(os.path.join(run_dir, "py"))["steps"] == 32
+
+
+@pytest.mark.parametrize("how", ["kill", "freeze", "cut"])
+def test_a_lost_host_leaves_the_other_hosts_members_identical(run_dir, how):
+    """Two hosts (network namespaces joined by a veth pair) of two workers
+    each; host B is lost whole (every process killed, frozen, or its link
+    cut) while the job trains: host A's members re-form and finish, every
+    sample once an epoch, identical at the end."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from limbo_run import Veth
+    veth = Veth()
+    try:
+        rdzv = "%s:%d" % (veth.ip[0], 29800 + os.getpid() % 100)
+        common = ["--nproc", "2", "--min-workers", "2", "--start-workers", "4", "--rdzv", rdzv, "--run-dir", run_dir,
+                  "--", PY, SCRIPT, "--epochs", "6", "--loader-workers", "0"]
+        e = env(PACE=0.05)
+        a = subprocess.Popen(veth.prefix(0) + [LIMBO, "launch"] + common, env=e, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        time.sleep(1.0)
+        b = subprocess.Popen(veth.prefix(1) + [LIMBO, "launch"] + common, env=e, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        # Paced at 0.05 s a step, 6 epochs of 16 steps: over 4 s of training;
+        # host B is lost once 10 steps committed with all four members.
+        deadline = time.time() + 120
+        while time.time() < deadline and max(steps_logged(run_dir) or [0]) < 10:
+            time.sleep(0.1)
+        assert max(steps_logged(run_dir) or [0]) >= 10, "the job did not start"
+        if how == "cut":
+            veth.cut(1)
+        else:
+            for pid in veth.pids(1):
+                try:
+                    os.kill(pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
+        out, _ = a.communicate(timeout=300)
+        assert a.returncode == 0, out
+        check_exactly_once(run_dir, 1024, 6)
+        check_identical(run_dir, 2)
+        s = summary(run_dir)
+        assert s["workers"] == 2 and s["membership_changes"] >= 1, s
+    finally:
+        veth.close()
+        b.kill() if "b" in locals() else None
