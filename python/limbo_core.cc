@@ -107,15 +107,32 @@ class Core {
     model_ = module_tree(params, buffers);
     flat_ = std::make_unique<optim::FlatParams>(*model_);
     if (flat_->numel() == 0) throw InvalidInput("the model has no trainable parameters");
+    // The user's torch.optim (called back at the update), or one of Limbo's
+    // optimizers (limbo.Optimizer: its state lives in Limbo, sharded with
+    // shard_state, and moves natively in state sync and checkpoints).
     optim::OptimizerOptions oo;
+    own_ = o.contains("limbo_optimizer");
+    if (own_) {
+      const py::dict lo = o["limbo_optimizer"].cast<py::dict>();
+      oo.algorithm = get<std::string>(lo, "algorithm", "sgd");
+      oo.weight_decay = get<double>(lo, "weight_decay", 0.0);
+      oo.momentum = get<double>(lo, "momentum", 0.0);
+      oo.dampening = get<double>(lo, "dampening", 0.0);
+      oo.nesterov = get<bool>(lo, "nesterov", false);
+      oo.beta1 = get<double>(lo, "beta1", 0.9);
+      oo.beta2 = get<double>(lo, "beta2", 0.999);
+      oo.eps = get<double>(lo, "eps", 1e-8);
+      shard_state_ = get<bool>(lo, "shard_state", false);
+    }
     opt_ = std::make_shared<train::OptimizerStep>(optim::make_optimizer(oo), get<double>(o, "clip_grad_norm", 0.0));
-    opt_->set_external([this](double lr) {
-      py::gil_scoped_acquire gil;
-      step_(lr);
-    });
+    if (!own_)
+      opt_->set_external([this](double lr) {
+        py::gil_scoped_acquire gil;
+        step_(lr);
+      });
     optim::BatchPolicyOptions bp;
     bp.kind = optim::parse_batch_policy(get<std::string>(o, "batch_policy", "dynamic"));
-    bp.rule = optim::parse_scaling_rule(get<std::string>(o, "lr_scaling", "linear"), "sgd");
+    bp.rule = optim::parse_scaling_rule(get<std::string>(o, "lr_scaling", "linear"), oo.algorithm);
     bp.reference_batch = get<int64_t>(o, "reference_batch", 0);
     bp.ramp_iterations = get<int64_t>(o, "ramp_steps", 200);
     policy_ = std::make_unique<optim::BatchSizePolicy>(bp);
@@ -141,6 +158,7 @@ class Core {
       jo.reduce.overlap = get<bool>(o, "overlap", true);
       jo.reduce.bucket_bytes = static_cast<int64_t>(get<double>(o, "bucket_mb", 4.0) * (1 << 20));
       jo.reduce.compression = comm::parse_compression(get<std::string>(o, "compression", "none"));
+      jo.reduce.shard_state = shard_state_;
       if (elastic) {
         py::gil_scoped_release no_gil;
         auto joined = elastic::join_elastic(jo, opt_, *flat_,
@@ -234,12 +252,21 @@ class Core {
     buffers_before_.clear();
     if (!flat_->buffer_entries().empty()) buffers_before_ = flat_->save_buffers();
     policy_step_ = policy_->step(state_.step, batch_size_ * world());
+    if (own_) {
+      // Limbo's optimizer: the momentum at a batch change (elastic.momentum)
+      // and the square-root rule's betas, as the CLI's steps do.
+      auto& opt = opt_->optimizer();
+      if (policy_step_.changed && policy_step_.momentum_factor != 1.0)
+        rule().scale_momentum(opt, policy_step_.momentum_factor, state_.step);
+      opt.set_batch_scale(policy_->options().rule == optim::ScalingRule::Sqrt ? policy_step_.kappa : 1.0);
+    }
   }
 
   // Before the user's backward: the gradient zeroed (and re-attached where
   // the user's zero_grad(set_to_none=True) dropped it), then the rule may
   // reduce buckets as backward fills them.
-  void backward_starts(double loss) {
+  void backward_starts(double loss, double lr) {
+    lr_ = lr;
     need_step("job.backward()");
     if (backward_started_)
       throw InvalidInput("job.backward() was called twice in one step; call it once a step (gradient "
@@ -255,8 +282,9 @@ class Core {
   // through set_external), the commit. False: a peer failed, the step did
   // not commit, the group re-formed (or training completed elsewhere:
   // left()); the loop redoes it from the committed cursor.
-  bool step(double loss) {
+  bool step(double loss, double lr) {
     need_step("job.step()");
+    lr_ = lr;
     in_step_ = false;
     if (!backward_started_) {
       // The user ran backward itself: the gradient is wherever autograd put it.
@@ -390,6 +418,21 @@ class Core {
   std::string run_dir() const { return session_ ? const_cast<train::Session&>(*session_).run_dir().path() : ""; }
   const std::vector<int64_t>& batch_ids() const { return plan_.ids; }
 
+  // Limbo's optimizer: its state by name (whole, gathered from the shards
+  // when sharded: a collective, every member calls it alike) and its count.
+  py::dict optimizer_state() {
+    {
+      py::gil_scoped_release no_gil;
+      session_->gather_state("optimizer_state()", true);
+    }
+    auto& opt = opt_->optimizer();
+    py::dict d;
+    const auto names = opt.state_names();
+    for (size_t i = 0; i < names.size() && opt.has_state(); ++i) d[py::str(names[i])] = opt.state()[i].clone();
+    d["step"] = opt.steps();
+    return d;
+  }
+
  private:
   train::UpdateRule& rule() { return session_->rule(); }
   const train::UpdateRule& rule() const { return const_cast<train::Session&>(*session_).rule(); }
@@ -434,7 +477,8 @@ class Core {
 
   train::StepContext context(double loss) {
     return {flat_->data(), flat_->grad(), flat_->grad_with_slot(), loss,
-            static_cast<int64_t>(plan_.ids.size()), plan_.global_size, policy_step_.multiplier, state_.step, {}};
+            static_cast<int64_t>(plan_.ids.size()), plan_.global_size,
+            own_ ? lr_ * policy_step_.multiplier : policy_step_.multiplier, state_.step, {}};
   }
 
   void log_step() {
@@ -476,6 +520,8 @@ class Core {
   int static_rank_ = -1;  // a static job's rank (elastic: the session's)
   double train_seconds_ = 0, last_loss_ = NAN;
   bool drop_last_ = false, resume_ = false, in_step_ = false, backward_started_ = false, left_ = false;
+  bool own_ = false, shard_state_ = false;  // Limbo's optimizer (limbo.Optimizer), its state sharded
+  double lr_ = 0;                           // Limbo's optimizer: this step's scheduled rate
 };
 
 }  // namespace
@@ -513,6 +559,7 @@ PYBIND11_MODULE(_core, m) {
       .def("finish", &Core::finish)
       .def("global_ids", &Core::global_ids)
       .def("batch_ids", &Core::batch_ids)
+      .def("optimizer_state", &Core::optimizer_state)
       .def_property_readonly("world", &Core::world)
       .def_property_readonly("rank", &Core::rank)
       .def_property_readonly("generation", &Core::generation)

@@ -26,7 +26,7 @@ import torch
 from . import _core
 from ._core import InvalidInput, LimboError
 
-__all__ = ["Job", "InvalidInput", "LimboError", "UsageError"]
+__all__ = ["Job", "Optimizer", "InvalidInput", "LimboError", "UsageError"]
 
 
 class UsageError(InvalidInput):
@@ -38,7 +38,33 @@ def _env_flag(name):
 
 
 def _adam_like(optimizer):
+    if isinstance(optimizer, Optimizer):
+        return optimizer.algorithm in ("adam", "adamw")
     return any("Adam" in c.__name__ for c in type(optimizer).__mro__)
+
+
+class Optimizer:
+    """One of Limbo's optimizers, in place of a torch.optim one: its state
+    lives in Limbo (float32, over the flat parameters), moves natively in
+    state sync and checkpoints, and with shard_state=True is sharded across
+    the members (ZeRO-1) with a copy of each shard on the next host
+    (docs/sharded_state.md). The same algorithms as the CLI's optim.*:
+
+        limbo.Optimizer("sgd", lr=0.05, momentum=0.9, nesterov=False, weight_decay=0.0)
+        limbo.Optimizer("adamw", lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01,
+                        shard_state=True)
+
+    The rate of a step is lr x Job(lr_schedule=f)'s f(step) x the batch
+    policy's multiplier."""
+
+    def __init__(self, algorithm="sgd", *, lr, momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0,
+                 betas=(0.9, 0.999), eps=1e-8, shard_state=False):
+        if algorithm not in ("sgd", "adam", "adamw"):
+            raise InvalidInput("limbo.Optimizer: unknown algorithm %r; allowed: sgd, adam, adamw" % (algorithm,))
+        self.algorithm, self.lr = algorithm, float(lr)
+        self.options = dict(algorithm=algorithm, momentum=float(momentum), dampening=float(dampening),
+                            nesterov=bool(nesterov), weight_decay=float(weight_decay), beta1=float(betas[0]),
+                            beta2=float(betas[1]), eps=float(eps), shard_state=bool(shard_state))
 
 
 class _Sampler:
@@ -114,7 +140,7 @@ class Job:
     """
 
     def __init__(self, model, optimizer, *, dataset, batch_size, epochs=1, max_steps=0,
-                 scheduler=None, seed=1, order="shuffle", drop_last=False, state=None,
+                 scheduler=None, lr_schedule=None, seed=1, order="shuffle", drop_last=False, state=None,
                  run_dir=None, resume=None, clip_grad_norm=0.0, scale_lr=True,
                  batch_policy="dynamic", lr_scaling="auto", reference_batch=0, ramp_steps=200,
                  checkpoint_every_epochs=1, checkpoint_every_steps=0, log_every=50,
@@ -123,10 +149,17 @@ class Job:
                  max_nonfinite_steps=10):
         if not isinstance(model, torch.nn.Module):
             raise InvalidInput("model must be a torch.nn.Module, got %s" % type(model).__name__)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise InvalidInput("optimizer must be a torch.optim.Optimizer, got %s" % type(optimizer).__name__)
+        own = isinstance(optimizer, Optimizer)
+        if not own and not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidInput("optimizer must be a torch.optim.Optimizer or a limbo.Optimizer, got %s"
+                               % type(optimizer).__name__)
+        if own and scheduler is not None:
+            raise InvalidInput("a torch lr_scheduler steps a torch.optim optimizer; with limbo.Optimizer give "
+                               "lr_schedule=f (the rate is lr x f(step))")
+        if not own and lr_schedule is not None:
+            raise InvalidInput("lr_schedule is for limbo.Optimizer; a torch.optim optimizer takes scheduler=")
         owned = {id(p) for p in model.parameters()}
-        for g in optimizer.param_groups:
+        for g in ([] if own else optimizer.param_groups):
             for p in g["params"]:
                 if id(p) not in owned:
                     raise InvalidInput("the optimizer holds a parameter that is not the model's")
@@ -144,6 +177,8 @@ class Job:
         if state is not None and not isinstance(state, dict):
             raise InvalidInput("state must be a dict, got %s" % type(state).__name__)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self._own = own
+        self._lr_schedule = lr_schedule
         self.state = state if state is not None else {}
         self.dataset_size, self.batch_size = size, int(batch_size)
         self.epochs, self.max_steps, self.drop_last = int(epochs), int(max_steps), bool(drop_last)
@@ -173,6 +208,8 @@ class Job:
             rdzv=env.get("LIMBO_RDZV", ""), elastic=_env_flag("LIMBO_ELASTIC"),
             rank=int(env.get("LIMBO_RANK", "0")), world=int(env.get("LIMBO_WORLD", "1")),
             token=env.get("LIMBO_JOB_TOKEN", ""))
+        if own:
+            options["limbo_optimizer"] = optimizer.options
         options["config_toml"] = self._describe(options)
         params = list(model.named_parameters())
         buffers = [(n, b) for n, b in model.named_buffers() if b is not None]
@@ -286,7 +323,7 @@ class Job:
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise InvalidInput("job.backward() takes the scalar loss tensor of this member's batch")
         value = float(loss.detach())
-        self._core.backward_starts(value)
+        self._core.backward_starts(value, self._rate())
         self._loss = value
         loss.backward()
 
@@ -303,7 +340,7 @@ class Job:
         loss = self._loss if self._loss is not None else float("nan")
         self._loss = None
         self._stepped = True
-        if not self._core.step(loss):
+        if not self._core.step(loss, self._rate()):
             return False
         if self.scheduler is not None:
             self.scheduler.step()
@@ -319,6 +356,21 @@ class Job:
                   file=sys.stderr, flush=True)
         self._core.after_step()
         return True
+
+    def _rate(self):
+        """Limbo's optimizer: this step's scheduled rate (before the batch policy)."""
+        if not self._own:
+            return 0.0
+        f = self._lr_schedule(self._core.steps) if self._lr_schedule is not None else 1.0
+        return self.optimizer.lr * float(f)
+
+    def optimizer_state(self):
+        """Limbo's optimizer: its state tensors by name (whole: gathered from
+        the shards, so every member must call it at the same step) and its
+        update count as "step"."""
+        if not self._own:
+            raise UsageError("optimizer_state() is for limbo.Optimizer; a torch.optim optimizer has state_dict()")
+        return self._core.optimizer_state()
 
     @property
     def loss(self):
@@ -350,14 +402,15 @@ class Job:
     # -- state that travels --------------------------------------------------
     def _pack(self):
         buf = io.BytesIO()
-        torch.save({"optimizer": self.optimizer.state_dict(),
+        torch.save({"optimizer": None if self._own else self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                     "state": self.state}, buf)
         return buf.getvalue()
 
     def _unpack(self, data):
         saved = torch.load(io.BytesIO(bytes(data)))
-        self.optimizer.load_state_dict(saved["optimizer"])
+        if not self._own:
+            self.optimizer.load_state_dict(saved["optimizer"])
         if self.scheduler is not None and saved.get("scheduler") is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
         self.state.clear()
@@ -398,5 +451,6 @@ class Job:
                 v = '"%s"' % v
             lines.append("%s = %s" % (key, v))
         lines.append('model = "%s"' % type(self.model).__name__)
-        lines.append('optimizer = "%s"' % type(self.optimizer).__name__)
+        lines.append('optimizer = "%s"' % (("limbo " + self.optimizer.algorithm) if self._own
+                                           else type(self.optimizer).__name__))
         return "\n".join(lines) + "\n"

@@ -92,7 +92,7 @@ def fingerprint(job, model, opt):
     w = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     b = sum(float(t.double().sum()) for t in model.buffers())
     st = []
-    for group in opt.param_groups:
+    for group in ([] if isinstance(opt, limbo.Optimizer) else opt.param_groups):
         for p in group["params"]:
             for k, v in sorted(opt.state.get(p, {}).items()):
                 st.append(float(v.double().sum()) if torch.is_tensor(v) else float(v))
@@ -102,7 +102,7 @@ def fingerprint(job, model, opt):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--optimizer", choices=["sgd", "adamw", "limbo-adamw", "limbo-adamw-sharded"], default="sgd")
     p.add_argument("--model", choices=["dict", "plain"], default="dict")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=1024)
@@ -122,11 +122,16 @@ def main():
         opt = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if "out" in n], "lr": 3e-3},
                                  {"params": [p for n, p in model.named_parameters() if "out" not in n]}],
                                 lr=1e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    warmup = lambda s: min(1.0, (s + 1) / 10)  # noqa: E731
     state = {"seen_by_me": 0}
-    job = limbo.Job(model, opt, scheduler=sched, dataset=train, batch_size=args.batch_size, epochs=args.epochs,
+    if args.optimizer.startswith("limbo-"):  # Limbo's own AdamW, its state sharded or not
+        opt = limbo.Optimizer("adamw", lr=3e-3, weight_decay=0.01, shard_state=args.optimizer.endswith("sharded"))
+        schedule = dict(lr_schedule=warmup)
+    else:
+        schedule = dict(scheduler=torch.optim.lr_scheduler.LambdaLR(opt, warmup))
+    job = limbo.Job(model, opt, dataset=train, batch_size=args.batch_size, epochs=args.epochs,
                     state=state, run_dir=args.run_dir, checkpoint_every_steps=args.checkpoint_every_steps,
-                    log_every=10)
+                    log_every=10, **schedule)
     loader = DataLoader(train, batch_sampler=job.sampler, num_workers=args.loader_workers)
     run_dir = job.run_dir or os.environ.get("LIMBO_RUN_DIR", "")
     pace = float(os.environ.get("PACE", "0"))
@@ -163,7 +168,7 @@ def main():
         ids, epoch = job.global_ids(), int(job.epoch)
         if job.step():
             state["seen_by_me"] += len(batch["label"])
-            job.log(my_metric=float(loss), lr0=opt.param_groups[0]["lr"])
+            job.log(my_metric=float(loss), lr0=opt.lr if isinstance(opt, limbo.Optimizer) else opt.param_groups[0]["lr"])
             if log:
                 log.write("%d %d %s\n" % (job.step_count, epoch, " ".join(map(str, ids))))
                 log.flush()

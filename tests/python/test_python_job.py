@@ -136,12 +136,16 @@ def test_two_workers_train_what_one_process_trains(run_dir):
     ("kill", "before_backward", "adamw"),
     ("kill", "after_step", "adamw"),
     ("stop", "before_step", "adamw"),
+    ("kill", "before_step", "limbo-adamw-sharded"),
+    ("stop", "after_step", "limbo-adamw-sharded"),
 ])
 def test_a_member_lost_between_two_lines_leaves_the_others_identical(run_dir, how, where, optimizer):
     """A member SIGKILLed or frozen (SIGSTOP) at a point of the user's loop:
     the others re-form without a restart, every sample is used exactly once
     an epoch, and the survivors end with identical weights, buffers and
-    optimizer state (AdamW's state and step count included)."""
+    optimizer state (AdamW's state and step count included); with Limbo's
+    own AdamW its state sharded across the members, the lost shard rebuilt
+    from its copy."""
     r = launch(run_dir, 3, ["--optimizer", optimizer], ["--min-workers", "1"],
                DIE_AT_STEP=20, DIE_RANK=1, DIE_HOW=how, DIE_WHERE=where, PACE=0.01)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -318,3 +322,34 @@ def test_a_lost_host_leaves_the_other_hosts_members_identical(run_dir, how):
     finally:
         veth.close()
         b.kill() if "b" in locals() else None
+
+
+def test_limbos_own_optimizer_from_python_matches_torch_adamw(run_dir):
+    """limbo.Optimizer("adamw") on one process against torch.optim.AdamW on
+    the same model and batches: the same weights after 30 steps, up to float
+    rounding; its state is readable by name."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    torch.manual_seed(3)
+    x, y = torch.randn(256, 8), torch.randint(0, 3, (256,))
+    data = torch.utils.data.TensorDataset(x, y)
+    a = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    b = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    b.load_state_dict(a.state_dict())
+    job = limbo.Job(a, limbo.Optimizer("adamw", lr=1e-2, weight_decay=0.1), dataset=data, batch_size=16,
+                    max_steps=30, epochs=3, order="sequential")
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1)
+    order = []
+    for xb, yb in job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler)):
+        order.append(job.batch_ids())
+        job.backward(F.cross_entropy(a(xb), yb))
+        job.step()
+    for ids in order:
+        ref.zero_grad()
+        F.cross_entropy(b(x[ids]), y[ids]).backward()
+        ref.step()
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (n, (p - q).abs().max())
+    st = job.optimizer_state()
+    assert st["step"] == 30 and sorted(k for k in st if k != "step") == ["exp_avg", "exp_avg_sq"]
+    job.finish()
