@@ -88,6 +88,8 @@ class Core {
     epochs_ = get<int64_t>(o, "epochs", 1);
     max_steps_ = get<int64_t>(o, "max_steps", 0);
     log_every_ = get<int64_t>(o, "log_every", 50);
+    accumulate_ = get<int64_t>(o, "accumulate", 1);
+    if (accumulate_ < 1) throw InvalidInput("accumulate must be at least 1, got " + std::to_string(accumulate_));
     drop_last_ = get<bool>(o, "drop_last", false);
     if (batch_size_ < 1) throw InvalidInput("batch_size must be at least 1, got " + std::to_string(batch_size_));
     if (dataset_size_ < 1) throw InvalidInput("the data set is empty (dataset_size " + std::to_string(dataset_size_) + ")");
@@ -249,6 +251,7 @@ class Core {
     in_step_ = true;
     step_start_ = Clock::now();
     backward_started_ = false;
+    backwards_ = 0;
     buffers_before_.clear();
     if (!flat_->buffer_entries().empty()) buffers_before_ = flat_->save_buffers();
     policy_step_ = policy_->step(state_.step, batch_size_ * world());
@@ -262,19 +265,29 @@ class Core {
     }
   }
 
-  // Before the user's backward: the gradient zeroed (and re-attached where
-  // the user's zero_grad(set_to_none=True) dropped it), then the rule may
-  // reduce buckets as backward fills them.
+  // Before each of the user's backwards of a step (`accumulate` of them:
+  // micro-batches): before the first, the gradient is zeroed (and
+  // re-attached where the user's zero_grad(set_to_none=True) dropped it);
+  // before the last, the rule may start reducing buckets as backward fills
+  // them. `loss` is the micro-batch's (already divided by `accumulate`, as
+  // its gradient is): the step's loss is their sum.
   void backward_starts(double loss, double lr) {
     lr_ = lr;
     need_step("job.backward()");
-    if (backward_started_)
-      throw InvalidInput("job.backward() was called twice in one step; call it once a step (gradient "
-                         "accumulation: sum the micro-batches' losses, or make the batch larger)");
+    if (backwards_ >= accumulate_)
+      throw InvalidInput("job.backward() was called " + std::to_string(backwards_ + 1) + " times in one step; "
+                         "the job takes " + std::to_string(accumulate_) + " (limbo.Job(accumulate=K) for K "
+                         "micro-batches a step)");
+    if (backwards_ == 0) {
+      attach_grads(/*keep=*/false);
+      flat_->zero_grad();
+      loss_sum_ = 0;
+    }
+    backwards_ += 1;
+    loss_sum_ += loss;
+    if (backwards_ < accumulate_) return;
     backward_started_ = true;
-    attach_grads(/*keep=*/false);
-    flat_->zero_grad();
-    ctx_ = std::make_unique<train::StepContext>(context(loss));
+    ctx_ = std::make_unique<train::StepContext>(context(loss_sum_));
     rule().backward_starts(*ctx_);
   }
 
@@ -285,6 +298,10 @@ class Core {
   bool step(double loss, double lr) {
     need_step("job.step()");
     lr_ = lr;
+    if (backwards_ > 0 && backwards_ < accumulate_)
+      throw InvalidInput("job.step() after " + std::to_string(backwards_) + " of the step's " +
+                         std::to_string(accumulate_) + " job.backward() calls (accumulate=" +
+                         std::to_string(accumulate_) + ")");
     in_step_ = false;
     if (!backward_started_) {
       // The user ran backward itself: the gradient is wherever autograd put it.
@@ -522,6 +539,8 @@ class Core {
   bool drop_last_ = false, resume_ = false, in_step_ = false, backward_started_ = false, left_ = false;
   bool own_ = false, shard_state_ = false;  // Limbo's optimizer (limbo.Optimizer), its state sharded
   double lr_ = 0;                           // Limbo's optimizer: this step's scheduled rate
+  int64_t accumulate_ = 1, backwards_ = 0;  // micro-batches a step, and this step's so far
+  double loss_sum_ = 0;
 };
 
 }  // namespace

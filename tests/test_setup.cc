@@ -87,7 +87,7 @@ TEST(Setup, ACompilerErrorShowsTheErrorAndTheLog) {
   const auto r = s.run();
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("packages: all"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("setup: building limbo failed (exit 2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("setup: building limbo and its Python module failed (exit 2)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("error: expected ';'"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("full log: " + s.build + "/logs/build.log"), std::string::npos) << r.output;
 }
@@ -136,7 +136,7 @@ TEST(Setup, WhenAllIsThereItSaysSoInOneLinePerPhase) {
   for (std::string w; names >> w;) listed += w[0] != '#';
   EXPECT_GT(listed, 10);
   EXPECT_NE(r.output.find("] packages: all " + std::to_string(listed) + " present"), std::string::npos) << r.output;
-  EXPECT_NE(r.output.find("] building limbo on 3 cores ... up to date ("), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("] building limbo and its Python module on 3 cores ... up to date ("), std::string::npos) << r.output;
 }
 
 }  // namespace

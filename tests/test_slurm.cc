@@ -418,6 +418,47 @@ TEST(SlurmCluster, AJobWarnedOfPreemptionCheckpointsIsRequeuedAndResumes) {
   limbo::testing::expect_exactly_once(run, kClusterEpochs, 3000);
 }
 
+// The same warning for a user's Python loop (tests/python/job_script.py
+// with the `limbo` module, run by `limbo launch -- python3 ...` on each
+// node): the members checkpoint and leave, the launcher exits 75, the job
+// is requeued and its next run resumes and completes, every sample once an
+// epoch across the two runs.
+TEST(SlurmCluster, APythonLoopWarnedOfPreemptionCheckpointsIsRequeuedAndResumes) {
+  SlurmCluster c(2);
+  if (!c.ok()) GTEST_SKIP() << "Slurm cannot run here: " << c.why();
+  const std::string path = c.dir() + "/python.sbatch";
+  {
+    // Paced (50 ms a step, 32 steps an epoch of 1024 samples on two nodes of
+    // batch 16): the job cannot complete before the warning.
+    std::ofstream f(path);
+    f << "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=1\n"
+      << "#SBATCH --requeue\n#SBATCH --no-kill\n#SBATCH --open-mode=append\nexport LIMBO=" << LIMBO_BINARY << "\n"
+      << "export PACE=0.05\n"
+      << "exec " << LIMBO_SOURCE_DIR << "/examples/slurm/limbo-srun.sh -- /usr/bin/python3 " << LIMBO_SOURCE_DIR
+      << "/tests/python/job_script.py --epochs " << kClusterEpochs << " --loader-workers 0\n";
+  }
+  std::filesystem::permissions(path, std::filesystem::perms::owner_all);
+  const std::string id = c.submit({path});
+  ASSERT_TRUE(std::regex_match(id, std::regex("[0-9]+"))) << id;
+  const std::string out = c.dir() + "/slurm-" + id + ".out";
+  const std::string run = c.dir() + "/runs/slurm-" + id;
+  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 180))
+      << c.job(id) << slurp(out) << c.logs();
+  c.run({"/usr/bin/scancel", "--signal=USR1", "--batch", id});
+  ASSERT_TRUE(c.wait_field(id, "Restarts", "1", 120s)) << c.job(id) << slurp(out);
+  ASSERT_TRUE(limbo::file_exists(run + "/checkpoint.pt")) << slurp(out);
+  EXPECT_FALSE(limbo::file_exists(run + "/summary.json")) << "completed before the warning; pace the job";
+  c.run({"/usr/bin/scontrol", "update", "JobId=" + id, "StartTime=now+2"});
+  ASSERT_TRUE(c.wait_field(id, "JobState", "COMPLETED", 400s)) << c.job(id) << slurp(out) << c.logs();
+  const std::string text = slurp(out);
+  EXPECT_NE(text.find("exit code 75"), std::string::npos) << text;
+  EXPECT_NE(text.find("from Slurm: --resume"), std::string::npos) << text;
+  auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2) << text;
+  EXPECT_EQ(s["front_end"], "python") << text;
+  limbo::testing::expect_exactly_once(run, kClusterEpochs, 1024);
+}
+
 // Polls `done` every 200 ms for up to `limit`.
 template <typename F>
 bool wait_until(F done, std::chrono::seconds limit) {

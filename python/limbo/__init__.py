@@ -126,6 +126,9 @@ class Job:
     resume      continue from run_dir's checkpoint (default: the launcher's
                 --resume).
     clip_grad_norm   clip the reduced gradient to this global norm (0: off).
+    accumulate  backwards a step (micro-batches of the step's batch, each loss
+                divided by accumulate as its gradient is); the gradient is
+                reduced once, during the last.
     scale_lr    multiply the optimizer's learning rates, for each step, by the
                 batch policy's multiplier (Dynamic SGD for SGD, the
                 square-root rule for Adam-like optimizers); job.lr_multiplier
@@ -143,7 +146,7 @@ class Job:
                  scheduler=None, lr_schedule=None, seed=1, order="shuffle", drop_last=False, state=None,
                  run_dir=None, resume=None, clip_grad_norm=0.0, scale_lr=True,
                  batch_policy="dynamic", lr_scaling="auto", reference_batch=0, ramp_steps=200,
-                 checkpoint_every_epochs=1, checkpoint_every_steps=0, log_every=50,
+                 accumulate=1, checkpoint_every_epochs=1, checkpoint_every_steps=0, log_every=50,
                  overlap=True, bucket_mb=4.0, compression="none", shared_memory=True,
                  hierarchical=True, collective_timeout=10.0, round_timeout=120.0,
                  max_nonfinite_steps=10):
@@ -204,7 +207,7 @@ class Job:
             overlap=bool(overlap), bucket_mb=float(bucket_mb), compression=compression,
             shared_memory=bool(shared_memory), hierarchical=bool(hierarchical),
             collective_timeout=float(collective_timeout), round_timeout=float(round_timeout),
-            max_nonfinite_steps=int(max_nonfinite_steps),
+            max_nonfinite_steps=int(max_nonfinite_steps), accumulate=int(accumulate),
             rdzv=env.get("LIMBO_RDZV", ""), elastic=_env_flag("LIMBO_ELASTIC"),
             rank=int(env.get("LIMBO_RANK", "0")), world=int(env.get("LIMBO_WORLD", "1")),
             token=env.get("LIMBO_JOB_TOKEN", ""))
@@ -319,12 +322,13 @@ class Job:
     def backward(self, loss):
         """loss.backward(), with the gradient reduced across the group in
         buckets while backward runs. `loss` is this member's mean loss over
-        its batch."""
+        its batch (with accumulate=K, called K times a step, each loss that of
+        a micro-batch divided by K)."""
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise InvalidInput("job.backward() takes the scalar loss tensor of this member's batch")
         value = float(loss.detach())
         self._core.backward_starts(value, self._rate())
-        self._loss = value
+        self._loss = value if self._loss is None else self._loss + value
         loss.backward()
 
     def step(self):

@@ -353,3 +353,33 @@ def test_limbos_own_optimizer_from_python_matches_torch_adamw(run_dir):
     st = job.optimizer_state()
     assert st["step"] == 30 and sorted(k for k in st if k != "step") == ["exp_avg", "exp_avg_sq"]
     job.finish()
+
+
+def test_accumulation_over_micro_batches_equals_the_whole_batch():
+    """accumulate=2 with the batch cut in two halves (each loss halved)
+    against one backward over the whole batch: the same weights up to float
+    rounding; a step with the wrong number of backwards is refused."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    torch.manual_seed(4)
+    x, y = torch.randn(128, 8), torch.randint(0, 3, (128,))
+    data = torch.utils.data.TensorDataset(x, y)
+    nets = [nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)) for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    for k, net in ((1, nets[0]), (2, nets[1])):
+        job = limbo.Job(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), dataset=data, batch_size=32,
+                        epochs=2, accumulate=k)
+        for xb, yb in job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler)):
+            for xm, ym in zip(xb.chunk(k), yb.chunk(k)):
+                job.backward(F.cross_entropy(net(xm), ym) / k)
+            job.step()
+        job.finish()
+    for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (p - q).abs().max()
+    net = nn.Linear(8, 3)
+    job = limbo.Job(net, torch.optim.SGD(net.parameters(), lr=0.1), dataset=data, batch_size=32, accumulate=2)
+    batches = job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler))
+    xb, yb = next(batches)
+    job.backward(F.cross_entropy(net(xb), yb))
+    with pytest.raises(limbo.InvalidInput, match="after 1 of the step's 2"):
+        job.step()
