@@ -11,14 +11,22 @@ a DataLoader, SGD with momentum, or AdamW for the GPT) runs as
            under the same launcher (not for the GPT).
 Contenders run interleaved, --repeats times; each reports global samples/s
 over the steps after the first 20 (`cli`: its metrics windows after the
-first). Prints each contender's median with its range and the ratios'
-medians. One intra-op thread per worker.
+first). Each loop reads its data through a DataLoader (`ddp`, `python`:
+the per-sample fetch and collate of a map-style data set) or indexes the
+tensors in the loop (`ddp-idx`, `python-idx`: job.batches(fetch)); `py-own`
+is `python-idx` with limbo.Optimizer (Limbo's fused update, as `limbo
+train` has) in place of torch.optim, against `cli`. Prints
+each contender's median with its range and the ratios' medians. One
+intra-op thread per worker.
 
     bench/python_loop.py [--limbo build/src/cli/limbo] [--models mlp,lenet,gpt]
                          [--steps 200] [--repeats 3] [--hosts]
 
 --hosts runs 2 hosts x 2 workers: two network namespaces joined by a veth
-pair (needs root), one launcher (or two DDP ranks) in each.
+pair (needs root), one launcher (or two DDP ranks) in each. --alone runs one
+process: a plain PyTorch loop (no framework), the same loop with the limbo
+module (torch.optim; limbo.Optimizer) and `limbo train`: what the module
+costs, and what the Python loop itself costs against the C++ one.
 """
 import argparse
 import glob
@@ -48,7 +56,7 @@ def last_json(out):
     raise RuntimeError("no figures in the output:\n" + out[-2000:])
 
 
-def ddp(model, batch, steps):
+def ddp(model, batch, steps, data="loader"):
     world = 2 * PER_HOST if VETH else 2
     port = 29500 + os.getpid() % 300
     master = VETH.ip[0] if VETH else "127.0.0.1"
@@ -61,7 +69,7 @@ def ddp(model, batch, steps):
             env["GLOO_SOCKET_IFNAME"] = VETH.dev[host]
         procs.append(subprocess.Popen((VETH.prefix(host) if VETH else []) +
                                       [PY, WORKER, "--mode", "ddp", "--model", model, "--batch", str(batch),
-                                       "--steps", str(steps)],
+                                       "--steps", str(steps), "--data", data],
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
     out = procs[0].communicate(timeout=900)[0]
     for p in procs[1:]:
@@ -92,11 +100,12 @@ def launchers(limbo, after_dashes, run_dir):
     return out
 
 
-def python(limbo, model, batch, steps):
+def python(limbo, model, batch, steps, data="loader", optimizer="torch"):
     d = tempfile.mkdtemp(prefix="limbo-pyloop-")
     try:
         out = launchers(limbo, [PY, WORKER, "--mode", "limbo", "--model", model, "--batch", str(batch),
-                                "--steps", str(steps)], os.path.join(d, "r"))
+                                "--steps", str(steps), "--data", data, "--optimizer", optimizer],
+                        os.path.join(d, "r"))
         return last_json(out)["samples_per_second"]
     finally:
         shutil.rmtree(d, ignore_errors=True)
@@ -124,6 +133,51 @@ def cli(limbo, model, batch, steps):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def alone(limbo, models, batch, steps, repeats):
+    """One process, one thread: a plain PyTorch loop (indexed batches, torch.optim), the same loop
+    with the limbo module (torch.optim, then limbo.Optimizer), and `limbo train`."""
+    env = dict(os.environ, THREADS="1", PYTHONPATH=os.path.join(os.path.dirname(limbo), "..", "..", "python"))
+    names = ["plain", "limbo-py", "limbo-own", "cli"]
+    print("one process, one thread, batch %d, %d steps, %d repeats, interleaved" % (batch, steps, repeats))
+    print("%-7s %-7s" % ("model", "") + "".join("%12s" % n for n in names) + "%14s%14s" % ("py/plain", "own/cli"))
+
+    def worker(model, *extra):
+        r = subprocess.run([PY, WORKER, "--model", model, "--batch", str(batch), "--steps", str(steps)] + list(extra),
+                           env=env, capture_output=True, text=True, timeout=900)
+        return last_json(r.stdout)["samples_per_second"]
+
+    def cli_alone(model):
+        d = tempfile.mkdtemp(prefix="limbo-pyloop-")
+        try:
+            subprocess.run([limbo, "train", "--run-dir", d, "--set", "model.name=%s" % model, "--set",
+                            "data.batch_size=%d" % batch, "--set", "train.max_steps=%d" % steps, "--set",
+                            "train.threads=1", "--set", "train.progress=false", "--set", "train.eval_every_epochs=0",
+                            "--set", "train.checkpoint_every_epochs=0", "--set", "data.test_limit=500", "--set",
+                            "optim.lr=0.01", "--set", "optim.momentum=0.9", "--set", "train.log_every=20"],
+                           check=True, capture_output=True)
+            rates = [json.loads(line)["samples_per_second"] for line in open(os.path.join(d, "metrics.jsonl"))
+                     if '"kind":"train"' in line.replace(" ", "")]
+            return statistics.mean(rates[1:])
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    for model in models:
+        runs = {n: [] for n in names}
+        for _ in range(repeats):
+            runs["plain"].append(worker(model, "--mode", "plain"))
+            runs["limbo-py"].append(worker(model, "--mode", "limbo", "--data", "indexed"))
+            runs["limbo-own"].append(worker(model, "--mode", "limbo", "--data", "indexed", "--optimizer", "limbo"))
+            if model != "gpt":
+                runs["cli"].append(cli_alone(model))
+        med = {k: statistics.median(v) if v else float("nan") for k, v in runs.items()}
+        ratio = lambda a, b: statistics.median([x / y for x, y in zip(runs[a], runs[b])]) \
+            if runs[b] else float("nan")  # noqa: E731
+        print("%-7s %-7s" % (model, "median") + "".join("%12.0f" % med[n] for n in names) +
+              "%13.3fx%13.3fx" % (ratio("limbo-py", "plain"), ratio("limbo-own", "cli")))
+        print("%-7s %-7s" % ("", "range") + "".join(
+            "%12s" % ("%.0f-%.0f" % (min(runs[n]), max(runs[n])) if runs[n] else "-") for n in names), flush=True)
+
+
 def main():
     global VETH, PER_HOST
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -133,18 +187,28 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hosts", action="store_true", help="2 hosts x 2 workers in network namespaces")
+    ap.add_argument("--alone", action="store_true",
+                    help="one process: a plain PyTorch loop, the loop with the limbo module, limbo train")
     args = ap.parse_args()
     limbo = os.path.abspath(args.limbo)
+    if args.alone:
+        alone(limbo, args.models.split(","), args.batch, args.steps, args.repeats)
+        return
     if args.hosts:
         VETH, PER_HOST = Veth(), 2
     try:
         where = "2 hosts x 2 workers (veth)" if VETH else "2 workers on one host"
         print("%s, batch %d per worker, %d steps, %d repeats, interleaved" % (where, args.batch, args.steps,
                                                                             args.repeats))
-        print("%-8s %-10s %12s %12s %12s %9s %9s" % ("model", "", "ddp", "python", "cli", "py/ddp", "py/cli"))
+        names = ["ddp", "python", "ddp-idx", "python-idx", "py-own", "cli"]
+        print("%-7s %-7s" % ("model", "") + "".join("%12s" % n for n in names) +
+              "%10s%16s%13s" % ("py/ddp", "py-idx/ddp-idx", "py-own/cli"))
         for model in args.models.split(","):
-            runs = {"ddp": [], "python": [], "cli": []}
-            contenders = [("ddp", ddp), ("python", lambda *a: python(limbo, *a))]
+            runs = {n: [] for n in names}
+            contenders = [("ddp", ddp), ("python", lambda *a: python(limbo, *a)),
+                          ("ddp-idx", lambda *a: ddp(*a, data="indexed")),
+                          ("python-idx", lambda *a: python(limbo, *a, data="indexed")),
+                          ("py-own", lambda *a: python(limbo, *a, data="indexed", optimizer="limbo"))]
             if model != "gpt":
                 contenders.append(("cli", lambda *a: cli(limbo, *a)))
             batch = 32 if model == "gpt" else args.batch
@@ -155,11 +219,10 @@ def main():
             ratio = lambda a, b: statistics.median([x / y for x, y in zip(runs[a], runs[b])]) \
                 if runs[b] else float("nan")  # noqa: E731
             spread = lambda k: "%.0f-%.0f" % (min(runs[k]), max(runs[k])) if runs[k] else "-"  # noqa: E731
-            print("%-8s %-10s %12.0f %12.0f %12.0f %8.3fx %8.3fx" % (model, "median", med["ddp"], med["python"],
-                                                                   med["cli"], ratio("python", "ddp"),
-                                                                   ratio("python", "cli")))
-            print("%-8s %-10s %12s %12s %12s" % ("", "range", spread("ddp"), spread("python"), spread("cli")),
-                  flush=True)
+            print("%-7s %-7s" % (model, "median") + "".join("%12.0f" % med[n] for n in names) +
+                  "%9.3fx%15.3fx%12.3fx" % (ratio("python", "ddp"), ratio("python-idx", "ddp-idx"),
+                                            ratio("py-own", "cli")))
+            print("%-7s %-7s" % ("", "range") + "".join("%12s" % spread(n) for n in names), flush=True)
     finally:
         if VETH:
             VETH.close()

@@ -40,11 +40,16 @@ def data_and_model(name):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["ddp", "limbo"], required=True)
+    ap.add_argument("--mode", choices=["ddp", "limbo", "plain"], required=True,
+                    help="plain: one process, no framework (the loop's own cost)")
     ap.add_argument("--model", default="mlp")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--data", choices=["loader", "indexed"], default="loader",
+                    help="a DataLoader (per-sample fetch and collate), or batches indexed from the tensors")
+    ap.add_argument("--optimizer", choices=["torch", "limbo"], default="torch",
+                    help="limbo: limbo.Optimizer (Limbo's fused update over the flat parameters)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("LIMBO_THREADS", os.environ.get("THREADS", "1"))))
     data, model = data_and_model(args.model)
@@ -64,7 +69,20 @@ def main():
     else:
         opt_of = lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9)  # noqa: E731
     times = []
-    if args.mode == "ddp":
+    if args.mode == "plain":
+        rank, world = 0, 1
+        opt = opt_of(model.parameters())
+        tx, ty = data.tensors
+        perm = torch.randperm(len(ty), generator=torch.Generator().manual_seed(1))
+        for s in range(args.steps):
+            i = perm[s * args.batch:][:args.batch]
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of(model, tx[i], ty[i])
+            loss.backward()
+            opt.step()
+            loss.item()
+            times.append(time.perf_counter())
+    elif args.mode == "ddp":
         import torch.distributed as dist
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -72,6 +90,17 @@ def main():
         opt = opt_of(net.parameters())
         sampler = torch.utils.data.distributed.DistributedSampler(data, seed=1)
         loader = DataLoader(data, batch_size=args.batch, sampler=sampler, num_workers=0)
+        if args.data == "indexed":  # this rank's share of a seeded permutation, batch by batch
+            tx, ty = data.tensors
+            perm = torch.randperm(len(ty), generator=torch.Generator().manual_seed(1))
+            per = len(ty) // (args.batch * world)
+
+            class Indexed:  # indexes in the loop, as Limbo's fetch does
+                def __iter__(self):
+                    for s in range(per):
+                        i = perm[(s * world + rank) * args.batch:][:args.batch]
+                        yield tx[i], ty[i]
+            loader = Indexed()
         step = 0
         while step < args.steps:
             for x, y in loader:
@@ -88,9 +117,17 @@ def main():
         dist.destroy_process_group()
     else:
         import limbo
-        job = limbo.Job(model, opt_of(model.parameters()), dataset=data, batch_size=args.batch, epochs=100,
+        if args.optimizer == "limbo":
+            opt = limbo.Optimizer("adamw", lr=1e-3, weight_decay=0.01) if gpt else \
+                limbo.Optimizer("sgd", lr=0.01, momentum=0.9)
+        else:
+            opt = opt_of(model.parameters())
+        job = limbo.Job(model, opt, dataset=data, batch_size=args.batch, epochs=100,
                         max_steps=args.steps, batch_policy="none", checkpoint_every_epochs=0)
         loader = DataLoader(data, batch_sampler=job.sampler, num_workers=0)
+        if args.data == "indexed":
+            tx, ty = data.tensors
+            loader = lambda ids: (tx[torch.tensor(ids)], ty[torch.tensor(ids)])  # noqa: E731
         for x, y in job.batches(loader):
             loss = loss_of(model, x, y)
             job.backward(loss)

@@ -291,12 +291,17 @@ class Job:
 
     def batches(self, loader):
         """Yields the loader's batches, one step each, until training is
-        complete. After a failed step or a membership change the loader is
+        complete. `loader` is a DataLoader over job.sampler, or a function
+        that makes this member's batch from a list of sample ids (in memory:
+        `lambda ids: (x[ids], y[ids])`, without the DataLoader's cost per
+        sample). After a failed step or a membership change the loader is
         started again from the committed position with the new group, so the
         failed step's samples are dealt again."""
-        if getattr(loader, "batch_sampler", None) is not self.sampler:
+        fetch = loader if callable(loader) and not hasattr(loader, "batch_sampler") else None
+        if fetch is None and getattr(loader, "batch_sampler", None) is not self.sampler:
             raise UsageError("the DataLoader must take its batches from the job: "
-                             "DataLoader(dataset, batch_sampler=job.sampler, ...)")
+                             "DataLoader(dataset, batch_sampler=job.sampler, ...), or give job.batches() "
+                             "a function of the sample ids")
         self._epoch_ended = False
         if not self._started:
             return
@@ -304,7 +309,7 @@ class Job:
         while not core.complete():
             generation = core.generation
             core.clear_plans()
-            iterator = iter(loader)
+            iterator = iter(loader) if fetch is None else (fetch(ids) for ids in self.sampler)
             for batch in iterator:
                 core.begin_step()
                 self._stepped = False

@@ -83,7 +83,8 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
     auto view = shaped_view(data_, e.offset, e.shape, channels_last);
     view.copy_(trainable[i]);
     trainable[i].set_data(view);
-    trainable[i].mutable_grad() = shaped_view(grad_, e.offset, e.shape, channels_last);
+    grad_views_.push_back(shaped_view(grad_, e.offset, e.shape, channels_last));
+    trainable[i].mutable_grad() = grad_views_.back();
     params_.push_back(trainable[i]);
   }
 }

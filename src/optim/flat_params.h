@@ -86,6 +86,10 @@ class FlatParams {
   // The module's trainable parameters in the same order (autograd leaves
   // whose data and gradient are views into the flat buffers).
   const std::vector<torch::Tensor>& parameters() const { return params_; }
+  // Each parameter's gradient as the constructor made it (a view of grad(),
+  // channels-last where the parameter is): what to give back to a parameter
+  // whose gradient was dropped or replaced.
+  const std::vector<torch::Tensor>& grad_views() const { return grad_views_; }
 
   enum class Carry { InPlace, Float, Float64, Integer };
   struct BufferEntry {
@@ -99,7 +103,7 @@ class FlatParams {
  private:
   torch::Tensor data_, grad_, grad_slot_, buffers_;
   std::vector<Entry> entries_;
-  std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> params_, grad_views_;
   std::vector<BufferEntry> buffer_entries_;
   int64_t averaged_ = 0, frozen_ = 0;
 };
