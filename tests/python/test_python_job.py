@@ -197,6 +197,10 @@ def test_a_signal_at_the_launcher_stops_after_a_checkpoint_and_resume_goes_on(ru
 
 
 def test_misuse_is_a_clear_exception():
+    # A program that is not there stops the launcher at start, exit code 2, naming it.
+    r = subprocess.run([LIMBO, "launch", "--nproc", "1", "--", "no-such-program-here"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "no-such-program-here" in r.stderr, r.stderr
     import torch.nn as nn
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
