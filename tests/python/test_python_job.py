@@ -52,6 +52,8 @@ def steps_logged(run_dir):
     steps = {}
     for path in glob.glob(os.path.join(run_dir, "samples-*.txt")):
         for line in open(path):
+            if not line.endswith("\n"):  # cut short by a member killed while it wrote
+                continue
             f = line.split()
             step, epoch, ids = int(f[0]), int(f[1]), tuple(map(int, f[2:]))
             assert steps.setdefault(step, (epoch, ids)) == (epoch, ids), "step %d differs between members" % step
