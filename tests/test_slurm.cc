@@ -383,10 +383,44 @@ TEST(SlurmCluster, ABatchJobOnTwoNodesTrainsOnBothAndCompletes) {
   limbo::testing::expect_exactly_once(run, 2, 3000);
 }
 
-// Slurm's warning ahead of preemption (what `#SBATCH --signal=B:USR1@60`
-// sends): the workers checkpoint and leave, `limbo launch` exits 75, the
+// Slurm's warning to the batch job `id` once its first metrics line is
+// written: the workers checkpoint and leave, `limbo launch` exits 75, the
 // script requeues the job, and its next run resumes from the checkpoint and
-// completes: no sample lost or repeated across the two runs.
+// completes. Returns the run's summary (null after a failed assertion).
+nlohmann::json warn_requeue_and_complete(SlurmCluster& c, const std::string& id, std::chrono::seconds start_wait) {
+  const std::string out = c.dir() + "/slurm-" + id + ".out";
+  const std::string run = c.dir() + "/runs/slurm-" + id;
+  if (!limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", start_wait.count())) {
+    ADD_FAILURE() << "no training record\n" << c.job(id) << slurp(out) << c.logs();
+    return nullptr;
+  }
+  c.run({"/usr/bin/scancel", "--signal=USR1", "--batch", id});
+  if (!c.wait_field(id, "Restarts", "1", 120s)) {
+    ADD_FAILURE() << "not requeued\n" << c.job(id) << slurp(out);
+    return nullptr;
+  }
+  EXPECT_TRUE(limbo::file_exists(run + "/checkpoint.pt")) << slurp(out);
+  EXPECT_FALSE(limbo::file_exists(run + "/summary.json")) << "completed before the warning; pace the job";
+  // A requeued job waits out Slurm's requeue delay; start it sooner, but not
+  // within the second of the requeue: slurmd refuses a job started in the
+  // second its previous run's credential was revoked ("Job credential
+  // revoked"), which failed this test once with StartTime=now.
+  c.run({"/usr/bin/scontrol", "update", "JobId=" + id, "StartTime=now+2"});
+  if (!c.wait_field(id, "JobState", "COMPLETED", 400s)) {
+    ADD_FAILURE() << "not completed\n" << c.job(id) << slurp(out) << c.logs();
+    return nullptr;
+  }
+  const std::string text = slurp(out);
+  EXPECT_NE(text.find("exit code 75"), std::string::npos) << text;
+  EXPECT_NE(text.find("requeueing job " + id), std::string::npos) << text;
+  EXPECT_NE(text.find("from Slurm: --resume"), std::string::npos) << text;
+  auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2) << text;
+  return s;
+}
+
+// Slurm's warning ahead of preemption (what `#SBATCH --signal=B:USR1@60`
+// sends): no sample lost or repeated across the two runs.
 TEST(SlurmCluster, AJobWarnedOfPreemptionCheckpointsIsRequeuedAndResumes) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   SlurmCluster c(2);
@@ -395,34 +429,13 @@ TEST(SlurmCluster, AJobWarnedOfPreemptionCheckpointsIsRequeuedAndResumes) {
   // before the warning, which comes after its first epoch.
   const std::string id = c.submit({write_job_script(c, 2, kClusterEpochs, " --set train.slow_step_ms=10")});
   ASSERT_TRUE(std::regex_match(id, std::regex("[0-9]+"))) << id;
-  const std::string out = c.dir() + "/slurm-" + id + ".out";
-  const std::string run = c.dir() + "/runs/slurm-" + id;
-  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 120))
-      << c.job(id) << slurp(out) << c.logs();
-  c.run({"/usr/bin/scancel", "--signal=USR1", "--batch", id});
-  ASSERT_TRUE(c.wait_field(id, "Restarts", "1", 120s)) << c.job(id) << slurp(out);
-  ASSERT_TRUE(limbo::file_exists(run + "/checkpoint.pt")) << slurp(out);
-  EXPECT_FALSE(limbo::file_exists(run + "/summary.json")) << "completed before the warning; pace the job";
-  // A requeued job waits out Slurm's requeue delay; start it sooner, but not
-  // within the second of the requeue: slurmd refuses a job started in the
-  // second its previous run's credential was revoked ("Job credential
-  // revoked"), which failed this test once with StartTime=now.
-  c.run({"/usr/bin/scontrol", "update", "JobId=" + id, "StartTime=now+2"});
-  ASSERT_TRUE(c.wait_field(id, "JobState", "COMPLETED", 400s)) << c.job(id) << slurp(out) << c.logs();
-  const std::string text = slurp(out);
-  EXPECT_NE(text.find("exit code 75"), std::string::npos) << text;
-  EXPECT_NE(text.find("requeueing job " + id), std::string::npos) << text;
-  EXPECT_NE(text.find("from Slurm: --resume"), std::string::npos) << text;
-  auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
-  EXPECT_EQ(s["workers"].get<int64_t>(), 2) << text;
-  limbo::testing::expect_exactly_once(run, kClusterEpochs, 3000);
+  if (warn_requeue_and_complete(c, id, 120s).is_null()) return;
+  limbo::testing::expect_exactly_once(c.dir() + "/runs/slurm-" + id, kClusterEpochs, 3000);
 }
 
 // The same warning for a user's Python loop (tests/python/job_script.py
 // with the `limbo` module, run by `limbo launch -- python3 ...` on each
-// node): the members checkpoint and leave, the launcher exits 75, the job
-// is requeued and its next run resumes and completes, every sample once an
-// epoch across the two runs.
+// node): every sample once an epoch across the two runs.
 TEST(SlurmCluster, APythonLoopWarnedOfPreemptionCheckpointsIsRequeuedAndResumes) {
   SlurmCluster c(2);
   if (!c.ok()) GTEST_SKIP() << "Slurm cannot run here: " << c.why();
@@ -440,23 +453,10 @@ TEST(SlurmCluster, APythonLoopWarnedOfPreemptionCheckpointsIsRequeuedAndResumes)
   std::filesystem::permissions(path, std::filesystem::perms::owner_all);
   const std::string id = c.submit({path});
   ASSERT_TRUE(std::regex_match(id, std::regex("[0-9]+"))) << id;
-  const std::string out = c.dir() + "/slurm-" + id + ".out";
-  const std::string run = c.dir() + "/runs/slurm-" + id;
-  ASSERT_TRUE(limbo::testing::wait_for_text(run + "/metrics.jsonl", "\"kind\":\"train\"", 180))
-      << c.job(id) << slurp(out) << c.logs();
-  c.run({"/usr/bin/scancel", "--signal=USR1", "--batch", id});
-  ASSERT_TRUE(c.wait_field(id, "Restarts", "1", 120s)) << c.job(id) << slurp(out);
-  ASSERT_TRUE(limbo::file_exists(run + "/checkpoint.pt")) << slurp(out);
-  EXPECT_FALSE(limbo::file_exists(run + "/summary.json")) << "completed before the warning; pace the job";
-  c.run({"/usr/bin/scontrol", "update", "JobId=" + id, "StartTime=now+2"});
-  ASSERT_TRUE(c.wait_field(id, "JobState", "COMPLETED", 400s)) << c.job(id) << slurp(out) << c.logs();
-  const std::string text = slurp(out);
-  EXPECT_NE(text.find("exit code 75"), std::string::npos) << text;
-  EXPECT_NE(text.find("from Slurm: --resume"), std::string::npos) << text;
-  auto s = nlohmann::json::parse(slurp(run + "/summary.json"));
-  EXPECT_EQ(s["workers"].get<int64_t>(), 2) << text;
-  EXPECT_EQ(s["front_end"], "python") << text;
-  limbo::testing::expect_exactly_once(run, kClusterEpochs, 1024);
+  const auto s = warn_requeue_and_complete(c, id, 180s);
+  if (s.is_null()) return;
+  EXPECT_EQ(s["front_end"], "python") << s.dump();
+  limbo::testing::expect_exactly_once(c.dir() + "/runs/slurm-" + id, kClusterEpochs, 1024);
 }
 
 // Polls `done` every 200 ms for up to `limit`.
