@@ -88,7 +88,8 @@ int run_train(const TrainArgs& a) {
   jo.round_timeout = cfg.get_float("elastic.round_timeout");
   auto& reduce_options = jo.reduce;
   reduce_options.compression = compression;
-  reduce_options.overlap = cfg.get_bool("elastic.overlap");
+  // DiLoCo's outer all-reduce runs after the inner steps, not inside a backward.
+  reduce_options.overlap = cfg.get_bool("elastic.overlap") && !trainer.diloco();
   reduce_options.bucket_bytes = static_cast<int64_t>(cfg.get_float("elastic.bucket_mb") * (1 << 20));
   reduce_options.testing_die_in_bucket = cfg.get_int("train.testing_die_in_bucket");
   reduce_options.shard_state = cfg.get_bool("optim.shard_state");
@@ -97,9 +98,9 @@ int run_train(const TrainArgs& a) {
                        "updates step the whole model on every worker); use sgd, adam or adamw");
   if (distributed)
     trainer.set_update_rule(
-        elastic::join_static(jo, a.dist_rank, a.dist_world, trainer.optimizer_step(), trainer.params()));
+        elastic::join_static(jo, a.dist_rank, a.dist_world, trainer.rule_optimizer(), trainer.params()));
   if (a.elastic) {
-    auto joined = elastic::join_elastic(jo, trainer.optimizer_step(), trainer.params(), elastic::leave_on_signals());
+    auto joined = elastic::join_elastic(jo, trainer.rule_optimizer(), trainer.params(), elastic::leave_on_signals());
     trainer.set_update_rule(joined.rule);
     trainer.set_membership(std::move(joined.membership));
   }

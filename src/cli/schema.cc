@@ -170,6 +170,15 @@ std::shared_ptr<const Schema> train_schema() {
              "(x sqrt(kappa), with 1 - beta1, 1 - beta2 times kappa and eps / sqrt(kappa) for Adam); "
              "auto = linear for sgd, sqrt for adam and adamw"));
 
+    s->add(S("elastic.sync", "step", {"step", "diloco"},
+             "how members synchronise: step (the gradient all-reduced every step) or diloco (H inner "
+             "steps alone, then the pseudo-gradients averaged by an outer optimizer; docs/diloco.md)"));
+    s->add(I("diloco.inner_steps", 500, 1, std::nullopt,
+             "diloco: inner steps H a member takes alone between outer steps (train.max_steps and "
+             "train.checkpoint_every_steps count outer steps)"));
+    s->add(F("diloco.outer_lr", 0.7, 0.0, 100.0, "diloco: the outer optimizer's learning rate", true));
+    s->add(F("diloco.outer_momentum", 0.9, 0.0, 1.0, "diloco: the outer optimizer's momentum", false, true));
+    s->add(B("diloco.nesterov", true, "diloco: Nesterov momentum in the outer optimizer"));
     s->add(B("elastic.direct_allreduce", true,
              "gradient all-reduce on a raw Gloo context on the training thread (false: through "
              "c10d's ProcessGroupGloo worker thread, in 8 MiB buckets)"));
@@ -289,6 +298,9 @@ std::shared_ptr<const Schema> train_schema() {
              "testing aid: the worker of rank train.testing_die_rank kills itself (SIGKILL) as it starts "
              "step N + 1, before any collective of it, unless the group has changed since the start (0 = never)"));
     s->add(I("train.testing_die_rank", 1, 0, std::nullopt, "testing aid: see train.testing_die_at_step"));
+    s->add(B("train.testing_die_in_outer", false,
+             "testing aid (diloco, where train.testing_die_at_step counts outer steps): die as the outer "
+             "all-reduce starts instead of halfway through the inner steps"));
     s->add(I("train.testing_die_after_changes", 0, 0, std::nullopt,
              "testing aid: train.testing_die_at_step applies after this many changes of the group, not at the "
              "start (a second loss after a first one)"));
@@ -442,6 +454,13 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.die_without_home = c.get_bool("train.testing_die_without_home");
   t.train.die_with_host = c.get_bool("train.testing_die_with_host");
   t.train.die_by_freezing = c.get_bool("train.testing_die_by_freezing");
+  t.train.die_in_outer = c.get_bool("train.testing_die_in_outer");
+  t.sync = c.get_string("elastic.sync");
+  t.diloco.inner_steps = c.get_int("diloco.inner_steps");
+  t.diloco.outer_lr = c.get_float("diloco.outer_lr");
+  t.diloco.outer_momentum = c.get_float("diloco.outer_momentum");
+  t.diloco.nesterov = c.get_bool("diloco.nesterov");
+  t.diloco.wire_bytes = c.get_string("comm.compression") == "none" ? 4 : 2;
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));
   t.threads.blas = static_cast<int>(c.get_int("train.blas_threads"));

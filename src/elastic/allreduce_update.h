@@ -60,6 +60,7 @@ class AllReduceUpdate : public train::UpdateRule {
   void backward_starts(train::StepContext& ctx) override;
   train::StepResult apply(train::StepContext& ctx) override;
   double reduce(torch::Tensor* grad, double loss) override;
+  void agree_max(torch::Tensor& t) override { group_->allreduce_max(t); }
   const char* name() const override { return "allreduce"; }
   // Buckets, how many overlapped backward, the exposed communication.
   nlohmann::json summary() const override;

@@ -74,8 +74,22 @@ namespace {
 // The member with the newest committed step (ties: the lowest rank).
 int newest_member(comm::Collective& g, int64_t step) { return max_and_rank(g, static_cast<double>(step)).second; }
 
-// Buffers, the batch-size policy and ISGD's statistics from `source`.
-void sync_small_state(comm::Collective& g, train::SyncTargets& s, int source) {
+// Buffers, the batch-size policy, ISGD's statistics and DiLoCo's owed
+// samples (meta[8] of them, see meta_of) from `source`.
+void sync_small_state(comm::Collective& g, train::SyncTargets& s, int source, const torch::Tensor& meta) {
+  if (const int64_t k = meta[8].item<int64_t>(); k > 0) {
+    auto owed = torch::empty({k, 2}, torch::kInt64);
+    if (g.rank() == source)
+      for (int64_t i = 0; i < k; ++i) {
+        owed[i][0] = s.state.owed[static_cast<size_t>(i)].first;
+        owed[i][1] = s.state.owed[static_cast<size_t>(i)].second;
+      }
+    g.broadcast(owed, source);
+    s.state.owed.clear();
+    for (int64_t i = 0; i < k; ++i) s.state.owed.push_back({owed[i][0].item<int64_t>(), owed[i][1].item<int64_t>()});
+  } else {
+    s.state.owed.clear();
+  }
   if (s.buffers.numel() > 0) g.broadcast(s.buffers, source);
   auto policy = s.policy.state();
   g.broadcast(policy, source);
@@ -101,7 +115,7 @@ void sync_small_state(comm::Collective& g, train::SyncTargets& s, int source) {
 torch::Tensor meta_of(const train::SyncTargets& s, bool has_state, int64_t optimizer_steps) {
   return torch::tensor({s.state.step, s.state.cursor.epoch, s.state.cursor.position, s.state.samples,
                         static_cast<int64_t>(has_state), s.state.skipped_steps, s.state.skipped_in_a_row,
-                        optimizer_steps},
+                        optimizer_steps, static_cast<int64_t>(s.state.owed.size())},
                        torch::kInt64);
 }
 
@@ -135,7 +149,7 @@ int sync_state(comm::Collective& g, train::SyncTargets& s) {
   } else {
     opt.set_state({}, meta[7].item<int64_t>());
   }
-  sync_small_state(g, s, source);
+  sync_small_state(g, s, source, meta);
   apply_meta(meta, s);
   return source;
 }
@@ -316,7 +330,7 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
     for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(home.state(0, i), {hi - lo}, torch::kFloat32));
   opt.set_state(std::move(views), steps);
   rule.set_whole_weights_step(step);
-  sync_small_state(g, s, source);
+  sync_small_state(g, s, source, meta);
   apply_meta(meta, s);
   out.source = source;
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -200,6 +200,14 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
   s.write("epoch", scalar(st.cursor.epoch));
   s.write("position", scalar(st.cursor.position));
   s.write("samples", scalar(st.samples));
+  if (!st.owed.empty()) {
+    auto owed = torch::empty({static_cast<int64_t>(st.owed.size()), 2}, torch::kInt64);
+    for (size_t i = 0; i < st.owed.size(); ++i) {
+      owed[static_cast<int64_t>(i)][0] = st.owed[i].first;
+      owed[static_cast<int64_t>(i)][1] = st.owed[i].second;
+    }
+    s.write("owed", owed);
+  }
   {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());
@@ -256,7 +264,9 @@ TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, op
   st.cursor.epoch = read_int(s, "epoch", path);
   st.cursor.position = read_int(s, "position", path);
   st.samples = read_int(s, "samples", path);
-  torch::Tensor rng, cfg;
+  torch::Tensor rng, cfg, owed;
+  if (s.try_read("owed", owed) && owed.dim() == 2 && owed.size(1) == 2)
+    for (int64_t i = 0; i < owed.size(0); ++i) st.owed.push_back({owed[i][0].item<int64_t>(), owed[i][1].item<int64_t>()});
   if (s.try_read("rng", rng)) {
     auto gen = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(gen.mutex());

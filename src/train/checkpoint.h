@@ -5,7 +5,8 @@
 //            Adam: exp_avg, exp_avg_sq; each flat over the trainable
 //            parameters in named_parameters() order; absent before the first
 //            update), step (its update count), algorithm (uint8 bytes)
-//   state/   step, epoch, position, samples, format_version, rng (torch CPU
+//   state/   step, epoch, position, samples, owed (DiLoCo's [k, 2] ranges,
+//            when any), format_version, rng (torch CPU
 //            generator state), config (resolved TOML, as uint8 bytes),
 //            model_description (every parameter's and buffer's name, shape
 //            and dtype; a checkpoint for another model is refused naming the
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "data/sampler.h"
+#include "train/diloco.h"
 #include "optim/optimizer.h"
 
 namespace limbo::train {
@@ -36,6 +38,10 @@ struct TrainState {
   // sync carries them, so every member of a group stops at the same step;
   // checkpoints do not (a resumed run counts afresh).
   int64_t skipped_steps = 0, skipped_in_a_row = 0;
+  // DiLoCo: samples of this epoch behind the cursor that no committed outer
+  // step processed yet (a member lost, or stopped early), dealt first in the
+  // next outer step (train/diloco.h). Empty otherwise.
+  PositionRanges owed;
   std::string config_toml;  // resolved configuration
   std::map<std::string, torch::Tensor> extra;  // component state, by name
 };

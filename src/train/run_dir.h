@@ -29,6 +29,9 @@ namespace limbo::train {
 // its own slice to slices-PID.txt ("step epoch world id id ...").
 void log_committed_batch(const std::string& run_dir, int64_t step, const data::BatchPlan& plan,
                          const std::vector<int64_t>& epoch_order, int world);
+// The same for DiLoCo's outer step: the sample ids it committed (in plan
+// order) to samples-PID.txt as "step epoch id id ...".
+void log_committed_ids(const std::string& run_dir, int64_t step, int64_t epoch, const std::vector<int64_t>& ids);
 
 class RunDir {
  public:

@@ -49,6 +49,7 @@ void Session::resume() {
                          "' holds no optimizer state of a Python training loop (written by `limbo train`?)");
     p_.unpack_extra(it->second);
   }
+  if (p_.load_local) p_.load_local(st.extra);
   log_info("resumed from step " + std::to_string(st.step) + " (epoch " + std::to_string(st.cursor.epoch) +
            ", position " + std::to_string(st.cursor.position) + ")");
 }
@@ -60,6 +61,7 @@ void Session::checkpoint(const std::string& why) {
   if (p_.isgd) st.extra["isgd"] = p_.isgd->state();
   st.extra["batch_policy"] = p_.policy.state();
   if (p_.pack_extra) st.extra[kFrontEndState] = p_.pack_extra();
+  if (p_.save_local) p_.save_local(st.extra);
   if (opt.has_state() && opt.state()[0].numel() != p_.flat.numel()) {
     // Sharded state that this member does not hold whole (it took over the
     // final files from a writer lost in the job's ending).

@@ -26,6 +26,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -63,6 +64,12 @@ struct SessionParts {
   // everywhere else. Both empty: none.
   std::function<torch::Tensor()> pack_extra;
   std::function<void(const torch::Tensor&)> unpack_extra;
+  // State of this member's own that checkpoints keep (the writer's) but
+  // state sync does not move (DiLoCo's inner optimizer): added to the
+  // checkpoint's state/extra, and read back on --resume and on a fallback
+  // to the checkpoint. Both empty: none.
+  std::function<void(std::map<std::string, torch::Tensor>&)> save_local;
+  std::function<void(const std::map<std::string, torch::Tensor>&)> load_local;
 };
 
 class Session {

@@ -16,6 +16,7 @@
 #include "train/isgd_step.h"
 #include "data/tensor_dataset.h"
 #include "train/run_dir.h"
+#include "train/trainer_run.h"
 
 namespace limbo::train {
 
@@ -113,6 +114,27 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   opt_ = std::make_shared<OptimizerStep>(optim::make_optimizer(opt), cfg_.clip_grad_norm);
   schedule_ = std::make_unique<optim::LrSchedule>(cfg_.lr);
   rule_ = std::make_shared<LocalUpdate>(opt_);
+  if (cfg_.sync != "step" && cfg_.sync != "diloco")
+    throw InvalidInput("unknown elastic.sync '" + cfg_.sync + "'; allowed: step, diloco");
+  if (cfg_.sync == "diloco") {
+    if (cfg_.algorithm == "isgd")
+      throw InvalidInput("elastic.sync = \"diloco\" does not run with optim.algorithm = \"isgd\" (ISGD's extra "
+                         "updates act on every synchronous step); use sgd, adam or adamw as the inner optimizer");
+    if (cfg_.loader.drop_last)
+      throw InvalidInput("elastic.sync = \"diloco\" deals every sample of an epoch (an outer step takes what is "
+                         "left); set data.drop_last = false");
+    const auto& d = cfg_.diloco;
+    if (d.inner_steps < 1) throw InvalidInput("diloco.inner_steps must be at least 1");
+    if (d.nesterov && d.outer_momentum <= 0)
+      throw InvalidInput("diloco.nesterov = true needs diloco.outer_momentum > 0");
+    optim::OptimizerOptions outer;
+    outer.algorithm = "sgd";
+    outer.momentum = d.outer_momentum;
+    outer.nesterov = d.nesterov;
+    outer_ = std::make_shared<OptimizerStep>(optim::make_optimizer(outer), 0.0);
+    rule_ = std::make_shared<LocalUpdate>(outer_);
+    outer_run_ = std::make_unique<Outer>(splits_->train.size(), cfg_.loader.order, cfg_.train.seed);
+  }
   batch_policy_ = std::make_unique<optim::BatchSizePolicy>(cfg_.batch_policy);
   state_.config_toml = cfg_.config_toml;
   if (cfg_.algorithm == "isgd") {
@@ -138,49 +160,14 @@ void Trainer::writer_dies_at(const char* point) {
   ::kill(::getpid(), freeze ? SIGSTOP : SIGKILL);
 }
 
-// Everything one call of run() keeps between steps.
-struct Trainer::Run {
-  Run(const TrainOptions& opt, Session& session) : t(opt), elastic(session.elastic()), s(session), run_dir(session.run_dir()) {}
-
-  const TrainOptions& t;
-  const bool elastic;
-  Session& s;
-  RunDir& run_dir;
-  std::unique_ptr<data::BatchLoader> loader;
-  std::unique_ptr<data::Sampler> log_sampler;
-  std::unique_ptr<Progress> progress;
-  int64_t n = 0, total_steps = 0, resumed_from = -1;
-  Clock::time_point wall_start = Clock::now();
-  bool left = false;
-
-  // This step.
-  data::Batch batch;
-  optim::BatchSizePolicy::Step policy;
-  double lr = 0, epoch_progress = 0;
-  StepResult res;
-
-  // Metrics.
-  EvalResult last_eval;
-  int64_t last_eval_step = -1, samples_this_run = 0;
-  double train_seconds = 0, last_loss = NAN;
-  MetricsWindow window;
-  double norm_sum = 0;  // pre-clip gradient norms in the window (clipping on)
-  int64_t norm_n = 0;
-  double isgd_extra_seconds = 0, plain_step_seconds = 0;
-  int64_t plain_steps = 0;
-
-  double epoch_now(const data::Cursor& c) const {
-    return c.epoch + static_cast<double>(c.position) / n;
-  }
-};
-
 // After every (re)formation: the loader moves to the new group (and the
 // pace of a testing aid, ISGD's window).
 void Trainer::reformed(Run& r, const Membership::Established& est) {
   if (cfg_.train.pace_until_workers > 0)
     step_->set_testing_delay(est.world < cfg_.train.pace_until_workers ? cfg_.train.slow_step
                                                                        : std::chrono::milliseconds(0));
-  r.loader->restart(state_.cursor, est.world, est.rank);
+  if (r.loader) r.loader->restart(state_.cursor, est.world, est.rank);
+  if (outer_run_) outer_run_->reformed = true;
   if (isgd_)  // the control window holds one epoch of the new global batches
     isgd_->set_batches_per_epoch(data::batches_per_epoch(
         r.n, cfg_.loader.batch_size * est.world, cfg_.loader.drop_last));
@@ -407,6 +394,17 @@ nlohmann::json Trainer::summary(Run& r) {
         r.plain_steps > 0 ? nlohmann::json(r.plain_step_seconds / r.plain_steps) : nlohmann::json();
   }
   s["algorithm"] = cfg_.algorithm;
+  s["sync"] = cfg_.sync;
+  if (outer_run_) {
+    const auto& o = *outer_run_;
+    s["outer_steps"] = state_.step;
+    s["inner_steps"] = o.inner_steps_total;
+    s["inner_steps_skipped"] = o.inner_skipped;
+    s["outer_steps_redone"] = o.outer_redone;
+    s["compute_utilisation"] = o.wall_seconds > 0 ? o.compute_seconds / o.wall_seconds : 0.0;
+    s["outer_sync_seconds"] = o.sync_seconds;
+    s["pseudo_gradient_bytes"] = o.payload_bytes;
+  }
   if (auto rs = rule_->summary(); !rs.empty()) s["communication"] = rs;
   if (r.elastic) {
     s["membership_changes"] = r.s.membership_changes();
@@ -423,9 +421,9 @@ double Trainer::buffer_fingerprint() const {
 }
 
 std::string Trainer::optimizer_fingerprint() {
-  std::string out = std::to_string(optimizer().steps());
+  std::string out = std::to_string(rule_optimizer()->optimizer().steps());
   char buf[32];
-  for (const auto& t : optimizer().state()) {
+  for (const auto& t : rule_optimizer()->optimizer().state()) {
     std::snprintf(buf, sizeof buf, " %.17g", t.to(torch::kFloat64).sum().item<double>());
     out += buf;
   }
@@ -440,8 +438,9 @@ nlohmann::json Trainer::run() {
     throw InvalidInput("run directory '" + cfg_.run_dir +
                        "' already holds a checkpoint; pass --resume to continue that run, or "
                        "choose another --run-dir");
-  SessionParts parts{*model_, *flat_, opt_, *batch_policy_, isgd_.get(), state_, cfg_.run_dir,
+  SessionParts parts{*model_, *flat_, rule_optimizer(), *batch_policy_, isgd_.get(), state_, cfg_.run_dir,
                      t.max_nonfinite_steps, {}, {}};
+  if (outer_) diloco_state_hooks(parts);
   session_ = std::make_unique<Session>(std::move(parts), rule_, std::move(membership_), t.resume,
                                        static_cast<int>(cfg_.loader.world));
   Session& session = *session_;
@@ -456,11 +455,13 @@ nlohmann::json Trainer::run() {
   r.n = train_set.size();
   auto loader_opt = cfg_.loader;
   loader_opt.seed = t.seed;
-  r.loader = std::make_unique<data::BatchLoader>(
-      std::shared_ptr<const data::Dataset>(splits_, &splits_->train), norm_, loader_opt,
-      state_.cursor);
+  if (!outer_)  // DiLoCo's inner steps build their batches from the outer step's plan
+    r.loader = std::make_unique<data::BatchLoader>(
+        std::shared_ptr<const data::Dataset>(splits_, &splits_->train), norm_, loader_opt,
+        state_.cursor);
   const int64_t global_batch = loader_opt.batch_size * loader_opt.world;
-  const int64_t per_epoch = data::batches_per_epoch(r.n, global_batch, loader_opt.drop_last);
+  const int64_t per_epoch = outer_ ? data::batches_per_epoch(r.n, global_batch * cfg_.diloco.inner_steps, false)
+                                   : data::batches_per_epoch(r.n, global_batch, loader_opt.drop_last);
   r.total_steps = t.epochs * per_epoch;
   if (t.max_steps > 0) r.total_steps = std::min(r.total_steps, t.max_steps);
   session.set_on_reform([this, &r](const Membership::Established& est) { reformed(r, est); });
@@ -468,7 +469,8 @@ nlohmann::json Trainer::run() {
   log_info("training " + cfg_.model.name + " (" + std::to_string(models::parameter_count(*model_)) +
            " parameters) on " + train_set.name + " (" + std::to_string(r.n) + " samples), batch " +
            std::to_string(global_batch) + ", " + std::to_string(t.epochs) + " epochs, " +
-           std::to_string(threads_.intra_op) + " threads, BLAS " + threads_.blas_library);
+           std::to_string(threads_.intra_op) + " threads, BLAS " + threads_.blas_library +
+           (outer_ ? ", DiLoCo: " + std::to_string(cfg_.diloco.inner_steps) + " inner steps an outer step" : ""));
 
   try {
     session.start();
@@ -486,7 +488,7 @@ nlohmann::json Trainer::run() {
     if (state_.cursor.epoch >= t.epochs) break;
     if (t.max_steps > 0 && state_.step >= t.max_steps) break;
     try {
-      if (!train_step(r)) continue;
+      if (!(outer_ ? outer_step(r) : train_step(r))) continue;
       log_step(r);
       after_epoch_and_step(r);
     } catch (const CompletedElsewhere& e) {

@@ -26,6 +26,7 @@
 #include "optim/lr_schedule.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
+#include "train/diloco.h"
 #include "train/membership.h"
 #include "train/session.h"
 #include "train/step.h"
@@ -93,6 +94,10 @@ struct TrainOptions {
   // bfloat16 (TrainStep::set_bf16); weights, gradients, the all-reduce and
   // optimizer state stay float32.
   std::string precision = "fp32";
+  // Testing aid (DiLoCo): with die_at_step (outer steps), the member dies
+  // after the outer step's agreement, as the others enter the outer
+  // all-reduce, instead of halfway through its inner steps.
+  bool die_in_outer = false;
 };
 
 struct TrainerConfig {
@@ -109,6 +114,11 @@ struct TrainerConfig {
   optim::LrScheduleOptions lr;
   optim::BatchPolicyOptions batch_policy;  // learning rate vs. global batch
   std::string algorithm = "sgd";  // "sgd" | "isgd" | "adam" | "adamw"
+  // elastic.sync: "step" (every step all-reduces the gradient) or "diloco"
+  // (train/diloco.h: `optimizer` is the inner optimizer, the outer one is
+  // SGD with diloco.outer_lr and Nesterov momentum).
+  std::string sync = "step";
+  DilocoOptions diloco;
   optim::IsgdOptions isgd;
   TrainOptions train;
   ThreadSettings threads;
@@ -132,6 +142,11 @@ class Trainer {
   optim::Optimizer& optimizer() { return opt_->optimizer(); }
   // The optimizer as the update rules apply it (clipping, then the update).
   std::shared_ptr<OptimizerStep> optimizer_step() { return opt_; }
+  // The optimizer the update rule must apply: optimizer_step(), or with
+  // elastic.sync = "diloco" the outer optimizer (the rule's gradient is
+  // then the pseudo-gradient of an outer step).
+  std::shared_ptr<OptimizerStep> rule_optimizer() { return outer_ ? outer_ : opt_; }
+  bool diloco() const { return outer_ != nullptr; }
   const data::DatasetSplits& data() const { return *splits_; }
   const data::Normalization& normalization() const { return norm_; }
   const TrainState& state() const { return state_; }
@@ -145,6 +160,13 @@ class Trainer {
   void writer_dies_at(const char* point);
   void reformed(Run& r, const Membership::Established& est);
   bool train_step(Run& r);  // false when the step failed and the group re-formed
+  // DiLoCo (trainer_diloco.cc): one outer step, its inner steps and the
+  // outer all-reduce; false when it did not commit (the group re-formed).
+  struct Outer;
+  bool outer_step(Run& r);
+  void run_inner_steps(Run& r);
+  void outer_record(Run& r, const StepResult& res, double sync_seconds, double delta_norm, int64_t owed);
+  void diloco_state_hooks(SessionParts& parts);
   void log_step(Run& r);
   void after_epoch_and_step(Run& r);
   void eval_now(Run& r);
@@ -167,6 +189,8 @@ class Trainer {
   std::unique_ptr<Membership> membership_;  // handed to the session at run()
   std::unique_ptr<Session> session_;
   TrainState state_;
+  std::shared_ptr<OptimizerStep> outer_;  // DiLoCo's outer optimizer (null: elastic.sync = "step")
+  std::unique_ptr<Outer> outer_run_;
 };
 
 // Builds InputSpec from a dataset.

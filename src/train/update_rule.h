@@ -100,6 +100,10 @@ class UpdateRule {
   // workers, in place; returns the global loss. Used for additional passes
   // over the same batch (ISGD's subproblem). Identity for one process.
   virtual double reduce(torch::Tensor* grad, double loss) = 0;
+  // Element-wise maximum of a small float64 tensor across the members, in
+  // place (DiLoCo's agreement on what each member did in an outer step).
+  // Identity for one process.
+  virtual void agree_max(torch::Tensor& t) {}
   virtual const char* name() const = 0;
   // Figures for the run's summary (merged into summary.json); none by default.
   virtual nlohmann::json summary() const { return nlohmann::json::object(); }

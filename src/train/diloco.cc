@@ -1,0 +1,72 @@
+#include "train/diloco.h"
+
+#include <algorithm>
+#include <string>
+
+#include "common/error.h"
+
+namespace limbo::train {
+
+PositionRanges normalize_ranges(PositionRanges r) {
+  std::sort(r.begin(), r.end());
+  PositionRanges out;
+  for (const auto& [a, b] : r) {
+    if (b <= a) continue;
+    if (!out.empty() && a <= out.back().second) out.back().second = std::max(out.back().second, b);
+    else out.push_back({a, b});
+  }
+  return out;
+}
+
+int64_t range_total(const PositionRanges& r) {
+  int64_t t = 0;
+  for (const auto& [a, b] : r) t += b - a;
+  return t;
+}
+
+OuterPlan plan_outer(data::Cursor cursor, const PositionRanges& owed, int64_t n, int64_t per_member, int world) {
+  if (per_member <= 0 || world <= 0 || n <= 0)
+    throw Error("internal: plan_outer(per_member " + std::to_string(per_member) + ", world " +
+                std::to_string(world) + ", n " + std::to_string(n) + ")");
+  OuterPlan p;
+  p.world = world;
+  if (cursor.position >= n && owed.empty()) cursor = {cursor.epoch + 1, 0};
+  p.epoch = cursor.epoch;
+  const int64_t want = per_member * world;
+  for (const auto& [a, b] : owed) {
+    const int64_t room = want - static_cast<int64_t>(p.positions.size());
+    const int64_t take = std::min(room, b - a);
+    for (int64_t i = a; i < a + take; ++i) p.positions.push_back(i);
+    if (a + take < b) p.owed_left.push_back({a + take, b});
+  }
+  const int64_t fresh = std::min(want - static_cast<int64_t>(p.positions.size()), std::max<int64_t>(n - cursor.position, 0));
+  for (int64_t i = 0; i < fresh; ++i) p.positions.push_back(cursor.position + i);
+  p.fresh_end = cursor.position + fresh;
+  const int64_t total = static_cast<int64_t>(p.positions.size());
+  p.offsets.assign(static_cast<size_t>(world) + 1, 0);
+  for (int r = 0; r < world; ++r) p.offsets[r + 1] = p.offsets[r] + total / world + (r < total % world ? 1 : 0);
+  return p;
+}
+
+OuterSettled settle_outer(const OuterPlan& plan, const std::vector<int64_t>& consumed, int64_t n) {
+  if (static_cast<int>(consumed.size()) != plan.world)
+    throw Error("internal: settle_outer with " + std::to_string(consumed.size()) + " counts for a plan of " +
+                std::to_string(plan.world));
+  OuterSettled s;
+  PositionRanges owed = plan.owed_left;
+  for (int p = 0; p < plan.world; ++p) {
+    const int64_t lo = plan.offsets[p], hi = plan.offsets[p + 1];
+    const int64_t done = std::clamp<int64_t>(consumed[p], 0, hi - lo);
+    for (int64_t i = lo; i < lo + done; ++i) s.committed.push_back(plan.positions[i]);
+    for (int64_t i = lo + done; i < hi; ++i) owed.push_back({plan.positions[i], plan.positions[i] + 1});
+  }
+  s.owed = normalize_ranges(std::move(owed));
+  s.cursor = {plan.epoch, plan.fresh_end};
+  if (plan.fresh_end >= n && s.owed.empty()) {
+    s.cursor = {plan.epoch + 1, 0};
+    s.last_in_epoch = true;
+  }
+  return s;
+}
+
+}  // namespace limbo::train

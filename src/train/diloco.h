@@ -1,0 +1,74 @@
+// DiLoCo (elastic.sync = "diloco"): each member trains alone for H inner
+// steps from the last global weights, then the members average their
+// pseudo-gradients (global - local, weighted by the samples each processed)
+// and an outer optimizer (SGD with Nesterov momentum) updates the global
+// weights. The outer step is the unit that commits: the committed state
+// (TrainState) counts outer steps, and the data cursor moves only when an
+// outer step commits.
+//
+// How samples are dealt (docs/diloco.md): an outer step takes up to
+// H x b x W samples of the epoch's order (b: data.batch_size, W: the
+// members when it began): first the samples owed from earlier outer steps
+// (TrainState::owed), then fresh ones from the cursor; member p of the plan
+// takes a contiguous share (shares differ by at most one sample) and cuts
+// it into inner batches of b. When the outer step commits, each member
+// reports how many samples of its share it processed; what a member did not
+// process (it was lost, or stopped early) is owed and dealt again first in
+// the next outer step, so the committed model sees every sample of an epoch
+// exactly once.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "data/sampler.h"
+
+namespace limbo::train {
+
+struct DilocoOptions {
+  int64_t inner_steps = 500;    // H
+  double outer_lr = 0.7;
+  double outer_momentum = 0.9;
+  bool nesterov = true;
+  // Bytes an element of the pseudo-gradient takes on the wire
+  // (comm.compression: 4 for float32, 2 for fp16 / bf16), for records.
+  int wire_bytes = 4;
+};
+
+// Positions [lo, hi) of an epoch's order.
+using PositionRanges = std::vector<std::pair<int64_t, int64_t>>;
+
+struct OuterPlan {
+  int64_t epoch = 0;
+  int world = 1;
+  std::vector<int64_t> positions;  // the outer step's samples, as positions of the epoch's order, in deal order
+  std::vector<int64_t> offsets;    // world + 1 entries: member p deals positions[offsets[p], offsets[p + 1])
+  int64_t fresh_end = 0;           // the cursor's position after the fresh samples dealt
+  PositionRanges owed_left;        // owed samples left for a later outer step
+  int64_t share(int p) const { return offsets[p + 1] - offsets[p]; }
+};
+
+// The samples of the outer step after committed `cursor` with `owed`
+// (positions of epoch cursor.epoch), for `world` members of `per_member`
+// samples each (H x b), in an epoch of n samples. A cursor at the epoch's
+// end with nothing owed starts the next epoch.
+OuterPlan plan_outer(data::Cursor cursor, const PositionRanges& owed, int64_t n, int64_t per_member, int world);
+
+struct OuterSettled {
+  data::Cursor cursor;
+  PositionRanges owed;
+  std::vector<int64_t> committed;  // positions processed, in plan order
+  bool last_in_epoch = false;      // the epoch is complete (the cursor moved to the next one)
+};
+
+// After the outer step of `plan` committed with `consumed[p]` samples of
+// member p's share processed (the first ones; fewer than its share, or 0
+// for a member lost, leaves the rest owed).
+OuterSettled settle_outer(const OuterPlan& plan, const std::vector<int64_t>& consumed, int64_t n);
+
+// Sorted, with touching ranges merged.
+PositionRanges normalize_ranges(PositionRanges r);
+int64_t range_total(const PositionRanges& r);
+
+}  // namespace limbo::train
