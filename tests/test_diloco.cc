@@ -1,0 +1,292 @@
+// DiLoCo (elastic.sync = "diloco"): how an outer step deals its samples and
+// owes what no member processed (train/diloco.h), and real `limbo launch`
+// jobs whose members are killed, frozen or joined in each phase of an
+// outer step (docs/diloco.md).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "checkpoint_checks.h"
+#include "common/files.h"
+#include "job_checks.h"
+#include "test_util.h"
+#include "train/checkpoint.h"
+#include "train/diloco.h"
+
+using limbo::testing::slurp;
+using limbo::testing::TempDir;
+using limbo::train::OuterPlan;
+using limbo::train::PositionRanges;
+using limbo::train::plan_outer;
+using limbo::train::settle_outer;
+using json = nlohmann::json;
+
+namespace {
+
+bool have_fmnist() { return limbo::file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"); }
+
+constexpr int kSamples = 3000;
+
+std::vector<std::string> job_args(const std::string& run, int epochs) {
+  return {"--run-dir", run, "--set", "model.name=mlp", "--set", "model.width=64",
+          "--set", "data.train_limit=" + std::to_string(kSamples), "--set", "data.test_limit=500",
+          "--set", "data.batch_size=8", "--set", "train.epochs=" + std::to_string(epochs),
+          "--set", "train.threads=1", "--set", "train.progress=false",
+          "--set", "train.sample_log=true", "--set", "elastic.collective_timeout=5",
+          "--set", "elastic.sync=\"diloco\"", "--set", "diloco.inner_steps=10",
+          "--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002"};
+}
+
+// An elastic job of `nproc` workers to its end; returns its run directory.
+std::string run_job(TempDir& d, const std::string& name, int nproc, int epochs, const std::vector<std::string>& extra,
+                    const std::vector<std::string>& launch_extra = {}) {
+  const std::string run = d.file(name);
+  std::vector<std::string> a = {"launch", "--nproc", std::to_string(nproc), "--min-workers", "1"};
+  a.insert(a.end(), launch_extra.begin(), launch_extra.end());
+  a.push_back("--");
+  auto t = job_args(run, epochs);
+  a.insert(a.end(), t.begin(), t.end());
+  a.insert(a.end(), extra.begin(), extra.end());
+  auto r = limbo::testing::run_limbo(a);
+  EXPECT_EQ(r.exit_code, 0) << name << ": " << r.output;
+  return run;
+}
+
+json summary(const std::string& run) { return json::parse(slurp(run + "/summary.json")); }
+
+std::vector<json> records(const std::string& run, const std::string& kind) {
+  std::vector<json> out;
+  std::istringstream in(slurp(run + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    auto j = json::parse(line);
+    if (j["kind"] == kind) out.push_back(j);
+  }
+  return out;
+}
+
+// The final fingerprint every member of the run wrote (they agree).
+std::string final_fingerprint(const std::string& run) {
+  for (const auto& e : std::filesystem::directory_iterator(run))
+    if (e.path().filename().string().rfind("final-", 0) == 0) return slurp(e.path());
+  return "";
+}
+
+}  // namespace
+
+// Owed samples come first; the fresh ones follow from the cursor; shares
+// differ by at most one sample and cover the outer step in order.
+TEST(DilocoPlan, DealsOwedSamplesFirstAndSharesDifferByOne) {
+  const OuterPlan p = plan_outer({2, 100}, {{10, 13}, {40, 42}}, 1000, 4, 3);
+  EXPECT_EQ(p.epoch, 2);
+  EXPECT_EQ(p.positions, (std::vector<int64_t>{10, 11, 12, 40, 41, 100, 101, 102, 103, 104, 105, 106}));
+  EXPECT_EQ(p.offsets, (std::vector<int64_t>{0, 4, 8, 12}));
+  EXPECT_EQ(p.fresh_end, 107);
+  EXPECT_TRUE(p.owed_left.empty());
+  // More owed than one outer step takes: the rest stays owed.
+  const OuterPlan q = plan_outer({0, 500}, {{0, 5}, {7, 20}}, 500, 2, 3);
+  EXPECT_EQ(q.positions.size(), 6u);
+  EXPECT_EQ(q.owed_left, (PositionRanges{{8, 20}}));
+  EXPECT_EQ(q.fresh_end, 500);
+  // The end of an epoch: a short outer step, shares differing by one.
+  const OuterPlan e = plan_outer({0, 995}, {}, 1000, 4, 3);
+  EXPECT_EQ(e.offsets, (std::vector<int64_t>{0, 2, 4, 5}));
+  // The epoch's cursor at its end with nothing owed: the next epoch.
+  const OuterPlan n = plan_outer({0, 1000}, {}, 1000, 4, 2);
+  EXPECT_EQ(n.epoch, 1);
+  EXPECT_EQ(n.positions.front(), 0);
+}
+
+// What a member did not process (lost: 0; stopped early: the tail of its
+// share) is owed; the epoch ends only when nothing is owed.
+TEST(DilocoPlan, SettlingOwesWhatNoMemberProcessed) {
+  const OuterPlan p = plan_outer({0, 990}, {}, 1000, 4, 3);  // 10 left: shares 4, 3, 3
+  auto s = settle_outer(p, {4, 0, 1}, 1000);
+  EXPECT_EQ(s.committed, (std::vector<int64_t>{990, 991, 992, 993, 997}));
+  EXPECT_EQ(s.owed, (PositionRanges{{994, 997}, {998, 1000}}));
+  EXPECT_EQ(s.cursor.epoch, 0);
+  EXPECT_EQ(s.cursor.position, 1000);
+  EXPECT_FALSE(s.last_in_epoch);
+  // The owed samples are the next outer step's; processed, the epoch ends.
+  const OuterPlan q = plan_outer(s.cursor, s.owed, 1000, 4, 2);
+  EXPECT_EQ(q.positions, (std::vector<int64_t>{994, 995, 996, 998, 999}));
+  auto t = settle_outer(q, {3, 2}, 1000);
+  EXPECT_TRUE(t.owed.empty());
+  EXPECT_TRUE(t.last_in_epoch);
+  EXPECT_EQ(t.cursor.epoch, 1);
+  EXPECT_EQ(t.cursor.position, 0);
+}
+
+// The owed ranges are part of the committed state: a checkpoint keeps them.
+TEST(DilocoPlan, CheckpointsKeepTheOwedSamples) {
+  TempDir d;
+  torch::nn::Linear model(3, 2);
+  auto opt = limbo::optim::make_optimizer({});
+  limbo::train::TrainState st;
+  st.step = 7;
+  st.cursor = {1, 300};
+  st.owed = {{12, 20}, {250, 251}};
+  limbo::train::save_checkpoint(d.file("c.pt"), *model, *opt, st);
+  const auto back = limbo::train::load_checkpoint(d.file("c.pt"), *model, opt.get());
+  EXPECT_EQ(back.owed, st.owed);
+  st.owed.clear();
+  limbo::train::save_checkpoint(d.file("c.pt"), *model, *opt, st);
+  EXPECT_TRUE(limbo::train::load_checkpoint(d.file("c.pt"), *model, opt.get()).owed.empty());
+}
+
+// With one inner step of plain SGD and an outer step of rate 1 without
+// momentum, DiLoCo is synchronous SGD: the average of the members' local
+// steps is the step of the averaged gradient. Two workers, against
+// elastic.sync = "step", within float32 rounding.
+TEST(Diloco, OneInnerStepAndAPlainOuterStepIsSynchronousSgd) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::vector<std::string> sgd = {"--set", "optim.algorithm=\"sgd\"", "--set", "optim.momentum=0",
+                                        "--set", "optim.lr=0.05", "--set", "elastic.batch_policy=\"none\""};
+  auto step = sgd;
+  step.insert(step.end(), {"--set", "elastic.sync=\"step\""});
+  auto diloco = sgd;
+  diloco.insert(diloco.end(), {"--set", "diloco.inner_steps=1", "--set", "diloco.outer_lr=1", "--set",
+                               "diloco.outer_momentum=0", "--set", "diloco.nesterov=false"});
+  const auto a = limbo::testing::checkpoint_tensors(run_job(d, "step", 2, 1, step) + "/checkpoint.pt");
+  const auto b = limbo::testing::checkpoint_tensors(run_job(d, "diloco", 2, 1, diloco) + "/checkpoint.pt");
+  int compared = 0;
+  for (const auto& [name, t] : a) {
+    if (name.rfind("model.", 0) != 0) continue;
+    ASSERT_TRUE(b.count(name)) << name;
+    const double scale = t.abs().max().item<double>();
+    EXPECT_LT((t - b.at(name)).abs().max().item<double>(), 1e-5 * scale) << name;
+    EXPECT_GT((t - b.at(name)).abs().max().item<double>() + scale, 0);
+    ++compared;
+  }
+  EXPECT_EQ(compared, 6);
+  EXPECT_EQ(summary(d.file("diloco"))["sync"], "diloco");
+  EXPECT_EQ(summary(d.file("step"))["sync"], "step");
+}
+
+// Two members train Fashion-MNIST with AdamW inside and Nesterov outside:
+// every sample once an epoch, the same final weights and outer state on
+// both, one outer record per outer step.
+TEST(Diloco, TwoMembersTrainAndEndIdentical) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const auto run = run_job(d, "run", 2, 2, {});
+  const auto s = summary(run);
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.70) << s.dump();
+  limbo::testing::expect_exactly_once(run, 2, kSamples);
+  limbo::testing::expect_identical_finals(run, 2);
+  // 3000 samples in outer steps of 2 x 10 x 8 = 160: 19 a epoch.
+  EXPECT_EQ(s["outer_steps"].get<int64_t>(), 38);
+  EXPECT_EQ(s["steps"].get<int64_t>(), 38);
+  EXPECT_GE(s["inner_steps"].get<int64_t>(), 38 * 9);
+  const auto outer = records(run, "outer");
+  ASSERT_EQ(outer.size(), 38u);
+  for (const auto& o : outer) {
+    EXPECT_GT(o["pseudo_gradient_norm"].get<double>(), 0);
+    EXPECT_EQ(o["owed"].get<int64_t>(), 0);
+    EXPECT_GT(o["compute_utilisation"].get<double>(), 0);
+  }
+  EXPECT_EQ(outer[0]["samples"].get<int64_t>(), 160);
+  EXPECT_EQ(outer[0]["payload_bytes"].get<int64_t>(), 4 * s["trainable_parameters"].get<int64_t>());
+}
+
+// A member killed halfway through its inner steps, or as the others enter
+// the outer all-reduce: the survivors redo the outer step's sync without
+// it, its samples of that outer step are owed and dealt again, and every
+// sample is used once an epoch. Either way its work is dropped whole, so
+// both runs end with the same weights, bit for bit; a member frozen
+// (SIGSTOP) in its inner steps ends the same way too.
+TEST(Diloco, AMemberLostInItsInnerStepsOrInTheOuterAllReduceIsDroppedAndItsSamplesDealtAgain) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::vector<std::string> die = {"--set", "train.testing_die_at_step=5"};
+  auto outer = die;
+  outer.insert(outer.end(), {"--set", "train.testing_die_in_outer=true"});
+  auto frozen = die;
+  frozen.insert(frozen.end(), {"--set", "train.testing_die_by_freezing=true"});
+  const auto a = run_job(d, "inner", 3, 2, die);
+  const auto b = run_job(d, "outer", 3, 2, outer);
+  const auto c = run_job(d, "frozen", 3, 2, frozen, {"--heartbeat-timeout", "0.4"});
+  for (const auto& run : {a, b, c}) {
+    SCOPED_TRACE(run);
+    limbo::testing::expect_exactly_once(run, 2, kSamples);
+    limbo::testing::expect_identical_finals(run, 2);
+    const auto s = summary(run);
+    EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+    EXPECT_GE(s["outer_steps_redone"].get<int64_t>(), 1);
+    // Outer step 6 committed the survivors' 2 x 80 samples; the lost
+    // member's 80 were owed, then dealt in outer step 7.
+    const auto rec = records(run, "outer");
+    ASSERT_GE(rec.size(), 7u);
+    EXPECT_EQ(rec[5]["step"].get<int64_t>(), 6);
+    EXPECT_EQ(rec[5]["samples"].get<int64_t>(), 160);
+    EXPECT_EQ(rec[5]["owed"].get<int64_t>(), 80);
+    EXPECT_EQ(rec[6]["owed"].get<int64_t>(), 0);
+  }
+  EXPECT_EQ(final_fingerprint(a), final_fingerprint(b));
+  EXPECT_EQ(final_fingerprint(a), final_fingerprint(c));
+  EXPECT_FALSE(final_fingerprint(a).empty());
+}
+
+// A joiner (added by the schedule) takes the global weights and the outer
+// optimizer's state from a peer at an outer step's end and starts its
+// inner steps with the next one: both members end with the same weights
+// and outer state, and every sample is used once an epoch.
+TEST(Diloco, AJoinerTakesTheGlobalWeightsAndOuterStateFromAPeer) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  // Paced while alone (20 ms an inner step: 3.6 s for the 180 outer steps'
+  // worth of inner steps after the schedule starts the joiner), so the job
+  // cannot end before the joiner got in.
+  const auto run = run_job(d, "run", 2, 2, {"--set", "train.slow_step_ms=20", "--set", "train.testing_pace_until_workers=2"},
+                           {"--elastic-schedule", "0:1,0.3:2"});
+  const auto s = summary(run);
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_GE(s["membership_changes"].get<int64_t>(), 1);
+  limbo::testing::expect_exactly_once(run, 2, kSamples);
+  limbo::testing::expect_identical_finals(run, 2);
+  bool alone = false, two = false;
+  for (const auto& o : records(run, "outer")) {
+    alone = alone || o["workers"] == 1;
+    two = two || o["workers"] == 2;
+  }
+  EXPECT_TRUE(alone && two);
+}
+
+// optim.shard_state shards the outer optimizer's state (with its copy on
+// another host where there is one): the same weights and state as the
+// replicated outer step, bit for bit.
+TEST(Diloco, ShardedOuterStateEqualsTheReplicatedOne) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const auto rep = run_job(d, "rep", 2, 1, {});
+  const auto sh = run_job(d, "shard", 2, 1, {"--set", "optim.shard_state=true"});
+  limbo::testing::expect_same_checkpoint(rep, sh);
+  limbo::testing::expect_identical_finals(sh, 2);
+  EXPECT_NE(slurp(sh + "/metrics.jsonl").find("\"shard_bytes_sent\""), std::string::npos);
+}
+
+// Settings DiLoCo cannot honour are refused before anything runs.
+TEST(Diloco, SettingsItCannotHonourAreRefused) {
+  TempDir d;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"--set", "optim.algorithm=\"isgd\""}, "does not run with optim.algorithm = \"isgd\""},
+      {{"--set", "data.drop_last=true"}, "set data.drop_last = false"},
+      {{"--set", "diloco.outer_momentum=0"}, "diloco.nesterov = true needs diloco.outer_momentum > 0"},
+      {{"--set", "diloco.inner_steps=0"}, "diloco.inner_steps"},
+      {{"--set", "elastic.sync=\"local\""}, "elastic.sync"}};
+  for (const auto& [extra, want] : cases) {
+    std::vector<std::string> a = {"train"};
+    auto t = job_args(d.file("bad"), 1);
+    a.insert(a.end(), t.begin(), t.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    auto r = limbo::testing::run_limbo(a);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << r.output;
+    EXPECT_FALSE(limbo::file_exists(d.file("bad") + "/checkpoint.pt"));
+  }
+}
