@@ -39,7 +39,11 @@ std::vector<std::string> job_args(const std::string& run, int epochs) {
           "--set", "train.threads=1", "--set", "train.progress=false",
           "--set", "train.sample_log=true", "--set", "elastic.collective_timeout=5",
           "--set", "elastic.sync=\"diloco\"", "--set", "diloco.inner_steps=10",
-          "--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002"};
+          "--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002",
+          // No bounded wait (a member on a busy machine stopping early
+          // changes which samples each outer step commits): the tests
+          // below compare runs bit for bit; DilocoWait tests the bound.
+          "--set", "diloco.max_wait=0"};
 }
 
 // An elastic job of `nproc` workers to its end; returns its run directory.
@@ -94,7 +98,7 @@ TEST(DilocoPlan, DealsOwedSamplesFirstAndSharesDifferByOne) {
   EXPECT_EQ(q.fresh_end, 500);
   // The end of an epoch: a short outer step, shares differing by one.
   const OuterPlan e = plan_outer({0, 995}, {}, 1000, 4, 3);
-  EXPECT_EQ(e.offsets, (std::vector<int64_t>{0, 2, 4, 5}));
+  EXPECT_EQ(e.offsets, (std::vector<int64_t>{0, 1, 3, 5}));
   // The epoch's cursor at its end with nothing owed: the next epoch.
   const OuterPlan n = plan_outer({0, 1000}, {}, 1000, 4, 2);
   EXPECT_EQ(n.epoch, 1);
@@ -104,17 +108,17 @@ TEST(DilocoPlan, DealsOwedSamplesFirstAndSharesDifferByOne) {
 // What a member did not process (lost: 0; stopped early: the tail of its
 // share) is owed; the epoch ends only when nothing is owed.
 TEST(DilocoPlan, SettlingOwesWhatNoMemberProcessed) {
-  const OuterPlan p = plan_outer({0, 990}, {}, 1000, 4, 3);  // 10 left: shares 4, 3, 3
-  auto s = settle_outer(p, {4, 0, 1}, 1000);
-  EXPECT_EQ(s.committed, (std::vector<int64_t>{990, 991, 992, 993, 997}));
-  EXPECT_EQ(s.owed, (PositionRanges{{994, 997}, {998, 1000}}));
+  const OuterPlan p = plan_outer({0, 990}, {}, 1000, 4, 3);  // 10 left: shares 3, 3, 4
+  auto s = settle_outer(p, {3, 0, 1}, 1000);
+  EXPECT_EQ(s.committed, (std::vector<int64_t>{990, 991, 992, 996}));
+  EXPECT_EQ(s.owed, (PositionRanges{{993, 996}, {997, 1000}}));
   EXPECT_EQ(s.cursor.epoch, 0);
   EXPECT_EQ(s.cursor.position, 1000);
   EXPECT_FALSE(s.last_in_epoch);
   // The owed samples are the next outer step's; processed, the epoch ends.
   const OuterPlan q = plan_outer(s.cursor, s.owed, 1000, 4, 2);
-  EXPECT_EQ(q.positions, (std::vector<int64_t>{994, 995, 996, 998, 999}));
-  auto t = settle_outer(q, {3, 2}, 1000);
+  EXPECT_EQ(q.positions, (std::vector<int64_t>{993, 994, 995, 997, 998, 999}));
+  auto t = settle_outer(q, {3, 3}, 1000);
   EXPECT_TRUE(t.owed.empty());
   EXPECT_TRUE(t.last_in_epoch);
   EXPECT_EQ(t.cursor.epoch, 1);
@@ -141,12 +145,14 @@ TEST(DilocoPlan, CheckpointsKeepTheOwedSamples) {
 // With one inner step of plain SGD and an outer step of rate 1 without
 // momentum, DiLoCo is synchronous SGD: the average of the members' local
 // steps is the step of the averaged gradient. Two workers, against
-// elastic.sync = "step", within float32 rounding.
+// elastic.sync = "step", within float32 rounding; the epoch's last batch
+// (2995 samples: 3 left) is shared unequally, 1 and 2, and weighed so.
 TEST(Diloco, OneInnerStepAndAPlainOuterStepIsSynchronousSgd) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   TempDir d;
   const std::vector<std::string> sgd = {"--set", "optim.algorithm=\"sgd\"", "--set", "optim.momentum=0",
-                                        "--set", "optim.lr=0.05", "--set", "elastic.batch_policy=\"none\""};
+                                        "--set", "optim.lr=0.05", "--set", "elastic.batch_policy=\"none\"",
+                                        "--set", "data.train_limit=2995"};
   auto step = sgd;
   step.insert(step.end(), {"--set", "elastic.sync=\"step\""});
   auto diloco = sgd;
@@ -268,6 +274,29 @@ TEST(Diloco, ShardedOuterStateEqualsTheReplicatedOne) {
   limbo::testing::expect_same_checkpoint(rep, sh);
   limbo::testing::expect_identical_finals(sh, 2);
   EXPECT_NE(slurp(sh + "/metrics.jsonl").find("\"shard_bytes_sent\""), std::string::npos);
+}
+
+// Members of unequal speed: a member 15 ms an inner step slower than the
+// other stops after twice the other's time for a share (diloco.max_wait =
+// 1), the rest of its share is dealt again in the next outer steps, and
+// every sample is still used once an epoch, with both members ending
+// identical.
+TEST(DilocoWait, ASlowMemberStopsAtTheBoundAndItsRestIsDealtAgain) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const auto run = run_job(d, "run", 2, 1, {"--set", "diloco.max_wait=1", "--set", "train.slow_step_ms=15",
+                                            "--set", "train.testing_slow_rank=1"});
+  limbo::testing::expect_exactly_once(run, 1, kSamples);
+  limbo::testing::expect_identical_finals(run, 2);
+  int64_t owed = 0, short_steps = 0;
+  for (const auto& o : records(run, "outer")) {
+    owed = std::max(owed, o["owed"].get<int64_t>());
+    short_steps += o["samples"].get<int64_t>() < 160;
+  }
+  // The slow member gets through about 2 of its 10 inner steps at most.
+  EXPECT_GE(owed, 40);
+  EXPECT_GE(short_steps, 5);
+  EXPECT_GT(summary(run)["outer_steps"].get<int64_t>(), 19);
 }
 
 // Settings DiLoCo cannot honour are refused before anything runs.

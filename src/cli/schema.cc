@@ -179,6 +179,9 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(F("diloco.outer_lr", 0.7, 0.0, 100.0, "diloco: the outer optimizer's learning rate", true));
     s->add(F("diloco.outer_momentum", 0.9, 0.0, 1.0, "diloco: the outer optimizer's momentum", false, true));
     s->add(B("diloco.nesterov", true, "diloco: Nesterov momentum in the outer optimizer"));
+    s->add(F("diloco.max_wait", 1.0, 0.0, 1000.0,
+             "diloco: a member stops its inner steps after (1 + max_wait) x the fastest member's time for a "
+             "whole share in the previous outer step; the rest of its share is dealt again (0: no bound)"));
     s->add(B("elastic.direct_allreduce", true,
              "gradient all-reduce on a raw Gloo context on the training thread (false: through "
              "c10d's ProcessGroupGloo worker thread, in 8 MiB buckets)"));
@@ -283,6 +286,8 @@ std::shared_ptr<const Schema> train_schema() {
              "testing aid: after step N, print 'paused at step N' and wait to be killed"));
     s->add(I("train.slow_step_ms", 0, 0, 600000,
              "testing aid: sleep N ms in every training step (a slow worker or learner)"));
+    s->add(I("train.testing_slow_rank", -1, -1, 1 << 20,
+             "testing aid: train.slow_step_ms applies only to the worker of this rank (-1: every worker)"));
     s->add(I("train.testing_pace_until_workers", 0, 0, 1 << 20,
              "testing aid: train.slow_step_ms applies only while the elastic job has fewer workers "
              "than N (0 = always)"));
@@ -446,6 +451,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.sample_log = c.get_bool("train.sample_log");
   t.train.slow_step = std::chrono::milliseconds(c.get_int("train.slow_step_ms"));
   t.train.pace_until_workers = static_cast<int>(c.get_int("train.testing_pace_until_workers"));
+  t.train.slow_rank = static_cast<int>(c.get_int("train.testing_slow_rank"));
   t.train.writer_dies_at = c.get_string("train.testing_writer_dies_at");
   t.train.die_in_isgd = c.get_bool("train.testing_die_in_isgd");
   t.train.die_at_step = c.get_int("train.testing_die_at_step");
@@ -460,6 +466,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.diloco.outer_lr = c.get_float("diloco.outer_lr");
   t.diloco.outer_momentum = c.get_float("diloco.outer_momentum");
   t.diloco.nesterov = c.get_bool("diloco.nesterov");
+  t.diloco.max_wait = c.get_float("diloco.max_wait");
   t.diloco.wire_bytes = c.get_string("comm.compression") == "none" ? 4 : 2;
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));

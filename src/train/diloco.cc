@@ -44,7 +44,9 @@ OuterPlan plan_outer(data::Cursor cursor, const PositionRanges& owed, int64_t n,
   p.fresh_end = cursor.position + fresh;
   const int64_t total = static_cast<int64_t>(p.positions.size());
   p.offsets.assign(static_cast<size_t>(world) + 1, 0);
-  for (int r = 0; r < world; ++r) p.offsets[r + 1] = p.offsets[r] + total / world + (r < total % world ? 1 : 0);
+  // As data::plan_batch slices a global batch (the later ranks take the
+  // extra samples), so that H = 1 deals as elastic.sync = "step" does.
+  for (int r = 0; r <= world; ++r) p.offsets[r] = total * r / world;
   return p;
 }
 

@@ -31,6 +31,11 @@ struct DilocoOptions {
   double outer_lr = 0.7;
   double outer_momentum = 0.9;
   bool nesterov = true;
+  // The bounded wait: a member stops its inner steps once it has spent
+  // (1 + max_wait) times what the fastest member took for a whole share in
+  // the previous outer step; the rest of its share is owed (dealt again).
+  // 0: no bound (every member processes its whole share).
+  double max_wait = 1.0;
   // Bytes an element of the pseudo-gradient takes on the wire
   // (comm.compression: 4 for float32, 2 for fp16 / bf16), for records.
   int wire_bytes = 4;

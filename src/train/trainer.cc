@@ -163,9 +163,11 @@ void Trainer::writer_dies_at(const char* point) {
 // After every (re)formation: the loader moves to the new group (and the
 // pace of a testing aid, ISGD's window).
 void Trainer::reformed(Run& r, const Membership::Established& est) {
-  if (cfg_.train.pace_until_workers > 0)
-    step_->set_testing_delay(est.world < cfg_.train.pace_until_workers ? cfg_.train.slow_step
-                                                                       : std::chrono::milliseconds(0));
+  if (cfg_.train.pace_until_workers > 0 || cfg_.train.slow_rank >= 0)
+    step_->set_testing_delay((cfg_.train.pace_until_workers == 0 || est.world < cfg_.train.pace_until_workers) &&
+                                     (cfg_.train.slow_rank < 0 || est.rank == cfg_.train.slow_rank)
+                                 ? cfg_.train.slow_step
+                                 : std::chrono::milliseconds(0));
   if (r.loader) r.loader->restart(state_.cursor, est.world, est.rank);
   if (outer_run_) outer_run_->reformed = true;
   if (isgd_)  // the control window holds one epoch of the new global batches
@@ -401,6 +403,7 @@ nlohmann::json Trainer::summary(Run& r) {
     s["inner_steps"] = o.inner_steps_total;
     s["inner_steps_skipped"] = o.inner_skipped;
     s["outer_steps_redone"] = o.outer_redone;
+    s["outer_steps_stopped_early"] = o.stopped_early;
     s["compute_utilisation"] = o.wall_seconds > 0 ? o.compute_seconds / o.wall_seconds : 0.0;
     s["outer_sync_seconds"] = o.sync_seconds;
     s["pseudo_gradient_bytes"] = o.payload_bytes;

@@ -61,6 +61,9 @@ struct TrainOptions {
   // workers than this (0: always), so that a test can give a joiner
   // seconds to get in without slowing the rest of the job.
   int pace_until_workers = 0;
+  // Testing aid: slow_step applies only to the worker of this rank (-1:
+  // every worker), a member slower than the others.
+  int slow_rank = -1;
   // Testing aid: SIGKILL this process when its group enters ISGD's extra
   // iterations (the others then fail inside their all-reduces).
   bool die_in_isgd = false;

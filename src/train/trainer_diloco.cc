@@ -78,8 +78,22 @@ void Trainer::run_inner_steps(Run& r) {
   const bool dies = t.die_at_step > 0 && state_.step == t.die_at_step && r.s.rank() == t.die_rank &&
                     r.s.world() > 1 && r.s.membership_changes() == t.die_after_changes;
   auto& inner = *opt_;
+  // The bounded wait: what the fastest member took for a whole share, and
+  // max_wait times that again (docs/diloco.md).
+  const double bound = cfg_.diloco.max_wait > 0 && o.fastest_per_sample > 0
+                           ? (1 + cfg_.diloco.max_wait) * o.fastest_per_sample *
+                                 static_cast<double>(b * cfg_.diloco.inner_steps)
+                           : -1;
+  const auto start = Clock::now();
   int64_t i = 0;
   for (int64_t at = lo; at < hi; at += b, ++i) {
+    if (bound > 0 && seconds_since(start) > bound) {
+      log_info("outer step " + std::to_string(state_.step + 1) + ": stopped after " + std::to_string(at - lo) + " of " +
+               std::to_string(hi - lo) + " samples (the bounded wait, " + std::to_string(bound) +
+               " s); the rest are dealt again");
+      o.stopped_early += 1;
+      break;
+    }
     if (dies && !t.die_in_outer && at >= lo + (hi - lo) / 2) die_for_test("halfway through the inner steps", r.s.rank(), state_.step, t.die_by_freezing);
     std::vector<int64_t> ids;
     for (int64_t k = at; k < std::min(at + b, hi); ++k) ids.push_back(order[plan.positions[k]]);
@@ -98,6 +112,7 @@ void Trainer::run_inner_steps(Run& r) {
     o.consumed += static_cast<int64_t>(ids.size());
     o.inner_steps += 1;
   }
+  o.inner_wall = seconds_since(start);
 }
 
 bool Trainer::outer_step(Run& r) {
@@ -169,7 +184,12 @@ bool Trainer::outer_step(Run& r) {
   // 3. The agreement on what each member processed, then the outer update.
   const auto sync_start = Clock::now();
   const int W = r.s.world();
-  auto rows = torch::full({W, 4}, -1.0, torch::kFloat64);
+  // Each member's row (the others' stay at their floor, the maximum takes
+  // the owner's): plan rank, samples processed, plan's world, their loss
+  // sum, and minus its seconds a sample (so the maximum is the fastest).
+  constexpr double kNone = -1e300;
+  auto rows = torch::full({W, 5}, -1.0, torch::kFloat64);
+  rows.select(1, 4).fill_(kNone);
   {
     auto a = rows.accessor<double, 2>();
     const int me = r.s.rank();
@@ -177,6 +197,7 @@ bool Trainer::outer_step(Run& r) {
     a[me][1] = static_cast<double>(o.consumed);
     a[me][2] = o.plan_rank >= 0 ? o.plan.world : -1;
     a[me][3] = o.loss_sum;
+    if (o.consumed > 0 && !o.redo) a[me][4] = -o.inner_wall / static_cast<double>(o.consumed);
   }
   try {
     rule_->agree_max(rows);
@@ -191,6 +212,9 @@ bool Trainer::outer_step(Run& r) {
     auto a = rows.accessor<double, 2>();
     for (int m = 0; m < W; ++m) plan_world = std::max(plan_world, static_cast<int>(a[m][2]));
     if (plan_world <= 0) throw Error("internal: an outer step that no member planned");
+    double fastest = kNone;
+    for (int m = 0; m < W; ++m) fastest = std::max(fastest, a[m][4]);
+    if (fastest > kNone) o.fastest_per_sample = -fastest;
   }
   const OuterPlan plan = plan_outer(state_.cursor, state_.owed, r.n, cfg_.loader.batch_size * cfg_.diloco.inner_steps, plan_world);
   std::vector<int64_t> consumed(static_cast<size_t>(plan_world), 0);

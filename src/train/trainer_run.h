@@ -69,6 +69,11 @@ struct Trainer::Outer {
   int64_t inner_steps = 0;   // inner steps of this outer step
   double inner_seconds = 0;  // forward and backward of this outer step's inner steps
   bool reformed = false;     // the group (re)formed since the last outer step began
+  // The fastest member's seconds a sample of inner steps in the last outer
+  // step (0: not known yet), which bounds the next one's wait.
+  double fastest_per_sample = 0;
+  int64_t stopped_early = 0;
+  double inner_wall = 0;  // the inner steps' wall time in this outer step  // outer steps in which this member stopped before its share's end
   // Totals over the run.
   int64_t inner_steps_total = 0, inner_skipped = 0, outer_redone = 0;
   double compute_seconds = 0, wall_seconds = 0, sync_seconds = 0;
