@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include <torch/torch.h>
 
@@ -76,7 +77,83 @@ TEST(Compression, NamesAreParsedStrictly) {
   EXPECT_EQ(parse_compression("bf16"), Compression::Bf16);
   EXPECT_EQ(parse_compression("fp16"), Compression::Fp16);
   EXPECT_EQ(parse_compression("none"), Compression::None);
+  EXPECT_EQ(parse_compression("int8"), Compression::Int8);
+  EXPECT_EQ(parse_compression("int4"), Compression::Int4);
   EXPECT_THROW(parse_compression("fp32"), InvalidInput);
+  EXPECT_THROW(parse_compression("int2"), InvalidInput);
+}
+
+// Decoding the codes of x = dequantize_add into zeros.
+torch::Tensor round_trip(const torch::Tensor& x, int bits, torch::Tensor* residual = nullptr) {
+  const int64_t n = x.numel();
+  auto wire = torch::empty({quantized_bytes(n, bits)}, torch::kUInt8);
+  auto res = torch::empty({n});
+  quantize(x.data_ptr<float>(), nullptr, res.data_ptr<float>(), wire.data_ptr<uint8_t>(), n, bits);
+  auto out = torch::zeros({n});
+  dequantize_add(wire.data_ptr<uint8_t>(), out.data_ptr<float>(), n, bits);
+  if (residual) *residual = res;
+  return out;
+}
+
+// Each value is off by at most half its block's step (the block's largest
+// magnitude over 127, or over 7), the residual holds exactly what the codes
+// dropped, and an odd count packs its last 4-bit code alone.
+TEST(Quantization, EveryValueWithinHalfAStepOfItsBlockAndTheResidualHoldsTheRest) {
+  for (int bits : {8, 4}) {
+    for (int64_t n : {int64_t{1}, int64_t{255}, int64_t{257}, int64_t{10007}}) {
+      SCOPED_TRACE(std::to_string(bits) + " bits, " + std::to_string(n) + " values");
+      auto x = torch::randn({n}) * torch::rand({n}) * 3;
+      torch::Tensor res;
+      auto y = round_trip(x, bits, &res);
+      const float qmax = bits == 8 ? 127.0f : 7.0f;
+      for (int64_t lo = 0; lo < n; lo += kQuantBlock) {
+        const int64_t m = std::min(kQuantBlock, n - lo);
+        auto xb = x.narrow(0, lo, m), yb = y.narrow(0, lo, m);
+        const double step = xb.abs().max().item<double>() / qmax;
+        EXPECT_LE((xb - yb).abs().max().item<double>(), 0.5 * step * (1 + 1e-5));
+        // The largest magnitude is coded exactly (up to float rounding).
+        EXPECT_NEAR(yb.abs().max().item<double>(), xb.abs().max().item<double>(), 1e-6 * step * qmax);
+      }
+      EXPECT_LT((x - y - res).abs().max().item<double>(), 1e-6);
+      EXPECT_EQ(quantized_bytes(n, bits), 4 * ((n + 255) / 256) + (bits == 8 ? n : (n + 1) / 2));
+    }
+  }
+}
+
+// Error feedback over outer steps: what arrived plus the residual still
+// held equals what was given; without it 4-bit codes lose far more.
+TEST(Quantization, ErrorFeedbackLosesNothingOverSteps) {
+  for (auto kind : {Compression::Int8, Compression::Int4}) {
+    Compressor c(kind);
+    auto g = sample_values(4096) * 1e-3;
+    torch::Tensor sent = torch::zeros_like(g);
+    const int steps = 50;
+    const int bits = kind == Compression::Int8 ? 8 : 4;
+    for (int i = 0; i < steps; ++i) {
+      auto wire = c.encode(g);
+      EXPECT_EQ(wire.numel(), quantized_bytes(g.numel(), bits));
+      c.commit();
+      dequantize_add(wire.data_ptr<uint8_t>(), sent.data_ptr<float>(), g.numel(), bits);
+    }
+    auto total = sent + c.residual();
+    EXPECT_LT((total - g * steps).abs().max().item<double>(), 1e-4 * (g * steps).abs().max().item<double>())
+        << compression_name(kind);
+    auto plain = round_trip(g.contiguous(), bits) * steps;
+    EXPECT_GT((plain - g * steps).abs().sum().item<double>(), 10 * (total - g * steps).abs().sum().item<double>());
+  }
+}
+
+// A value that is not finite makes its block's scale NaN: the decoded sum is
+// not finite (the step is skipped everywhere) and the residual stays finite.
+TEST(Quantization, AValueThatIsNotFiniteMakesItsBlockNotFinite) {
+  auto x = torch::randn({600});
+  x[300] = std::numeric_limits<float>::infinity();
+  torch::Tensor res;
+  auto y = round_trip(x, 8, &res);
+  EXPECT_FALSE(std::isfinite(y.narrow(0, 256, 256).sum().item<float>()));
+  EXPECT_TRUE(std::isfinite(y.narrow(0, 0, 256).sum().item<float>()));
+  EXPECT_TRUE(std::isfinite(y.narrow(0, 512, 88).sum().item<float>()));
+  EXPECT_TRUE(std::isfinite(res.sum().item<float>()));
 }
 
 }  // namespace

@@ -299,6 +299,36 @@ TEST(DilocoWait, ASlowMemberStopsAtTheBoundAndItsRestIsDealtAgain) {
   EXPECT_GT(summary(run)["outer_steps"].get<int64_t>(), 19);
 }
 
+// 8- and 4-bit pseudo-gradients (comm.compression = int8 | int4) between two
+// members over Gloo: every member decodes the same sum (identical final
+// weights), every sample once an epoch, the model still learns, and a
+// member's payload is a quarter (an eighth) of float32's, plus the scales.
+TEST(Diloco, EightAndFourBitPseudoGradientsOverGloo) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  for (const std::string wire : {"int8", "int4"}) {
+    SCOPED_TRACE(wire);
+    const auto run = run_job(d, wire, 2, 2, {"--set", "comm.shared_memory=false", "--set",
+                                             "comm.compression=\"" + wire + "\""});
+    limbo::testing::expect_exactly_once(run, 2, kSamples);
+    limbo::testing::expect_identical_finals(run, 2);
+    const auto s = summary(run);
+    EXPECT_GT(s["test_accuracy"].get<double>(), 0.65) << s.dump();
+    const int64_t n = s["trainable_parameters"].get<int64_t>();
+    const int64_t each = (wire == "int8" ? n : (n + 1) / 2) + 4 * ((n + 255) / 256);
+    EXPECT_EQ(s["pseudo_gradient_bytes"].get<int64_t>(), each * s["outer_steps"].get<int64_t>());
+    for (const auto& o : records(run, "outer")) EXPECT_EQ(o["payload_bytes"].get<int64_t>(), each);
+  }
+}
+
+// The parameter server's pushes have no integer codes: refused, by name.
+TEST(DilocoCompression, TheParameterServerRefusesIntegerCodes) {
+  auto r = limbo::testing::run_limbo({"launch", "--mode", "async", "--nproc", "1", "--", "--set", "model.name=mlp",
+                                      "--set", "data.train_limit=100", "--set", "comm.compression=\"int8\""});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("the parameter server's pushes take none, fp16 or bf16"), std::string::npos) << r.output;
+}
+
 // Settings DiLoCo cannot honour are refused before anything runs.
 TEST(Diloco, SettingsItCannotHonourAreRefused) {
   TempDir d;

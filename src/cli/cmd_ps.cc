@@ -86,6 +86,10 @@ static uint8_t wire_encoding(const std::string& s) {
   switch (comm::parse_compression(s)) {
     case comm::Compression::Fp16: return ps::kFp16Values;
     case comm::Compression::Bf16: return ps::kBf16Values;
+    case comm::Compression::Int8:
+    case comm::Compression::Int4:
+      throw InvalidInput("comm.compression = \"" + s + "\" is for the data-parallel all-reduce (DiLoCo's outer "
+                         "step); the parameter server's pushes take none, fp16 or bf16");
     default: return 0;
   }
 }

@@ -67,7 +67,7 @@ int run_train(const TrainArgs& a) {
     if (a.dist_rank != 0) tc.run_dir.clear();  // member 0 writes the run directory
   }
   const comm::Compression compression = comm::parse_compression(cfg.get_string("comm.compression"));
-  if (compression != comm::Compression::None && !cfg.get_bool("elastic.direct_allreduce"))
+  if (comm::is_16bit(compression) && !cfg.get_bool("elastic.direct_allreduce"))
     throw InvalidInput("comm.compression = " + cfg.get_string("comm.compression") +
                        " needs elastic.direct_allreduce = true (the 16-bit all-reduce runs on the direct Gloo path)");
   // The status page binds before the run directory is set up (a bad or

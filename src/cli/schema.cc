@@ -204,10 +204,12 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(B("comm.hierarchical", true,
              "workers on several hosts: reduce within each host over shared memory, then between "
              "hosts over Gloo (false: one flat Gloo group)"));
-    s->add(S("comm.compression", "none", {"none", "fp16", "bf16"},
+    s->add(S("comm.compression", "none", {"none", "fp16", "bf16", "int8", "int4"},
              "gradients on the wire (the data-parallel all-reduce and parameter-server pushes): none "
              "(float32), fp16 or bf16 (half the bytes; sums in float32, error feedback keeps what "
-             "rounding dropped; see docs/elastic.md)"));
+             "rounding dropped; see docs/elastic.md); int8 or int4 (the all-reduce only, made for "
+             "DiLoCo's pseudo-gradients: a float32 scale per 256 values, the codes all-gathered and "
+             "summed in float32, error feedback; see docs/diloco.md)"));
     s->add(S("ps.pull_compression", "none", {"none", "fp16", "bf16"},
              "parameter server: weights pulled during training in 16 bits (the shards keep float32; "
              "final weights always come in float32)"));
@@ -467,7 +469,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.diloco.outer_momentum = c.get_float("diloco.outer_momentum");
   t.diloco.nesterov = c.get_bool("diloco.nesterov");
   t.diloco.max_wait = c.get_float("diloco.max_wait");
-  t.diloco.wire_bytes = c.get_string("comm.compression") == "none" ? 4 : 2;
+  t.diloco.wire = c.get_string("comm.compression");
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));
   t.threads.blas = static_cast<int>(c.get_int("train.blas_threads"));

@@ -1,5 +1,7 @@
 #include "comm/compression.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -14,13 +16,17 @@ Compression parse_compression(const std::string& s) {
   if (s == "none") return Compression::None;
   if (s == "fp16") return Compression::Fp16;
   if (s == "bf16") return Compression::Bf16;
-  throw InvalidInput("comm.compression must be none, fp16 or bf16, got '" + s + "'");
+  if (s == "int8") return Compression::Int8;
+  if (s == "int4") return Compression::Int4;
+  throw InvalidInput("comm.compression must be none, fp16, bf16, int8 or int4, got '" + s + "'");
 }
 
 const char* compression_name(Compression c) {
   switch (c) {
     case Compression::Fp16: return "fp16";
     case Compression::Bf16: return "bf16";
+    case Compression::Int8: return "int8";
+    case Compression::Int4: return "int4";
     default: return "none";
   }
 }
@@ -62,11 +68,68 @@ void sum_bf16(void* c, const void* a, const void* b, size_t n) {
   for (size_t i = 0; i < n; ++i) out[i] = float_to_bf16(bf16_to_float(x[i]) + bf16_to_float(y[i]));
 }
 
+int64_t quantized_bytes(int64_t n, int bits) {
+  const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  return 4 * blocks + (bits == 8 ? n : (n + 1) / 2);
+}
+
+void quantize(const float* x, const float* residual, float* new_residual, uint8_t* out, int64_t n, int bits) {
+  const float qmax = bits == 8 ? 127.0f : 7.0f;
+  const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  auto* scales = reinterpret_cast<float*>(out);  // (memcpy'd below: out need not be aligned)
+  uint8_t* codes = out + 4 * blocks;
+  if (bits == 4) std::memset(codes, 0, static_cast<size_t>((n + 1) / 2));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kQuantBlock, hi = std::min(n, lo + kQuantBlock);
+    float m = 0;
+    bool finite = true;
+    for (int64_t i = lo; i < hi; ++i) {
+      const float v = x[i] + (residual ? residual[i] : 0.0f);
+      new_residual[i] = v;  // the value, until its code is known
+      finite = finite && std::isfinite(v);
+      m = std::max(m, std::fabs(v));
+    }
+    const float scale = finite ? m / qmax : std::nanf("");
+    std::memcpy(reinterpret_cast<uint8_t*>(scales) + 4 * b, &scale, 4);
+    const float inv = finite && m > 0 ? qmax / m : 0.0f;
+    for (int64_t i = lo; i < hi; ++i) {
+      const float v = new_residual[i];
+      const float q = finite ? std::clamp(std::nearbyint(v * inv), -qmax, qmax) : 0.0f;
+      new_residual[i] = finite ? v - q * scale : 0.0f;
+      const int code = static_cast<int>(q);
+      if (bits == 8) codes[i] = static_cast<uint8_t>(static_cast<int8_t>(code));
+      else codes[i / 2] |= static_cast<uint8_t>((code + 8) << (4 * (i % 2)));
+    }
+  }
+}
+
+void dequantize_add(const uint8_t* in, float* acc, int64_t n, int bits) {
+  const int64_t blocks = (n + kQuantBlock - 1) / kQuantBlock;
+  const uint8_t* codes = in + 4 * blocks;
+  for (int64_t b = 0; b < blocks; ++b) {
+    float scale;
+    std::memcpy(&scale, in + 4 * b, 4);
+    const int64_t lo = b * kQuantBlock, hi = std::min(n, lo + kQuantBlock);
+    if (bits == 8)
+      for (int64_t i = lo; i < hi; ++i) acc[i] += static_cast<float>(static_cast<int8_t>(codes[i])) * scale;
+    else
+      for (int64_t i = lo; i < hi; ++i) acc[i] += static_cast<float>(((codes[i / 2] >> (4 * (i % 2))) & 15) - 8) * scale;
+  }
+}
+
 torch::Tensor Compressor::encode(const torch::Tensor& g) {
   torch::NoGradGuard no_grad;
   if (g.scalar_type() != torch::kFloat32) throw InvalidInput("Compressor::encode takes float32 gradients");
   const torch::Tensor gc = g.contiguous();
   const int64_t n = gc.numel();
+  if (is_quantized(kind_)) {
+    if (!pending_.defined() || pending_.numel() != n) pending_ = torch::empty({n}, torch::kFloat32);
+    const int bits = kind_ == Compression::Int8 ? 8 : 4;
+    torch::Tensor wire = torch::empty({quantized_bytes(n, bits)}, torch::kUInt8);
+    const float* old = residual_.defined() && residual_.numel() == n ? residual_.data_ptr<float>() : nullptr;
+    quantize(gc.data_ptr<float>(), old, pending_.data_ptr<float>(), wire.data_ptr<uint8_t>(), n, bits);
+    return wire;
+  }
   // One pass (common/half.h): wire = round16(g + residual), and the new
   // residual (what rounding dropped; zero where not finite) goes to a buffer
   // of its own until commit(). Buffers are reused from step to step.

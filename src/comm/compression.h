@@ -4,6 +4,16 @@
 // 2 bytes per element instead of 4), and an error-feedback residual keeps
 // what this member's rounding dropped, added to its next gradient, so no
 // part of a gradient is lost for good, only delayed by a step.
+//
+// 8 and 4 bits (comm.compression = int8 | int4; made for DiLoCo's outer
+// all-reduce, docs/diloco.md): each block of kQuantBlock values gets a
+// float32 scale (its largest magnitude over 127, or over 7) and every value
+// a symmetric integer code; the error-feedback residual keeps what the
+// codes dropped, as above. Integer codes cannot be summed on the wire, so
+// every member's codes are all-gathered and each member decodes and adds
+// them in float32 in rank order (every member gets the same bits): a
+// member sends (W - 1) x (1 or 1/2 byte + 4 / kQuantBlock) per element in
+// a group of W, against 8 (W - 1) / W bytes for float32's ring all-reduce.
 #pragma once
 
 #include <torch/torch.h>
@@ -13,9 +23,23 @@
 
 namespace limbo::comm {
 
-enum class Compression { None, Fp16, Bf16 };
+enum class Compression { None, Fp16, Bf16, Int8, Int4 };
 Compression parse_compression(const std::string& s);  // InvalidInput on anything else
 const char* compression_name(Compression c);
+inline bool is_quantized(Compression c) { return c == Compression::Int8 || c == Compression::Int4; }
+inline bool is_16bit(Compression c) { return c == Compression::Fp16 || c == Compression::Bf16; }
+
+// Values per float32 scale of the 8- and 4-bit codes.
+constexpr int64_t kQuantBlock = 256;
+// Bytes of n values quantized to `bits` (8 or 4): the scales, then the codes.
+int64_t quantized_bytes(int64_t n, int bits);
+// Quantizes x[i] + residual[i] (residual may be null) into `out`
+// (quantized_bytes(n, bits)); what the codes dropped goes to new_residual
+// (0 where not finite). A block holding a value that is not finite gets a
+// NaN scale, so its decoded values, and the sum, are not finite.
+void quantize(const float* x, const float* residual, float* new_residual, uint8_t* out, int64_t n, int bits);
+// acc[i] += the value `in` codes (n values, `bits`).
+void dequantize_add(const uint8_t* in, float* acc, int64_t n, int bits);
 
 // Element-wise c = round(float(a) + float(b)) on 16-bit values of the given
 // kind; the signature gloo's all-reduce takes (n = element count).
@@ -27,8 +51,9 @@ class Compressor {
  public:
   explicit Compressor(Compression kind) : kind_(kind) {}
   Compression kind() const { return kind_; }
-  // wire = round16(g + residual) as a kHalf / kBFloat16 tensor; the new
-  // residual (g + residual - wire) is kept aside until commit().
+  // wire = round16(g + residual) as a kHalf / kBFloat16 tensor (int8 and
+  // int4: the quantized bytes as a kUInt8 tensor); the new residual
+  // (g + residual - wire) is kept aside until commit().
   torch::Tensor encode(const torch::Tensor& g);
   // The step's all-reduce succeeded: the new residual replaces the old. A
   // failed step is redone from the old one (nothing is counted twice).

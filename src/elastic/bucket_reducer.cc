@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 
 #include "common/error.h"
@@ -57,6 +58,7 @@ BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool
   expected_.assign(nb, 0);
   prepared_.assign(nb, 0);
   wire_.resize(nb);
+  gathered_.resize(nb);
   if (compression_ != comm::Compression::None)
     for (size_t b = 0; b < nb; ++b) compressors_.push_back(std::make_unique<comm::Compressor>(compression_));
   // The views each collective works on, made once here so that the
@@ -148,6 +150,10 @@ void BucketReducer::prepare(size_t b) {
   auto grad = flat_.grad_with_slot().narrow(0, bk.begin, std::min(bk.end, g) - bk.begin);
   grad.mul_(share_);
   if (compression_ != comm::Compression::None) wire_[b] = compressors_[b]->encode(grad);
+  if (comm::is_quantized(compression_)) {
+    const int64_t all = group_->size() * wire_[b].numel();
+    if (!gathered_[b].defined() || gathered_[b].numel() != all) gathered_[b] = torch::empty({all}, torch::kUInt8);
+  }
 }
 
 void BucketReducer::mark_ready(size_t op) {
@@ -168,8 +174,24 @@ void BucketReducer::set_shards(const std::vector<int64_t>& bounds) {
 }
 
 void BucketReducer::run(size_t op) {
-  if (compression_ != comm::Compression::None && op < buckets_.size()) {
+  if (comm::is_16bit(compression_) && op < buckets_.size()) {
     group_->allreduce_sum_16(wire_[op]);
+    return;
+  }
+  if (comm::is_quantized(compression_) && op < buckets_.size()) {
+    // Every member's codes to everyone, then decoded and added in rank
+    // order into the bucket (plain loops: no torch operation here).
+    const int W = group_->size();
+    const int64_t q = wire_[op].numel(), n = views_[op].numel();
+    uint8_t* all = gathered_[op].data_ptr<uint8_t>();
+    std::memcpy(all + group_->rank() * q, wire_[op].data_ptr<uint8_t>(), static_cast<size_t>(q));
+    std::vector<int64_t> bounds;
+    for (int r = 0; r <= W; ++r) bounds.push_back(r * q);
+    group_->all_gather(gathered_[op], bounds);
+    float* out = views_[op].data_ptr<float>();
+    std::fill(out, out + n, 0.0f);
+    const int bits = compression_ == comm::Compression::Int8 ? 8 : 4;
+    for (int r = 0; r < W; ++r) comm::dequantize_add(all + r * q, out, n, bits);
     return;
   }
   if (views_[op].numel() == 0) return;
@@ -261,7 +283,7 @@ void BucketReducer::finish(double flag) {
     auto& buf = flat_.grad_with_slot();
     const int64_t n = buf.numel() - optim::FlatParams::kSlots;
     finite_ = std::isfinite(buf[n].item<float>());
-    if (compression_ != comm::Compression::None && finite_)
+    if (comm::is_16bit(compression_) && finite_)
       for (size_t b = 0; b < buckets_.size(); ++b)
         finite_ = finite_ && std::isfinite(wire_[b].sum(torch::kFloat32).item<float>());
     else if (finite_ && !sharded_)
@@ -272,7 +294,8 @@ void BucketReducer::finish(double flag) {
     const int64_t g = flat_.numel();
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const Bucket& bk = buckets_[b];
-      flat_.grad_with_slot().narrow(0, bk.begin, std::min(bk.end, g) - bk.begin).copy_(wire_[b]);
+      if (comm::is_16bit(compression_))
+        flat_.grad_with_slot().narrow(0, bk.begin, std::min(bk.end, g) - bk.begin).copy_(wire_[b]);
       compressors_[b]->commit();
     }
   }

@@ -136,7 +136,8 @@ class BucketReducer {
   bool overlap_;
   comm::Compression compression_;
   std::vector<std::unique_ptr<comm::Compressor>> compressors_;  // per bucket
-  std::vector<torch::Tensor> wire_;                              // per bucket, 16-bit
+  std::vector<torch::Tensor> wire_;                              // per bucket, 16-bit (or int8 / int4 codes)
+  std::vector<torch::Tensor> gathered_;  // per bucket, int8 / int4: every member's codes, by rank
   std::vector<torch::Tensor> views_;  // per op: the buckets, then the tail when separate
   bool sharded_ = false;
   std::vector<std::vector<int64_t>> shard_bounds_;  // per bucket: the shards within it

@@ -18,6 +18,14 @@ PositionRanges normalize_ranges(PositionRanges r) {
   return out;
 }
 
+int64_t payload_bytes(int64_t n, const std::string& wire) {
+  const int64_t scales = 4 * ((n + 255) / 256);
+  if (wire == "int8") return n + scales;
+  if (wire == "int4") return (n + 1) / 2 + scales;
+  if (wire == "fp16" || wire == "bf16") return 2 * n;
+  return 4 * n;
+}
+
 int64_t range_total(const PositionRanges& r) {
   int64_t t = 0;
   for (const auto& [a, b] : r) t += b - a;

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -36,9 +37,8 @@ struct DilocoOptions {
   // the previous outer step; the rest of its share is owed (dealt again).
   // 0: no bound (every member processes its whole share).
   double max_wait = 1.0;
-  // Bytes an element of the pseudo-gradient takes on the wire
-  // (comm.compression: 4 for float32, 2 for fp16 / bf16), for records.
-  int wire_bytes = 4;
+  // comm.compression, for the records' payload bytes.
+  std::string wire = "none";
 };
 
 // Positions [lo, hi) of an epoch's order.
@@ -75,5 +75,9 @@ OuterSettled settle_outer(const OuterPlan& plan, const std::vector<int64_t>& con
 // Sorted, with touching ranges merged.
 PositionRanges normalize_ranges(PositionRanges r);
 int64_t range_total(const PositionRanges& r);
+
+// Bytes of n pseudo-gradient values as comm.compression `wire` encodes them
+// (int8 and int4 with their float32 scale per 256 values).
+int64_t payload_bytes(int64_t n, const std::string& wire);
 
 }  // namespace limbo::train

@@ -264,7 +264,7 @@ bool Trainer::outer_step(Run& r) {
   o.compute_seconds += o.inner_seconds;
   o.sync_seconds += sync_seconds;
   o.wall_seconds += seconds_since(o.began);
-  o.payload_bytes += flat_->numel() * cfg_.diloco.wire_bytes;
+  o.payload_bytes += payload_bytes(flat_->numel(), cfg_.diloco.wire);
   outer_record(r, r.res, sync_seconds, delta_norm, range_total(state_.owed));
   o.plan_step = -1;
   o.inner_done = false;
@@ -292,7 +292,7 @@ void Trainer::outer_record(Run& r, const StepResult& res, double sync_seconds, d
                             {"wall_seconds", wall},
                             {"sync_seconds", sync_seconds},
                             {"compute_utilisation", wall > 0 ? o.inner_seconds / wall : 0.0},
-                            {"payload_bytes", flat_->numel() * cfg_.diloco.wire_bytes},
+                            {"payload_bytes", payload_bytes(flat_->numel(), cfg_.diloco.wire)},
                             {"workers", r.s.world()}});
 }
 
