@@ -233,10 +233,12 @@ bool Trainer::train_step(Run& r) {
                   state_.step, {}};
   // Between forward and backward the rule may start reducing gradient
   // buckets as backward produces them (elastic.overlap).
+  const auto compute_start = Clock::now();
   ctx.loss = step_->gradient(batch, [&](double loss) {
     ctx.loss = loss;
     rule_->backward_starts(ctx);
   });
+  r.compute_seconds += seconds_since(compute_start);
   optim::IsgdController::Decision decision;
   torch::Tensor anchor;
   if (isgd_) {
@@ -397,6 +399,10 @@ nlohmann::json Trainer::summary(Run& r) {
   }
   s["algorithm"] = cfg_.algorithm;
   s["sync"] = cfg_.sync;
+  if (!outer_run_) {
+    s["compute_seconds"] = r.compute_seconds;
+    s["compute_utilisation"] = r.train_seconds > 0 ? r.compute_seconds / r.train_seconds : 0.0;
+  }
   if (outer_run_) {
     const auto& o = *outer_run_;
     s["outer_steps"] = state_.step;
@@ -405,6 +411,7 @@ nlohmann::json Trainer::summary(Run& r) {
     s["outer_steps_redone"] = o.outer_redone;
     s["outer_steps_stopped_early"] = o.stopped_early;
     s["compute_utilisation"] = o.wall_seconds > 0 ? o.compute_seconds / o.wall_seconds : 0.0;
+    s["compute_seconds"] = o.compute_seconds;
     s["outer_sync_seconds"] = o.sync_seconds;
     s["pseudo_gradient_bytes"] = o.payload_bytes;
   }

@@ -98,7 +98,9 @@ void Trainer::run_inner_steps(Run& r) {
     std::vector<int64_t> ids;
     for (int64_t k = at; k < std::min(at + b, hi); ++k) ids.push_back(order[plan.positions[k]]);
     auto batch = data::make_train_batch(splits_->train, norm_, ids, plan.epoch, cfg_.loader.augment);
-    const double epoch = plan.epoch + static_cast<double>(std::min(plan.fresh_end, r.n)) / r.n;
+    // The schedule by the samples the whole group has dealt so far.
+    const double epoch = plan.epoch + static_cast<double>(std::min(state_.cursor.position, r.n) +
+                                                          i * b * plan.world) / static_cast<double>(r.n);
     r.lr = schedule_->lr(epoch, state_.step * cfg_.diloco.inner_steps + i);
     const auto t0 = Clock::now();
     const double loss = step_->gradient(batch);

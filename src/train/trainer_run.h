@@ -34,6 +34,10 @@ struct Trainer::Run {
   EvalResult last_eval;
   int64_t last_eval_step = -1, samples_this_run = 0;
   double train_seconds = 0, last_loss = NAN;
+  // Forward and backward (with elastic.overlap, the bucket all-reduces run
+  // meanwhile on the communication thread): the compute utilisation's
+  // numerator, against train_seconds.
+  double compute_seconds = 0;
   MetricsWindow window;
   double norm_sum = 0;  // pre-clip gradient norms in the window (clipping on)
   int64_t norm_n = 0;
