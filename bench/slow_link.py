@@ -59,7 +59,7 @@ def model_args(model):
             sys.exit("the GPT's data is missing: run examples/gpt/setup.sh first")
         # The example's job (AdamW, clipping, warm-up then cosine, bf16), one thread a worker.
         return ["--config", os.path.join(ROOT, "examples/gpt/gpt.toml"), "--set", "model.path=\"%s\"" %
-                os.path.join(ROOT, "data/gpt/gpt.pt"), "--set", "data.path=\"%s\"" % os.path.join(ROOT, "data/gpt")], 32
+                os.path.join(ROOT, "data/gpt/gpt.pt"), "--set", "data.path=\"%s\"" % os.path.join(ROOT, "data/gpt")], 32, 63800
     if model == "mlp10m":
         return ["--set", "model.name=\"mlp\"", "--set", "model.width=2048", "--set", "model.depth=3",
                 "--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.001", "--set", "data.test_limit=2000"], 64, 60000
