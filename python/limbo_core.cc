@@ -30,6 +30,7 @@
 #include "optim/flat_params.h"
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
+#include "train/outer_steps.h"
 #include "train/session.h"
 #include "train/step.h"
 #include "train/update_rule.h"
@@ -148,6 +149,30 @@ class Core {
     bp.ramp_iterations = get<int64_t>(o, "ramp_steps", 200);
     policy_ = std::make_unique<optim::BatchSizePolicy>(bp);
     state_.config_toml = get<std::string>(o, "config_toml", "");
+    // DiLoCo: the user's optimizer is the inner one, stepped locally; the
+    // rule applies Limbo's outer SGD with Nesterov momentum.
+    const std::string sync = get<std::string>(o, "sync", "step");
+    if (sync != "step" && sync != "diloco") throw InvalidInput("sync must be \"step\" or \"diloco\", got '" + sync + "'");
+    std::shared_ptr<train::OptimizerStep> rule_opt = opt_;
+    if (sync == "diloco") {
+      diloco_.inner_steps = get<int64_t>(o, "inner_steps", 500);
+      diloco_.outer_lr = get<double>(o, "outer_lr", 0.7);
+      diloco_.outer_momentum = get<double>(o, "outer_momentum", 0.9);
+      diloco_.nesterov = get<bool>(o, "nesterov", true);
+      diloco_.max_wait = get<double>(o, "max_wait", 1.0);
+      diloco_.wire = get<std::string>(o, "compression", "none");
+      if (diloco_.inner_steps < 1) throw InvalidInput("inner_steps must be at least 1");
+      if (diloco_.nesterov && diloco_.outer_momentum <= 0)
+        throw InvalidInput("nesterov=True needs outer_momentum > 0");
+      if (drop_last_) throw InvalidInput("sync=\"diloco\" deals every sample of an epoch; set drop_last=False");
+      if (shard_state_)
+        throw InvalidInput("sync=\"diloco\": the inner optimizer is each member's own and is not sharded "
+                           "(limbo.Optimizer(shard_state=False))");
+      optim::OptimizerOptions outer;
+      outer.momentum = diloco_.outer_momentum;
+      outer.nesterov = diloco_.nesterov;
+      rule_opt = outer_ = std::make_shared<train::OptimizerStep>(optim::make_optimizer(outer), 0.0);
+    }
 
     const std::string rdzv = get<std::string>(o, "rdzv", "");
     const bool elastic = get<bool>(o, "elastic", false);
@@ -155,7 +180,7 @@ class Core {
     std::shared_ptr<train::UpdateRule> rule;
     std::unique_ptr<train::Membership> membership;
     if (rdzv.empty()) {
-      rule = std::make_shared<train::LocalUpdate>(opt_);
+      rule = std::make_shared<train::LocalUpdate>(rule_opt);
     } else {
       elastic::JoinOptions jo;
       jo.rdzv = rdzv;
@@ -166,13 +191,13 @@ class Core {
       jo.hierarchical = get<bool>(o, "hierarchical", true);
       jo.collective_timeout = get<double>(o, "collective_timeout", 10.0);
       jo.round_timeout = get<double>(o, "round_timeout", 120.0);
-      jo.reduce.overlap = get<bool>(o, "overlap", true);
+      jo.reduce.overlap = get<bool>(o, "overlap", true) && !outer_;
       jo.reduce.bucket_bytes = static_cast<int64_t>(get<double>(o, "bucket_mb", 4.0) * (1 << 20));
       jo.reduce.compression = comm::parse_compression(get<std::string>(o, "compression", "none"));
       jo.reduce.shard_state = shard_state_;
       if (elastic) {
         py::gil_scoped_release no_gil;
-        auto joined = elastic::join_elastic(jo, opt_, *flat_,
+        auto joined = elastic::join_elastic(jo, rule_opt, *flat_,
                                             get_leave_ ? get_leave_ : (get_leave_ = elastic::leave_on_signals()));
         rule = joined.rule;
         membership = std::move(joined.membership);
@@ -180,10 +205,10 @@ class Core {
         if (world < 1 || rank < 0 || rank >= world)
           throw InvalidInput("rank " + std::to_string(rank) + " is not in [0, " + std::to_string(world) + ")");
         py::gil_scoped_release no_gil;
-        rule = elastic::join_static(jo, rank, world, opt_, *flat_);
+        rule = elastic::join_static(jo, rank, world, rule_opt, *flat_);
       }
     }
-    train::SessionParts parts{*model_, *flat_, opt_, *policy_, nullptr, state_, get<std::string>(o, "run_dir", ""),
+    train::SessionParts parts{*model_, *flat_, rule_opt, *policy_, nullptr, state_, get<std::string>(o, "run_dir", ""),
                               get<int64_t>(o, "max_nonfinite_steps", 10), {}, {}};
     parts.pack_extra = [this]() {
       py::gil_scoped_acquire gil;
@@ -210,7 +235,17 @@ class Core {
     session_->set_on_reform([this](const train::Membership::Established&) {
       generation_ += 1;
       plans_.clear();
+      if (outer_steps_) outer_steps_->reformed();
     });
+    if (outer_) {
+      train::OuterSteps::Options oo;
+      oo.diloco = diloco_;
+      oo.batch = batch_size_;
+      oo.samples = dataset_size_;
+      oo.order = data::parse_order(get<std::string>(o, "order", "shuffle"));
+      oo.seed = get<uint64_t>(o, "seed", 1);
+      outer_steps_ = std::make_unique<train::OuterSteps>(*session_, *flat_, rule, oo);
+    }
     if (!rdzv.empty() && !elastic) static_rank_ = rank;
   }
 
@@ -239,6 +274,7 @@ class Core {
   // The next batch of this member from `at` (the sampler's position), or
   // None past the end; the plan is queued for begin_step().
   py::object plan(int64_t epoch, int64_t position, int64_t steps_ahead) {
+    if (outer_steps_) return plan_inner(epoch, position, steps_ahead);
     if (epoch >= epochs_ || (max_steps_ > 0 && state_.step + steps_ahead >= max_steps_)) return py::none();
     auto p = data::plan_batch(*sampler_, {epoch, position}, batch_size_, world(), rank(), drop_last_);
     py::list ids;
@@ -247,6 +283,76 @@ class Core {
     return py::make_tuple(ids, plans_.back().end.epoch, plans_.back().end.position);
   }
   void clear_plans() { plans_.clear(); }
+
+  // DiLoCo: the sampler's pass is this member's share of the outer step
+  // (the first call begins it: after a re-formation the group agrees first,
+  // a collective); None past its end, once the bounded wait is over, or
+  // when the group re-formed meanwhile (the loop starts again).
+  py::object plan_inner(int64_t epoch, int64_t position, int64_t k) {
+    if (complete()) return py::none();
+    if (k == 0) {
+      py::gil_scoped_release no_gil;
+      work_.reset();
+      try {
+        work_ = outer_steps_->begin();
+      } catch (const train::CompletedElsewhere& e) {
+        log_warn(std::string(e.what()) + "; this member ends");
+        left_ = true;
+      }
+    }
+    if (!work_ || k >= static_cast<int64_t>(work_->batches.size()) || !outer_steps_->keep_going()) return py::none();
+    data::BatchPlan p;
+    p.ids = work_->batches[static_cast<size_t>(k)];
+    p.begin = p.end = state_.cursor;
+    p.global_size = static_cast<int64_t>(p.ids.size());
+    py::list ids;
+    for (int64_t id : p.ids) ids.append(id);
+    plans_.push_back(std::move(p));
+    inner_index_ = k;
+    return py::make_tuple(ids, epoch, position);
+  }
+
+  // DiLoCo: the outer step after this member's inner steps. True: it
+  // committed; false: the group re-formed (the loop starts again) or
+  // training completed elsewhere (left()).
+  bool outer_finish() {
+    std::optional<train::OuterSteps::Committed> c;
+    {
+      py::gil_scoped_release no_gil;
+      try {
+        c = outer_steps_->finish();
+      } catch (const train::CompletedElsewhere& e) {
+        log_warn(std::string(e.what()) + " (at outer step " + std::to_string(state_.step) + "); this member ends");
+        left_ = true;
+        return false;
+      }
+    }
+    work_.reset();
+    if (!c) return false;
+    const auto& order = outer_steps_->epoch_order(c->epoch);
+    committed_epoch_ = c->epoch;
+    committed_.clear();
+    for (int64_t pos : c->settled.committed) committed_.push_back(order[pos]);
+    last_loss_ = c->res.loss;
+    last_global_ = c->res.global_batch;
+    samples_this_run_ += c->res.global_batch;
+    window_.add(c->res.loss, c->res.global_batch);
+    train_seconds_ += c->wall_seconds;
+    plan_.last_in_epoch = c->settled.last_in_epoch;
+    session_->run_dir().append_metrics(
+        {{"kind", "outer"}, {"step", state_.step}, {"epoch", epoch()}, {"samples", c->res.global_batch},
+         {"loss", c->res.loss}, {"skipped", c->res.skipped}, {"inner_steps", c->inner_steps},
+         {"owed", train::range_total(state_.owed)}, {"pseudo_gradient_norm", c->delta_norm},
+         {"compute_seconds", c->compute_seconds}, {"wall_seconds", c->wall_seconds},
+         {"sync_seconds", c->sync_seconds},
+         {"compute_utilisation", c->wall_seconds > 0 ? c->compute_seconds / c->wall_seconds : 0.0},
+         {"payload_bytes", train::payload_bytes_of(flat_->numel(), diloco_.wire)}, {"workers", world()}});
+    return true;
+  }
+  bool diloco() const { return outer_steps_ != nullptr; }
+  // The last committed outer step's samples (every member's processed
+  // ones, in plan order) and their epoch.
+  py::tuple committed_ids() const { return py::make_tuple(committed_epoch_, committed_); }
 
   // A batch of the loader arrived: its plan becomes the step's.
   void begin_step() {
@@ -257,6 +363,13 @@ class Core {
     if (!(plan_.begin == state_.cursor) && plan_.begin.position != 0)
       throw Error("internal: the batch does not start at the committed cursor");
     check_model();
+    if (outer_steps_) {  // an inner step: no batch policy, nothing to restore
+      in_step_ = true;
+      step_start_ = Clock::now();
+      backward_started_ = false;
+      backwards_ = 0;
+      return;
+    }
     in_step_ = true;
     step_start_ = Clock::now();
     backward_started_ = false;
@@ -294,7 +407,7 @@ class Core {
     }
     backwards_ += 1;
     loss_sum_ += loss;
-    if (backwards_ < accumulate_) return;
+    if (backwards_ < accumulate_ || outer_steps_) return;  // DiLoCo's inner steps reduce nothing
     backward_started_ = true;
     ctx_ = std::make_unique<train::StepContext>(context(loss_sum_));
     rule().backward_starts(*ctx_);
@@ -304,7 +417,9 @@ class Core {
   // through set_external), the commit. False: a peer failed, the step did
   // not commit, the group re-formed (or training completed elsewhere:
   // left()); the loop redoes it from the committed cursor.
-  bool step(double loss, double lr) {
+  // 1: committed; 0: did not commit (re-formed, or left()); 2: DiLoCo's
+  // inner step, applied (or skipped) on this member alone.
+  int step(double loss, double lr) {
     need_step("job.step()");
     lr_ = lr;
     if (backwards_ > 0 && backwards_ < accumulate_)
@@ -312,6 +427,16 @@ class Core {
                          std::to_string(accumulate_) + " job.backward() calls (accumulate=" +
                          std::to_string(accumulate_) + ")");
     in_step_ = false;
+    if (outer_steps_) {
+      attach_grads(/*keep=*/backwards_ == 0);
+      const bool finite = train::finite_step(flat_->grad(), loss);
+      if (finite) {
+        py::gil_scoped_release no_gil;  // the user's optimizer takes the GIL back
+        opt_->apply(flat_->data(), flat_->grad(), own_ ? lr_ : 1.0);
+      }
+      outer_steps_->inner_step_done(static_cast<int64_t>(plan_.ids.size()), loss, finite, seconds_since(step_start_));
+      return 2;
+    }
     if (!backward_started_) {
       // The user ran backward itself: the gradient is wherever autograd put it.
       attach_grads(/*keep=*/true);
@@ -325,18 +450,18 @@ class Core {
       } catch (const train::CompletedElsewhere& e) {
         log_warn(std::string(e.what()) + " (at step " + std::to_string(state_.step) + "); this member ends");
         left_ = true;
-        return false;
+        return 0;
       }
     }
     ctx_.reset();
-    if (!res) return false;
+    if (!res) return 0;
     session_->commit(*res, plan_.end, buffers_before_);
     last_loss_ = res->loss;
     last_global_ = res->global_batch;
     samples_this_run_ += res->global_batch;
     window_.add(res->loss, res->global_batch);
     train_seconds_ += seconds_since(step_start_);  // from the batch's arrival: forward, backward, update
-    return true;
+    return 1;
   }
 
   // After the committed step (and the user's scheduler step): the metrics
@@ -400,6 +525,16 @@ class Core {
       s["recovery_seconds"] = session_->recoveries();
     }
     if (auto rs = rule().summary(); !rs.empty()) s["communication"] = rs;
+    s["sync"] = outer_steps_ ? "diloco" : "step";
+    if (outer_steps_) {
+      const auto& o = *outer_steps_;
+      s["outer_steps"] = state_.step;
+      s["inner_steps"] = o.inner_steps_total;
+      s["outer_steps_redone"] = o.outer_redone;
+      s["outer_steps_stopped_early"] = o.stopped_early;
+      s["compute_utilisation"] = o.wall_seconds > 0 ? o.compute_seconds / o.wall_seconds : 0.0;
+      s["pseudo_gradient_bytes"] = o.payload_bytes;
+    }
     nlohmann::json eval = {{"kind", "eval"}, {"step", state_.step}, {"epoch", epoch()}, {"train_seconds", train_seconds_}};
     for (const auto& [k, v] : fields) {
       const std::string key = py::str(k).cast<std::string>();
@@ -530,6 +665,13 @@ class Core {
   std::shared_ptr<torch::nn::Module> model_;
   std::unique_ptr<optim::FlatParams> flat_;
   std::shared_ptr<train::OptimizerStep> opt_;
+  std::shared_ptr<train::OptimizerStep> outer_;  // DiLoCo's outer optimizer (null: sync="step")
+  train::DilocoOptions diloco_;
+  std::unique_ptr<train::OuterSteps> outer_steps_;
+  std::optional<train::OuterSteps::Work> work_;  // this member's share of the outer step in progress
+  int64_t inner_index_ = 0;
+  std::vector<int64_t> committed_;
+  int64_t committed_epoch_ = 0;
   std::unique_ptr<optim::BatchSizePolicy> policy_;
   std::unique_ptr<data::Sampler> sampler_;
   train::TrainState state_;
@@ -577,6 +719,9 @@ PYBIND11_MODULE(_core, m) {
       .def("complete", &Core::complete)
       .def("plan", &Core::plan)
       .def("clear_plans", &Core::clear_plans)
+      .def("outer_finish", &Core::outer_finish)
+      .def("committed_ids", &Core::committed_ids)
+      .def_property_readonly("diloco", &Core::diloco)
       .def("begin_step", &Core::begin_step)
       .def("backward_starts", &Core::backward_starts)
       .def("step", &Core::step)

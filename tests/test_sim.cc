@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <sstream>
 
 #include "cli/schema.h"
@@ -184,6 +185,57 @@ TEST(ElasticSim, RWorkersAverageLikeOneWorkerWithRTimesTheBatch) {
   auto ref = t.run();
   EXPECT_EQ(s["steps"], ref["steps"]);
   EXPECT_NEAR(s["test_loss"].get<double>(), ref["test_loss"].get<double>(), 1e-3);
+}
+
+// DiLoCo (elastic.sync = "diloco"): one virtual member is the single-process
+// trainer's DiLoCo exactly; two are a real two-worker `limbo launch` job
+// (the same shares, inner steps and weighted pseudo-gradients) to float32
+// rounding; a schedule moves the members between outer steps.
+const std::vector<std::string> kDiloco = {"elastic.sync=diloco", "diloco.inner_steps=10", "optim.algorithm=adamw",
+                                          "optim.lr=0.002", "data.batch_size=8"};
+
+TEST(ElasticSim, DilocoWithOneMemberIsExactlyTheSingleProcessTrainer) {
+  auto s = elastic("0:1", kDiloco);
+  auto tc = mlp_config(kDiloco);
+  train::Trainer t(tc);
+  auto ref = t.run();
+  EXPECT_EQ(s["steps"], ref["steps"]);
+  EXPECT_EQ(s["inner_steps"], ref["inner_steps"]);
+  EXPECT_DOUBLE_EQ(s["test_loss"].get<double>(), ref["test_loss"].get<double>());
+}
+
+TEST(ElasticSim, DilocoWithTwoMembersIsARealTwoWorkerJob) {
+  if (!file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) GTEST_SKIP() << "no Fashion-MNIST";
+  auto s = elastic("0:2", kDiloco);
+  testing::TempDir d;
+  std::vector<std::string> a = {"launch", "--nproc", "2", "--", "--run-dir", d.file("run")};
+  for (const auto& o : {"model.name=mlp", "model.width=64", "data.train_limit=4000", "data.test_limit=1000",
+                        "train.epochs=1", "train.threads=1", "train.progress=false", "train.eval_every_epochs=0",
+                        "train.checkpoint_every_epochs=0", "diloco.max_wait=0"})
+    a.insert(a.end(), {"--set", o});
+  for (const auto& o : kDiloco) a.insert(a.end(), {"--set", o});
+  auto r = testing::run_limbo(a);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto real = json::parse(testing::slurp(d.file("run") + "/summary.json"));
+  EXPECT_EQ(s["steps"], real["steps"]);
+  EXPECT_NEAR(s["test_loss"].get<double>(), real["test_loss"].get<double>(), 1e-5);
+}
+
+TEST(ElasticSim, DilocoMembersFollowTheSchedule) {
+  testing::TempDir d;
+  auto s = elastic("0:1,0.5:3", kDiloco, d.file("run"));
+  EXPECT_EQ(s["membership_changes"], 1);
+  EXPECT_EQ(s["samples"], 4000);
+  std::set<int64_t> workers;
+  std::istringstream in(testing::slurp(d.file("run") + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) {
+    auto j = json::parse(line);
+    if (j["kind"] != "outer") continue;
+    workers.insert(j["workers"].get<int64_t>());
+    if (j["epoch"].get<double>() < 0.99) EXPECT_EQ(j["samples"].get<int64_t>(), 80 * j["workers"].get<int64_t>());
+  }
+  EXPECT_EQ(workers, (std::set<int64_t>{1, 3}));
+  EXPECT_LT(s["test_loss"].get<double>(), 1.0);
 }
 
 TEST(ElasticSim, LearningRateFollowsTheBatchPolicy) {

@@ -158,7 +158,7 @@ TEST(StatusBoard, SnapshotFollowsTheRecordsAndTheSchema) {
     EXPECT_EQ(s[k].type(), t) << k << ": " << s[k].dump();
   }
   for (const char* k : {"samples_per_second", "loss", "lr", "lr_multiplier", "batch_size", "test_accuracy",
-                        "test_loss", "isgd", "ps"})
+                        "test_loss", "isgd", "ps", "diloco"})
     EXPECT_TRUE(s.contains(k)) << k;
   // Series are aligned arrays.
   const size_t n = s["series"]["t"].size();
@@ -208,6 +208,41 @@ TEST(StatusBoard, TokenJobsShowTheirPerplexity) {
   std::vector<Sample> none;
   ASSERT_EQ(check_exposition(image->prometheus(), &image_types, &none), "");
   EXPECT_TRUE(std::isnan(value_of(none, "limbo_test_perplexity")));
+}
+
+// DiLoCo's outer records (docs/diloco.md): outer steps, the pseudo-gradient
+// norm, the compute utilisation and the bytes on the wire, in the snapshot's
+// series and as Prometheus metrics; absent from other jobs.
+TEST(StatusBoard, DilocoOuterStepsShowTheirNormUtilisationAndBytes) {
+  Board b("elastic");
+  b.member_event(2, "start", "joined 1,2");
+  b.add_record({{"kind", "outer"}, {"step", 1}, {"epoch", 0.1}, {"samples", 640}, {"loss", 2.5}, {"owed", 0},
+                {"pseudo_gradient_norm", 3.0}, {"compute_utilisation", 0.9}, {"wall_seconds", 2.0},
+                {"payload_bytes", 1000}, {"workers", 2}});
+  b.add_record({{"kind", "outer"}, {"step", 2}, {"epoch", 0.2}, {"samples", 320}, {"loss", 2.0}, {"owed", 320},
+                {"pseudo_gradient_norm", 2.0}, {"compute_utilisation", 0.95}, {"wall_seconds", 1.0},
+                {"payload_bytes", 1000}, {"workers", 1}});
+  json s = b.snapshot();
+  ASSERT_FALSE(s["diloco"].is_null());
+  EXPECT_EQ(s["diloco"]["outer_steps"], 2);
+  EXPECT_EQ(s["diloco"]["pseudo_gradient_bytes_total"], 2000);
+  EXPECT_EQ(s["diloco"]["owed_samples"], 320);
+  EXPECT_DOUBLE_EQ(s["diloco"]["compute_utilisation"].get<double>(), 0.95);
+  EXPECT_EQ(s["samples_total"], 960);
+  EXPECT_DOUBLE_EQ(s["loss"].get<double>(), 2.0);
+  ASSERT_EQ(s["series"]["pseudo_gradient_norm"].size(), 2u);
+  EXPECT_DOUBLE_EQ(s["series"]["pseudo_gradient_norm"][0].get<double>(), 3.0);
+  std::map<std::string, std::string> types;
+  std::vector<Sample> samples;
+  ASSERT_EQ(check_exposition(b.prometheus(), &types, &samples), "") << b.prometheus();
+  EXPECT_EQ(types["limbo_diloco_outer_steps_total"], "counter");
+  EXPECT_EQ(value_of(samples, "limbo_diloco_outer_steps_total"), 2);
+  EXPECT_EQ(value_of(samples, "limbo_diloco_pseudo_gradient_norm"), 2.0);
+  EXPECT_EQ(value_of(samples, "limbo_diloco_pseudo_gradient_bytes_total"), 2000);
+  EXPECT_TRUE(elastic_board()->snapshot()["diloco"].is_null());
+  std::vector<Sample> none;
+  ASSERT_EQ(check_exposition(elastic_board()->prometheus(), &types, &none), "");
+  EXPECT_TRUE(std::isnan(value_of(none, "limbo_diloco_outer_steps_total")));
 }
 
 TEST(StatusBoard, ParameterServerRecordsGiveAStalenessHistogram) {

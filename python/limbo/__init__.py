@@ -90,6 +90,8 @@ class _Sampler:
     def __len__(self):
         job = self._job
         core = job._core
+        if core.diloco:  # an outer step's share: inner_steps batches at most
+            return job._inner_steps
         global_batch = job.batch_size * core.world
         per_epoch = (job.dataset_size // global_batch if job.drop_last
                      else -(-job.dataset_size // global_batch))
@@ -139,7 +141,19 @@ class Job:
                 as in the CLI (a final checkpoint is always written).
     overlap, bucket_mb, compression, shared_memory, hierarchical,
     collective_timeout, round_timeout
-                communication, as the CLI's keys of the same names.
+                communication, as the CLI's keys of the same names
+                (compression also takes "int8" and "int4" for DiLoCo).
+    sync        "step" (every step's gradient reduced across the group) or
+                "diloco" (docs/diloco.md): the optimizer becomes the inner
+                one, stepped by job.step() on this member alone, for the
+                inner_steps batches of its share; then, inside job.batches(),
+                the outer step averages the members' pseudo-gradients and
+                Limbo's outer SGD (outer_lr, outer_momentum, nesterov) moves
+                the global weights. A step then counts outer steps (max_steps,
+                checkpoint_every_steps); max_wait bounds the wait for a slow
+                member as diloco.max_wait does. The inner optimizer's state
+                travels with the user's state (a re-formed group takes the
+                state member's).
     """
 
     def __init__(self, model, optimizer, *, dataset, batch_size, epochs=1, max_steps=0,
@@ -149,7 +163,8 @@ class Job:
                  accumulate=1, checkpoint_every_epochs=1, checkpoint_every_steps=0, log_every=50,
                  overlap=True, bucket_mb=4.0, compression="none", shared_memory=True,
                  hierarchical=True, collective_timeout=10.0, round_timeout=120.0,
-                 max_nonfinite_steps=10):
+                 max_nonfinite_steps=10, sync="step", inner_steps=500, outer_lr=0.7, outer_momentum=0.9,
+                 nesterov=True, max_wait=1.0):
         if not isinstance(model, torch.nn.Module):
             raise InvalidInput("model must be a torch.nn.Module, got %s" % type(model).__name__)
         own = isinstance(optimizer, Optimizer)
@@ -210,7 +225,10 @@ class Job:
             max_nonfinite_steps=int(max_nonfinite_steps), accumulate=int(accumulate),
             rdzv=env.get("LIMBO_RDZV", ""), elastic=_env_flag("LIMBO_ELASTIC"),
             rank=int(env.get("LIMBO_RANK", "0")), world=int(env.get("LIMBO_WORLD", "1")),
-            token=env.get("LIMBO_JOB_TOKEN", ""))
+            token=env.get("LIMBO_JOB_TOKEN", ""), sync=sync, inner_steps=int(inner_steps),
+            outer_lr=float(outer_lr), outer_momentum=float(outer_momentum), nesterov=bool(nesterov),
+            max_wait=float(max_wait))
+        self._inner_steps = int(inner_steps)
         if own:
             options["limbo_optimizer"] = optimizer.options
         options["config_toml"] = self._describe(options)
@@ -285,6 +303,11 @@ class Job:
         """The sample ids of this step's global batch (every member's), in order."""
         return self._core.global_ids()
 
+    def committed_ids(self):
+        """sync="diloco": (epoch, ids) of the last committed outer step, the
+        samples every member processed in it, in the order they were dealt."""
+        return self._core.committed_ids()
+
     def batch_ids(self):
         """This member's sample ids of this step (the indices its batch was read from)."""
         return self._core.batch_ids()
@@ -322,6 +345,10 @@ class Job:
             del iterator
             if core.left:
                 return
+            # DiLoCo: the share's inner steps are done (or there were none:
+            # an outer step being redone); the outer step follows.
+            if core.diloco and core.generation == generation and core.outer_finish():
+                self._after_commit()
         self._ended = core.end_training()
 
     def backward(self, loss):
@@ -342,17 +369,27 @@ class Job:
         False when a member failed (the group re-formed and the batch is dealt
         again); skip what counts steps then. A member asked to leave (SIGTERM,
         Ctrl-C, Slurm's warning) commits its step and leaves at the next
-        batch: job.batches() ends."""
+        batch: job.batches() ends. With sync="diloco" it is an inner step on
+        this member alone (True once applied); the outer step, which commits,
+        follows the share's last batch inside job.batches()."""
         if not self._core.in_step:
             raise UsageError("job.step() outside the training loop: call it for a batch of "
                              "`for batch in job.batches(loader)`, once a batch")
         loss = self._loss if self._loss is not None else float("nan")
         self._loss = None
         self._stepped = True
-        if not self._core.step(loss, self._rate()):
+        done = self._core.step(loss, self._rate())
+        if not done:
             return False
         if self.scheduler is not None:
             self.scheduler.step()
+        if done == 1:
+            self._after_commit()
+        return True
+
+    def _after_commit(self):
+        """After a committed step (sync="diloco": an outer step): the epoch's
+        end, checkpoints, the progress line, an agreed membership change."""
         self._epoch_ended = self._core.cursor[1] == 0
         steps = self._core.steps
         if self._epoch_ended and self._checkpoint_epochs > 0 and self._core.cursor[0] % self._checkpoint_epochs == 0:
@@ -364,7 +401,6 @@ class Job:
                                                                    self._core.last_loss, self._core.world),
                   file=sys.stderr, flush=True)
         self._core.after_step()
-        return True
 
     def _rate(self):
         """Limbo's optimizer: this step's scheduled rate (before the batch policy)."""

@@ -10,6 +10,7 @@
 #include "data/loader.h"
 #include "optim/batch_policy.h"
 #include "optim/lr_schedule.h"
+#include "train/diloco.h"
 #include "train/run_dir.h"
 
 namespace limbo::sim {
@@ -26,10 +27,119 @@ int workers_at(const std::vector<std::pair<double, int>>& schedule, double epoch
 
 }  // namespace
 
+namespace {
+
+// DiLoCo's outer steps with R(t) virtual members, as the trainer runs them
+// (train/trainer_diloco.cc): each member's inner steps on its share of the
+// outer step from the global weights, with an inner optimizer of its own
+// (a member that joins starts one afresh, as a real joiner does), then the
+// pseudo-gradients weighted by the samples each processed, and the outer
+// optimizer on the global weights. Every member processes its whole share.
+json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const ElasticSimOptions& opt) {
+  auto& flat = t.params();
+  auto& model = t.model();
+  auto& outer = *t.rule_optimizer();
+  const auto& train_set = t.data().train;
+  const int64_t n = train_set.size();
+  const int64_t b = cfg.loader.batch_size, H = cfg.diloco.inner_steps;
+  optim::LrSchedule schedule(cfg.lr);
+  data::Sampler sampler(n, cfg.loader.order, cfg.loader.seed);
+  train::RunDir run(opt.run_dir, false);
+  if (run.enabled()) run.write_config(cfg.config_toml);
+  std::vector<std::unique_ptr<train::OptimizerStep>> inner;  // per virtual member
+  data::Cursor cur;
+  train::PositionRanges owed;
+  int64_t step = 0, changes = 0, samples = 0, inner_steps = 0;
+  int last_r = 0;
+  double grad_seconds = 0, eval_seconds = 0, last_loss = 0;
+  torch::Tensor global = flat.data().clone(), gsum = torch::zeros_like(flat.grad());
+  train::EvalResult ev;
+  auto wall0 = Clock::now();
+  model.train();
+  while (cur.epoch < cfg.train.epochs && (cfg.train.max_steps <= 0 || step < cfg.train.max_steps)) {
+    const double epoch_now = cur.epoch + static_cast<double>(cur.position) / n;
+    const int r = workers_at(opt.schedule, epoch_now);
+    if (last_r != 0 && r != last_r) {
+      changes += 1;
+      run.append_metrics({{"kind", "membership"}, {"step", step}, {"epoch", epoch_now}, {"world", r},
+                          {"reason", "schedule"}});
+    }
+    last_r = r;
+    inner.resize(static_cast<size_t>(r));
+    for (auto& o : inner)
+      if (!o) o = std::make_unique<train::OptimizerStep>(optim::make_optimizer(cfg.optimizer), cfg.clip_grad_norm);
+    const auto plan = train::plan_outer(cur, owed, n, b * H, r);
+    const auto& order = sampler.epoch_order(plan.epoch);
+    gsum.zero_();
+    double loss_sum = 0;
+    const int64_t total = static_cast<int64_t>(plan.positions.size());
+    std::vector<int64_t> consumed;
+    auto g0 = Clock::now();
+    for (int k = 0; k < r; ++k) {
+      const int64_t lo = plan.offsets[k], hi = plan.offsets[k + 1];
+      consumed.push_back(hi - lo);
+      if (hi == lo) continue;
+      flat.data().copy_(global);
+      int64_t i = 0;
+      for (int64_t at = lo; at < hi; at += b, ++i) {
+        std::vector<int64_t> ids;
+        for (int64_t q = at; q < std::min(at + b, hi); ++q) ids.push_back(order[plan.positions[q]]);
+        auto batch = data::make_train_batch(train_set, t.normalization(), ids, plan.epoch, cfg.loader.augment);
+        const double epoch = plan.epoch + static_cast<double>(std::min(cur.position, n) + i * b * r) / n;
+        const double l = t.step().gradient(batch);
+        if (train::finite_step(flat.grad(), l)) {
+          inner[k]->apply(flat.data(), flat.grad(), schedule.lr(epoch, step * H + i));
+          loss_sum += l * static_cast<double>(ids.size());
+        }
+        inner_steps += 1;
+      }
+      // What the weighted all-reduce sums: the member's share times its
+      // pseudo-gradient.
+      torch::NoGradGuard ng;
+      gsum.add_(global - flat.data(), static_cast<double>(hi - lo) / static_cast<double>(total));
+    }
+    grad_seconds += seconds_since(g0);
+    flat.data().copy_(global);
+    if (train::finite_step(gsum, loss_sum)) outer.apply(flat.data(), gsum, cfg.diloco.outer_lr);
+    global.copy_(flat.data());
+    auto settled = train::settle_outer(plan, consumed, n);
+    cur = settled.cursor;
+    owed = settled.owed;
+    step += 1;
+    samples += total;
+    last_loss = loss_sum / static_cast<double>(total);
+    run.append_metrics({{"kind", "outer"}, {"step", step}, {"epoch", cur.epoch + static_cast<double>(cur.position) / n},
+                        {"samples", total}, {"loss", last_loss}, {"workers", r}});
+    if (settled.last_in_epoch) {
+      auto e0 = Clock::now();
+      ev = t.evaluate_test();
+      eval_seconds += seconds_since(e0);
+      json rec = {{"kind", "eval"}, {"step", step}, {"epoch", static_cast<double>(cur.epoch)}};
+      rec.update(train::eval_fields(ev));
+      run.append_metrics(rec);
+      log_info("epoch " + std::to_string(cur.epoch) + ": " + std::to_string(r) + " workers, test loss " +
+               std::to_string(ev.loss));
+    }
+  }
+  if (!(cur.position == 0 && step > 0 && ev.samples > 0)) ev = t.evaluate_test();  // a run cut by max_steps
+  const double wall = seconds_since(wall0) - eval_seconds;
+  json s = {{"mode", "sim-elastic"}, {"sync", "diloco"}, {"steps", step}, {"outer_steps", step},
+            {"inner_steps", inner_steps}, {"samples", samples}, {"epochs", cur.epoch},
+            {"membership_changes", changes}, {"train_loss", last_loss}, {"batch_policy", "none"},
+            {"wall_seconds", wall}, {"gradient_seconds", grad_seconds},
+            {"overhead_fraction", grad_seconds > 0 ? (wall - grad_seconds) / grad_seconds : 0.0}};
+  s.update(train::eval_fields(ev));
+  if (run.enabled()) run.write_summary(s);
+  return s;
+}
+
+}  // namespace
+
 json run_elastic_sim(train::Trainer& t, const train::TrainerConfig& cfg, const ElasticSimOptions& opt) {
   if (opt.schedule.empty()) throw InvalidInput("elastic simulation needs sim.elastic_schedule, e.g. \"0:1,2:16\"");
   for (const auto& [e, w] : opt.schedule)
     if (w < 1) throw InvalidInput("sim.elastic_schedule: worker counts must be >= 1");
+  if (t.diloco()) return run_diloco_sim(t, cfg, opt);
   auto& flat = t.params();
   auto& model = t.model();
   auto& update = *t.optimizer_step();  // clipping, then the optimizer

@@ -9,6 +9,11 @@
 // Dynamic SGD) and momentum handling as `limbo launch` elastic jobs, over the
 // same schedule and SGD. One process, no sockets: 16x or 128x workers cost
 // only their gradient computations.
+//
+// With elastic.sync = "diloco" the virtual members run DiLoCo's outer
+// steps instead (each member's inner steps alone, with an inner optimizer
+// of its own, then the weighted pseudo-gradients and the outer optimizer),
+// over the same schedule.
 #pragma once
 
 #include <nlohmann/json.hpp>

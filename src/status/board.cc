@@ -66,7 +66,8 @@ std::string text(const json& r, const char* key) {
 Board::Board(std::string job) : job_(std::move(job)), start_(std::chrono::steady_clock::now()) {
   series_ = {{"t", json::array()}, {"members", json::array()}, {"samples_per_second", json::array()},
              {"loss", json::array()}, {"lr", json::array()}, {"lr_multiplier", json::array()}, {"grad_norm", json::array()},
-             {"batch_size", json::array()}, {"isgd_triggers", json::array()}, {"updates_per_second", json::array()}};
+             {"batch_size", json::array()}, {"isgd_triggers", json::array()}, {"updates_per_second", json::array()},
+             {"pseudo_gradient_norm", json::array()}, {"compute_utilisation", json::array()}};
   accuracy_ = {{"t", json::array()}, {"test_accuracy", json::array()}, {"test_loss", json::array()},
                {"test_perplexity", json::array()}};
   if (job_ == "train") members_ = 1;
@@ -89,6 +90,8 @@ void Board::push_point() {
   double ups = 0;
   for (const auto& [k, s] : shards_) ups += s.updates_per_second;
   append(series_["updates_per_second"], ps_ ? json(ups) : json());
+  append(series_["pseudo_gradient_norm"], opt(pseudo_norm_));
+  append(series_["compute_utilisation"], opt(utilisation_));
 }
 
 void Board::add_record(const json& r) {
@@ -128,6 +131,22 @@ void Board::add_record(const json& r) {
     changes_[k] += 1;
     events_.push_back({{"t", now()}, {"kind", k}, {"members", members_}, {"detail", reason}});
     if (events_.size() > kMaxEvents) events_.pop_front();
+    push_point();
+  } else if (kind == "outer") {
+    // DiLoCo's outer step (the writer's): progress, and what it cost.
+    diloco_ = true;
+    const int64_t step = integer(r, "step", step_);
+    if (step > outer_steps_) payload_total_ += integer(r, "payload_bytes", 0) * (step - outer_steps_);
+    outer_steps_ = std::max(outer_steps_, step);
+    step_ = std::max(step_, step);
+    epoch_ = real(r, "epoch", epoch_);
+    samples_total_ += integer(r, "samples", 0);
+    owed_ = integer(r, "owed", owed_);
+    if (auto v = number(r, "loss")) loss_ = v;
+    if (auto v = number(r, "pseudo_gradient_norm")) pseudo_norm_ = v;
+    if (auto v = number(r, "compute_utilisation")) utilisation_ = v;
+    const double wall = real(r, "wall_seconds", 0);
+    if (wall > 0) samples_per_second_ = static_cast<double>(integer(r, "samples", 0)) / wall;
     push_point();
   } else if (kind == "isgd_epoch") {
     isgd_ = true;
@@ -210,6 +229,11 @@ json Board::snapshot() const {
             {"series", series_},
             {"accuracy", accuracy_},
             {"events", json(std::vector<json>(events_.begin(), events_.end()))}};
+  if (diloco_)
+    s["diloco"] = {{"outer_steps", outer_steps_}, {"pseudo_gradient_norm", opt(pseudo_norm_)},
+                   {"compute_utilisation", opt(utilisation_)}, {"pseudo_gradient_bytes_total", payload_total_},
+                   {"owed_samples", owed_}};
+  else s["diloco"] = nullptr;
   if (isgd_) s["isgd"] = {{"triggers_total", isgd_triggers_}, {"extra_iterations_total", isgd_extra_}};
   else s["isgd"] = nullptr;
   if (ps_) {
@@ -269,6 +293,18 @@ std::string Board::prometheus() const {
   family(o, "limbo_membership_changes_total", "counter", "Membership events by kind.");
   for (const auto& [k, n] : s["membership_changes"].items())
     sample(o, "limbo_membership_changes_total", n.get<double>(), job + ",kind=\"" + k + "\"");
+  if (!s["diloco"].is_null()) {
+    const json& d = s["diloco"];
+    single("limbo_diloco_outer_steps_total", "counter", d["outer_steps"], "DiLoCo outer steps committed.");
+    single("limbo_diloco_pseudo_gradient_norm", "gauge", d["pseudo_gradient_norm"],
+           "L2 norm of the writer's pseudo-gradient (global - local) at the last outer step.");
+    single("limbo_diloco_compute_utilisation", "gauge", d["compute_utilisation"],
+           "Share of the writer's last outer step spent in its own forward and backward.");
+    single("limbo_diloco_pseudo_gradient_bytes_total", "counter", d["pseudo_gradient_bytes_total"],
+           "Pseudo-gradient bytes the writer contributed to outer all-reduces (as encoded on the wire).");
+    single("limbo_diloco_owed_samples", "gauge", d["owed_samples"],
+           "Samples of the epoch owed (a member lost or stopped at the bounded wait), dealt next.");
+  }
   if (!s["isgd"].is_null())
     single("limbo_isgd_triggers_total", "counter", s["isgd"]["triggers_total"],
            "ISGD batches found under-trained (extra updates given).");

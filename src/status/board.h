@@ -26,7 +26,7 @@ class Board {
   explicit Board(std::string job);
 
   // One metrics record (kinds: train, eval, membership, isgd_epoch,
-  // ps_updates, learner); other kinds are ignored.
+  // ps_updates, learner, outer); other kinds are ignored.
   void add_record(const nlohmann::json& r);
   // The launcher's view of membership: the member count after an event
   // ("start", "join", "leave", "crash", "hang", "change"), with its detail.
@@ -57,6 +57,10 @@ class Board {
   nlohmann::json series_;                   // {"t": [...], "members": [...], ...}
   nlohmann::json accuracy_;                 // {"t": [...], "test_accuracy": [...]}
   std::deque<nlohmann::json> events_;
+  // DiLoCo (outer records)
+  bool diloco_ = false;
+  int64_t outer_steps_ = 0, payload_total_ = 0, owed_ = 0;
+  std::optional<double> pseudo_norm_, utilisation_;
   // ISGD
   bool isgd_ = false;
   int64_t isgd_triggers_ = 0, isgd_extra_ = 0;

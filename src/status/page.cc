@@ -36,6 +36,8 @@ const std::string& page_html() {
  <div class="fact"><b id="batch">–</b><span>global batch</span></div>
  <div class="fact ps"><b id="dropped">–</b><span>dropped / refused</span></div>
  <div class="fact isgd"><b id="triggers">–</b><span>ISGD triggers</span></div>
+ <div class="fact diloco"><b id="outer">–</b><span>outer steps</span></div>
+ <div class="fact diloco"><b id="util">–</b><span>compute utilisation</span></div>
 </div>
 <div id="grid">
  <div class="card"><canvas id="c_members"></canvas></div>
@@ -49,6 +51,7 @@ const std::string& page_html() {
  <div class="card ps"><canvas id="c_ups"></canvas></div>
  <div class="card ps"><canvas id="c_shards"></canvas></div>
  <div class="card isgd"><canvas id="c_isgd"></canvas></div>
+ <div class="card diloco"><canvas id="c_diloco"></canvas></div>
 </div>
 <div id="events"></div>
 <script src="/chart.js"></script>
@@ -85,6 +88,7 @@ function render(s) {
   document.getElementById("batch").textContent = fmt(s.batch_size, 0);
   show("ps", s.ps !== null);
   show("isgd", s.isgd !== null);
+  show("diloco", s.diloco !== null);
   show("gnorm", s.grad_norm !== null);
   show("ppl", s.test_perplexity !== null);
   document.getElementById("ppl").textContent = fmt(s.test_perplexity, 3);
@@ -124,6 +128,13 @@ function render(s) {
   if (s.test_perplexity !== null) {
     c = chart("c_ppl", "line", [line("validation perplexity", "#2a2", [], {pointRadius: 2})], {title: "perplexity (exp test loss)"});
     c.data.datasets[0].data = xy(s.accuracy.t, s.accuracy.test_perplexity); c.update("none");
+  }
+  if (s.diloco !== null) {
+    document.getElementById("outer").textContent = s.diloco.outer_steps;
+    document.getElementById("util").textContent = s.diloco.compute_utilisation === null ? "–" : (100 * s.diloco.compute_utilisation).toFixed(1) + "%";
+    c = chart("c_diloco", "line", [line("pseudo-gradient norm", "#c52", [], {yAxisID: "y"}), line("compute utilisation", "#27c", [], {yAxisID: "y1"})],
+        {title: "DiLoCo: pseudo-gradient norm and compute utilisation", scales: {x: {type: "linear"}, y: {position: "left"}, y1: {position: "right", min: 0, max: 1, grid: {drawOnChartArea: false}}}});
+    c.data.datasets[0].data = xy(t, S.pseudo_gradient_norm); c.data.datasets[1].data = xy(t, S.compute_utilisation); c.update("none");
   }
   if (s.isgd !== null) {
     document.getElementById("triggers").textContent = s.isgd.triggers_total;

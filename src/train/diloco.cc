@@ -18,7 +18,7 @@ PositionRanges normalize_ranges(PositionRanges r) {
   return out;
 }
 
-int64_t payload_bytes(int64_t n, const std::string& wire) {
+int64_t payload_bytes_of(int64_t n, const std::string& wire) {
   const int64_t scales = 4 * ((n + 255) / 256);
   if (wire == "int8") return n + scales;
   if (wire == "int4") return (n + 1) / 2 + scales;

@@ -78,6 +78,6 @@ int64_t range_total(const PositionRanges& r);
 
 // Bytes of n pseudo-gradient values as comm.compression `wire` encodes them
 // (int8 and int4 with their float32 scale per 256 values).
-int64_t payload_bytes(int64_t n, const std::string& wire);
+int64_t payload_bytes_of(int64_t n, const std::string& wire);
 
 }  // namespace limbo::train

@@ -133,7 +133,6 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
     outer.nesterov = d.nesterov;
     outer_ = std::make_shared<OptimizerStep>(optim::make_optimizer(outer), 0.0);
     rule_ = std::make_shared<LocalUpdate>(outer_);
-    outer_run_ = std::make_unique<Outer>(splits_->train.size(), cfg_.loader.order, cfg_.train.seed);
   }
   batch_policy_ = std::make_unique<optim::BatchSizePolicy>(cfg_.batch_policy);
   state_.config_toml = cfg_.config_toml;
@@ -169,7 +168,7 @@ void Trainer::reformed(Run& r, const Membership::Established& est) {
                                  ? cfg_.train.slow_step
                                  : std::chrono::milliseconds(0));
   if (r.loader) r.loader->restart(state_.cursor, est.world, est.rank);
-  if (outer_run_) outer_run_->reformed = true;
+  if (outer_steps_) outer_steps_->reformed();
   if (isgd_)  // the control window holds one epoch of the new global batches
     isgd_->set_batches_per_epoch(data::batches_per_epoch(
         r.n, cfg_.loader.batch_size * est.world, cfg_.loader.drop_last));
@@ -399,12 +398,12 @@ nlohmann::json Trainer::summary(Run& r) {
   }
   s["algorithm"] = cfg_.algorithm;
   s["sync"] = cfg_.sync;
-  if (!outer_run_) {
+  if (!outer_steps_) {
     s["compute_seconds"] = r.compute_seconds;
     s["compute_utilisation"] = r.train_seconds > 0 ? r.compute_seconds / r.train_seconds : 0.0;
   }
-  if (outer_run_) {
-    const auto& o = *outer_run_;
+  if (outer_steps_) {
+    const auto& o = *outer_steps_;
     s["outer_steps"] = state_.step;
     s["inner_steps"] = o.inner_steps_total;
     s["inner_steps_skipped"] = o.inner_skipped;
@@ -475,6 +474,15 @@ nlohmann::json Trainer::run() {
   r.total_steps = t.epochs * per_epoch;
   if (t.max_steps > 0) r.total_steps = std::min(r.total_steps, t.max_steps);
   session.set_on_reform([this, &r](const Membership::Established& est) { reformed(r, est); });
+  if (outer_) {
+    OuterSteps::Options oo;
+    oo.diloco = cfg_.diloco;
+    oo.batch = cfg_.loader.batch_size;
+    oo.samples = r.n;
+    oo.order = cfg_.loader.order;
+    oo.seed = cfg_.train.seed;
+    outer_steps_ = std::make_unique<OuterSteps>(session, *flat_, rule_, oo);
+  }
 
   log_info("training " + cfg_.model.name + " (" + std::to_string(models::parameter_count(*model_)) +
            " parameters) on " + train_set.name + " (" + std::to_string(r.n) + " samples), batch " +

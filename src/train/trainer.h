@@ -27,6 +27,7 @@
 #include "optim/optimizer.h"
 #include "train/checkpoint.h"
 #include "train/diloco.h"
+#include "train/outer_steps.h"
 #include "train/membership.h"
 #include "train/session.h"
 #include "train/step.h"
@@ -165,10 +166,8 @@ class Trainer {
   bool train_step(Run& r);  // false when the step failed and the group re-formed
   // DiLoCo (trainer_diloco.cc): one outer step, its inner steps and the
   // outer all-reduce; false when it did not commit (the group re-formed).
-  struct Outer;
   bool outer_step(Run& r);
-  void run_inner_steps(Run& r);
-  void outer_record(Run& r, const StepResult& res, double sync_seconds, double delta_norm, int64_t owed);
+  void outer_record(Run& r, const OuterSteps::Committed& c);
   void diloco_state_hooks(SessionParts& parts);
   void log_step(Run& r);
   void after_epoch_and_step(Run& r);
@@ -193,7 +192,7 @@ class Trainer {
   std::unique_ptr<Session> session_;
   TrainState state_;
   std::shared_ptr<OptimizerStep> outer_;  // DiLoCo's outer optimizer (null: elastic.sync = "step")
-  std::unique_ptr<Outer> outer_run_;
+  std::unique_ptr<OuterSteps> outer_steps_;  // DiLoCo's outer steps of the run (made in run())
 };
 
 // Builds InputSpec from a dataset.

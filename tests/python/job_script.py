@@ -110,6 +110,9 @@ def main():
     p.add_argument("--loader-workers", type=int, default=2)
     p.add_argument("--checkpoint-every-steps", type=int, default=0)
     p.add_argument("--run-dir", default=None)
+    p.add_argument("--sync", choices=["step", "diloco"], default="step")
+    p.add_argument("--inner-steps", type=int, default=4)
+    p.add_argument("--compression", default="none")
     args = p.parse_args()
 
     torch.manual_seed(7)
@@ -131,7 +134,18 @@ def main():
         schedule = dict(scheduler=torch.optim.lr_scheduler.LambdaLR(opt, warmup))
     job = limbo.Job(model, opt, dataset=train, batch_size=args.batch_size, epochs=args.epochs,
                     state=state, run_dir=args.run_dir, checkpoint_every_steps=args.checkpoint_every_steps,
-                    log_every=10, **schedule)
+                    log_every=10, sync=args.sync, inner_steps=args.inner_steps, compression=args.compression,
+                    max_wait=0, **schedule)
+    diloco = args.sync == "diloco"
+    logged = [0]
+
+    def log_outer():
+        # DiLoCo: a line for each outer step committed since (the samples it committed).
+        if log and diloco and job.step_count != logged[0]:
+            epoch, ids = job.committed_ids()
+            log.write("%d %d %s\n" % (job.step_count, epoch, " ".join(map(str, ids))))
+            log.flush()
+            logged[0] = job.step_count
     loader = DataLoader(train, batch_sampler=job.sampler, num_workers=args.loader_workers)
     run_dir = job.run_dir or os.environ.get("LIMBO_RUN_DIR", "")
     pace = float(os.environ.get("PACE", "0"))
@@ -156,6 +170,7 @@ def main():
 
     log = open(os.path.join(run_dir, "samples-%d.txt" % os.getpid()), "a") if run_dir else None
     for batch in job.batches(loader):
+        log_outer()
         maybe_die("before_forward")
         if pace and (pace_until == 0 or job.world < pace_until):
             time.sleep(pace)
@@ -169,10 +184,11 @@ def main():
         if job.step():
             state["seen_by_me"] += len(batch["label"])
             job.log(my_metric=float(loss), lr0=opt.lr if isinstance(opt, limbo.Optimizer) else opt.param_groups[0]["lr"])
-            if log:
+            if log and not diloco:
                 log.write("%d %d %s\n" % (job.step_count, epoch, " ".join(map(str, ids))))
                 log.flush()
         maybe_die("after_step")
+    log_outer()
     if log:
         log.close()
     with torch.no_grad():

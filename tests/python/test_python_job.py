@@ -389,3 +389,41 @@ def test_accumulation_over_micro_batches_equals_the_whole_batch():
     job.backward(F.cross_entropy(net(xb), yb))
     with pytest.raises(limbo.InvalidInput, match="after 1 of the step's 2"):
         job.step()
+
+
+def weights_of(final):
+    """A final fingerprint's step count, weights and buffers (DiLoCo's inner
+    optimizer state is each member's own)."""
+    return final[:4]
+
+
+def test_diloco_members_end_with_the_same_global_weights_and_every_sample_once(run_dir):
+    """sync="diloco" with the user's AdamW as the inner optimizer: two
+    members, each its share of every outer step alone; the outer steps
+    commit every sample exactly once an epoch and leave both with the same
+    global weights."""
+    r = launch(run_dir, 2, ["--optimizer", "adamw", "--sync", "diloco", "--inner-steps", "4"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_exactly_once(run_dir, 1024, 2)
+    f = finals(run_dir)
+    assert len(f) == 2 and weights_of(f[0]) == weights_of(f[1]), f
+    s = summary(run_dir)
+    # 1024 samples in outer steps of 2 x 4 x 16 = 128: 8 an epoch.
+    assert s["sync"] == "diloco" and s["outer_steps"] == 16 and s["inner_steps"] >= 16 * 4, s
+    assert s["test_accuracy"] > 0.5, s
+
+
+@pytest.mark.parametrize("where", ["before_backward", "after_step"])
+def test_diloco_a_member_lost_in_its_inner_steps_is_dropped_and_its_samples_dealt_again(run_dir, where):
+    """A member SIGKILLed during its inner steps of outer step 6: the others
+    finish theirs, redo the outer step's sync without it, and its share is
+    dealt again; every sample once an epoch, the survivors identical."""
+    r = launch(run_dir, 3, ["--optimizer", "adamw", "--sync", "diloco", "--inner-steps", "4"], ["--min-workers", "1"],
+               DIE_AT_STEP=5, DIE_RANK=1, DIE_WHERE=where, PACE=0.01)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.exists(os.path.join(run_dir, "died"))
+    check_exactly_once(run_dir, 1024, 2)
+    f = finals(run_dir)
+    assert len(f) == 2 and weights_of(f[0]) == weights_of(f[1]), f
+    s = summary(run_dir)
+    assert s["workers"] == 2 and s["outer_steps_redone"] >= 1, s
