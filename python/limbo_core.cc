@@ -231,7 +231,7 @@ class Core {
     if (membership == nullptr && rank != 0) dir.clear();  // a static job's member 0 writes the run directory
     parts.run_dir = dir;
     session_ = std::make_unique<train::Session>(std::move(parts), rule, std::move(membership), resume_,
-                                                rdzv.empty() || elastic ? 1 : world);
+                                                rdzv.empty() || elastic ? 1 : world, rdzv.empty() || elastic ? 0 : rank);
     session_->set_on_reform([this](const train::Membership::Established&) {
       generation_ += 1;
       plans_.clear();

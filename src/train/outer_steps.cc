@@ -89,7 +89,8 @@ std::optional<OuterSteps::Work> OuterSteps::begin() {
 }
 
 bool OuterSteps::keep_going() {
-  if (bound_ <= 0 || seconds_since(inner_start_) <= bound_) return true;
+  // At least one inner step a member (an outer step always has samples).
+  if (bound_ <= 0 || consumed_ == 0 || seconds_since(inner_start_) <= bound_) return true;
   const int64_t share = plan_rank_ >= 0 ? plan_.share(plan_rank_) : 0;
   if (consumed_ < share) {
     log_info("outer step " + std::to_string(s_.state().step + 1) + ": stopped after " + std::to_string(consumed_) +

@@ -60,7 +60,8 @@ class OuterSteps {
   // Step 1. nullopt: the group re-formed while agreeing; call begin() again.
   std::optional<Work> begin();
   // Before each inner step: false once the bounded wait is over (this
-  // member stops; the rest of its share is dealt again).
+  // member stops; the rest of its share is dealt again). Never before the
+  // first inner step.
   bool keep_going();
   // Where inner step i's learning rate is read in the schedule: the epoch
   // by the samples the whole group has dealt so far, and the iteration.

@@ -15,12 +15,13 @@ constexpr const char* kFrontEndState = "front_end";
 }  // namespace
 
 Session::Session(SessionParts parts, std::shared_ptr<UpdateRule> rule, std::unique_ptr<Membership> membership,
-                 bool resume, int world)
+                 bool resume, int world, int rank)
     : p_(std::move(parts)),
       rule_(std::move(rule)),
       membership_(std::move(membership)),
       run_dir_(p_.run_dir, resume || membership_ != nullptr),
-      world_(world) {
+      world_(world),
+      rank_(rank) {
   if (!p_.run_dir.empty()) checkpoint_path_ = p_.run_dir + "/checkpoint.pt";
   if (membership_) storage_ = run_dir_.storage_id();
 }

@@ -75,10 +75,11 @@ struct SessionParts {
 class Session {
  public:
   // `membership` null: a fixed group (one process, or a static job whose
-  // `rule` holds the group). A run directory of an elastic job or a resumed
-  // run keeps its records (appends).
+  // `rule` holds the group, this member being `rank` of `world`). A run
+  // directory of an elastic job or a resumed run keeps its records
+  // (appends).
   Session(SessionParts parts, std::shared_ptr<UpdateRule> rule, std::unique_ptr<Membership> membership,
-          bool resume, int world);
+          bool resume, int world, int rank = 0);
   ~Session();
 
   bool elastic() const { return membership_ != nullptr; }

@@ -451,7 +451,7 @@ nlohmann::json Trainer::run() {
                      t.max_nonfinite_steps, {}, {}};
   if (outer_) diloco_state_hooks(parts);
   session_ = std::make_unique<Session>(std::move(parts), rule_, std::move(membership_), t.resume,
-                                       static_cast<int>(cfg_.loader.world));
+                                       static_cast<int>(cfg_.loader.world), static_cast<int>(cfg_.loader.rank));
   Session& session = *session_;
   int64_t resumed_from = -1;
   if (t.resume) {
