@@ -88,6 +88,28 @@ void VirtualHosts::signal_host(int i, int sig) const {
   for (pid_t p : pids(i)) ::kill(p, sig);
 }
 
+bool VirtualHosts::shape(const std::string& rate) const {
+  const std::string t = std::to_string(tag_);
+  for (int i = 0; i < n_; ++i) {
+    const std::string h = "lv" + t + "h" + std::to_string(i), s = "lv" + t + "s" + std::to_string(i);
+    const std::string tbf = " root tbf rate " + rate + " burst 256kb latency 100ms";
+    if (sh("ip netns exec " + ns(i) + " tc qdisc add dev " + h + tbf) != 0 ||
+        sh("ip netns exec lsw" + t + " tc qdisc add dev " + s + tbf) != 0)
+      return false;
+  }
+  return true;
+}
+
+int64_t VirtualHosts::tx_bytes(int i) const {
+  const std::string path = "/sys/class/net/lv" + std::to_string(tag_) + "h" + std::to_string(i) + "/statistics/tx_bytes";
+  FILE* p = ::popen(("ip netns exec " + ns(i) + " cat " + path + " 2>/dev/null").c_str(), "r");
+  if (!p) return -1;
+  long long v = -1;
+  if (std::fscanf(p, "%lld", &v) != 1) v = -1;
+  ::pclose(p);
+  return v;
+}
+
 bool VirtualHosts::cut(int i) const {
   return sh("ip -n " + ns(i) + " link set lv" + std::to_string(tag_) + "h" + std::to_string(i) + " down") == 0;
 }

@@ -7,6 +7,7 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,12 @@ class VirtualHosts {
   void signal_host(int i, int sig) const;
   // Takes host i's link down: no packet in or out, no RST.
   bool cut(int i) const;
+  // Shapes every host's link both ways with the kernel's token bucket
+  // (`tc qdisc ... tbf rate RATE burst 256kb latency 100ms`): a slow link.
+  // False where tc is missing or refuses.
+  bool shape(const std::string& rate) const;
+  // Bytes host i has sent on its link.
+  int64_t tx_bytes(int i) const;
 
  private:
   int n_ = 0;

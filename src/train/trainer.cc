@@ -32,23 +32,6 @@ std::string net_namespace(const std::string& pid) {
   return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
 }
 
-// Testing aid (train.testing_die_with_host): SIGKILLs every other process
-// of this network namespace, a virtual host of the tests.
-void kill_this_host(int sig) {
-  const std::string mine = net_namespace("self");
-  if (mine.empty() || mine == net_namespace("1"))
-    throw InvalidInput("train.testing_die_with_host needs a network namespace of its own (a virtual host)");
-  DIR* d = ::opendir("/proc");
-  if (!d) return;
-  while (dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
-    const pid_t pid = static_cast<pid_t>(std::stol(name));
-    if (pid != ::getpid() && net_namespace(name) == mine) ::kill(pid, sig);
-  }
-  ::closedir(d);
-}
-
 // The file that holds the samples, for messages.
 std::string sample_origin(const data::Dataset& d) {
   return d.tensors ? d.tensors->x.origin : d.stream ? d.stream->tokens.origin : d.name;
@@ -77,6 +60,23 @@ data::Normalization choose_normalization(const std::string& mode, const data::Da
 }
 
 }  // namespace
+
+// Testing aid (train.testing_die_with_host): SIGKILLs every other process
+// of this network namespace, a virtual host of the tests.
+void kill_this_host(int sig) {
+  const std::string mine = net_namespace("self");
+  if (mine.empty() || mine == net_namespace("1"))
+    throw InvalidInput("train.testing_die_with_host needs a network namespace of its own (a virtual host)");
+  DIR* d = ::opendir("/proc");
+  if (!d) return;
+  while (dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const pid_t pid = static_cast<pid_t>(std::stol(name));
+    if (pid != ::getpid() && net_namespace(name) == mine) ::kill(pid, sig);
+  }
+  ::closedir(d);
+}
 
 Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   threads_ = apply_thread_settings(cfg_.threads);

@@ -18,10 +18,11 @@ namespace {
 
 // The member whose testing aid says so dies here (train.testing_die_at_step
 // counts outer steps under DiLoCo).
-void die_for_test(const char* where, int rank, int64_t step, bool freeze) {
-  std::fprintf(stderr, "testing: rank %d %s %s of outer step %ld\n", rank, freeze ? "freezes" : "dies", where,
-               static_cast<long>(step + 1));
+void die_for_test(const char* where, int rank, int64_t step, bool freeze, bool with_host) {
+  std::fprintf(stderr, "testing: rank %d %s %s of outer step %ld%s\n", rank, freeze ? "freezes" : "dies", where,
+               static_cast<long>(step + 1), with_host ? " with its host" : "");
   std::fflush(stderr);
+  if (with_host) kill_this_host(freeze ? SIGSTOP : SIGKILL);
   ::kill(::getpid(), freeze ? SIGSTOP : SIGKILL);
 }
 
@@ -66,7 +67,7 @@ bool Trainer::outer_step(Run& r) {
   for (int64_t i = 0; i < steps; ++i) {
     if (!o.keep_going()) break;
     if (dies && !t.die_in_outer && i >= steps / 2)
-      die_for_test("halfway through the inner steps", r.s.rank(), state_.step, t.die_by_freezing);
+      die_for_test("halfway through the inner steps", r.s.rank(), state_.step, t.die_by_freezing, t.die_with_host);
     const auto& ids = work->batches[i];
     auto batch = data::make_train_batch(splits_->train, norm_, ids, work->epoch, cfg_.loader.augment);
     r.lr = schedule_->lr(o.inner_epoch(i), o.inner_iteration(i));
@@ -79,7 +80,8 @@ bool Trainer::outer_step(Run& r) {
   }
   const data::Cursor begin = state_.cursor;
   auto c = o.finish([&](bool redo) {
-    if (dies && t.die_in_outer && !redo) die_for_test("as the outer all-reduce starts", r.s.rank(), state_.step, t.die_by_freezing);
+    if (dies && t.die_in_outer && !redo)
+      die_for_test("as the outer all-reduce starts", r.s.rank(), state_.step, t.die_by_freezing, t.die_with_host);
   });
   if (!c) return false;  // re-formed: the outer step is redone (or was committed elsewhere)
   r.res = c->res;

@@ -9,6 +9,11 @@
 
 namespace limbo::train {
 
+// Testing aid (train.testing_die_with_host): sends `sig` to every other
+// process of this network namespace, a virtual host of the tests
+// (InvalidInput outside one).
+void kill_this_host(int sig);
+
 // Everything one call of run() keeps between steps.
 struct Trainer::Run {
   Run(const TrainOptions& opt, Session& session) : t(opt), elastic(session.elastic()), s(session), run_dir(session.run_dir()) {}
