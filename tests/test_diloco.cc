@@ -276,15 +276,16 @@ TEST(Diloco, ShardedOuterStateEqualsTheReplicatedOne) {
   EXPECT_NE(slurp(sh + "/metrics.jsonl").find("\"shard_bytes_sent\""), std::string::npos);
 }
 
-// Members of unequal speed: a member 15 ms an inner step slower than the
-// other stops after twice the other's time for a share (diloco.max_wait =
-// 1), the rest of its share is dealt again in the next outer steps, and
+// Members of unequal speed: a member 60 ms an inner step slower than the
+// other (whose share of 10 inner steps takes a few ms, or tens on a busy
+// machine) stops after twice the other's time for a share (diloco.max_wait
+// = 1), the rest of its share is dealt again in the next outer steps, and
 // every sample is still used once an epoch, with both members ending
 // identical.
 TEST(DilocoWait, ASlowMemberStopsAtTheBoundAndItsRestIsDealtAgain) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   TempDir d;
-  const auto run = run_job(d, "run", 2, 1, {"--set", "diloco.max_wait=1", "--set", "train.slow_step_ms=15",
+  const auto run = run_job(d, "run", 2, 1, {"--set", "diloco.max_wait=1", "--set", "train.slow_step_ms=60",
                                             "--set", "train.testing_slow_rank=1"});
   limbo::testing::expect_exactly_once(run, 1, kSamples);
   limbo::testing::expect_identical_finals(run, 2);
