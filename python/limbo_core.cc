@@ -339,14 +339,7 @@ class Core {
     window_.add(c->res.loss, c->res.global_batch);
     train_seconds_ += c->wall_seconds;
     plan_.last_in_epoch = c->settled.last_in_epoch;
-    session_->run_dir().append_metrics(
-        {{"kind", "outer"}, {"step", state_.step}, {"epoch", epoch()}, {"samples", c->res.global_batch},
-         {"loss", c->res.loss}, {"skipped", c->res.skipped}, {"inner_steps", c->inner_steps},
-         {"owed", train::range_total(state_.owed)}, {"pseudo_gradient_norm", c->delta_norm},
-         {"compute_seconds", c->compute_seconds}, {"wall_seconds", c->wall_seconds},
-         {"sync_seconds", c->sync_seconds},
-         {"compute_utilisation", c->wall_seconds > 0 ? c->compute_seconds / c->wall_seconds : 0.0},
-         {"payload_bytes", train::payload_bytes_of(flat_->numel(), diloco_.wire)}, {"workers", world()}});
+    session_->run_dir().append_metrics(outer_steps_->record(*c, epoch(), world()));
     return true;
   }
   bool diloco() const { return outer_steps_ != nullptr; }
@@ -526,15 +519,7 @@ class Core {
     }
     if (auto rs = rule().summary(); !rs.empty()) s["communication"] = rs;
     s["sync"] = outer_steps_ ? "diloco" : "step";
-    if (outer_steps_) {
-      const auto& o = *outer_steps_;
-      s["outer_steps"] = state_.step;
-      s["inner_steps"] = o.inner_steps_total;
-      s["outer_steps_redone"] = o.outer_redone;
-      s["outer_steps_stopped_early"] = o.stopped_early;
-      s["compute_utilisation"] = o.wall_seconds > 0 ? o.compute_seconds / o.wall_seconds : 0.0;
-      s["pseudo_gradient_bytes"] = o.payload_bytes;
-    }
+    if (outer_steps_) s.update(outer_steps_->summary());
     nlohmann::json eval = {{"kind", "eval"}, {"step", state_.step}, {"epoch", epoch()}, {"train_seconds", train_seconds_}};
     for (const auto& [k, v] : fields) {
       const std::string key = py::str(k).cast<std::string>();

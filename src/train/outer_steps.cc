@@ -24,17 +24,10 @@ bool OuterSteps::agree_on_redo() {
     redo_ = true;
   } else if (any.item<double>() > 0) {
     // Others redo an outer step: this member takes part with no samples.
-    plan_step_ = s_.state().step;
-    plan_rank_ = -1;
-    inner_done_ = true;
+    start_work(-1, /*done=*/true);
     redo_ = true;
-    consumed_ = 0;
-    loss_sum_ = 0;
-    inner_steps_ = 0;
-    inner_compute_ = inner_wall_ = 0;
     delta_ = torch::zeros_like(flat_.data());
     local_buffers_.clear();
-    began_ = Clock::now();
   }
   return any.item<double>() > 0;
 }
@@ -42,16 +35,50 @@ bool OuterSteps::agree_on_redo() {
 void OuterSteps::plan_new() {
   const auto& st = s_.state();
   plan_ = plan_outer(st.cursor, st.owed, opt_.samples, opt_.batch * opt_.diloco.inner_steps, s_.world());
-  plan_step_ = st.step;
-  plan_rank_ = s_.rank();
-  inner_done_ = false;
+  start_work(s_.rank(), /*done=*/false);
   redo_ = false;
+  global_ = flat_.data().clone();
+}
+
+void OuterSteps::start_work(int plan_rank, bool done) {
+  plan_step_ = s_.state().step;
+  plan_rank_ = plan_rank;
+  inner_done_ = done;
   consumed_ = 0;
   loss_sum_ = 0;
   inner_steps_ = 0;
   inner_compute_ = inner_wall_ = 0;
   began_ = Clock::now();
-  global_ = flat_.data().clone();
+}
+
+nlohmann::json OuterSteps::record(const Committed& c, double epoch, int workers) const {
+  return {{"kind", "outer"},
+          {"step", s_.state().step},
+          {"epoch", epoch},
+          {"samples", c.res.global_batch},
+          {"loss", c.res.loss},
+          {"skipped", c.res.skipped},
+          {"inner_steps", c.inner_steps},
+          {"owed", range_total(s_.state().owed)},
+          {"pseudo_gradient_norm", c.delta_norm},
+          {"compute_seconds", c.compute_seconds},
+          {"wall_seconds", c.wall_seconds},
+          {"sync_seconds", c.sync_seconds},
+          {"compute_utilisation", c.wall_seconds > 0 ? c.compute_seconds / c.wall_seconds : 0.0},
+          {"payload_bytes", payload_bytes_of(flat_.numel(), opt_.diloco.wire)},
+          {"workers", workers}};
+}
+
+nlohmann::json OuterSteps::summary() const {
+  return {{"outer_steps", s_.state().step},
+          {"inner_steps", inner_steps_total},
+          {"inner_steps_skipped", inner_skipped},
+          {"outer_steps_redone", outer_redone},
+          {"outer_steps_stopped_early", stopped_early},
+          {"compute_utilisation", wall_seconds > 0 ? compute_seconds / wall_seconds : 0.0},
+          {"compute_seconds", compute_seconds},
+          {"outer_sync_seconds", sync_seconds},
+          {"pseudo_gradient_bytes", payload_bytes}};
 }
 
 std::optional<OuterSteps::Work> OuterSteps::begin() {

@@ -24,6 +24,7 @@
 // failure anywhere re-forms the group and begin() is called again.
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <functional>
@@ -88,6 +89,11 @@ class OuterSteps {
   std::optional<Committed> finish(const std::function<void(bool redo)>& before_all_reduce = {});
 
   const std::vector<int64_t>& epoch_order(int64_t epoch) { return sampler_.epoch_order(epoch); }
+  // The metrics record of a committed outer step (kind "outer"), at
+  // `epoch` with `workers` members, and the run's figures for summary.json:
+  // the same fields from every front end.
+  nlohmann::json record(const Committed& c, double epoch, int workers) const;
+  nlohmann::json summary() const;
   // This member's rank in the outer step's plan (-1: no share).
   int plan_rank() const { return plan_rank_; }
   bool redo() const { return redo_; }
@@ -101,6 +107,9 @@ class OuterSteps {
   // After a (re)formation: whether some member redoes an outer step.
   bool agree_on_redo();
   void plan_new();
+  // Work of the current committed step as plan rank `plan_rank`, its inner
+  // steps `done` already (a member with no share) or still to run.
+  void start_work(int plan_rank, bool done);
 
   Session& s_;
   optim::FlatParams& flat_;

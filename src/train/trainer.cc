@@ -402,18 +402,7 @@ nlohmann::json Trainer::summary(Run& r) {
     s["compute_seconds"] = r.compute_seconds;
     s["compute_utilisation"] = r.train_seconds > 0 ? r.compute_seconds / r.train_seconds : 0.0;
   }
-  if (outer_steps_) {
-    const auto& o = *outer_steps_;
-    s["outer_steps"] = state_.step;
-    s["inner_steps"] = o.inner_steps_total;
-    s["inner_steps_skipped"] = o.inner_skipped;
-    s["outer_steps_redone"] = o.outer_redone;
-    s["outer_steps_stopped_early"] = o.stopped_early;
-    s["compute_utilisation"] = o.wall_seconds > 0 ? o.compute_seconds / o.wall_seconds : 0.0;
-    s["compute_seconds"] = o.compute_seconds;
-    s["outer_sync_seconds"] = o.sync_seconds;
-    s["pseudo_gradient_bytes"] = o.payload_bytes;
-  }
+  if (outer_steps_) s.update(outer_steps_->summary());
   if (auto rs = rule_->summary(); !rs.empty()) s["communication"] = rs;
   if (r.elastic) {
     s["membership_changes"] = r.s.membership_changes();

@@ -167,7 +167,6 @@ class Trainer {
   // DiLoCo (trainer_diloco.cc): one outer step, its inner steps and the
   // outer all-reduce; false when it did not commit (the group re-formed).
   bool outer_step(Run& r);
-  void outer_record(Run& r, const OuterSteps::Committed& c);
   void diloco_state_hooks(SessionParts& parts);
   void log_step(Run& r);
   void after_epoch_and_step(Run& r);

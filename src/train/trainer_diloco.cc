@@ -97,32 +97,13 @@ bool Trainer::outer_step(Run& r) {
     for (int64_t pos : c->settled.committed) ids.push_back(order[pos]);
     log_committed_ids(cfg_.run_dir, state_.step, c->epoch, ids);
   }
-  outer_record(r, *c);
+  r.run_dir.append_metrics(o.record(*c, r.epoch_now(state_.cursor), r.s.world()));
   r.samples_this_run += r.res.global_batch;
   r.last_loss = r.res.loss;
   r.window.add(r.res.loss, r.res.global_batch);
   r.train_seconds += c->wall_seconds;
   r.compute_seconds += c->compute_seconds;
   return true;
-}
-
-// A record per outer step: what this member did and what the step cost it.
-void Trainer::outer_record(Run& r, const OuterSteps::Committed& c) {
-  r.run_dir.append_metrics({{"kind", "outer"},
-                            {"step", state_.step},
-                            {"epoch", r.epoch_now(state_.cursor)},
-                            {"samples", c.res.global_batch},
-                            {"loss", c.res.loss},
-                            {"skipped", c.res.skipped},
-                            {"inner_steps", c.inner_steps},
-                            {"owed", range_total(state_.owed)},
-                            {"pseudo_gradient_norm", c.delta_norm},
-                            {"compute_seconds", c.compute_seconds},
-                            {"wall_seconds", c.wall_seconds},
-                            {"sync_seconds", c.sync_seconds},
-                            {"compute_utilisation", c.wall_seconds > 0 ? c.compute_seconds / c.wall_seconds : 0.0},
-                            {"payload_bytes", payload_bytes_of(flat_->numel(), cfg_.diloco.wire)},
-                            {"workers", r.s.world()}});
 }
 
 }  // namespace limbo::train
