@@ -70,6 +70,8 @@ TEST(SlowLink, DilocoSendsAFractionOfTheBytesOverShapedLinksAndLosesNoSample) {
   }
   std::printf("bytes a sample: step %.0f, diloco %.0f, diloco int8 %.0f\n", per_sample[0], per_sample[1], per_sample[2]);
   EXPECT_LT(per_sample[1], per_sample[0] / 6) << per_sample[0] << " " << per_sample[1];
+  // Measured: 67,940, 3,801 and 1,115 bytes a sample, the same in two runs
+  // (the counts follow the samples, not the timing): 17.9x and 3.4x.
   EXPECT_LT(per_sample[2], per_sample[1] / 2.5) << per_sample[1] << " " << per_sample[2];
 }
 

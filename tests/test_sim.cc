@@ -235,7 +235,8 @@ TEST(ElasticSim, DilocoMembersFollowTheSchedule) {
     if (j["epoch"].get<double>() < 0.99) EXPECT_EQ(j["samples"].get<int64_t>(), 80 * j["workers"].get<int64_t>());
   }
   EXPECT_EQ(workers, (std::set<int64_t>{1, 3}));
-  EXPECT_LT(s["test_loss"].get<double>(), 1.0);
+  // It learns: 2.30 untrained, 0.96 measured here (one epoch, one seed).
+  EXPECT_LT(s["test_loss"].get<double>(), 1.5);
 }
 
 TEST(ElasticSim, LearningRateFollowsTheBatchPolicy) {
