@@ -89,6 +89,10 @@ TEST(SlowLink, DilocoLosesAHostInItsInnerStepsAndDealsItsSamplesAgain) {
   job.train_extra = {"--set", "elastic.sync=\"diloco\"", "--set", "diloco.inner_steps=10", "--set", "diloco.max_wait=0"};
   job.host_train_extra[1] = {"--set", "train.testing_die_at_step=3", "--set", "train.testing_die_rank=2",
                              "--set", "train.testing_die_with_host=true"};
+  // Training starts once host B's worker has joined: the whole job is 9
+  // outer steps (2 s), and a joiner that came after outer step 3 would never
+  // die (found in CI).
+  job.host_extra[0] = {"--start-workers", "3"};
   ASSERT_TRUE(job.start_two_hosts());
   job.wait_all(300, {1});
   EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();

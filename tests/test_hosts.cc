@@ -244,11 +244,15 @@ TEST(JobSecret, RogueClientsAreRefusedAndLoggedWhileTheJobTrains) {
   const std::string token = d.file("job.token"), log = d.file("launch.log"), run = d.file("run");
   std::ofstream(token) << "s3cret-of-this-job-0123456789abcdef\n";
   ::chmod(token.c_str(), 0600);
+  // Paced at 30 ms a step (11 s of training): the rogue clients, a worker
+  // process among them that loads libtorch first, must reach the store
+  // while the job trains, also on a loaded machine (at 10 ms, 4 s, one CI
+  // run failed here).
   pid_t launcher = limbo::testing::spawn_limbo(
       {"launch", "--nproc", "2", "--min-workers", "2", "--token-file", token, "--run-dir", run, "--",
        "--set", "model.name=mlp", "--set", "model.width=64", "--set", "data.train_limit=3000",
        "--set", "data.test_limit=300", "--set", "data.batch_size=16", "--set", "train.epochs=4",
-       "--set", "train.threads=1", "--set", "train.progress=false", "--set", "train.slow_step_ms=10",
+       "--set", "train.threads=1", "--set", "train.progress=false", "--set", "train.slow_step_ms=30",
        "--set", "train.sample_log=true"},
       log);
   limbo::testing::KillOnExit guard{{launcher}};
@@ -257,8 +261,8 @@ TEST(JobSecret, RogueClientsAreRefusedAndLoggedWhileTheJobTrains) {
   const std::string text = slurp(log);
   ASSERT_TRUE(std::regex_search(text, m, std::regex("store at 127.0.0.1:([0-9]+)"))) << text;
   const int port = std::stoi(m[1]);
-  EXPECT_THROW(limbo::comm::StoreClient("127.0.0.1", port, 2s), limbo::InvalidInput);
-  EXPECT_THROW(limbo::comm::StoreClient("127.0.0.1", port, 2s, "a wrong secret of 32 bytes......"),
+  EXPECT_THROW(limbo::comm::StoreClient("127.0.0.1", port, 10s), limbo::InvalidInput);
+  EXPECT_THROW(limbo::comm::StoreClient("127.0.0.1", port, 10s, "a wrong secret of 32 bytes......"),
                limbo::InvalidInput);
   int raw = limbo::testing::connect_loopback(port);
   const std::string junk = "\x10\x00\x00\x00\x01garbage-garbage";
