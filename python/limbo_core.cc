@@ -244,7 +244,7 @@ class Core {
       oo.samples = dataset_size_;
       oo.order = data::parse_order(get<std::string>(o, "order", "shuffle"));
       oo.seed = get<uint64_t>(o, "seed", 1);
-      outer_steps_ = std::make_unique<train::OuterSteps>(*session_, *flat_, rule, oo);
+      outer_steps_ = std::make_unique<train::OuterSteps>(*session_, *flat_, rule, outer_, oo);
     }
     if (!rdzv.empty() && !elastic) static_rank_ = rank;
   }

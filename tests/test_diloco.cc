@@ -338,7 +338,11 @@ TEST(Diloco, SettingsItCannotHonourAreRefused) {
       {{"--set", "data.drop_last=true"}, "set data.drop_last = false"},
       {{"--set", "diloco.outer_momentum=0"}, "diloco.nesterov = true needs diloco.outer_momentum > 0"},
       {{"--set", "diloco.inner_steps=0"}, "diloco.inner_steps"},
-      {{"--set", "elastic.sync=\"local\""}, "elastic.sync"}};
+      {{"--set", "elastic.sync=\"local\""}, "elastic.sync"},
+      {{"--set", "diloco.fragments=3"}, "must be a multiple of diloco.fragments"},
+      {{"--set", "diloco.fragments=2", "--set", "diloco.overlap_steps=5"}, "must be below the 5 inner steps"},
+      {{"--set", "diloco.fragments=10"}, "more than the model's 6 trainable parameter tensors"},
+      {{"--set", "diloco.fragments=2", "--set", "model.name=\"resnet20\""}, "has buffers"}};
   for (const auto& [extra, want] : cases) {
     std::vector<std::string> a = {"train"};
     auto t = job_args(d.file("bad"), 1);
@@ -349,4 +353,103 @@ TEST(Diloco, SettingsItCannotHonourAreRefused) {
     EXPECT_NE(r.output.find(want), std::string::npos) << r.output;
     EXPECT_FALSE(limbo::file_exists(d.file("bad") + "/checkpoint.pt"));
   }
+}
+
+// Streaming DiLoCo (diloco.fragments = 2, one synced every 5 inner steps,
+// the next unit's first 2 inner steps overlapping each sync, mixing 0.5):
+// the fragments sync in turn, each member ends with the same global
+// weights, every sample once an epoch, and a sync moves one fragment.
+std::vector<std::string> streaming_args() {
+  return {"--set", "diloco.fragments=2", "--set", "diloco.overlap_steps=2", "--set", "diloco.mixing=0.5"};
+}
+
+TEST(StreamingDiloco, FragmentsSyncInTurnOverlappedAndMembersEndIdentical) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const auto run = run_job(d, "run", 2, 2, streaming_args());
+  const auto s = summary(run);
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.65) << s.dump();
+  limbo::testing::expect_exactly_once(run, 2, kSamples);
+  limbo::testing::expect_identical_finals(run, 2);
+  // 3000 samples in units of 2 x 5 x 8 = 80: 38 an epoch.
+  EXPECT_EQ(s["outer_steps"].get<int64_t>(), 76);
+  EXPECT_EQ(s["fragments"].get<int64_t>(), 2);
+  EXPECT_GT(s["inner_steps_overlapped"].get<int64_t>(), 0);
+  EXPECT_EQ(s["inner_steps_undone"].get<int64_t>(), 0);
+  const auto outer = records(run, "outer");
+  ASSERT_EQ(outer.size(), 76u);
+  const int64_t n = s["trainable_parameters"].get<int64_t>();
+  for (size_t i = 0; i + 1 < outer.size(); i += 2) {
+    EXPECT_EQ(outer[i]["fragment"].get<int>(), 0);
+    EXPECT_EQ(outer[i + 1]["fragment"].get<int>(), 1);
+    const int64_t a = outer[i]["payload_bytes"].get<int64_t>(), b = outer[i + 1]["payload_bytes"].get<int64_t>();
+    EXPECT_GT(a, 0);
+    EXPECT_GT(b, 0);
+    EXPECT_EQ(a + b, 4 * n);  // the two fragments make the model
+  }
+}
+
+// Streaming with a member killed halfway through its inner steps, or as the
+// others start the overlapped all-reduce of a fragment (they are running
+// the next unit's first inner steps by then): the survivors undo what they
+// ran ahead (weights and inner optimizer as before), redo the sync without
+// it, deal its samples again, and both runs end bit for bit the same.
+TEST(StreamingDiloco, AMemberLostInItsInnerStepsOrDuringTheOverlappedSyncIsDroppedAndItsSamplesDealtAgain) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  auto die = streaming_args();
+  die.insert(die.end(), {"--set", "train.testing_die_at_step=5"});
+  auto outer = die;
+  outer.insert(outer.end(), {"--set", "train.testing_die_in_outer=true"});
+  const auto a = run_job(d, "inner", 3, 2, die);
+  const auto b = run_job(d, "outer", 3, 2, outer);
+  for (const auto& run : {a, b}) {
+    SCOPED_TRACE(run);
+    limbo::testing::expect_exactly_once(run, 2, kSamples);
+    limbo::testing::expect_identical_finals(run, 2);
+    const auto s = summary(run);
+    EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+    EXPECT_GE(s["outer_steps_redone"].get<int64_t>(), 1);
+    // Unit 6 committed the survivors' 2 x 40 samples; the lost member's
+    // 40 were owed, then dealt in unit 7.
+    const auto rec = records(run, "outer");
+    ASSERT_GE(rec.size(), 7u);
+    EXPECT_EQ(rec[5]["step"].get<int64_t>(), 6);
+    EXPECT_EQ(rec[5]["samples"].get<int64_t>(), 80);
+    EXPECT_EQ(rec[5]["owed"].get<int64_t>(), 40);
+    EXPECT_EQ(rec[6]["owed"].get<int64_t>(), 0);
+  }
+  EXPECT_GE(summary(b)["inner_steps_undone"].get<int64_t>(), 1);
+  EXPECT_EQ(summary(a)["inner_steps_undone"].get<int64_t>(), 0);
+  EXPECT_EQ(final_fingerprint(a), final_fingerprint(b));
+  EXPECT_FALSE(final_fingerprint(a).empty());
+}
+
+// A joiner in streaming DiLoCo takes the global weights and outer state,
+// starts its local weights from them, and every sample is used once.
+TEST(StreamingDiloco, AJoinerTakesTheGlobalWeightsAndGoesOn) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  auto extra = streaming_args();
+  extra.insert(extra.end(), {"--set", "train.slow_step_ms=20", "--set", "train.testing_pace_until_workers=2"});
+  const auto run = run_job(d, "run", 2, 2, extra, {"--elastic-schedule", "0:1,0.3:2"});
+  const auto s = summary(run);
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_GE(s["membership_changes"].get<int64_t>(), 1);
+  limbo::testing::expect_exactly_once(run, 2, kSamples);
+  limbo::testing::expect_identical_finals(run, 2);
+}
+
+// Streaming's outer update steps a fragment at a time on every member:
+// sharded outer state is refused, by name.
+TEST(StreamingDiloco, ShardedOuterStateIsRefused) {
+  TempDir d;
+  // Refused before it joins (no store answers at this address).
+  std::vector<std::string> a = {"train", "--elastic", "--dist-rdzv", "127.0.0.1:1"};
+  auto t = job_args(d.file("bad"), 1);
+  a.insert(a.end(), t.begin(), t.end());
+  a.insert(a.end(), {"--set", "diloco.fragments=2", "--set", "optim.shard_state=true"});
+  auto r = limbo::testing::run_limbo(a);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("not built for streaming DiLoCo"), std::string::npos) << r.output;
 }

@@ -182,6 +182,15 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(F("diloco.max_wait", 1.0, 0.0, 1000.0,
              "diloco: a member stops its inner steps after (1 + max_wait) x the fastest member's time for a "
              "whole share in the previous outer step; the rest of its share is dealt again (0: no bound)"));
+    s->add(I("diloco.fragments", 1, 1, std::nullopt,
+             "diloco: streaming DiLoCo's fragments F (cut on parameter boundaries): one fragment is synchronised "
+             "every inner_steps / F inner steps, in turn (1: plain DiLoCo)"));
+    s->add(F("diloco.mixing", 0.0, 0.0, 1.0,
+             "diloco, streaming: after a fragment's sync the local fragment becomes mixing x local + "
+             "(1 - mixing) x global (0: the global fragment)"));
+    s->add(I("diloco.overlap_steps", 0, 0, std::nullopt,
+             "diloco, streaming: inner steps of the next unit that run while a fragment's all-reduce is on "
+             "the wire (0: wait for it)"));
     s->add(B("elastic.direct_allreduce", true,
              "gradient all-reduce on a raw Gloo context on the training thread (false: through "
              "c10d's ProcessGroupGloo worker thread, in 8 MiB buckets)"));
@@ -469,6 +478,9 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.diloco.outer_momentum = c.get_float("diloco.outer_momentum");
   t.diloco.nesterov = c.get_bool("diloco.nesterov");
   t.diloco.max_wait = c.get_float("diloco.max_wait");
+  t.diloco.fragments = c.get_int("diloco.fragments");
+  t.diloco.mixing = c.get_float("diloco.mixing");
+  t.diloco.overlap_steps = c.get_int("diloco.overlap_steps");
   t.diloco.wire = c.get_string("comm.compression");
 
   t.threads.intra_op = static_cast<int>(c.get_int("train.threads"));

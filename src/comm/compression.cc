@@ -7,6 +7,7 @@
 #include <immintrin.h>
 #endif
 
+#include "comm/collective.h"
 #include "common/error.h"
 #include "common/half.h"
 
@@ -149,6 +150,36 @@ void Compressor::commit() {
   spare_ = std::move(residual_);
   residual_ = std::move(pending_);
   pending_ = torch::Tensor();
+}
+
+void gather_codes_and_sum(Collective& g, const uint8_t* mine, int64_t q, torch::Tensor& gathered, float* out,
+                          int64_t n, int bits) {
+  const int W = g.size();
+  if (!gathered.defined() || gathered.numel() != W * q) gathered = torch::empty({W * q}, torch::kUInt8);
+  uint8_t* all = gathered.data_ptr<uint8_t>();
+  std::memcpy(all + g.rank() * q, mine, static_cast<size_t>(q));
+  std::vector<int64_t> bounds;
+  for (int r = 0; r <= W; ++r) bounds.push_back(r * q);
+  g.all_gather(gathered, bounds);
+  std::fill(out, out + n, 0.0f);
+  for (int r = 0; r < W; ++r) dequantize_add(all + r * q, out, n, bits);
+}
+
+void sum_encoded(Collective& g, torch::Tensor& t, Compressor* enc) {
+  torch::NoGradGuard no_grad;
+  if (!t.is_contiguous() || t.scalar_type() != torch::kFloat32)
+    throw InvalidInput("sum_encoded takes a contiguous float32 tensor");
+  const Compression kind = enc ? enc->kind() : Compression::None;
+  if (kind == Compression::None) return g.allreduce_sum(t);
+  torch::Tensor wire = enc->encode(t);
+  if (is_16bit(kind)) {
+    g.allreduce_sum_16(wire);
+    t.copy_(wire.to(torch::kFloat32).view(t.sizes()));
+    return;
+  }
+  torch::Tensor gathered;
+  gather_codes_and_sum(g, wire.data_ptr<uint8_t>(), wire.numel(), gathered, t.data_ptr<float>(), t.numel(),
+                       kind == Compression::Int8 ? 8 : 4);
 }
 
 }  // namespace limbo::comm

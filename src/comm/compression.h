@@ -23,6 +23,8 @@
 
 namespace limbo::comm {
 
+class Collective;
+
 enum class Compression { None, Fp16, Bf16, Int8, Int4 };
 Compression parse_compression(const std::string& s);  // InvalidInput on anything else
 const char* compression_name(Compression c);
@@ -65,5 +67,19 @@ class Compressor {
   Compression kind_;
   torch::Tensor residual_, pending_, spare_;  // spare_: the residual before last, reused
 };
+
+// Every member's `q` bytes of codes (`mine`, this member's) all-gathered
+// into `gathered` (resized to W x q bytes as needed), then decoded and
+// added in rank order into out[0, n) (overwritten): every member gets the
+// same bits.
+void gather_codes_and_sum(Collective& g, const uint8_t* mine, int64_t q, torch::Tensor& gathered, float* out,
+                          int64_t n, int bits);
+
+// The sum of float32 `t` across the members of `g`, in place, with this
+// member's part on the wire as `enc` encodes it (null, or a Compression::None
+// encoder: float32; 16 bits: summed pairwise in float32; int8 / int4: codes
+// gathered and summed by gather_codes_and_sum). The encoder's new residual
+// is pending until its commit(). DiLoCo's fragment all-reduce.
+void sum_encoded(Collective& g, torch::Tensor& t, Compressor* enc);
 
 }  // namespace limbo::comm

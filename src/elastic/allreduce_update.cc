@@ -18,6 +18,7 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
       flat_(flat),
       reducer_(flat, opt.bucket_bytes, opt.overlap, opt.compression, opt.shard_state),
       loss_buf_(torch::zeros({1}, torch::kFloat64)),
+      compression_(opt.compression),
       shard_(opt.shard_state),
       home_prefix_(opt.home_prefix),
       stats_(torch::zeros({2}, torch::kFloat32)) {
@@ -263,6 +264,17 @@ double AllReduceUpdate::reduce(torch::Tensor* grad, double loss) {
   loss_buf_.fill_(loss * share);
   group_->allreduce_sum(loss_buf_);
   return loss_buf_.item<double>();
+}
+
+void AllReduceUpdate::sum(torch::Tensor& t, int key) {
+  auto& enc = sum_encoders_[key];
+  if (!enc && compression_ != comm::Compression::None) enc = std::make_unique<comm::Compressor>(compression_);
+  comm::sum_encoded(*group_, t, enc.get());
+}
+
+void AllReduceUpdate::sum_committed(int key) {
+  const auto it = sum_encoders_.find(key);
+  if (it != sum_encoders_.end() && it->second) it->second->commit();
 }
 
 void AllReduceUpdate::backward_starts(train::StepContext& ctx) {

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,6 +62,10 @@ class AllReduceUpdate : public train::UpdateRule {
   train::StepResult apply(train::StepContext& ctx) override;
   double reduce(torch::Tensor* grad, double loss) override;
   void agree_max(torch::Tensor& t) override { group_->allreduce_max(t); }
+  void sum(torch::Tensor& t, int key) override;
+  void sum_committed(int key) override;
+  double change_flag() override { return flag_source_ ? flag_source_() : 0.0; }
+  void set_agreed_flag(double sum) override { flag_sum_ = sum; }
   const char* name() const override { return "allreduce"; }
   // Buckets, how many overlapped backward, the exposed communication.
   nlohmann::json summary() const override;
@@ -138,6 +143,8 @@ class AllReduceUpdate : public train::UpdateRule {
   double share_ = 1.0;  // this member's fraction of the last global batch
   std::function<double()> flag_source_;
   double flag_sum_ = 0;
+  comm::Compression compression_;
+  std::map<int, std::unique_ptr<comm::Compressor>> sum_encoders_;  // sum()'s, by key
 
   train::StepResult apply_shard(train::StepContext& ctx, double global_loss);
   void ensure_home(int64_t step);

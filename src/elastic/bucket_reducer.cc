@@ -181,17 +181,9 @@ void BucketReducer::run(size_t op) {
   if (comm::is_quantized(compression_) && op < buckets_.size()) {
     // Every member's codes to everyone, then decoded and added in rank
     // order into the bucket (plain loops: no torch operation here).
-    const int W = group_->size();
-    const int64_t q = wire_[op].numel(), n = views_[op].numel();
-    uint8_t* all = gathered_[op].data_ptr<uint8_t>();
-    std::memcpy(all + group_->rank() * q, wire_[op].data_ptr<uint8_t>(), static_cast<size_t>(q));
-    std::vector<int64_t> bounds;
-    for (int r = 0; r <= W; ++r) bounds.push_back(r * q);
-    group_->all_gather(gathered_[op], bounds);
-    float* out = views_[op].data_ptr<float>();
-    std::fill(out, out + n, 0.0f);
-    const int bits = compression_ == comm::Compression::Int8 ? 8 : 4;
-    for (int r = 0; r < W; ++r) comm::dequantize_add(all + r * q, out, n, bits);
+    comm::gather_codes_and_sum(*group_, wire_[op].data_ptr<uint8_t>(), wire_[op].numel(), gathered_[op],
+                               views_[op].data_ptr<float>(), views_[op].numel(),
+                               compression_ == comm::Compression::Int8 ? 8 : 4);
     return;
   }
   if (views_[op].numel() == 0) return;

@@ -18,6 +18,7 @@
 // exactly once.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -39,6 +40,21 @@ struct DilocoOptions {
   double max_wait = 1.0;
   // comm.compression, for the records' payload bytes.
   std::string wire = "none";
+  // Streaming DiLoCo: the model's parameters in F contiguous fragments (cut
+  // on parameter boundaries); every H / F inner steps one fragment is
+  // synchronised, in turn, so each fragment still syncs every H inner steps
+  // and a sync moves 1 / F of the model. 1: plain DiLoCo.
+  int64_t fragments = 1;
+  // The mixing factor alpha: after a fragment's sync the member's local
+  // fragment becomes alpha x local + (1 - alpha) x global (0: the global
+  // fragment, as plain DiLoCo takes the global weights).
+  double mixing = 0.0;
+  // Inner steps each sync overlaps: the fragment's all-reduce runs while
+  // the next unit's first overlap_steps inner steps run, and is mixed in
+  // after them (0: the members wait for it).
+  int64_t overlap_steps = 0;
+  // Inner steps between two syncs (H with one fragment).
+  int64_t unit_steps() const { return inner_steps / std::max<int64_t>(fragments, 1); }
 };
 
 // Positions [lo, hi) of an epoch's order.

@@ -1,6 +1,9 @@
 #include "train/outer_steps.h"
 
 #include <algorithm>
+#include <cmath>
+#include <exception>
+#include <thread>
 #include <string>
 
 #include "common/error.h"
@@ -8,12 +11,59 @@
 
 namespace limbo::train {
 
-OuterSteps::OuterSteps(Session& session, optim::FlatParams& flat, std::shared_ptr<UpdateRule> rule, Options opt)
-    : s_(session), flat_(flat), rule_(std::move(rule)), opt_(std::move(opt)), sampler_(opt_.samples, opt_.order, opt_.seed) {}
+namespace {
+
+// F contiguous fragments of the flat parameters, cut on parameter
+// boundaries near multiples of numel / F.
+std::vector<std::pair<int64_t, int64_t>> cut_fragments(const optim::FlatParams& flat, int64_t F) {
+  const auto& e = flat.entries();
+  const int64_t n = flat.numel();
+  if (F <= 1 || n == 0) return {{0, n}};
+  if (F > static_cast<int64_t>(e.size()))
+    throw InvalidInput("diloco.fragments = " + std::to_string(F) + " is more than the model's " +
+                       std::to_string(e.size()) + " trainable parameter tensors (fragments are cut on their "
+                       "boundaries)");
+  std::vector<std::pair<int64_t, int64_t>> out;
+  int64_t lo = 0;
+  for (size_t i = 0; i < e.size(); ++i) {
+    const int64_t end = e[i].offset + e[i].numel;
+    const int64_t left_fragments = F - static_cast<int64_t>(out.size()) - 1;  // after this one
+    const int64_t left_entries = static_cast<int64_t>(e.size() - i - 1);
+    const int64_t target = n * static_cast<int64_t>(out.size() + 1) / F;
+    if (left_fragments > 0 && (end >= target || left_entries == left_fragments)) {
+      out.emplace_back(lo, end);
+      lo = end;
+    }
+  }
+  out.emplace_back(lo, n);
+  return out;
+}
+
+}  // namespace
+
+OuterSteps::OuterSteps(Session& session, optim::FlatParams& flat, std::shared_ptr<UpdateRule> rule,
+                       std::shared_ptr<OptimizerStep> outer, Options opt)
+    : s_(session),
+      flat_(flat),
+      rule_(std::move(rule)),
+      outer_(std::move(outer)),
+      opt_(std::move(opt)),
+      sampler_(opt_.samples, opt_.order, opt_.seed) {
+  fragments_ = cut_fragments(flat_, opt_.diloco.fragments);
+  since_sync_.assign(fragments_.size(), 0);
+  if (streaming() && !outer_) throw Error("internal: streaming DiLoCo without its outer optimizer");
+}
 
 bool OuterSteps::agree_on_redo() {
   const bool pending = inner_done_ && plan_step_ == s_.state().step;
   if (!pending) {  // none, or stale: its step committed elsewhere, or the state fell back
+    if (inner_done_ && streaming()) {
+      // Its local weights hold work the group committed without it: they
+      // start again from the global ones.
+      if (ahead_) undo_ahead();
+      local_ = torch::Tensor();
+      since_sync_.assign(fragments_.size(), 0);
+    }
     inner_done_ = false;
     plan_step_ = -1;
   }
@@ -26,7 +76,7 @@ bool OuterSteps::agree_on_redo() {
     // Others redo an outer step: this member takes part with no samples.
     start_work(-1, /*done=*/true);
     redo_ = true;
-    delta_ = torch::zeros_like(flat_.data());
+    delta_ = torch::Tensor();  // none: zeros of what is synced (finish)
     local_buffers_.clear();
   }
   return any.item<double>() > 0;
@@ -34,7 +84,7 @@ bool OuterSteps::agree_on_redo() {
 
 void OuterSteps::plan_new() {
   const auto& st = s_.state();
-  plan_ = plan_outer(st.cursor, st.owed, opt_.samples, opt_.batch * opt_.diloco.inner_steps, s_.world());
+  plan_ = plan_outer(st.cursor, st.owed, opt_.samples, opt_.batch * opt_.diloco.unit_steps(), s_.world());
   start_work(s_.rank(), /*done=*/false);
   redo_ = false;
   global_ = flat_.data().clone();
@@ -65,7 +115,8 @@ nlohmann::json OuterSteps::record(const Committed& c, double epoch, int workers)
           {"wall_seconds", c.wall_seconds},
           {"sync_seconds", c.sync_seconds},
           {"compute_utilisation", c.wall_seconds > 0 ? c.compute_seconds / c.wall_seconds : 0.0},
-          {"payload_bytes", payload_bytes_of(flat_.numel(), opt_.diloco.wire)},
+          {"payload_bytes", c.payload_bytes},
+          {"fragment", c.fragment},
           {"workers", workers}};
 }
 
@@ -78,7 +129,10 @@ nlohmann::json OuterSteps::summary() const {
           {"compute_utilisation", wall_seconds > 0 ? compute_seconds / wall_seconds : 0.0},
           {"compute_seconds", compute_seconds},
           {"outer_sync_seconds", sync_seconds},
-          {"pseudo_gradient_bytes", payload_bytes}};
+          {"pseudo_gradient_bytes", payload_bytes},
+          {"fragments", static_cast<int64_t>(fragments_.size())},
+          {"inner_steps_overlapped", overlapped_steps},
+          {"inner_steps_undone", ahead_undone}};
 }
 
 std::optional<OuterSteps::Work> OuterSteps::begin() {
@@ -101,23 +155,62 @@ std::optional<OuterSteps::Work> OuterSteps::begin() {
   // max_wait times that again (docs/diloco.md).
   bound_ = opt_.diloco.max_wait > 0 && fastest_per_sample_ > 0
                ? (1 + opt_.diloco.max_wait) * fastest_per_sample_ *
-                     static_cast<double>(opt_.batch * opt_.diloco.inner_steps)
+                     static_cast<double>(opt_.batch * opt_.diloco.unit_steps())
                : -1;
   inner_start_ = Clock::now();
-  w.epoch = plan_.epoch;
-  const auto& order = sampler_.epoch_order(plan_.epoch);
-  const int64_t lo = plan_.offsets[plan_rank_], hi = plan_.offsets[plan_rank_ + 1];
-  for (int64_t at = lo; at < hi; at += opt_.batch) {
+  w = work_of(plan_, plan_rank_, 0);
+  if (ahead_) {
+    // Inner steps run ahead of the last sync count only when this is the
+    // unit they were planned as.
+    const Ahead& a = *ahead_;
+    if (a.step == s_.state().step && a.rank == plan_rank_ && a.plan.world == plan_.world &&
+        a.plan.positions == plan_.positions && a.plan.offsets == plan_.offsets) {
+      consumed_ = a.consumed;
+      loss_sum_ = a.loss_sum;
+      inner_steps_ = a.inner_steps;
+      inner_skipped += a.skipped;
+      inner_start_ -= std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(a.wall));
+      const int64_t k = std::min<int64_t>(a.batches, static_cast<int64_t>(w.batches.size()));
+      w.batches.erase(w.batches.begin(), w.batches.begin() + k);
+      w.first = k;
+    } else {
+      undo_ahead();
+    }
+    ahead_.reset();
+  }
+  if (streaming()) swap_in_local();
+  return w;
+}
+
+OuterSteps::Work OuterSteps::work_of(const OuterPlan& plan, int p, int64_t from) const {
+  Work w;
+  w.epoch = plan.epoch;
+  w.first = from;
+  const auto& order = const_cast<data::Sampler&>(sampler_).epoch_order(plan.epoch);
+  const int64_t lo = plan.offsets[p], hi = plan.offsets[p + 1];
+  for (int64_t at = lo + from * opt_.batch; at < hi; at += opt_.batch) {
     std::vector<int64_t> ids;
-    for (int64_t k = at; k < std::min(at + opt_.batch, hi); ++k) ids.push_back(order[plan_.positions[k]]);
+    for (int64_t k = at; k < std::min(at + opt_.batch, hi); ++k) ids.push_back(order[plan.positions[k]]);
     w.batches.push_back(std::move(ids));
   }
   return w;
 }
 
+void OuterSteps::swap_in_local() {
+  if (local_.defined()) flat_.data().copy_(local_);
+}
+
+void OuterSteps::undo_ahead() {
+  if (!ahead_) return;
+  local_ = ahead_->local_before;
+  if (inner_opt_) inner_opt_->restore(ahead_->inner_before);
+  ahead_undone += ahead_->inner_steps;
+  ahead_.reset();
+}
+
 bool OuterSteps::keep_going() {
   // At least one inner step a member (an outer step always has samples).
-  if (bound_ <= 0 || consumed_ == 0 || seconds_since(inner_start_) <= bound_) return true;
+  if (running_ahead_ || bound_ <= 0 || consumed_ == 0 || seconds_since(inner_start_) <= bound_) return true;
   const int64_t share = plan_rank_ >= 0 ? plan_.share(plan_rank_) : 0;
   if (consumed_ < share) {
     log_info("outer step " + std::to_string(s_.state().step + 1) + ": stopped after " + std::to_string(consumed_) +
@@ -131,14 +224,29 @@ bool OuterSteps::keep_going() {
 
 double OuterSteps::inner_epoch(int64_t i) const {
   const int64_t n = opt_.samples;
-  return static_cast<double>(plan_.epoch) +
-         static_cast<double>(std::min(s_.state().cursor.position, n) + i * opt_.batch * plan_.world) /
-             static_cast<double>(n);
+  const OuterPlan& plan = running_ahead_ ? ahead_->plan : plan_;
+  const int64_t at = running_ahead_ ? ahead_->cursor_position : s_.state().cursor.position;
+  return static_cast<double>(plan.epoch) +
+         static_cast<double>(std::min(at, n) + i * opt_.batch * plan.world) / static_cast<double>(n);
 }
 
-int64_t OuterSteps::inner_iteration(int64_t i) const { return s_.state().step * opt_.diloco.inner_steps + i; }
+int64_t OuterSteps::inner_iteration(int64_t i) const {
+  return (s_.state().step + (running_ahead_ ? 1 : 0)) * opt_.diloco.unit_steps() + i;
+}
 
 void OuterSteps::inner_step_done(int64_t samples, double loss, bool applied, double compute) {
+  if (running_ahead_) {  // the next unit's, counted when it begins as planned
+    Ahead& a = *ahead_;
+    if (applied) a.loss_sum += loss * static_cast<double>(samples);
+    else a.skipped += 1;
+    a.consumed += samples;
+    a.inner_steps += 1;
+    a.batches += 1;
+    a.compute += compute;
+    inner_compute_ += compute;  // computed during this unit's wall time
+    overlapped_steps += 1;
+    return;
+  }
   if (applied) loss_sum_ += loss * static_cast<double>(samples);
   else inner_skipped += 1;  // the samples count as seen (as a skipped step's)
   consumed_ += samples;
@@ -146,7 +254,62 @@ void OuterSteps::inner_step_done(int64_t samples, double loss, bool applied, dou
   inner_compute_ += compute;
 }
 
-std::optional<OuterSteps::Committed> OuterSteps::finish(const std::function<void(bool)>& before_all_reduce) {
+std::optional<OuterSteps::Agreed> OuterSteps::agree(double weight) {
+  // Each member's row (the others stay at their floor; the maximum takes
+  // the owner's): plan rank, samples processed, the plan's world, their
+  // loss sum, minus its seconds a sample (the maximum is the fastest), its
+  // membership-change flag, and its weight in the fragment's average.
+  const auto sync_start = Clock::now();
+  const int W = s_.world();
+  constexpr double kNone = -1e300;
+  auto rows = torch::full({W, 7}, -1.0, torch::kFloat64);
+  rows.select(1, 4).fill_(kNone);
+  {
+    auto a = rows.accessor<double, 2>();
+    const int me = s_.rank();
+    a[me][0] = plan_rank_;
+    a[me][1] = static_cast<double>(consumed_);
+    a[me][2] = plan_rank_ >= 0 ? plan_.world : -1;
+    a[me][3] = loss_sum_;
+    if (consumed_ > 0 && !redo_) a[me][4] = -inner_wall_ / static_cast<double>(consumed_);
+    a[me][5] = streaming() ? rule_->change_flag() : 0.0;
+    a[me][6] = weight;
+  }
+  try {
+    rule_->agree_max(rows);
+  } catch (const Error& e) {
+    if (!s_.elastic() || !recoverable(e)) throw;
+    log_warn("the agreement of outer step " + std::to_string(s_.state().step + 1) + " failed: " + e.what());
+    s_.reform(std::string("failure: ") + e.what(), sync_start, seconds_since(sync_start));
+    return std::nullopt;
+  }
+  Agreed g;
+  double fastest = kNone;
+  auto a = rows.accessor<double, 2>();
+  for (int m = 0; m < W; ++m) {
+    g.plan_world = std::max(g.plan_world, static_cast<int>(a[m][2]));
+    fastest = std::max(fastest, a[m][4]);
+    g.flag += std::max(0.0, a[m][5]);
+    g.weight_total += std::max(0.0, a[m][6]);
+  }
+  if (g.plan_world <= 0) throw Error("internal: an outer step that no member planned");
+  if (fastest > kNone) fastest_per_sample_ = -fastest;
+  g.consumed.assign(static_cast<size_t>(g.plan_world), 0);
+  for (int m = 0; m < W; ++m) {
+    const int p = static_cast<int>(a[m][0]);
+    if (p < 0 || p >= g.plan_world) continue;
+    g.consumed[p] = static_cast<int64_t>(a[m][1]);
+    g.total += g.consumed[p];
+    g.loss_sum += a[m][3];
+  }
+  if (g.total == 0) throw Error("internal: an outer step whose members processed no sample");
+  if (streaming()) rule_->set_agreed_flag(g.flag);
+  return g;
+}
+
+std::optional<OuterSteps::Committed> OuterSteps::finish(const std::function<void(bool)>& before_all_reduce,
+                                                        const std::function<void(const Work&)>& run_ahead) {
+  if (streaming()) return finish_fragment(before_all_reduce, run_ahead);
   const auto& st = s_.state();
   if (!inner_done_) {
     inner_wall_ = seconds_since(inner_start_);
@@ -159,54 +322,14 @@ std::optional<OuterSteps::Committed> OuterSteps::finish(const std::function<void
   } else if (!local_buffers_.empty()) {
     flat_.restore_buffers(local_buffers_);  // a redo: this member's own buffers, not the state sync's
   }
-  // The agreement: each member's row (the others stay at their floor; the
-  // maximum takes the owner's): plan rank, samples processed, the plan's
-  // world, their loss sum, and minus its seconds a sample (the maximum is
-  // the fastest).
+  if (!delta_.defined()) delta_ = torch::zeros_like(flat_.data());
   const auto sync_start = Clock::now();
-  const int W = s_.world();
-  constexpr double kNone = -1e300;
-  auto rows = torch::full({W, 5}, -1.0, torch::kFloat64);
-  rows.select(1, 4).fill_(kNone);
-  {
-    auto a = rows.accessor<double, 2>();
-    const int me = s_.rank();
-    a[me][0] = plan_rank_;
-    a[me][1] = static_cast<double>(consumed_);
-    a[me][2] = plan_rank_ >= 0 ? plan_.world : -1;
-    a[me][3] = loss_sum_;
-    if (consumed_ > 0 && !redo_) a[me][4] = -inner_wall_ / static_cast<double>(consumed_);
-  }
-  try {
-    rule_->agree_max(rows);
-  } catch (const Error& e) {
-    if (!s_.elastic() || !recoverable(e)) throw;
-    log_warn("the agreement of outer step " + std::to_string(st.step + 1) + " failed: " + e.what());
-    s_.reform(std::string("failure: ") + e.what(), sync_start, seconds_since(sync_start));
-    return std::nullopt;
-  }
-  int plan_world = 0;
-  int64_t total = 0;
-  double loss_sum = 0, fastest = kNone;
-  auto a = rows.accessor<double, 2>();
-  for (int m = 0; m < W; ++m) {
-    plan_world = std::max(plan_world, static_cast<int>(a[m][2]));
-    fastest = std::max(fastest, a[m][4]);
-  }
-  if (plan_world <= 0) throw Error("internal: an outer step that no member planned");
-  if (fastest > kNone) fastest_per_sample_ = -fastest;
+  const auto g = agree(static_cast<double>(consumed_));
+  if (!g) return std::nullopt;
   // Every member deals the plan alike from the committed state (a joiner
   // too), with the plan's world.
-  const OuterPlan plan = plan_outer(st.cursor, st.owed, opt_.samples, opt_.batch * opt_.diloco.inner_steps, plan_world);
-  std::vector<int64_t> consumed(static_cast<size_t>(plan_world), 0);
-  for (int m = 0; m < W; ++m) {
-    const int p = static_cast<int>(a[m][0]);
-    if (p < 0 || p >= plan_world) continue;
-    consumed[p] = static_cast<int64_t>(a[m][1]);
-    total += consumed[p];
-    loss_sum += a[m][3];
-  }
-  if (total == 0) throw Error("internal: an outer step whose members processed no sample");
+  const OuterPlan plan =
+      plan_outer(st.cursor, st.owed, opt_.samples, opt_.batch * opt_.diloco.unit_steps(), g->plan_world);
   if (before_all_reduce) before_all_reduce(redo_);
   Committed c;
   c.delta_norm = delta_.norm().item<double>();
@@ -214,16 +337,21 @@ std::optional<OuterSteps::Committed> OuterSteps::finish(const std::function<void
   if (!flat_.buffer_entries().empty()) buffers_before = flat_.save_buffers();
   flat_.grad().copy_(delta_);
   const double my_loss = consumed_ > 0 ? loss_sum_ / static_cast<double>(consumed_) : 0.0;
-  StepContext ctx{flat_.data(), flat_.grad(), flat_.grad_with_slot(), my_loss, consumed_, total,
+  StepContext ctx{flat_.data(), flat_.grad(), flat_.grad_with_slot(), my_loss, consumed_, g->total,
                   opt_.diloco.outer_lr, st.step, {}};
   auto applied = s_.apply(ctx, buffers_before);
   if (!applied) return std::nullopt;  // re-formed: the outer step is redone (or was committed elsewhere)
   c.res = *applied;
-  c.res.loss = loss_sum / static_cast<double>(total);
-  c.settled = settle_outer(plan, consumed, opt_.samples);
+  c.res.loss = g->loss_sum / static_cast<double>(g->total);
+  c.settled = settle_outer(plan, g->consumed, opt_.samples);
   c.epoch = plan.epoch;
+  c.payload_bytes = payload_bytes_of(flat_.numel(), opt_.diloco.wire);
   s_.state().owed = c.settled.owed;
   s_.commit(c.res, c.settled.cursor, buffers_before);
+  return committed(std::move(c), sync_start);
+}
+
+OuterSteps::Committed OuterSteps::committed(Committed c, Clock::time_point sync_start) {
   c.sync_seconds = seconds_since(sync_start);
   c.inner_steps = inner_steps_;
   c.compute_seconds = inner_compute_;
@@ -232,10 +360,139 @@ std::optional<OuterSteps::Committed> OuterSteps::finish(const std::function<void
   compute_seconds += inner_compute_;
   sync_seconds += c.sync_seconds;
   wall_seconds += c.wall_seconds;
-  payload_bytes += payload_bytes_of(flat_.numel(), opt_.diloco.wire);
+  payload_bytes += c.payload_bytes;
   plan_step_ = -1;
   inner_done_ = false;
   return c;
+}
+
+std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::function<void(bool)>& before_all_reduce,
+                                                                 const std::function<void(const Work&)>& run_ahead) {
+  torch::NoGradGuard no_grad;
+  const auto& st = s_.state();
+  const int f = static_cast<int>(st.step % static_cast<int64_t>(fragments_.size()));
+  const auto [lo, hi] = fragments_[static_cast<size_t>(f)];
+  auto& w = flat_.data();
+  if (!inner_done_) {
+    inner_wall_ = seconds_since(inner_start_);
+    local_ = w.clone();
+    w.copy_(global_);  // the Session's weights are the global ones again
+    delta_ = (global_.slice(0, lo, hi) - local_.slice(0, lo, hi)).contiguous();
+    inner_done_ = true;
+  }
+  if (!delta_.defined()) delta_ = torch::zeros({hi - lo}, torch::kFloat32);  // no share (a redo's joiner)
+  const auto sync_start = Clock::now();
+  // This member's weight: its samples since the fragment's last sync.
+  const double weight = static_cast<double>(since_sync_[static_cast<size_t>(f)] + consumed_);
+  const auto g = agree(weight);
+  if (!g) return std::nullopt;
+  const OuterPlan plan =
+      plan_outer(st.cursor, st.owed, opt_.samples, opt_.batch * opt_.diloco.unit_steps(), g->plan_world);
+  if (before_all_reduce) before_all_reduce(redo_);
+  Committed c;
+  c.fragment = f;
+  c.delta_norm = delta_.norm().item<double>();
+  c.settled = settle_outer(plan, g->consumed, opt_.samples);
+  c.epoch = plan.epoch;
+  c.payload_bytes = payload_bytes_of(hi - lo, opt_.diloco.wire);
+  auto piece = delta_ * static_cast<float>(g->weight_total > 0 ? weight / g->weight_total : 0.0);
+  // Overlap: the next unit's first inner steps run while the fragment's
+  // all-reduce does; never across an epoch's end or an agreed change of
+  // the group (its plan would differ), nor without a share in this one.
+  const int64_t tau = opt_.diloco.overlap_steps;
+  const bool overlap = tau > 0 && run_ahead && inner_opt_ && g->flag == 0 && !c.settled.last_in_epoch &&
+                       plan_rank_ >= 0 && local_.defined();
+  std::exception_ptr failed;
+  if (overlap) {
+    Ahead a;
+    a.plan = plan_outer(c.settled.cursor, c.settled.owed, opt_.samples, opt_.batch * opt_.diloco.unit_steps(),
+                        s_.world());
+    a.rank = s_.rank();
+    a.step = st.step + 1;
+    a.cursor_position = c.settled.cursor.position;
+    a.local_before = local_.clone();
+    a.inner_before = inner_opt_->snapshot();
+    ahead_ = std::move(a);
+    Work aw = work_of(ahead_->plan, ahead_->rank, 0);
+    if (static_cast<int64_t>(aw.batches.size()) > tau) aw.batches.resize(static_cast<size_t>(tau));
+    const auto ahead_start = Clock::now();
+    std::thread comm([&] {
+      try {
+        rule_->sum(piece, f);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    });
+    w.copy_(local_);  // the inner steps train the local weights
+    running_ahead_ = true;
+    try {
+      torch::AutoGradMode grad_on(true);  // the inner steps' backward
+      run_ahead(aw);
+    } catch (...) {
+      running_ahead_ = false;
+      comm.join();
+      throw;
+    }
+    running_ahead_ = false;
+    comm.join();
+    ahead_->wall = seconds_since(ahead_start);
+    local_ = w.clone();
+    w.copy_(global_);
+    if (failed) undo_ahead();
+  } else {
+    try {
+      rule_->sum(piece, f);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  }
+  if (failed) {
+    try {
+      std::rethrow_exception(failed);
+    } catch (const Error& e) {
+      if (!s_.elastic() || !recoverable(e)) throw;
+      log_warn("the sync of fragment " + std::to_string(f) + " in outer step " + std::to_string(st.step + 1) +
+               " failed: " + e.what());
+      s_.reform(std::string("failure: ") + e.what(), sync_start, seconds_since(sync_start));
+      return std::nullopt;
+    }
+  }
+  c.res.global_batch = g->total;
+  c.res.loss = g->loss_sum / static_cast<double>(g->total);
+  c.res.skipped = !std::isfinite(piece.sum().item<float>());
+  auto gw = w.slice(0, lo, hi);
+  if (!c.res.skipped) {
+    auto& opt = outer_->optimizer();
+    if (!opt.has_state() && !opt.state_names().empty()) {
+      std::vector<torch::Tensor> zeros;
+      for (size_t i = 0; i < opt.state_names().size(); ++i) zeros.push_back(torch::zeros_like(w));
+      opt.set_state(std::move(zeros), 0);
+    }
+    std::vector<const float*> in;
+    std::vector<float*> out;
+    for (const auto& t : opt.state()) {
+      in.push_back(t.data_ptr<float>() + lo);
+      out.push_back(t.data_ptr<float>() + lo);
+    }
+    float* wp = w.data_ptr<float>() + lo;
+    opt.step_into(wp, wp, piece.data_ptr<float>(), in, out, hi - lo, opt_.diloco.outer_lr);
+  }
+  // The local fragment moves to the global one by the mixing factor (a
+  // step that was not finite: to the global one).
+  const double alpha = c.res.skipped ? 0.0 : opt_.diloco.mixing;
+  auto mix = [&](torch::Tensor& local) {
+    if (!local.defined()) return;
+    auto l = local.slice(0, lo, hi);
+    l.mul_(alpha).add_(gw, 1.0 - alpha);
+  };
+  mix(local_);
+  if (ahead_) mix(ahead_->local_before);
+  s_.state().owed = c.settled.owed;
+  s_.commit(c.res, c.settled.cursor, {});
+  rule_->sum_committed(f);
+  for (auto& n : since_sync_) n += consumed_;
+  since_sync_[static_cast<size_t>(f)] = 0;
+  return committed(std::move(c), sync_start);
 }
 
 }  // namespace limbo::train

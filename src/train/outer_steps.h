@@ -22,12 +22,30 @@
 //      cursor and leaves what no surviving member processed owed.
 // Every collective of an outer step is one of the Session's group, so a
 // failure anywhere re-forms the group and begin() is called again.
+//
+// Streaming DiLoCo (diloco.fragments = F > 1): the outer step is a unit of
+// H / F inner steps that syncs one fragment of the parameters, fragment
+// (committed step mod F), with the pseudo-gradient it accumulated since its
+// last sync (H inner steps), each member weighted by its samples since
+// then; the outer optimizer updates that fragment of the global weights,
+// and the member's local fragment becomes alpha x local + (1 - alpha) x
+// global. Between units the Session's weights are the global ones (what
+// checkpoints and state sync carry); each member keeps its local weights
+// aside and trains on them. With diloco.overlap_steps = tau the fragment's
+// all-reduce runs on a thread while the front end runs the next unit's
+// first tau inner steps (finish()'s run_ahead), planned from this unit's
+// agreement; if the all-reduce fails they are undone (local weights and
+// inner optimizer back as before them) and the unit is redone, and if the
+// next unit's plan turns out different (the group re-formed) they are
+// undone the same way. Never across an epoch's end or a membership change
+// the agreement announced.
 #pragma once
 
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <functional>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -49,7 +67,10 @@ class OuterSteps {
     data::Order order = data::Order::Shuffle;
     uint64_t seed = 1;
   };
-  OuterSteps(Session& session, optim::FlatParams& flat, std::shared_ptr<UpdateRule> rule, Options opt);
+  // `outer`: the outer optimizer (the one the rule applies), which
+  // streaming updates a fragment at a time.
+  OuterSteps(Session& session, optim::FlatParams& flat, std::shared_ptr<UpdateRule> rule,
+             std::shared_ptr<OptimizerStep> outer, Options opt);
 
   // The Session (re)formed the group (its on_reform).
   void reformed() { reformed_ = true; }
@@ -57,6 +78,7 @@ class OuterSteps {
   struct Work {
     int64_t epoch = 0;
     std::vector<std::vector<int64_t>> batches;  // sample ids of each inner step (empty: no inner work)
+    int64_t first = 0;  // the unit's index of batches[0] (inner steps run ahead of it came first)
   };
   // Step 1. nullopt: the group re-formed while agreeing; call begin() again.
   std::optional<Work> begin();
@@ -82,11 +104,19 @@ class OuterSteps {
     int64_t inner_steps = 0;     // this member's inner steps in this outer step
     double compute_seconds = 0;  // their forward and backward
     double wall_seconds = 0;     // the outer step's wall time on this member
+    int fragment = 0;            // the fragment it synced (streaming; 0 otherwise)
+    int64_t payload_bytes = 0;   // pseudo-gradient bytes this member sent into its all-reduce
   };
   // Step 3. nullopt: the group re-formed (call begin() again).
   // `before_all_reduce` (may be empty) runs after the agreement (a testing
   // aid of the trainer's).
-  std::optional<Committed> finish(const std::function<void(bool redo)>& before_all_reduce = {});
+  std::optional<Committed> finish(const std::function<void(bool redo)>& before_all_reduce = {},
+                                  const std::function<void(const Work&)>& run_ahead = {});
+  // The inner optimizer (the front end's), which overlapped inner steps
+  // undo with the weights; may be null (then no overlap).
+  void set_inner(optim::Optimizer* inner) { inner_opt_ = inner; }
+  // The fragments [lo, hi) of the flat parameters (one: the whole).
+  const std::vector<std::pair<int64_t, int64_t>>& fragments() const { return fragments_; }
 
   const std::vector<int64_t>& epoch_order(int64_t epoch) { return sampler_.epoch_order(epoch); }
   // The metrics record of a committed outer step (kind "outer"), at
@@ -102,6 +132,7 @@ class OuterSteps {
   int64_t inner_steps_total = 0, inner_skipped = 0, outer_redone = 0, stopped_early = 0;
   double compute_seconds = 0, wall_seconds = 0, sync_seconds = 0;
   int64_t payload_bytes = 0;  // pseudo-gradient bytes this member contributed to outer all-reduces
+  int64_t overlapped_steps = 0, ahead_undone = 0;  // inner steps run ahead of a sync, and those undone
 
  private:
   // After a (re)formation: whether some member redoes an outer step.
@@ -111,9 +142,54 @@ class OuterSteps {
   // steps `done` already (a member with no share) or still to run.
   void start_work(int plan_rank, bool done);
 
+  bool streaming() const { return fragments_.size() > 1; }
+  // The totals and the step's figures once it committed.
+  Committed committed(Committed c, Clock::time_point sync_start);
+  // Streaming's sync of fragment f: nullopt when the group re-formed.
+  std::optional<Committed> finish_fragment(const std::function<void(bool)>& before_all_reduce,
+                                           const std::function<void(const Work&)>& run_ahead);
+  // The agreement's row of this member, its all-reduce, and what it says.
+  struct Agreed {
+    int plan_world = 0;
+    int64_t total = 0;       // samples processed in this outer step
+    double loss_sum = 0;
+    std::vector<int64_t> consumed;  // by plan rank
+    double flag = 0;         // the membership-change flags' sum
+    double weight_total = 0;  // streaming: the members' samples since the fragment's last sync
+  };
+  std::optional<Agreed> agree(double weight);
+  // Work of `plan` for plan rank `p`, from inner batch `from` on.
+  Work work_of(const OuterPlan& plan, int p, int64_t from) const;
+  // Puts the local weights in / the global ones back (streaming).
+  void swap_in_local();
+  // Inner steps run ahead of a sync that are not to count: the local
+  // weights and the inner optimizer back as before them.
+  void undo_ahead();
+
   Session& s_;
   optim::FlatParams& flat_;
   std::shared_ptr<UpdateRule> rule_;
+  std::shared_ptr<OptimizerStep> outer_;
+  optim::Optimizer* inner_opt_ = nullptr;
+  std::vector<std::pair<int64_t, int64_t>> fragments_;
+  std::vector<int64_t> since_sync_;  // this member's samples since each fragment's last sync
+  torch::Tensor local_;              // streaming: this member's local weights (undefined: the global ones)
+  // Overlap: the unit planned ahead and its inner steps already run (as
+  // plan rank ahead_rank_ of ahead_plan_), and the state to undo them to.
+  struct Ahead {
+    OuterPlan plan;
+    int rank = -1;
+    int64_t step = -1;  // the committed step it follows
+    int64_t batches = 0;
+    int64_t consumed = 0, inner_steps = 0;
+    double loss_sum = 0, compute = 0, wall = 0;
+    int64_t skipped = 0;
+    int64_t cursor_position = 0;           // the cursor it was planned from
+    torch::Tensor local_before;            // local weights before them (the synced fragment mixed in)
+    optim::Optimizer::Snapshot inner_before;
+  };
+  std::optional<Ahead> ahead_;
+  bool running_ahead_ = false;
   Options opt_;
   data::Sampler sampler_;
   bool reformed_ = false;

@@ -127,6 +127,17 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
     if (d.inner_steps < 1) throw InvalidInput("diloco.inner_steps must be at least 1");
     if (d.nesterov && d.outer_momentum <= 0)
       throw InvalidInput("diloco.nesterov = true needs diloco.outer_momentum > 0");
+    if (d.fragments < 1 || d.inner_steps % d.fragments != 0)
+      throw InvalidInput("diloco.inner_steps (" + std::to_string(d.inner_steps) + ") must be a multiple of "
+                         "diloco.fragments (" + std::to_string(d.fragments) + "): one fragment syncs every "
+                         "inner_steps / fragments inner steps");
+    if (d.overlap_steps < 0 || (d.overlap_steps > 0 && d.overlap_steps >= d.unit_steps()))
+      throw InvalidInput("diloco.overlap_steps (" + std::to_string(d.overlap_steps) + ") must be below the " +
+                         std::to_string(d.unit_steps()) + " inner steps between two syncs "
+                         "(diloco.inner_steps / diloco.fragments)");
+    if (d.fragments > 1 && !flat_->buffer_entries().empty())
+      throw InvalidInput("streaming DiLoCo (diloco.fragments > 1) syncs parameters only, and model '" +
+                         cfg_.model.name + "' has buffers (BatchNorm statistics); use diloco.fragments = 1");
     optim::OptimizerOptions outer;
     outer.algorithm = "sgd";
     outer.momentum = d.outer_momentum;
@@ -458,7 +469,7 @@ nlohmann::json Trainer::run() {
         std::shared_ptr<const data::Dataset>(splits_, &splits_->train), norm_, loader_opt,
         state_.cursor);
   const int64_t global_batch = loader_opt.batch_size * loader_opt.world;
-  const int64_t per_epoch = outer_ ? data::batches_per_epoch(r.n, global_batch * cfg_.diloco.inner_steps, false)
+  const int64_t per_epoch = outer_ ? data::batches_per_epoch(r.n, global_batch * cfg_.diloco.unit_steps(), false)
                                    : data::batches_per_epoch(r.n, global_batch, loader_opt.drop_last);
   r.total_steps = t.epochs * per_epoch;
   if (t.max_steps > 0) r.total_steps = std::min(r.total_steps, t.max_steps);
@@ -470,14 +481,21 @@ nlohmann::json Trainer::run() {
     oo.samples = r.n;
     oo.order = cfg_.loader.order;
     oo.seed = cfg_.train.seed;
-    outer_steps_ = std::make_unique<OuterSteps>(session, *flat_, rule_, oo);
+    outer_steps_ = std::make_unique<OuterSteps>(session, *flat_, rule_, outer_, oo);
+    outer_steps_->set_inner(&opt_->optimizer());
   }
 
   log_info("training " + cfg_.model.name + " (" + std::to_string(models::parameter_count(*model_)) +
            " parameters) on " + train_set.name + " (" + std::to_string(r.n) + " samples), batch " +
            std::to_string(global_batch) + ", " + std::to_string(t.epochs) + " epochs, " +
            std::to_string(threads_.intra_op) + " threads, BLAS " + threads_.blas_library +
-           (outer_ ? ", DiLoCo: " + std::to_string(cfg_.diloco.inner_steps) + " inner steps an outer step" : ""));
+           (outer_ ? ", DiLoCo: " + std::to_string(cfg_.diloco.inner_steps) + " inner steps an outer step" +
+                         (cfg_.diloco.fragments > 1
+                              ? " in " + std::to_string(cfg_.diloco.fragments) + " fragments (one synced every " +
+                                    std::to_string(cfg_.diloco.unit_steps()) + ", overlapping " +
+                                    std::to_string(cfg_.diloco.overlap_steps) + ")"
+                              : "")
+                   : ""));
 
   try {
     session.start();

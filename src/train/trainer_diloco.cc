@@ -63,26 +63,33 @@ bool Trainer::outer_step(Run& r) {
   const bool dies = t.die_at_step > 0 && state_.step == t.die_at_step && r.s.rank() == t.die_rank &&
                     r.s.world() > 1 && r.s.membership_changes() == t.die_after_changes;
   auto& inner = *opt_;
-  const int64_t steps = static_cast<int64_t>(work->batches.size());
-  for (int64_t i = 0; i < steps; ++i) {
-    if (!o.keep_going()) break;
-    if (dies && !t.die_in_outer && i >= steps / 2)
-      die_for_test("halfway through the inner steps", r.s.rank(), state_.step, t.die_by_freezing, t.die_with_host);
-    const auto& ids = work->batches[i];
-    auto batch = data::make_train_batch(splits_->train, norm_, ids, work->epoch, cfg_.loader.augment);
-    r.lr = schedule_->lr(o.inner_epoch(i), o.inner_iteration(i));
-    const auto t0 = Clock::now();
-    const double loss = step_->gradient(batch);
-    const double compute = seconds_since(t0);  // forward and backward: the compute utilisation's numerator
-    const bool finite = finite_step(flat_->grad(), loss);
-    if (finite) inner.apply(flat_->data(), flat_->grad(), r.lr);
-    o.inner_step_done(static_cast<int64_t>(ids.size()), loss, finite, compute);
-  }
+  // Inner steps on a unit's batches (this one's, or the next one's first,
+  // run ahead while a streaming sync is on the wire).
+  auto run_inner = [&](const OuterSteps::Work& w, bool ahead) {
+    const int64_t steps = static_cast<int64_t>(w.batches.size());
+    for (int64_t i = 0; i < steps; ++i) {
+      if (!o.keep_going()) break;
+      if (!ahead && dies && !t.die_in_outer && w.first + i >= (w.first + steps) / 2)
+        die_for_test("halfway through the inner steps", r.s.rank(), state_.step, t.die_by_freezing, t.die_with_host);
+      const auto& ids = w.batches[i];
+      auto batch = data::make_train_batch(splits_->train, norm_, ids, w.epoch, cfg_.loader.augment);
+      r.lr = schedule_->lr(o.inner_epoch(w.first + i), o.inner_iteration(w.first + i));
+      const auto t0 = Clock::now();
+      const double loss = step_->gradient(batch);
+      const double compute = seconds_since(t0);  // forward and backward: the compute utilisation's numerator
+      const bool finite = finite_step(flat_->grad(), loss);
+      if (finite) inner.apply(flat_->data(), flat_->grad(), r.lr);
+      o.inner_step_done(static_cast<int64_t>(ids.size()), loss, finite, compute);
+    }
+  };
+  run_inner(*work, false);
   const data::Cursor begin = state_.cursor;
-  auto c = o.finish([&](bool redo) {
-    if (dies && t.die_in_outer && !redo)
-      die_for_test("as the outer all-reduce starts", r.s.rank(), state_.step, t.die_by_freezing, t.die_with_host);
-  });
+  auto c = o.finish(
+      [&](bool redo) {
+        if (dies && t.die_in_outer && !redo)
+          die_for_test("as the outer all-reduce starts", r.s.rank(), state_.step, t.die_by_freezing, t.die_with_host);
+      },
+      [&](const OuterSteps::Work& ahead) { run_inner(ahead, true); });
   if (!c) return false;  // re-formed: the outer step is redone (or was committed elsewhere)
   r.res = c->res;
   data::BatchPlan& bp = r.batch.plan;

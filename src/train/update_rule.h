@@ -104,6 +104,19 @@ class UpdateRule {
   // place (DiLoCo's agreement on what each member did in an outer step).
   // Identity for one process.
   virtual void agree_max(torch::Tensor& t) {}
+  // Sum of a float32 tensor across the members, in place, this member's
+  // part on the wire as comm.compression encodes it, with an error-feedback
+  // residual of its own for each `key` (comm::sum_encoded): streaming
+  // DiLoCo's fragment all-reduce, a key a fragment. The residual counts once
+  // sum_committed(key) says the sum was used (a failed sum is redone from
+  // the old one). Identity for one process.
+  virtual void sum(torch::Tensor& t, int key) {}
+  virtual void sum_committed(int key) {}
+  // The membership-change flag this member sends with a gradient (0: none),
+  // and, where it travels outside the gradient (streaming DiLoCo's
+  // agreement), the members' sum of it, as apply() would have agreed it.
+  virtual double change_flag() { return 0; }
+  virtual void set_agreed_flag(double sum) {}
   virtual const char* name() const = 0;
   // Figures for the run's summary (merged into summary.json); none by default.
   virtual nlohmann::json summary() const { return nlohmann::json::object(); }
