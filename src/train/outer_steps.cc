@@ -153,7 +153,9 @@ std::optional<OuterSteps::Work> OuterSteps::begin() {
   if (inner_done_) return w;  // a redo: straight to finish()
   // The bounded wait: what the fastest member took for a whole share, and
   // max_wait times that again (docs/diloco.md).
-  bound_ = opt_.diloco.max_wait > 0 && fastest_per_sample_ > 0
+  // Alone, no member waits on it: no bound (a busy machine would cut a
+  // lone member's share short against its own earlier pace).
+  bound_ = opt_.diloco.max_wait > 0 && fastest_per_sample_ > 0 && s_.world() > 1
                ? (1 + opt_.diloco.max_wait) * fastest_per_sample_ *
                      static_cast<double>(opt_.batch * opt_.diloco.unit_steps())
                : -1;
