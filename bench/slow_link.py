@@ -11,6 +11,9 @@ schedule) trains the same number of samples, and the script prints per mode:
 
   util     compute utilisation: the share of a member's training time spent
            in its own forward and backward (summary.json, the writer's);
+  wait     DiLoCo: the share of a member's training time spent in outer
+           syncs (their agreement, all-reduce and update; inner steps run
+           during an overlapped sync are not counted);
   samp/s   samples a second of the whole job (training time, evaluations
            excluded);
   B/samp   bytes on the wire a sample: every host's transmitted bytes (its
@@ -22,7 +25,9 @@ schedule) trains the same number of samples, and the script prints per mode:
 
 Modes: step (the gradient all-reduced every step, float32), step-bf16,
 diloco50 / diloco500 (H = 50 / 500 inner steps, pseudo-gradients in
-float32), diloco50-int8 / diloco500-int8, diloco50-int4.
+float32), diloco50-int8 / diloco500-int8, diloco50-int4; streaming DiLoCo
+stream50 / stream50-int8 / stream50-int4 (H = 50 in 5 fragments, one
+synced every 10 inner steps and overlapping the next 5, mixing 0.5).
 
 Usage (root, iproute2 with tc):
   bench/slow_link.py [--limbo build/src/cli/limbo] [--model gpt|mlp10m]
@@ -50,6 +55,14 @@ MODES = {
     "diloco50-int4": ["elastic.sync=\"diloco\"", "diloco.inner_steps=50", "comm.compression=\"int4\""],
     "diloco500": ["elastic.sync=\"diloco\"", "diloco.inner_steps=500"],
     "diloco500-int8": ["elastic.sync=\"diloco\"", "diloco.inner_steps=500", "comm.compression=\"int8\""],
+    # Streaming: 5 fragments, one synced every 10 inner steps, each sync
+    # overlapping the next 5 inner steps, mixed half and half.
+    "stream50": ["elastic.sync=\"diloco\"", "diloco.inner_steps=50", "diloco.fragments=5",
+                 "diloco.overlap_steps=5", "diloco.mixing=0.5"],
+    "stream50-int8": ["elastic.sync=\"diloco\"", "diloco.inner_steps=50", "diloco.fragments=5",
+                      "diloco.overlap_steps=5", "diloco.mixing=0.5", "comm.compression=\"int8\""],
+    "stream50-int4": ["elastic.sync=\"diloco\"", "diloco.inner_steps=50", "diloco.fragments=5",
+                      "diloco.overlap_steps=5", "diloco.mixing=0.5", "comm.compression=\"int4\""],
 }
 
 
@@ -133,11 +146,13 @@ def run_mode(limbo, hosts, model, mode, samples, evals):
     margs, batch, train_size = model_args(model)
     n = len(hosts.ns)
     sets = MODES[mode]
-    inner = 1
+    inner, fragments = 1, 1
     for s in sets:
         if s.startswith("diloco.inner_steps="):
             inner = int(s.split("=")[1])
-    per_step = batch * n * inner  # samples a (outer) step
+        if s.startswith("diloco.fragments="):
+            fragments = int(s.split("=")[1])
+    per_step = batch * n * inner // fragments  # samples a (outer) step, or a streaming unit
     steps = max(1, samples // per_step)
     every = max(1, steps // evals)
     run = tempfile.mkdtemp(prefix="limbo-slow-")
@@ -175,6 +190,7 @@ def run_mode(limbo, hosts, model, mode, samples, evals):
     shutil.rmtree(run, ignore_errors=True)
     return {"mode": mode, "samples": s["samples"], "train_seconds": s["train_seconds"], "wall_seconds": wall,
             "samples_per_second": s["samples"] / s["train_seconds"], "utilisation": s.get("compute_utilisation"),
+            "sync_share": s["outer_sync_seconds"] / s["train_seconds"] if "outer_sync_seconds" in s else None,
             "wire_bytes": wire, "bytes_per_sample": wire / max(s["samples"], 1), "test_loss": s["test_loss"],
             "curve": curve}
 
@@ -225,14 +241,14 @@ def main():
         t_eq = min(r["train_seconds"] for r in results)
         print("\n%s, %d hosts x 1 worker (1 thread each, %d cores here), links %s each way, %d samples a run" %
               (args.model, args.hosts, os.cpu_count(), rate, args.samples))
-        print("%-15s %6s %8s %10s %8s %8s" % ("mode", "util", "samp/s", "B/samp", "loss@S", "loss@T"))
+        print("%-15s %6s %6s %8s %10s %8s %8s" % ("mode", "util", "wait", "samp/s", "B/samp", "loss@S", "loss@T"))
         for r in results:
             lt = loss_at(r["curve"], t_eq)
             r["loss_at_equal_time"] = lt
             r["equal_time_seconds"] = t_eq
-            print("%-15s %6.3f %8.0f %10.0f %8.4f %8s" % (r["mode"], r["utilisation"] or 0, r["samples_per_second"],
-                                                        r["bytes_per_sample"], r["test_loss"],
-                                                        "-" if lt is None else "%.4f" % lt))
+            print("%-15s %6.3f %6s %8.0f %10.0f %8.4f %8s" % (
+                r["mode"], r["utilisation"] or 0, "-" if r["sync_share"] is None else "%.3f" % r["sync_share"],
+                r["samples_per_second"], r["bytes_per_sample"], r["test_loss"], "-" if lt is None else "%.4f" % lt))
         print("(equal wall time T = %.1f s of training, the fastest mode's)" % t_eq)
         out.append({"rate": rate, "hosts": args.hosts, "model": args.model, "results": results})
     if args.json:

@@ -494,7 +494,12 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   rule_->sum_committed(f);
   for (auto& n : since_sync_) n += consumed_;
   since_sync_[static_cast<size_t>(f)] = 0;
-  return committed(std::move(c), sync_start);
+  auto done = committed(std::move(c), sync_start);
+  if (ahead_) {  // the inner steps run meanwhile computed; they are not the sync's wait
+    done.sync_seconds = std::max(0.0, done.sync_seconds - ahead_->wall);
+    sync_seconds -= std::min(sync_seconds, ahead_->wall);
+  }
+  return done;
 }
 
 }  // namespace limbo::train
