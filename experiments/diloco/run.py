@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """The GPT example across 100 Mbit/s links while members come and go:
-every-step synchronisation against DiLoCo, several seeds.
+every-step synchronisation against DiLoCo and streaming DiLoCo, several
+seeds.
 
 Four hosts (network namespaces on a bridge, each link shaped both ways by the
 kernel's token bucket, bench/slow_link.py's Hosts), one `limbo launch` of one
@@ -12,7 +13,7 @@ new launcher, a new worker that joins); at 75 % host 3 comes back: 4 -> 2 ->
 example's schedule over that budget.
 
     experiments/diloco/run.py [--seeds 3] [--samples 48000] [--rate 100mbit]
-                              [--modes step-bf16,diloco50-int8] [--out experiments/diloco/results]
+                              [--modes step-bf16,diloco50-int8,stream50-int8] [--out experiments/diloco/results]
 
 Needs root, iproute2 (tc) and the GPT's data (examples/gpt/setup.sh). Writes
 <out>/README.md (table) and <out>/loss.png (held-out loss against training
@@ -60,12 +61,16 @@ def samples_so_far(run):
 def run_one(limbo, hosts, mode, seed, samples, run):
     margs, batch, train_size = slow_link.model_args("gpt")
     sets = slow_link.MODES[mode]
-    inner = 1
+    inner, fragments = 1, 1
     for s in sets:
         if s.startswith("diloco.inner_steps="):
             inner = int(s.split("=")[1])
+        if s.startswith("diloco.fragments="):
+            fragments = int(s.split("=")[1])
     n = len(hosts.ns)
-    steps = max(1, samples // (batch * n * inner))  # at 4 members; fewer members make the steps smaller
+    # At 4 members (fewer members make the steps smaller); streaming's unit
+    # is inner / fragments inner steps.
+    steps = max(1, samples // (batch * n * inner // fragments))
     args = margs + ["--set", "data.batch_size=%d" % batch, "--set", "train.epochs=%d" % (samples // train_size + 1),
                     "--set", "optim.cosine_epochs=%g" % (samples / train_size), "--set", "train.seed=%d" % seed,
                     "--set", "train.threads=1", "--set", "train.progress=false",
@@ -135,7 +140,7 @@ def main():
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--samples", type=int, default=48000)
     ap.add_argument("--rate", default="100mbit")
-    ap.add_argument("--modes", default="step-bf16,diloco50-int8")
+    ap.add_argument("--modes", default="step-bf16,diloco50-int8,stream50-int8")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -167,7 +172,7 @@ def main():
         secs = [curves[(mode, s)][-1][0] for s in range(1, args.seeds + 1) if curves[(mode, s)]]
         rows.append((mode, finals, at_t, secs))
     with open(os.path.join(args.out, "README.md"), "w") as f:
-        f.write("# GPT across %s links, 4 -> 2 -> 3 -> 4 members: step against DiLoCo\n\n" % args.rate)
+        f.write("# GPT across %s links, 4 -> 2 -> 3 -> 4 members: step against DiLoCo and streaming DiLoCo\n\n" % args.rate)
         f.write("`experiments/diloco/run.py --seeds %d --samples %d --rate %s --modes %s`; "
                 "%d seeds, held-out loss (nats/byte) as median [min-max]. T = %.1f s of training, the fastest "
                 "run's.\n\n" % (args.seeds, args.samples, args.rate, args.modes, args.seeds, t_eq))

@@ -153,7 +153,10 @@ class Job:
                 checkpoint_every_steps); max_wait bounds the wait for a slow
                 member as diloco.max_wait does. The inner optimizer's state
                 travels with the user's state (a re-formed group takes the
-                state member's).
+                state member's). fragments and mixing make it streaming
+                DiLoCo, as diloco.fragments and diloco.mixing do (a step
+                then syncs one fragment every inner_steps / fragments
+                batches; the sync is not overlapped with the user's loop).
     """
 
     def __init__(self, model, optimizer, *, dataset, batch_size, epochs=1, max_steps=0,
@@ -164,7 +167,7 @@ class Job:
                  overlap=True, bucket_mb=4.0, compression="none", shared_memory=True,
                  hierarchical=True, collective_timeout=10.0, round_timeout=120.0,
                  max_nonfinite_steps=10, sync="step", inner_steps=500, outer_lr=0.7, outer_momentum=0.9,
-                 nesterov=True, max_wait=1.0):
+                 nesterov=True, max_wait=1.0, fragments=1, mixing=0.0):
         if not isinstance(model, torch.nn.Module):
             raise InvalidInput("model must be a torch.nn.Module, got %s" % type(model).__name__)
         own = isinstance(optimizer, Optimizer)
@@ -227,8 +230,9 @@ class Job:
             rank=int(env.get("LIMBO_RANK", "0")), world=int(env.get("LIMBO_WORLD", "1")),
             token=env.get("LIMBO_JOB_TOKEN", ""), sync=sync, inner_steps=int(inner_steps),
             outer_lr=float(outer_lr), outer_momentum=float(outer_momentum), nesterov=bool(nesterov),
-            max_wait=float(max_wait))
-        self._inner_steps = int(inner_steps)
+            max_wait=float(max_wait), fragments=int(fragments), mixing=float(mixing))
+        # An outer step's share (streaming: a unit's, inner_steps / fragments).
+        self._inner_steps = int(inner_steps) // max(int(fragments), 1)
         if own:
             options["limbo_optimizer"] = optimizer.options
         options["config_toml"] = self._describe(options)

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,6 +57,14 @@ struct DilocoOptions {
   // Inner steps between two syncs (H with one fragment).
   int64_t unit_steps() const { return inner_steps / std::max<int64_t>(fragments, 1); }
 };
+
+// Refuses streaming settings that cannot run (InvalidInput naming each
+// setting as `key` spells it: "diloco.fragments" in the CLI, "fragments"
+// in the Python module): inner steps not a multiple of the fragments, an
+// overlap not below the inner steps between two syncs, fragments of a model
+// with buffers (only parameters are synced).
+void check_streaming(const DilocoOptions& d, const std::function<std::string(const std::string&)>& key,
+                     bool model_has_buffers);
 
 // Positions [lo, hi) of an epoch's order.
 using PositionRanges = std::vector<std::pair<int64_t, int64_t>>;

@@ -127,17 +127,7 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
     if (d.inner_steps < 1) throw InvalidInput("diloco.inner_steps must be at least 1");
     if (d.nesterov && d.outer_momentum <= 0)
       throw InvalidInput("diloco.nesterov = true needs diloco.outer_momentum > 0");
-    if (d.fragments < 1 || d.inner_steps % d.fragments != 0)
-      throw InvalidInput("diloco.inner_steps (" + std::to_string(d.inner_steps) + ") must be a multiple of "
-                         "diloco.fragments (" + std::to_string(d.fragments) + "): one fragment syncs every "
-                         "inner_steps / fragments inner steps");
-    if (d.overlap_steps < 0 || (d.overlap_steps > 0 && d.overlap_steps >= d.unit_steps()))
-      throw InvalidInput("diloco.overlap_steps (" + std::to_string(d.overlap_steps) + ") must be below the " +
-                         std::to_string(d.unit_steps()) + " inner steps between two syncs "
-                         "(diloco.inner_steps / diloco.fragments)");
-    if (d.fragments > 1 && !flat_->buffer_entries().empty())
-      throw InvalidInput("streaming DiLoCo (diloco.fragments > 1) syncs parameters only, and model '" +
-                         cfg_.model.name + "' has buffers (BatchNorm statistics); use diloco.fragments = 1");
+    check_streaming(d, [](const std::string& k) { return "diloco." + k; }, !flat_->buffer_entries().empty());
     optim::OptimizerOptions outer;
     outer.algorithm = "sgd";
     outer.momentum = d.outer_momentum;

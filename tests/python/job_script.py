@@ -113,6 +113,7 @@ def main():
     p.add_argument("--sync", choices=["step", "diloco"], default="step")
     p.add_argument("--inner-steps", type=int, default=4)
     p.add_argument("--compression", default="none")
+    p.add_argument("--fragments", type=int, default=1)
     args = p.parse_args()
 
     torch.manual_seed(7)
@@ -135,7 +136,8 @@ def main():
     job = limbo.Job(model, opt, dataset=train, batch_size=args.batch_size, epochs=args.epochs,
                     state=state, run_dir=args.run_dir, checkpoint_every_steps=args.checkpoint_every_steps,
                     log_every=10, sync=args.sync, inner_steps=args.inner_steps, compression=args.compression,
-                    max_wait=0, **schedule)
+                    max_wait=0, fragments=args.fragments, mixing=0.5 if args.fragments > 1 else 0.0,
+                    **schedule)
     diloco = args.sync == "diloco"
     logged = [0]
 

@@ -242,6 +242,15 @@ def test_misuse_is_a_clear_exception():
         limbo.Job(nn.Linear(4, 2), torch.optim.SGD(other.parameters(), lr=0.1), dataset=data, batch_size=4)
     with pytest.raises(limbo.InvalidInput, match="batch_size"):
         limbo.Job(other, torch.optim.SGD(other.parameters(), lr=0.1), dataset=data, batch_size=0)
+    # Streaming DiLoCo: fragments that do not divide inner_steps, and a model
+    # with buffers (only parameters are synced).
+    with pytest.raises(limbo.InvalidInput, match="must be a multiple of fragments"):
+        limbo.Job(other, torch.optim.SGD(other.parameters(), lr=0.1), dataset=data, batch_size=4, sync="diloco",
+                  inner_steps=10, fragments=3)
+    bn = nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2))
+    with pytest.raises(limbo.InvalidInput, match="has buffers"):
+        limbo.Job(bn, torch.optim.SGD(bn.parameters(), lr=0.1), dataset=data, batch_size=4, sync="diloco",
+                  inner_steps=10, fragments=2)
 
 
 def test_the_example_trains_fashion_mnist_under_launch(run_dir):
@@ -410,6 +419,22 @@ def test_diloco_members_end_with_the_same_global_weights_and_every_sample_once(r
     s = summary(run_dir)
     # 1024 samples in outer steps of 2 x 4 x 16 = 128: 8 an epoch.
     assert s["sync"] == "diloco" and s["outer_steps"] == 16 and s["inner_steps"] >= 16 * 4, s
+    assert s["test_accuracy"] > 0.5, s
+
+
+def test_diloco_streaming_syncs_fragments_in_turn_and_members_end_identical(run_dir):
+    """fragments=2 (streaming DiLoCo, mixing 0.5) from Python: a step syncs
+    one fragment every 2 batches, in turn; every sample once an epoch and
+    both members with the same global weights."""
+    r = launch(run_dir, 2, ["--optimizer", "adamw", "--sync", "diloco", "--inner-steps", "4", "--fragments", "2",
+                            "--model", "plain"])  # no buffers (refused by streaming)
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_exactly_once(run_dir, 1024, 2)
+    f = finals(run_dir)
+    assert len(f) == 2 and weights_of(f[0]) == weights_of(f[1]), f
+    s = summary(run_dir)
+    # 1024 samples in units of 2 x 2 x 16 = 64: 16 an epoch.
+    assert s["fragments"] == 2 and s["outer_steps"] == 32, s
     assert s["test_accuracy"] > 0.5, s
 
 
