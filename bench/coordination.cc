@@ -38,6 +38,7 @@
 #include "comm/etcd.h"
 #include "comm/kv_store.h"
 #include "comm/store.h"
+#include "common/error.h"
 #include "common/log.h"
 #include "elastic/coordinator.h"
 #include "elastic/member.h"
@@ -140,6 +141,7 @@ struct Row {
   int members = 0;
   double join_s = 0, calls_per_s = 0, poll_ms = 0, coord_cpu = 0, server_cpu = NAN;
   double loss_to_round = NAN, round_to_all = NAN, loss_to_all = NAN;
+  int join_retries = 0, gave_up = 0;  // registrations a slow store failed, and members that never got in
 };
 
 void write_json(const std::string& out, const std::vector<Row>& rows);
@@ -202,7 +204,7 @@ Row run(const std::string& store, int n, int per_host, int losses, double window
   // Members start concurrently, as a job's workers do (16 at a time).
   std::vector<std::unique_ptr<elastic::Member>> members(n);
   const auto t_join = Clock::now();
-  std::atomic<int> next{0}, made{0};
+  std::atomic<int> next{0}, made{0}, join_retries{0}, gave_up{0};
   std::vector<std::thread> starters;
   for (int t = 0; t < std::min(n, 16); ++t)
     starters.emplace_back([&] {
@@ -215,18 +217,36 @@ Row run(const std::string& store, int n, int per_host, int losses, double window
         if (store == "etcd") mo.cut_off_after = std::chrono::seconds(10);
         mo.beats = tables[i / per_host];
         mo.beat_slot = i % per_host;
-        members[i] = std::make_unique<elastic::Member>(shared, mo);
+        // A store slow to answer under load (etcd's 400 ms on a busy
+        // machine) fails a registration with PeerFailure: the member
+        // registers again on a new connection, as a worker its launcher
+        // restarts would, up to 5 times; retries and give-ups are reported.
+        for (int attempt = 1; !members[i]; ++attempt) {
+          try {
+            members[i] = std::make_unique<elastic::Member>(attempt == 1 ? shared : mo.connect(), mo);
+          } catch (const Error& e) {
+            join_retries += 1;
+            if (attempt == 5) {
+              gave_up += 1;
+              std::fprintf(stderr, "%s: member %d not registered after 5 tries: %s\n", store.c_str(), i, e.what());
+              break;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(200 * attempt));
+          }
+        }
+        if (!members[i]) continue;
         if (++made % 100 == 0)
           std::fprintf(stderr, "%s: %d of %d members registered (%.1f s)\n", store.c_str(), made.load(), n,
                        seconds(Clock::now() - t_join));
       }
     });
   for (auto& t : starters) t.join();
+  members.erase(std::remove(members.begin(), members.end(), nullptr), members.end());  // those that gave up
   // Until the first round holds everyone.
   while (true) {
     {
       std::lock_guard<std::mutex> lock(mu);
-      if (static_cast<int>(latest.members.size()) == n) break;
+      if (static_cast<int>(latest.members.size()) == n - gave_up.load()) break;
     }
     if (seconds(Clock::now() - t_join) > 300) {
       std::fprintf(stderr, "%s, %d members: no round with all of them after 300 s\n", store.c_str(), n);
@@ -235,6 +255,11 @@ Row run(const std::string& store, int n, int per_host, int losses, double window
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   row.join_s = seconds(Clock::now() - t_join);
+  row.join_retries = join_retries.load();
+  row.gave_up = gave_up.load();
+  if (row.join_retries > 0)
+    std::fprintf(stderr, "%s, %d members: %d registrations retried, %d given up\n", store.c_str(), n,
+                 row.join_retries, row.gave_up);
 
   // Steady state: the load.
   {
@@ -375,7 +400,8 @@ void write_json(const std::string& out, const std::vector<Row>& rows) {
   if (!out.empty()) {
     nlohmann::json j = nlohmann::json::array();
     for (const auto& x : rows)
-      j.push_back({{"store", x.store}, {"members", x.members}, {"join_s", x.join_s}, {"calls_per_s", x.calls_per_s},
+      j.push_back({{"store", x.store}, {"members", x.members}, {"join_s", x.join_s},
+                   {"join_retries", x.join_retries}, {"gave_up", x.gave_up}, {"calls_per_s", x.calls_per_s},
                    {"poll_ms", x.poll_ms}, {"coordinator_cpu", x.coord_cpu},
                    {"store_cpu", std::isnan(x.server_cpu) ? nlohmann::json() : nlohmann::json(x.server_cpu)},
                    {"loss_to_round_s", x.loss_to_round}, {"round_to_all_s", x.round_to_all},

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <filesystem>
 #include <sstream>
 #include <thread>
 
@@ -537,6 +538,36 @@ TEST(Beats, AStoreThatStopsAnsweringHoldsUpNoBeat) {
   }
   EXPECT_FALSE(m.cut_off());
   *stalled = false;
+}
+
+// This process's threads.
+int thread_count() {
+  int n = 0;
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator("/proc/self/task")) ++n;
+  return n;
+}
+
+// A member that registers with a store that does not answer in time (the
+// etcd benchmark's "did not answer /v3/kv/put within 400 ms" under load)
+// gets the store's error on the calling thread, a limbo::Error the caller
+// can catch and retry on (bench/coordination.cc registers again), and
+// leaves no thread behind; once the store answers, the same registration
+// gets the member into a round.
+TEST(Beats, AMemberRegisteringWithAStalledStoreGetsAnErrorAndLeavesNoThread) {
+  Job job;
+  job.start_coordinator(1);
+  auto stalled = std::make_shared<std::atomic<bool>>(true);
+  MemberOptions mo = job.member_options();
+  mo.connect = [&job, stalled]() -> std::shared_ptr<comm::KvStore> {
+    return std::make_shared<StallingStore>(job.connect(), stalled);
+  };
+  const int before = thread_count();
+  EXPECT_THROW(Member(mo.connect(), mo), Error);
+  EXPECT_EQ(thread_count(), before) << "a failed registration left a thread running";
+  *stalled = false;
+  Member m(mo.connect(), mo);
+  ASSERT_TRUE(eventually([&] { return job.coord->poll().round.members.size() == 1; }));
+  EXPECT_FALSE(m.cut_off());
 }
 
 // Nor does it hold up a relay that looks for a moved coordinator: the
