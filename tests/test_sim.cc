@@ -221,6 +221,43 @@ TEST(ElasticSim, DilocoWithTwoMembersIsARealTwoWorkerJob) {
   EXPECT_NEAR(s["test_loss"].get<double>(), real["test_loss"].get<double>(), 1e-5);
 }
 
+// Streaming DiLoCo (2 fragments, mixing 0.5, no overlap): two virtual
+// members are a real two-worker job's units, to float32 rounding.
+TEST(ElasticSim, StreamingDilocoWithTwoMembersIsARealTwoWorkerJob) {
+  if (!file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) GTEST_SKIP() << "no Fashion-MNIST";
+  auto streaming = kDiloco;
+  streaming.insert(streaming.end(), {"diloco.fragments=2", "diloco.mixing=0.5"});
+  auto s = elastic("0:2", streaming);
+  testing::TempDir d;
+  std::vector<std::string> a = {"launch", "--nproc", "2", "--", "--run-dir", d.file("run")};
+  for (const auto& o : {"model.name=mlp", "model.width=64", "data.train_limit=4000", "data.test_limit=1000",
+                        "train.epochs=1", "train.threads=1", "train.progress=false", "train.eval_every_epochs=0",
+                        "train.checkpoint_every_epochs=0", "diloco.max_wait=0"})
+    a.insert(a.end(), {"--set", o});
+  for (const auto& o : streaming) a.insert(a.end(), {"--set", o});
+  auto r = testing::run_limbo(a);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto real = json::parse(testing::slurp(d.file("run") + "/summary.json"));
+  EXPECT_EQ(s["steps"], real["steps"]);
+  EXPECT_EQ(s["fragments"], 2);
+  EXPECT_NEAR(s["test_loss"].get<double>(), real["test_loss"].get<double>(), 1e-5);
+  // Not plain DiLoCo's run.
+  EXPECT_GT(std::abs(s["test_loss"].get<double>() - elastic("0:2", kDiloco)["test_loss"].get<double>()), 1e-4);
+}
+
+// Streaming with members joining from the schedule (their local weights
+// start from the global ones): every sample once, and it learns.
+TEST(ElasticSim, StreamingDilocoMembersFollowTheSchedule) {
+  auto streaming = kDiloco;
+  streaming.insert(streaming.end(), {"diloco.fragments=2", "diloco.mixing=0.5"});
+  auto s = elastic("0:1,0.5:3", streaming);
+  EXPECT_EQ(s["membership_changes"], 1);
+  EXPECT_EQ(s["samples"], 4000);
+  EXPECT_LT(s["test_loss"].get<double>(), 1.5);  // 2.30 untrained
+  streaming.push_back("diloco.overlap_steps=2");
+  EXPECT_THROW(elastic("0:2", streaming), InvalidInput);
+}
+
 TEST(ElasticSim, DilocoMembersFollowTheSchedule) {
   testing::TempDir d;
   auto s = elastic("0:1,0.5:3", kDiloco, d.file("run"));

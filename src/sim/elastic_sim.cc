@@ -11,6 +11,7 @@
 #include "optim/batch_policy.h"
 #include "optim/lr_schedule.h"
 #include "train/diloco.h"
+#include "train/outer_steps.h"
 #include "train/run_dir.h"
 
 namespace limbo::sim {
@@ -41,7 +42,16 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
   auto& outer = *t.rule_optimizer();
   const auto& train_set = t.data().train;
   const int64_t n = train_set.size();
-  const int64_t b = cfg.loader.batch_size, H = cfg.diloco.inner_steps;
+  // Streaming (diloco.fragments = F > 1): units of H / F inner steps, each
+  // syncing one fragment from every member's local weights, which persist
+  // across units (train/outer_steps.h); members weighted by their samples
+  // since the fragment's last sync; no overlap.
+  const int64_t F = cfg.diloco.fragments, b = cfg.loader.batch_size, H = cfg.diloco.unit_steps();
+  if (cfg.diloco.overlap_steps > 0)
+    throw InvalidInput("the simulator runs streaming DiLoCo without overlap; set diloco.overlap_steps = 0");
+  const auto fragments = train::cut_fragments(flat, F);
+  std::vector<torch::Tensor> local;               // per virtual member (undefined: the global weights)
+  std::vector<std::vector<int64_t>> since_sync;  // per member, per fragment
   optim::LrSchedule schedule(cfg.lr);
   data::Sampler sampler(n, cfg.loader.order, cfg.loader.seed);
   train::RunDir run(opt.run_dir, false);
@@ -66,6 +76,8 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
     }
     last_r = r;
     inner.resize(static_cast<size_t>(r));
+    local.resize(static_cast<size_t>(r));
+    since_sync.resize(static_cast<size_t>(r), std::vector<int64_t>(fragments.size(), 0));
     for (auto& o : inner)
       if (!o) o = std::make_unique<train::OptimizerStep>(optim::make_optimizer(cfg.optimizer), cfg.clip_grad_norm);
     const auto plan = train::plan_outer(cur, owed, n, b * H, r);
@@ -79,7 +91,7 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
       const int64_t lo = plan.offsets[k], hi = plan.offsets[k + 1];
       consumed.push_back(hi - lo);
       if (hi == lo) continue;
-      flat.data().copy_(global);
+      flat.data().copy_(F > 1 && local[k].defined() ? local[k] : global);
       int64_t i = 0;
       for (int64_t at = lo; at < hi; at += b, ++i) {
         std::vector<int64_t> ids;
@@ -96,11 +108,35 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
       // What the weighted all-reduce sums: the member's share times its
       // pseudo-gradient.
       torch::NoGradGuard ng;
-      gsum.add_(global - flat.data(), static_cast<double>(hi - lo) / static_cast<double>(total));
+      if (F > 1) local[k] = flat.data().clone();
+      else gsum.add_(global - flat.data(), static_cast<double>(hi - lo) / static_cast<double>(total));
     }
     grad_seconds += seconds_since(g0);
     flat.data().copy_(global);
-    if (train::finite_step(gsum, loss_sum)) outer.apply(flat.data(), gsum, cfg.diloco.outer_lr);
+    if (F > 1) {
+      torch::NoGradGuard ng;
+      const size_t f = static_cast<size_t>(step % F);
+      const auto [flo, fhi] = fragments[f];
+      double weight_total = 0;
+      for (int k = 0; k < r; ++k) weight_total += static_cast<double>(since_sync[k][f] + consumed[k]);
+      auto piece = torch::zeros({fhi - flo}, torch::kFloat32);
+      for (int k = 0; k < r; ++k) {
+        if (!local[k].defined()) continue;  // a joiner with no share yet: weight 0
+        const double wk = static_cast<double>(since_sync[k][f] + consumed[k]) / weight_total;
+        piece.add_((global.slice(0, flo, fhi) - local[k].slice(0, flo, fhi)) * static_cast<float>(wk));
+      }
+      const bool finite = train::finite_step(piece, loss_sum);
+      if (finite) train::outer_update_slice(outer.optimizer(), flat.data(), piece, flo, fhi, cfg.diloco.outer_lr);
+      const double alpha = finite ? cfg.diloco.mixing : 0.0;
+      for (int k = 0; k < r; ++k) {
+        if (!local[k].defined()) continue;
+        local[k].slice(0, flo, fhi).mul_(alpha).add_(flat.data().slice(0, flo, fhi), 1.0 - alpha);
+        for (auto& x : since_sync[k]) x += consumed[k];
+        since_sync[k][f] = 0;
+      }
+    } else if (train::finite_step(gsum, loss_sum)) {
+      outer.apply(flat.data(), gsum, cfg.diloco.outer_lr);
+    }
     global.copy_(flat.data());
     auto settled = train::settle_outer(plan, consumed, n);
     cur = settled.cursor;
@@ -109,7 +145,8 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
     samples += total;
     last_loss = loss_sum / static_cast<double>(total);
     run.append_metrics({{"kind", "outer"}, {"step", step}, {"epoch", cur.epoch + static_cast<double>(cur.position) / n},
-                        {"samples", total}, {"loss", last_loss}, {"workers", r}});
+                        {"samples", total}, {"loss", last_loss}, {"workers", r},
+                        {"fragment", F > 1 ? (step - 1) % F : 0}});
     if (settled.last_in_epoch) {
       auto e0 = Clock::now();
       ev = t.evaluate_test();
@@ -125,6 +162,7 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
   const double wall = seconds_since(wall0) - eval_seconds;
   json s = {{"mode", "sim-elastic"}, {"sync", "diloco"}, {"steps", step}, {"outer_steps", step},
             {"inner_steps", inner_steps}, {"samples", samples}, {"epochs", cur.epoch},
+            {"fragments", static_cast<int64_t>(fragments.size())},
             {"membership_changes", changes}, {"train_loss", last_loss}, {"batch_policy", "none"},
             {"wall_seconds", wall}, {"gradient_seconds", grad_seconds},
             {"overhead_fraction", grad_seconds > 0 ? (wall - grad_seconds) / grad_seconds : 0.0}};

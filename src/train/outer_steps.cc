@@ -11,10 +11,6 @@
 
 namespace limbo::train {
 
-namespace {
-
-// F contiguous fragments of the flat parameters, cut on parameter
-// boundaries near multiples of numel / F.
 std::vector<std::pair<int64_t, int64_t>> cut_fragments(const optim::FlatParams& flat, int64_t F) {
   const auto& e = flat.entries();
   const int64_t n = flat.numel();
@@ -39,7 +35,24 @@ std::vector<std::pair<int64_t, int64_t>> cut_fragments(const optim::FlatParams& 
   return out;
 }
 
-}  // namespace
+
+void outer_update_slice(optim::Optimizer& opt, torch::Tensor& w, const torch::Tensor& g, int64_t lo, int64_t hi,
+                        double lr) {
+  if (!opt.has_state() && !opt.state_names().empty()) {
+    std::vector<torch::Tensor> zeros;
+    for (size_t i = 0; i < opt.state_names().size(); ++i) zeros.push_back(torch::zeros_like(w));
+    opt.set_state(std::move(zeros), 0);
+  }
+  std::vector<const float*> in;
+  std::vector<float*> out;
+  for (const auto& t : opt.state()) {
+    in.push_back(t.data_ptr<float>() + lo);
+    out.push_back(t.data_ptr<float>() + lo);
+  }
+  float* wp = w.data_ptr<float>() + lo;
+  opt.step_into(wp, wp, g.data_ptr<float>(), in, out, hi - lo, lr);
+}
+
 
 OuterSteps::OuterSteps(Session& session, optim::FlatParams& flat, std::shared_ptr<UpdateRule> rule,
                        std::shared_ptr<OptimizerStep> outer, Options opt)
@@ -463,22 +476,7 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   c.res.loss = g->loss_sum / static_cast<double>(g->total);
   c.res.skipped = !std::isfinite(piece.sum().item<float>());
   auto gw = w.slice(0, lo, hi);
-  if (!c.res.skipped) {
-    auto& opt = outer_->optimizer();
-    if (!opt.has_state() && !opt.state_names().empty()) {
-      std::vector<torch::Tensor> zeros;
-      for (size_t i = 0; i < opt.state_names().size(); ++i) zeros.push_back(torch::zeros_like(w));
-      opt.set_state(std::move(zeros), 0);
-    }
-    std::vector<const float*> in;
-    std::vector<float*> out;
-    for (const auto& t : opt.state()) {
-      in.push_back(t.data_ptr<float>() + lo);
-      out.push_back(t.data_ptr<float>() + lo);
-    }
-    float* wp = w.data_ptr<float>() + lo;
-    opt.step_into(wp, wp, piece.data_ptr<float>(), in, out, hi - lo, opt_.diloco.outer_lr);
-  }
+  if (!c.res.skipped) outer_update_slice(outer_->optimizer(), w, piece, lo, hi, opt_.diloco.outer_lr);
   // The local fragment moves to the global one by the mixing factor (a
   // step that was not finite: to the global one).
   const double alpha = c.res.skipped ? 0.0 : opt_.diloco.mixing;

@@ -58,6 +58,15 @@
 
 namespace limbo::train {
 
+// Streaming's F contiguous fragments [lo, hi) of the flat parameters, cut
+// on parameter boundaries near multiples of numel / F (one: the whole);
+// InvalidInput when F exceeds the parameter tensors.
+std::vector<std::pair<int64_t, int64_t>> cut_fragments(const optim::FlatParams& flat, int64_t F);
+// The outer optimizer's update of w[lo, hi) by the gradient g (hi - lo
+// values, contiguous), its state allocated whole (zeros) at the first.
+void outer_update_slice(optim::Optimizer& opt, torch::Tensor& w, const torch::Tensor& g, int64_t lo, int64_t hi,
+                        double lr);
+
 class OuterSteps {
  public:
   struct Options {
