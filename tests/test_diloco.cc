@@ -80,6 +80,25 @@ std::string final_fingerprint(const std::string& run) {
   return "";
 }
 
+// A run of 3 members whose rank 1 was lost in outer step (unit) 6 of
+// `share` samples a member: every sample once an epoch, the survivors
+// identical, the step redone without it, its share owed and dealt in the
+// next one.
+void expect_lost_member_run(const std::string& run, int64_t share) {
+  SCOPED_TRACE(run);
+  limbo::testing::expect_exactly_once(run, 2, kSamples);
+  limbo::testing::expect_identical_finals(run, 2);
+  const auto s = summary(run);
+  EXPECT_EQ(s["workers"].get<int64_t>(), 2);
+  EXPECT_GE(s["outer_steps_redone"].get<int64_t>(), 1);
+  const auto rec = records(run, "outer");
+  ASSERT_GE(rec.size(), 7u);
+  EXPECT_EQ(rec[5]["step"].get<int64_t>(), 6);
+  EXPECT_EQ(rec[5]["samples"].get<int64_t>(), 2 * share);
+  EXPECT_EQ(rec[5]["owed"].get<int64_t>(), share);
+  EXPECT_EQ(rec[6]["owed"].get<int64_t>(), 0);
+}
+
 }  // namespace
 
 // Owed samples come first; the fresh ones follow from the cursor; shares
@@ -182,7 +201,7 @@ TEST(Diloco, TwoMembersTrainAndEndIdentical) {
   TempDir d;
   const auto run = run_job(d, "run", 2, 2, {});
   const auto s = summary(run);
-  EXPECT_GT(s["test_accuracy"].get<double>(), 0.70) << s.dump();
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.55) << s.dump();  // 0.73-0.79 over seeds 1-3; 0.10 untrained
   limbo::testing::expect_exactly_once(run, 2, kSamples);
   limbo::testing::expect_identical_finals(run, 2);
   // 3000 samples in outer steps of 2 x 10 x 8 = 160: 19 a epoch.
@@ -217,22 +236,9 @@ TEST(Diloco, AMemberLostInItsInnerStepsOrInTheOuterAllReduceIsDroppedAndItsSampl
   const auto a = run_job(d, "inner", 3, 2, die);
   const auto b = run_job(d, "outer", 3, 2, outer);
   const auto c = run_job(d, "frozen", 3, 2, frozen, {"--heartbeat-timeout", "0.4"});
-  for (const auto& run : {a, b, c}) {
-    SCOPED_TRACE(run);
-    limbo::testing::expect_exactly_once(run, 2, kSamples);
-    limbo::testing::expect_identical_finals(run, 2);
-    const auto s = summary(run);
-    EXPECT_EQ(s["workers"].get<int64_t>(), 2);
-    EXPECT_GE(s["outer_steps_redone"].get<int64_t>(), 1);
-    // Outer step 6 committed the survivors' 2 x 80 samples; the lost
-    // member's 80 were owed, then dealt in outer step 7.
-    const auto rec = records(run, "outer");
-    ASSERT_GE(rec.size(), 7u);
-    EXPECT_EQ(rec[5]["step"].get<int64_t>(), 6);
-    EXPECT_EQ(rec[5]["samples"].get<int64_t>(), 160);
-    EXPECT_EQ(rec[5]["owed"].get<int64_t>(), 80);
-    EXPECT_EQ(rec[6]["owed"].get<int64_t>(), 0);
-  }
+  // Outer step 6 committed the survivors' 2 x 80 samples; the lost
+  // member's 80 were owed, then dealt in outer step 7.
+  for (const auto& run : {a, b, c}) expect_lost_member_run(run, 80);
   EXPECT_EQ(final_fingerprint(a), final_fingerprint(b));
   EXPECT_EQ(final_fingerprint(a), final_fingerprint(c));
   EXPECT_FALSE(final_fingerprint(a).empty());
@@ -314,7 +320,7 @@ TEST(Diloco, EightAndFourBitPseudoGradientsOverGloo) {
     limbo::testing::expect_exactly_once(run, 2, kSamples);
     limbo::testing::expect_identical_finals(run, 2);
     const auto s = summary(run);
-    EXPECT_GT(s["test_accuracy"].get<double>(), 0.65) << s.dump();
+    EXPECT_GT(s["test_accuracy"].get<double>(), 0.5) << s.dump();  // int4: 0.75-0.81 over seeds 1-3; 0.10 untrained
     const int64_t n = s["trainable_parameters"].get<int64_t>();
     const int64_t each = (wire == "int8" ? n : (n + 1) / 2) + 4 * ((n + 255) / 256);
     EXPECT_EQ(s["pseudo_gradient_bytes"].get<int64_t>(), each * s["outer_steps"].get<int64_t>());
@@ -368,7 +374,7 @@ TEST(StreamingDiloco, FragmentsSyncInTurnOverlappedAndMembersEndIdentical) {
   TempDir d;
   const auto run = run_job(d, "run", 2, 2, streaming_args());
   const auto s = summary(run);
-  EXPECT_GT(s["test_accuracy"].get<double>(), 0.65) << s.dump();
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.5) << s.dump();  // 0.66-0.82 over seeds 1-3; 0.10 untrained
   limbo::testing::expect_exactly_once(run, 2, kSamples);
   limbo::testing::expect_identical_finals(run, 2);
   // 3000 samples in units of 2 x 5 x 8 = 80: 38 an epoch.
@@ -403,22 +409,9 @@ TEST(StreamingDiloco, AMemberLostInItsInnerStepsOrDuringTheOverlappedSyncIsDropp
   outer.insert(outer.end(), {"--set", "train.testing_die_in_outer=true"});
   const auto a = run_job(d, "inner", 3, 2, die);
   const auto b = run_job(d, "outer", 3, 2, outer);
-  for (const auto& run : {a, b}) {
-    SCOPED_TRACE(run);
-    limbo::testing::expect_exactly_once(run, 2, kSamples);
-    limbo::testing::expect_identical_finals(run, 2);
-    const auto s = summary(run);
-    EXPECT_EQ(s["workers"].get<int64_t>(), 2);
-    EXPECT_GE(s["outer_steps_redone"].get<int64_t>(), 1);
-    // Unit 6 committed the survivors' 2 x 40 samples; the lost member's
-    // 40 were owed, then dealt in unit 7.
-    const auto rec = records(run, "outer");
-    ASSERT_GE(rec.size(), 7u);
-    EXPECT_EQ(rec[5]["step"].get<int64_t>(), 6);
-    EXPECT_EQ(rec[5]["samples"].get<int64_t>(), 80);
-    EXPECT_EQ(rec[5]["owed"].get<int64_t>(), 40);
-    EXPECT_EQ(rec[6]["owed"].get<int64_t>(), 0);
-  }
+  // Unit 6 committed the survivors' 2 x 40 samples; the lost member's 40
+  // were owed, then dealt in unit 7.
+  for (const auto& run : {a, b}) expect_lost_member_run(run, 40);
   EXPECT_GE(summary(b)["inner_steps_undone"].get<int64_t>(), 1);
   EXPECT_EQ(summary(a)["inner_steps_undone"].get<int64_t>(), 0);
   EXPECT_EQ(final_fingerprint(a), final_fingerprint(b));

@@ -435,7 +435,7 @@ def test_diloco_streaming_syncs_fragments_in_turn_and_members_end_identical(run_
     s = summary(run_dir)
     # 1024 samples in units of 2 x 2 x 16 = 64: 16 an epoch.
     assert s["fragments"] == 2 and s["outer_steps"] == 32, s
-    assert s["test_accuracy"] > 0.5, s
+    assert s["test_accuracy"] > 0.5, s  # 0.66 measured; 3 classes, 0.33 untrained
 
 
 @pytest.mark.parametrize("where", ["before_backward", "after_step"])
