@@ -19,6 +19,7 @@
 #include <deque>
 #include <map>
 
+#include "cli/schema.h"
 #include "comm/auth.h"
 #include "comm/compression.h"
 #include "common/error.h"
@@ -79,11 +80,57 @@ T get(const py::dict& d, const char* key, T fallback) {
   return d.contains(key) ? d[key].cast<T>() : fallback;
 }
 
+// Each numeric setting of limbo.Job has the range of the CLI key it
+// stands for (docs/config.md): a value outside it is refused when the job
+// is made, naming the setting, not found mid-training (log_every = 0 was
+// a division by zero after the first step).
+void check_ranges(const py::dict& o) {
+  static const std::pair<const char*, const char*> keys[] = {
+      {"epochs", "train.epochs"},
+      {"max_steps", "train.max_steps"},
+      {"seed", "train.seed"},
+      {"log_every", "train.log_every"},
+      {"accumulate", "train.accumulate"},
+      {"checkpoint_every_epochs", "train.checkpoint_every_epochs"},
+      {"checkpoint_every_steps", "train.checkpoint_every_steps"},
+      {"max_nonfinite_steps", "train.max_nonfinite_steps"},
+      {"clip_grad_norm", "optim.clip_grad_norm"},
+      {"reference_batch", "elastic.reference_batch"},
+      {"ramp_steps", "elastic.ramp_iterations"},
+      {"bucket_mb", "elastic.bucket_mb"},
+      {"collective_timeout", "elastic.collective_timeout"},
+      {"round_timeout", "elastic.round_timeout"},
+      {"inner_steps", "diloco.inner_steps"},
+      {"outer_lr", "diloco.outer_lr"},
+      {"outer_momentum", "diloco.outer_momentum"},
+      {"max_wait", "diloco.max_wait"},
+      {"fragments", "diloco.fragments"},
+      {"mixing", "diloco.mixing"},
+  };
+  Config cfg(cli::train_schema());
+  for (const auto& [name, key] : keys) {
+    if (!o.contains(name)) continue;
+    const KeySpec* spec = cfg.schema().find(key);
+    ConfigValue v;
+    if (spec->type == ValueType::Int) v = o[name].cast<int64_t>();
+    else v = o[name].cast<double>();
+    try {
+      cfg.set(key, v, std::string("limbo.Job's ") + name);
+    } catch (const InvalidInput& e) {
+      const std::string why = e.what();
+      const auto allowed = why.find("allowed: ");
+      throw InvalidInput(std::string(name) + "=" + py::str(o[name]).cast<std::string>() + " is out of range (" +
+                         (allowed == std::string::npos ? why : why.substr(allowed)) + ", as the CLI's " + key + ")");
+    }
+  }
+}
+
 class Core {
  public:
   Core(const Named& params, const Named& buffers, const py::dict& o, py::function pack, py::function unpack,
        py::function step)
       : pack_(std::move(pack)), unpack_(std::move(unpack)), step_(std::move(step)) {
+    check_ranges(o);
     batch_size_ = get<int64_t>(o, "batch_size", 0);
     dataset_size_ = get<int64_t>(o, "dataset_size", 0);
     epochs_ = get<int64_t>(o, "epochs", 1);

@@ -222,6 +222,7 @@ class Job:
             seed=int(seed), order=order, drop_last=self.drop_last, run_dir=run_dir or "", resume=bool(resume),
             clip_grad_norm=float(clip_grad_norm), batch_policy=batch_policy, lr_scaling=lr_scaling,
             reference_batch=int(reference_batch), ramp_steps=int(ramp_steps), log_every=self._log_every,
+            checkpoint_every_epochs=self._checkpoint_epochs, checkpoint_every_steps=self._checkpoint_steps,
             overlap=bool(overlap), bucket_mb=float(bucket_mb), compression=compression,
             shared_memory=bool(shared_memory), hierarchical=bool(hierarchical),
             collective_timeout=float(collective_timeout), round_timeout=float(round_timeout),

@@ -42,7 +42,13 @@ struct AdamScalars {
 };
 
 // One pass over memory: reads w, g, m and v once and writes w, m and v once.
-// Outputs may be the inputs (in place).
+// Outputs may be the inputs (in place). This file is compiled with
+// -fno-math-errno (CMakeLists.txt): with errno the compiler keeps the
+// square root scalar (errno for a negative argument, which v >= 0 never
+// is) and the loop is not vectorised, 3.7x slower on 10M parameters here
+// (24 ms against 6.5 ms a step). The vector square root and division are
+// correctly rounded, as the scalar ones are: the result is the same bit
+// for bit.
 template <bool First, bool Decoupled>
 __attribute__((optimize("O3"))) uint32_t adam_pass(const UpdateSlice& s, AdamScalars k) {
   uint32_t bits = 0;

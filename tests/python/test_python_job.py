@@ -253,6 +253,34 @@ def test_misuse_is_a_clear_exception():
                   inner_steps=10, fragments=2)
 
 
+
+@pytest.mark.parametrize("option,value", [
+    ("log_every", 0), ("log_every", -5), ("max_steps", -1), ("epochs", 0), ("accumulate", 0),
+    ("checkpoint_every_epochs", -1), ("checkpoint_every_steps", -1), ("max_nonfinite_steps", -1),
+    ("reference_batch", -1), ("ramp_steps", -1), ("clip_grad_norm", -1.0), ("clip_grad_norm", float("nan")),
+    ("bucket_mb", -1.0), ("collective_timeout", 0.0), ("round_timeout", 0.5), ("inner_steps", 0),
+    ("outer_lr", -0.1), ("outer_momentum", 1.5), ("max_wait", -1.0), ("fragments", 0), ("mixing", 2.0),
+    ("seed", -1)])
+def test_a_setting_out_of_range_is_refused_when_the_job_is_made(option, value):
+    """Each numeric setting has the range of its CLI key: a value outside it
+    is an InvalidInput naming the setting when limbo.Job is made, never a
+    crash mid-training (log_every=0 divided by zero after the first step)."""
+    import torch.nn as nn
+    model = nn.Linear(4, 2)
+    data = [(torch.randn(4), 0)] * 8
+    extra = {"sync": "diloco", "inner_steps": 2} if option in ("outer_lr", "outer_momentum", "max_wait", "fragments",
+                                                               "mixing") else {}
+    extra[option] = value
+    with tempfile.TemporaryDirectory() as d:
+        with pytest.raises(limbo.InvalidInput, match=option + "="):
+            job = limbo.Job(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset=data, batch_size=4,
+                            run_dir=d, **extra)
+            for xb, yb in job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler)):
+                job.backward(model(xb).sum())
+                job.step()
+            job.finish()
+
+
 def test_the_example_trains_fashion_mnist_under_launch(run_dir):
     if not os.path.exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"):
         pytest.skip("dataset-fashion-mnist is not installed")
