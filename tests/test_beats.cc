@@ -155,6 +155,86 @@ std::string sealed(const std::string& body, const std::string& key) {
   return body + "\nmac " + mac;
 }
 
+// A poll reads what changed since the last one, not the whole table: each
+// worker whose beat advanced once, with its latest beat; a beat that does
+// not advance (a replayed, older counter) is no change.
+TEST(Beats, APollTakesOnlyTheBeatsThatAdvancedSinceTheLast) {
+  BeatTable t;
+  const auto now = Clock::now();
+  t.note(1, 1, now);
+  t.note(2, 1, now);
+  t.note(1, 2, now);
+  auto c = t.take_changes();
+  ASSERT_EQ(c.size(), 2u);
+  std::map<int64_t, int64_t> got;
+  for (auto& [id, s] : c) got[id] = s.counter;
+  EXPECT_EQ(got, (std::map<int64_t, int64_t>{{1, 2}, {2, 1}}));
+  EXPECT_TRUE(t.take_changes().empty());
+  t.note(2, 1, now);  // not newer
+  t.note(1, 1, now);  // older
+  EXPECT_TRUE(t.take_changes().empty());
+  t.note(2, 5, now);
+  c = t.take_changes();
+  ASSERT_EQ(c.size(), 1u);
+  EXPECT_EQ(c[0].first, 2);
+  EXPECT_EQ(c[0].second.counter, 5);
+  EXPECT_EQ(t.size(), 2u);
+}
+
+// Workers not heard from for the table's forget time are dropped, the
+// oldest first, as other beats arrive (the table does not grow with every
+// worker a long job ever had); one still queued as a change is kept until
+// it was taken.
+TEST(Beats, TheTableForgetsWorkersSilentForItsForgetTime) {
+  BeatTable t(100ms);
+  const auto now = Clock::now();
+  for (int id = 1; id <= 50; ++id) t.note(id, 1, now);
+  t.take_changes();
+  std::this_thread::sleep_for(150ms);
+  t.note(100, 1, Clock::now());
+  EXPECT_EQ(t.size(), 1u);
+  EXPECT_EQ(t.read().count(100), 1u);
+  // Heard again after it was forgotten: a change, from any counter.
+  t.note(7, 1, Clock::now());
+  auto c = t.take_changes();
+  EXPECT_EQ(c.size(), 2u);
+}
+
+// Found in review: beyond 4,096 senders the listener rescanned all of them
+// on every datagram (O(n) a datagram at 10,000 members). Senders gone for
+// the forget time are now dropped the oldest first; the replay check holds
+// for those kept.
+TEST(Beats, TheListenerForgetsSilentSendersOldestFirstAndStillRefusesReplays) {
+  BeatListener listener("127.0.0.1", "127.0.0.1", kSecret);
+  listener.testing_forget_senders(200ms, 8);
+  const std::string addr = listener.address();
+  const std::string nonce = addr.substr(addr.find(' ') + 1);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(addr.find(':') + 1))));
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
+  ASSERT_GE(fd, 0);
+  auto send = [&](const std::string& sender, int64_t seq, int64_t id) {
+    const std::string msg = sealed("LB1 " + nonce + " " + sender + " " + std::to_string(seq) + "\n" +
+                                   std::to_string(id) + " " + std::to_string(seq) + " 0", kSecret);
+    ::sendto(fd, msg.data(), msg.size(), 0, reinterpret_cast<sockaddr*>(&to), sizeof to);
+  };
+  for (int i = 0; i < 40; ++i) send("old" + std::to_string(i), 1, 100 + i);
+  ASSERT_TRUE(eventually([&] { return listener.senders() == 40u; }));
+  std::this_thread::sleep_for(300ms);
+  // A live sender's datagrams drop the silent ones at the front of the
+  // order until the cap (8) is reached.
+  for (int k = 1; k <= 45; ++k) send("live", k, 1);
+  ASSERT_TRUE(eventually([&] { return listener.table()->read().count(1) && listener.table()->read().at(1).counter == 45; }));
+  EXPECT_EQ(listener.senders(), 8u);
+  // The live sender's numbers are still held: a replay is refused.
+  const int64_t refused = listener.refused();
+  send("live", 45, 1);
+  ASSERT_TRUE(eventually([&] { return listener.refused() == refused + 1; }, 1000ms));
+  ::close(fd);
+}
+
 // Found: an acknowledgement counted whenever its number was not above the
 // sender's current one and it named the sender, not the listener: one
 // recorded acknowledgement, replayed, kept a relay "acknowledged" for ever

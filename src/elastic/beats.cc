@@ -234,15 +234,54 @@ int64_t LocalBeats::acked_ns() const { return s_->acked_ns.load(); }
 
 void BeatTable::note(int64_t id, int64_t counter, Time at) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto& s = seen_[id];
-  if (counter <= s.counter) return;
-  s = {counter, at};
-  last_ = std::chrono::steady_clock::now();
+  auto [it, fresh] = seen_.try_emplace(id);
+  Held& h = it->second;
+  if (!fresh && counter <= h.seen.counter) return;
+  h.seen = {counter, at};
+  const auto now = std::chrono::steady_clock::now();
+  h.arrived = last_ = now;
+  if (fresh) {
+    h.pos = order_.insert(order_.end(), id);
+  } else {
+    order_.splice(order_.end(), order_, h.pos);
+  }
+  if (!h.changed) {
+    h.changed = true;
+    changed_.push_back(id);
+  }
+  // Workers not heard from for forget_after_, the oldest first: at most
+  // one a beat beyond the first (amortised O(1)).
+  while (!order_.empty() && order_.front() != id) {
+    auto old = seen_.find(order_.front());
+    if (now - old->second.arrived <= forget_after_ || old->second.changed) break;
+    seen_.erase(old);
+    order_.pop_front();
+  }
+}
+
+std::vector<std::pair<int64_t, BeatTable::Seen>> BeatTable::take_changes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<int64_t, Seen>> out;
+  out.reserve(changed_.size());
+  for (int64_t id : changed_) {
+    auto& h = seen_.at(id);
+    h.changed = false;
+    out.emplace_back(id, h.seen);
+  }
+  changed_.clear();
+  return out;
 }
 
 std::map<int64_t, BeatTable::Seen> BeatTable::read() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return seen_;
+  std::map<int64_t, Seen> out;
+  for (const auto& [id, h] : seen_) out.emplace(id, h.seen);
+  return out;
+}
+
+size_t BeatTable::size() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seen_.size();
 }
 
 BeatTable::Time BeatTable::last_arrival() const {
@@ -320,21 +359,34 @@ void BeatListener::take(const char* data, size_t len, const void* from, unsigned
     std::istringstream head(std::string(data, std::min<size_t>(len, 96)));
     if (!(head >> magic >> coord >> sender >> seq) || magic != "LB1" || coord != nonce_) return void(++refused_);
   }
-  if (auto known = senders_.find(sender); known != senders_.end() && seq <= known->second.first)
+  if (auto known = senders_.find(sender); known != senders_.end() && seq <= known->second.seq)
     return void(++refused_);
   std::string body;
   if (!unseal(token_, std::string(data, len), &body)) return void(++refused_);
   std::istringstream in(body);
   if (!(in >> magic >> coord >> sender >> seq) || magic != "LB1" || coord != nonce_) return void(++refused_);
-  auto& last = senders_[sender];
-  if (seq <= last.first) return void(++refused_);
-  last = {seq, now};
+  auto [known, fresh] = senders_.try_emplace(sender);
+  Sender& last = known->second;
+  if (!fresh && seq <= last.seq) return void(++refused_);
+  last.seq = seq;
+  last.at = now;
+  if (fresh) last.pos = sender_order_.insert(sender_order_.end(), sender);
+  else sender_order_.splice(sender_order_.end(), sender_order_, last.pos);
   int64_t id = 0, counter = 0, age_us = 0;
   while (in >> id >> counter >> age_us)
     table_->note(id, counter, now - std::chrono::microseconds(std::max<int64_t>(0, age_us)));
-  if (senders_.size() > 4096)  // senders gone for a minute (workers restarted) are forgotten
-    for (auto it = senders_.begin(); it != senders_.end();)
-      it = now - it->second.second > std::chrono::minutes(1) ? senders_.erase(it) : std::next(it);
+  // Beyond forget_cap_ senders, those gone for forget_after_ (workers
+  // restarted under new nonces) are forgotten, the oldest first: a look at
+  // the front of the order, not a scan, so a datagram costs the same at
+  // 10,000 members as at 10.
+  const auto forget = forget_after_.load();
+  while (senders_.size() > forget_cap_.load() && sender_order_.front() != sender) {
+    auto old = senders_.find(sender_order_.front());
+    if (now - old->second.at <= forget) break;
+    senders_.erase(old);
+    sender_order_.pop_front();
+  }
+  senders_held_ = senders_.size();
   const std::string ack = seal(token_, "LA2 " + nonce_ + " " + sender + " " + std::to_string(seq));
   ::sendto(fd_, ack.data(), ack.size(), MSG_DONTWAIT, static_cast<const sockaddr*>(from), from_len);
 }

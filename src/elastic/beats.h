@@ -41,11 +41,13 @@
 #include <chrono>
 #include <condition_variable>
 #include <functional>
+#include <list>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "comm/kv_store.h"
@@ -108,6 +110,13 @@ class LocalBeats {
 
 // The listener's view: each worker's highest counter and when that beat was
 // made (on this process's steady clock).
+//
+// The coordinator polls every 20 ms; what a poll reads is what changed
+// since the last (take_changes), so its cost grows with the beats that
+// arrived, not with the members there are, and nothing is copied whole.
+// A worker not heard from for forget_after is forgotten (oldest first, O(1)
+// a beat): a later beat of it counts as new, and the coordinator keeps
+// only counters higher than its own (a replayed old one changes nothing).
 class BeatTable {
  public:
   using Time = std::chrono::steady_clock::time_point;
@@ -115,15 +124,31 @@ class BeatTable {
     int64_t counter = 0;
     Time at{};
   };
+  explicit BeatTable(std::chrono::steady_clock::duration forget_after = std::chrono::minutes(10))
+      : forget_after_(forget_after) {}
   // Keeps the beat if its counter is higher than the one held.
   void note(int64_t id, int64_t counter, Time at);
+  // The workers whose beat advanced since the last call, each once with
+  // its latest beat (the coordinator's poll).
+  std::vector<std::pair<int64_t, Seen>> take_changes();
+  // Every worker held, copied (tests, tools; a poll uses take_changes).
   std::map<int64_t, Seen> read() const;
+  size_t size() const;
   // When a beat last advanced a counter; Time{} before any.
   Time last_arrival() const;
 
  private:
+  struct Held {
+    Seen seen;
+    Time arrived{};  // when it last advanced (on this process's clock)
+    bool changed = false;
+    std::list<int64_t>::iterator pos;  // in order_
+  };
   mutable std::mutex mu_;
-  std::map<int64_t, Seen> seen_;
+  std::chrono::steady_clock::duration forget_after_;
+  std::unordered_map<int64_t, Held> seen_;
+  std::list<int64_t> order_;  // by last advance, the oldest first
+  std::vector<int64_t> changed_;
   Time last_{};
 };
 
@@ -142,6 +167,14 @@ class BeatListener {
   // Datagrams refused (bad MAC, another coordinator's nonce, a replayed or
   // malformed one) since the start.
   int64_t refused() const { return refused_.load(); }
+  // Senders whose last datagram number is held (for the replay check).
+  size_t senders() const { return senders_held_.load(); }
+  // Testing aid: forget senders silent for `after` once more than `cap`
+  // are held (default: a minute, 4096).
+  void testing_forget_senders(std::chrono::steady_clock::duration after, size_t cap) {
+    forget_after_ = after;
+    forget_cap_ = cap;
+  }
 
  private:
   void loop();
@@ -149,7 +182,20 @@ class BeatListener {
   int fd_ = -1;
   std::string token_, nonce_, address_;
   std::shared_ptr<BeatTable> table_ = std::make_shared<BeatTable>();
-  std::map<std::string, std::pair<int64_t, std::chrono::steady_clock::time_point>> senders_;  // nonce -> last seq
+  // Each sender's last datagram number and when it came, by nonce; the
+  // order of their last datagrams, the oldest first, so that pruning senders
+  // gone for forget_after_ looks only at the oldest (O(1) a datagram, not a
+  // scan of the map).
+  struct Sender {
+    int64_t seq = 0;
+    std::chrono::steady_clock::time_point at{};
+    std::list<std::string>::iterator pos;
+  };
+  std::unordered_map<std::string, Sender> senders_;
+  std::list<std::string> sender_order_;
+  std::atomic<size_t> senders_held_{0};
+  std::atomic<std::chrono::steady_clock::duration> forget_after_{std::chrono::minutes(1)};
+  std::atomic<size_t> forget_cap_{4096};
   std::atomic<int64_t> refused_{0};
   std::atomic<bool> stop_{false};
   std::thread thread_;

@@ -22,6 +22,9 @@ std::vector<int64_t> parse_members(const std::string& s) {
 Coordinator::Coordinator(std::shared_ptr<comm::KvStore> store, CoordinatorOptions opt,
                          std::shared_ptr<BeatTable> beats, Clock clock)
     : store_(std::move(store)), opt_(opt), clock_(std::move(clock)), beats_(std::move(beats)) {
+  // What the table holds already (a table an earlier coordinator of this
+  // process read); from here on only its changes.
+  for (const auto& [id, beat] : beats_->read()) seen_[id] = beat;
   // Members beat four times per timeout (read once when they register).
   store_->set("elastic/heartbeat_interval_ms", std::to_string(std::max<int64_t>(10, opt_.heartbeat_timeout.count() / 4)));
   store_->set("elastic/heartbeat_timeout_ms", std::to_string(opt_.heartbeat_timeout.count()));
@@ -137,7 +140,11 @@ Coordinator::Result Coordinator::poll() {
 // fresh timeout.
 Coordinator::Liveness Coordinator::liveness(Time now, bool ending) {
   Liveness l;
-  const auto seen = beats_->read();
+  for (const auto& [id, beat] : beats_->take_changes()) {
+    auto& s = seen_[id];
+    if (beat.counter > s.counter) s = beat;  // (a worker the table forgot and heard again: only newer counts)
+  }
+  const auto& seen = seen_;
   const auto real_now = std::chrono::steady_clock::now();
   auto beat_of = [&](int64_t id) {
     auto it = seen.find(id);

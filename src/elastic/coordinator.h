@@ -40,6 +40,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "comm/kv_store.h"
@@ -129,6 +130,9 @@ class Coordinator {
   int64_t revision_ = 0;
   std::set<int64_t> joined_, left_keys_, dead_keys_;
   std::shared_ptr<BeatTable> beats_;
+  // Each worker's latest beat in the table, kept up from its changes at
+  // each poll (BeatTable::take_changes: no copy of the whole table).
+  std::unordered_map<int64_t, BeatTable::Seen> seen_;
   // Each member's last beat as this coordinator dated it: counter, time.
   std::map<int64_t, std::pair<int64_t, std::chrono::steady_clock::time_point>> heartbeats_;
   std::set<int64_t> marked_silent_;  // `silent/<id>` written
