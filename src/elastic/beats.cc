@@ -34,7 +34,7 @@ constexpr uint64_t kTableMagic = 0x32746165426f626cULL;  // "lboBeat2"
 // bytes each (three int64 numbers), a header and a MAC: anything longer is
 // refused from a peek at its length, so a flood that carries the
 // listener's nonce costs a MAC over at most this much.
-constexpr int kEntriesPerDatagram = 200;
+constexpr int kEntriesPerDatagram = kBeatsPerDatagram;
 constexpr size_t kMaxBeatDatagram = kEntriesPerDatagram * 64 + 512;
 
 std::string to_hex(const std::string& bytes) {
@@ -468,15 +468,21 @@ bool BeatSender::take_resolved() {
   return true;
 }
 
+std::string beat_datagram(const std::string& token, const std::string& coord_nonce, const std::string& sender_nonce,
+                          int64_t seq, const LocalBeats::Entry* entries, size_t count, int64_t now_ns) {
+  std::string body = "LB1 " + coord_nonce + " " + sender_nonce + " " + std::to_string(seq);
+  for (size_t i = 0; i < std::min<size_t>(count, kEntriesPerDatagram); ++i) {
+    const auto& e = entries[i];
+    body += "\n" + std::to_string(e.id) + " " + std::to_string(e.counter) + " " +
+            std::to_string(std::max<int64_t>(0, (now_ns - e.beat_ns) / 1000));
+  }
+  return seal(token, body);
+}
+
 void BeatSender::send(const std::vector<LocalBeats::Entry>& entries, int64_t now) {
   for (size_t first = 0; first < entries.size(); first += kEntriesPerDatagram) {
-    std::string body = "LB1 " + coord_nonce_ + " " + nonce_ + " " + std::to_string(++seq_);
-    for (size_t i = first; i < std::min(entries.size(), first + kEntriesPerDatagram); ++i) {
-      const auto& e = entries[i];
-      body += "\n" + std::to_string(e.id) + " " + std::to_string(e.counter) + " " +
-              std::to_string(std::max<int64_t>(0, (now - e.beat_ns) / 1000));
-    }
-    const std::string msg = seal(opt_.token, body);
+    const std::string msg = beat_datagram(opt_.token, coord_nonce_, nonce_, ++seq_, entries.data() + first,
+                                          entries.size() - first, now);
     ::send(fd_, msg.data(), msg.size(), MSG_DONTWAIT);  // a full buffer or a refusal: the next interval tries again
   }
 }

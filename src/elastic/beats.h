@@ -108,6 +108,13 @@ class LocalBeats {
   std::vector<bool> used_;
 };
 
+// One datagram of the beat protocol (the listener's nonce, the sender's
+// nonce and number, each entry's id, counter and age at `now_ns`, sealed
+// with `token`): what a BeatSender sends, at most 200 entries a datagram.
+std::string beat_datagram(const std::string& token, const std::string& coord_nonce, const std::string& sender_nonce,
+                          int64_t seq, const LocalBeats::Entry* entries, size_t count, int64_t now_ns);
+inline constexpr int kBeatsPerDatagram = 200;
+
 // The listener's view: each worker's highest counter and when that beat was
 // made (on this process's steady clock).
 //
