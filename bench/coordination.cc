@@ -32,7 +32,7 @@
 // machine).
 //
 // usage: limbo_bench_coordination [--members 1000,2000] [--store both|embedded|etcd]
-//        [--losses 3] [--window 3] [--per-host 8] [--real 16] [--threads 3]
+//        [--watch host|member] [--losses 3] [--window 3] [--per-host 8] [--real 16] [--threads 3]
 //        [--heartbeat-timeout 0.4] [--etcd-data DIR] [--json FILE]
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -69,6 +69,7 @@
 #include "common/log.h"
 #include "elastic/beats.h"
 #include "elastic/coordinator.h"
+#include "elastic/event_relay.h"
 #include "elastic/member.h"
 
 using namespace limbo;
@@ -266,7 +267,7 @@ int coordinator(const std::string& spec, int n, int hb_ms) {
 // --member STORE: one real member, its host's table relayed by a relay of
 // its own. Prints "id I", then "seen K T" for each round it learns of,
 // and "calls N" once a second.
-int member(const std::string& spec, int hb_ms) {
+int member(const std::string& spec, int hb_ms, bool relay_events) {
   const auto t = std::chrono::milliseconds(std::max(hb_ms, 1000));
   auto table = elastic::LocalBeats::in_process();
   const bool etcd = comm::is_etcd_url(spec);
@@ -286,7 +287,13 @@ int member(const std::string& spec, int hb_ms) {
   say("ready");
   char go[8];
   if (::read(0, go, 3) <= 0) return 0;
-  elastic::BeatSender relay(table, bo);  // (a launcher's relay runs before its workers start)
+  // A launcher's relays run before its workers start.
+  elastic::BeatSender relay(table, bo);
+  std::unique_ptr<elastic::EventRelay> events;
+  if (relay_events)
+    events = std::make_unique<elastic::EventRelay>(
+        table, [&] { return counted(spec, t + std::chrono::milliseconds(etcd ? 1000 : 500)); },
+        std::chrono::milliseconds(etcd ? 1000 : 500));
   std::unique_ptr<elastic::Member> m;
   for (int attempt = 1; !m; ++attempt) {
     try {
@@ -324,13 +331,14 @@ int member(const std::string& spec, int hb_ms) {
 // ---------- simulated hosts ----------
 
 struct SimHost {
-  std::vector<int64_t> ids;             // its members (registered)
-  std::vector<int64_t> counters;        // their beat counters
-  std::string nonce;                    // its relay's
+  std::vector<int64_t> ids;       // its members (registered)
+  std::vector<int64_t> counters;  // their beat counters
+  std::string nonce;              // its relay's
   int64_t seq = 0;
-  std::vector<int64_t> watched;         // each member's last event seen
+  // The watchers of the event log: its event relay (one), or each member.
+  std::vector<int64_t> watched;    // the last event each has seen
   std::vector<int> quiet;
-  std::vector<double> next_watch;       // monotonic seconds
+  std::vector<double> next_watch;  // monotonic seconds
   std::atomic<bool> registered{false};
 };
 
@@ -378,6 +386,7 @@ struct Row {
 };
 
 struct Options {
+  std::string watch = "host";  // who watches the event log: each host's relay, or each member
   int per_host = 8, real = 16, threads = 3, losses = 3;
   double window = 3;
   int hb_ms = 400;
@@ -388,7 +397,9 @@ Row run(const std::string& store, const std::string& spec, pid_t store_pid, int 
   row.store = store;
   row.members = n;
   const bool etcd = store == "etcd";
-  const double watch_wait = etcd ? 1.0 : 0.2;
+  // A watch's parked wait: the relay's (elastic/launcher.cc) or a member's
+  // own (elastic/join.cc, Member's default).
+  const double watch_wait = o.watch == "host" ? (etcd ? 1.0 : 0.5) : (etcd ? 1.0 : 0.2);
   const double beat_interval = std::max(10, o.hb_ms / 4) / 1000.0;
   const auto call_timeout = std::chrono::milliseconds(std::max(o.hb_ms, 1000));
   const int real = std::min(o.real, n);
@@ -471,7 +482,8 @@ Row run(const std::string& store, const std::string& spec, pid_t store_pid, int 
   // The real members' processes, loaded before the clock starts.
   std::vector<int> ready(real, 0);
   for (int i = 0; i < real; ++i)
-    reals.push_back(std::make_unique<Child>(std::vector<std::string>{"--member", spec, std::to_string(o.hb_ms)}));
+    reals.push_back(
+        std::make_unique<Child>(std::vector<std::string>{"--member", spec, std::to_string(o.hb_ms), o.watch}));
   for (int waited = 0; std::count(ready.begin(), ready.end(), 1) < real && waited < 6000; ++waited) {
     for (int i = 0; i < real; ++i)
       for (auto& l : reals[i]->lines()) ready[i] = ready[i] || l == "ready";
@@ -527,9 +539,11 @@ Row run(const std::string& store, const std::string& spec, pid_t store_pid, int 
             });
             host.ids.push_back(id);
             host.counters.push_back(0);
-            host.watched.push_back(seen);
-            host.quiet.push_back(0);
-            host.next_watch.push_back(mono_s() + watch_wait);
+            if (o.watch == "member" || host.watched.empty()) {
+              host.watched.push_back(seen);
+              host.quiet.push_back(0);
+              host.next_watch.push_back(mono_s() + watch_wait);
+            }
           }
         } catch (const std::exception& e) {
           std::fprintf(stderr, "%s: a simulated host's registration failed: %s\n", store.c_str(), e.what());
@@ -540,15 +554,18 @@ Row run(const std::string& store, const std::string& spec, pid_t store_pid, int 
           std::fprintf(stderr, "%s: %d of %d members registered (%.1f s)\n", store.c_str(), registered.load(), n,
                        mono_s() - t0);
       }
-      // The watches of this thread's hosts' members: the calls of
-      // Member::watch_loop at the rate of its parked wait's expiry.
+      // The watches of the event log: the calls of EventRelay::loop (one a
+      // host) or of Member::watch_loop (one a member), at the rate of their
+      // parked wait's expiry. Each wait is the real client's wait_for with
+      // a 1 ms timeout: on etcd a new watch on its own connection, as a
+      // real one, on the embedded store a parked wait that expires.
       while (!stop) {
         const double now = mono_s();
         double next = now + 0.05;
         for (int h = t; h < hosts && !stop; h += o.threads) {
           SimHost& host = *sim[h];
           if (!host.registered) continue;
-          for (size_t w = 0; w < host.ids.size() && !stop; ++w) {
+          for (size_t w = 0; w < host.watched.size() && !stop; ++w) {
             if (host.next_watch[w] > now) {
               next = std::min(next, host.next_watch[w]);
               continue;
@@ -556,15 +573,18 @@ Row run(const std::string& store, const std::string& spec, pid_t store_pid, int 
             try {
               store_call([&](comm::KvStore& k) {
                 const std::string key = "elastic/event/" + std::to_string(host.watched[w] + 1);
-                if (k.try_get(key)) {
+                if (k.wait_for(key, std::chrono::milliseconds(1))) {
+                  k.try_get(key);
                   ++host.watched[w];
                   host.quiet[w] = 0;
                   host.next_watch[w] = now;  // the next event at once
                 } else {
+                  const bool relay = o.watch == "host";
+                  if (relay) k.try_get("elastic/done");
                   if (++host.quiet[w] % 5 == 0) {
                     k.try_get("elastic/round");
                     k.try_get("elastic/abort");
-                    k.try_get("elastic/done");
+                    if (!relay) k.try_get("elastic/done");
                   }
                   host.next_watch[w] = now + watch_wait;
                 }
@@ -723,7 +743,7 @@ void write_json(const std::string& out, const std::vector<Row>& rows, const Opti
   auto num = [](double x) { return std::isnan(x) ? nlohmann::json() : nlohmann::json(x); };
   for (const auto& x : rows)
     j.push_back({{"store", x.store}, {"members", x.members}, {"real_members", x.real},
-                 {"per_host", o.per_host}, {"heartbeat_timeout_s", o.hb_ms / 1000.0}, {"join_s", num(x.join_s)},
+                 {"per_host", o.per_host}, {"watch", o.watch}, {"heartbeat_timeout_s", o.hb_ms / 1000.0}, {"join_s", num(x.join_s)},
                  {"calls_per_s", x.calls_per_s}, {"poll_ms", num(x.poll_ms)}, {"coordinator_cpu", x.coord_cpu},
                  {"store_cpu", x.store_cpu}, {"driver_cpu", x.driver_cpu}, {"real_members_cpu", x.real_cpu},
                  {"loss_to_round_s", num(x.loss_to_round)}, {"round_to_all_s", num(x.round_to_all)},
@@ -740,14 +760,15 @@ int main(int argc, char** argv) {
   if (argc >= 2 && std::string(argv[1]) == "--serve-store") return serve_store();
   if (argc >= 5 && std::string(argv[1]) == "--coordinator")
     return coordinator(argv[2], std::atoi(argv[3]), std::atoi(argv[4]));
-  if (argc >= 4 && std::string(argv[1]) == "--member") return member(argv[2], std::atoi(argv[3]));
+  if (argc >= 5 && std::string(argv[1]) == "--member")
+    return member(argv[2], std::atoi(argv[3]), std::string(argv[4]) == "host");
 
   bench::BenchArgs args(argc, argv,
-                        "[--members 1000,2000] [--store both|embedded|etcd] [--losses 3] [--window 3] "
-                        "[--per-host 8] [--real 16] [--threads 3] [--heartbeat-timeout 0.4] [--etcd-data DIR] "
-                        "[--json FILE]",
-                        {"--members", "--store", "--losses", "--per-host", "--real", "--threads", "--window",
-                         "--heartbeat-timeout", "--etcd-data", "--json"});
+                        "[--members 1000,2000] [--store both|embedded|etcd] [--watch host|member] [--losses 3] "
+                        "[--window 3] [--per-host 8] [--real 16] [--threads 3] [--heartbeat-timeout 0.4] "
+                        "[--etcd-data DIR] [--json FILE]",
+                        {"--members", "--store", "--watch", "--losses", "--per-host", "--real", "--threads",
+                         "--window", "--heartbeat-timeout", "--etcd-data", "--json"});
   std::vector<int> sizes;
   for (double m : args.numbers("--members", {1000, 2000})) sizes.push_back(static_cast<int>(m));
   const std::string which = args.text("--store", "both");
@@ -756,6 +777,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   Options o;
+  o.watch = args.text("--watch", "host");
+  if (o.watch != "host" && o.watch != "member") {
+    std::fprintf(stderr, "--watch must be host (each host's event relay) or member (each member its own)\n");
+    return 2;
+  }
   o.losses = static_cast<int>(args.integer("--losses", 3));
   o.per_host = static_cast<int>(args.integer("--per-host", 8));
   o.real = static_cast<int>(args.integer("--real", 16));

@@ -659,7 +659,6 @@ class Core {
   void attach_grads(bool keep) {
     torch::NoGradGuard no_grad;
     auto& ps = const_cast<std::vector<torch::Tensor>&>(flat_->parameters());
-    const auto& es = flat_->entries();
     for (size_t i = 0; i < ps.size(); ++i) {
       const auto& view = flat_->grad_views()[i];
       auto& g = ps[i].mutable_grad();

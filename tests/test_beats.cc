@@ -17,6 +17,7 @@
 #include "comm/kv_store.h"
 #include "comm/store.h"
 #include "elastic/beats.h"
+#include "elastic/event_relay.h"
 #include "elastic/coordinator.h"
 #include "elastic/member.h"
 
@@ -542,6 +543,104 @@ TEST(Beats, AMemberWhoseTableIsNotRelayedSendsItsOwnBeats) {
   EXPECT_FALSE(m.cut_off());
   const auto r = job.coord->poll();
   EXPECT_EQ(r.alive, 1);
+}
+
+// Counts the calls of its clients that wait in the store (a watch).
+class CountingWaits : public comm::KvStore {
+ public:
+  CountingWaits(std::shared_ptr<comm::KvStore> inner, std::shared_ptr<std::atomic<int>> waits)
+      : inner_(std::move(inner)), waits_(std::move(waits)) {}
+  void set(const std::string& k, const std::string& v) override { inner_->set(k, v); }
+  std::optional<std::string> try_get(const std::string& k) override { return inner_->try_get(k); }
+  int64_t add(const std::string& k, int64_t d) override { return inner_->add(k, d); }
+  bool wait_for(const std::string& k, std::chrono::milliseconds t) override {
+    ++*waits_;
+    return inner_->wait_for(k, t);
+  }
+  std::vector<std::pair<std::string, std::string>> list(const std::string& p) override { return inner_->list(p); }
+  std::string compare_set(const std::string& k, const std::string& e, const std::string& v) override {
+    return inner_->compare_set(k, e, v);
+  }
+  bool erase(const std::string& k) override { return inner_->erase(k); }
+
+ private:
+  std::shared_ptr<comm::KvStore> inner_;
+  std::shared_ptr<std::atomic<int>> waits_;
+};
+
+// The launcher's one watch of the event log stands for its workers': the
+// newest round and abort and `elastic/done` land in the host's table, and
+// a worker waiting on it is woken when they do (long before its wait's
+// timeout).
+TEST(EventRelay, TheEventLogReachesTheHostsTableAndWakesItsWaiters) {
+  Job job;
+  job.start_coordinator(1);
+  auto table = LocalBeats::create();
+  EXPECT_FALSE(table->events_current(monotonic_ns()));  // no relay yet: workers watch the store
+  EventRelay relay(table, [&] { return job.connect(); }, 200ms);
+  ASSERT_TRUE(eventually([&] { return table->events_current(monotonic_ns()); }));
+  // Another process's view of the same table (a worker's).
+  auto worker_view = LocalBeats::open(table->name());
+  const auto before = worker_view->events();
+  std::atomic<bool> woken{false};
+  std::thread waiter([&] {
+    worker_view->wait_events(before.seq, 20000ms);
+    woken = true;
+  });
+  std::this_thread::sleep_for(100ms);
+  MemberOptions mo = job.member_options();
+  Member m(job.connect(), mo);
+  ASSERT_TRUE(eventually([&] { return job.coord->poll().round.members.size() == 1; }));
+  ASSERT_TRUE(eventually([&] { return woken.load(); }, 5000ms));  // not the 20 s timeout
+  waiter.join();
+  EXPECT_EQ(worker_view->events().round, job.coord->current().number);
+  EXPECT_EQ(worker_view->events().abort, 0);
+  EXPECT_FALSE(worker_view->events().done);
+  auto kv = job.connect();
+  kv->set("elastic/done", "1");
+  ASSERT_TRUE(eventually([&] { return worker_view->events().done; }));
+  // A malformed event is skipped; the ones after it still arrive.
+  kv->set("elastic/event/" + std::to_string(kv->add("elastic/events", 0) + 1), "garbage");
+  kv->set("elastic/events", std::to_string(kv->add("elastic/events", 0) + 1));
+  kv->set("elastic/event/" + std::to_string(kv->add("elastic/events", 0) + 1), "abort 9");
+  ASSERT_TRUE(eventually([&] { return worker_view->events().abort == 9; }));
+}
+
+// A worker of a host whose launcher relays the events makes no watch of its
+// own: it learns of rounds from the table. When the relay stops (the
+// launcher gone) it watches the store itself and still learns of them.
+TEST(EventRelay, AWorkerLearnsRoundsFromTheTableAndFromTheStoreWhenTheRelayStops) {
+  Job job;
+  job.start_coordinator(1);
+  auto table = LocalBeats::create();
+  BeatSenderOptions bo = sender_options(job.connect());
+  bo.connect = [&] { return job.connect(); };
+  BeatSender beats(table, bo);
+  auto relay = std::make_unique<EventRelay>(table, [&] { return job.connect(); }, 200ms);
+  ASSERT_TRUE(eventually([&] { return table->events_current(monotonic_ns()); }));
+  auto waits = std::make_shared<std::atomic<int>>(0);
+  MemberOptions mo = job.member_options();
+  mo.beats = table;
+  mo.beat_slot = table->acquire();
+  mo.connect = [&]() -> std::shared_ptr<comm::KvStore> { return std::make_shared<CountingWaits>(job.connect(), waits); };
+  Member m(mo.connect(), mo);
+  ASSERT_TRUE(eventually([&] { return job.coord->poll().round.members.size() == 1; }));
+  const int64_t first = job.coord->current().number;
+  ASSERT_TRUE(eventually([&] { return m.newer_round(first - 1); }));
+  job.connect()->set("elastic/want/" + std::to_string(first), std::to_string(m.id()));  // a new round, asked
+  ASSERT_TRUE(eventually([&] { return job.coord->poll().round.number > first; }));
+  const int64_t second = job.coord->current().number;
+  ASSERT_TRUE(eventually([&] { return m.newer_round(second - 1); }));
+  EXPECT_EQ(waits->load(), 0) << "the worker watched the store although its launcher relays the events";
+  // The relay stops: within two of its waits (and half a second) the
+  // worker watches the store, and learns of the next round there.
+  relay.reset();
+  std::this_thread::sleep_for(1200ms);
+  job.connect()->set("elastic/want/" + std::to_string(second), std::to_string(m.id()));
+  ASSERT_TRUE(eventually([&] { return job.coord->poll().round.number > second; }));
+  const int64_t third = job.coord->current().number;
+  ASSERT_TRUE(eventually([&] { return m.newer_round(third - 1); }));
+  EXPECT_GT(waits->load(), 0);
 }
 
 // A store that stops answering (an etcd member stopped: every call waits

@@ -6,11 +6,14 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <linux/futex.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -29,7 +32,7 @@ int64_t monotonic_ns() {
 
 namespace {
 
-constexpr uint64_t kTableMagic = 0x32746165426f626cULL;  // "lboBeat2"
+constexpr uint64_t kTableMagic = 0x33746165426f626cULL;  // "lboBeat3"
 // A datagram carries at most kEntriesPerDatagram beats of at most 64
 // bytes each (three int64 numbers), a header and a MAC: anything longer is
 // refused from a peek at its length, so a flood that carries the
@@ -77,6 +80,9 @@ bool resolve_udp(const std::string& host, int port, sockaddr_in* out) {
 struct LocalBeats::Shared {
   uint64_t magic;
   std::atomic<int64_t> sent_ns, acked_ns;
+  // The relayed events (LocalBeats::Events); ev_seq is a futex word.
+  std::atomic<int64_t> ev_round, ev_abort, ev_done, ev_read_ns, ev_wait_ms;
+  std::atomic<uint32_t> ev_seq;
   // A sequence lock per slot: odd while its writer (the worker beating, or
   // the launcher clearing it for the next worker) changes it, so that a
   // reader never takes one worker's id with another's counter.
@@ -229,6 +235,59 @@ void LocalBeats::mark_sent(int64_t ns) { s_->sent_ns.store(ns); }
 void LocalBeats::mark_acked(int64_t ns) { s_->acked_ns.store(ns); }
 int64_t LocalBeats::sent_ns() const { return s_->sent_ns.load(); }
 int64_t LocalBeats::acked_ns() const { return s_->acked_ns.load(); }
+
+namespace {
+
+void raise_to(std::atomic<int64_t>& a, int64_t v, bool* changed) {
+  int64_t cur = a.load();
+  while (cur < v)
+    if (a.compare_exchange_weak(cur, v)) {
+      *changed = true;
+      return;
+    }
+}
+
+long futex(const std::atomic<uint32_t>& word, int op, uint32_t value, const timespec* timeout) {
+  // Not FUTEX_PRIVATE_FLAG: the word is shared between processes.
+  return ::syscall(SYS_futex, reinterpret_cast<const uint32_t*>(&word), op, value, timeout, nullptr, 0);
+}
+
+}  // namespace
+
+void LocalBeats::relay_events(int64_t round, int64_t abort, bool done, int64_t now_ns, int64_t wait_ms) {
+  bool changed = false;
+  raise_to(s_->ev_round, round, &changed);
+  raise_to(s_->ev_abort, abort, &changed);
+  raise_to(s_->ev_done, done ? 1 : 0, &changed);
+  s_->ev_wait_ms.store(wait_ms);
+  s_->ev_read_ns.store(now_ns);
+  if (changed) {
+    s_->ev_seq.fetch_add(1);
+    futex(s_->ev_seq, FUTEX_WAKE, INT32_MAX, nullptr);
+  }
+}
+
+LocalBeats::Events LocalBeats::events() const {
+  Events e;
+  e.seq = s_->ev_seq.load();  // first: a change after it is seen by the next wait
+  e.round = s_->ev_round.load();
+  e.abort = s_->ev_abort.load();
+  e.done = s_->ev_done.load() != 0;
+  e.read_ns = s_->ev_read_ns.load();
+  e.wait_ms = s_->ev_wait_ms.load();
+  return e;
+}
+
+void LocalBeats::wait_events(uint32_t seq, std::chrono::milliseconds timeout) const {
+  const timespec ts{static_cast<time_t>(timeout.count() / 1000), static_cast<long>(timeout.count() % 1000) * 1000000};
+  futex(s_->ev_seq, FUTEX_WAIT, seq, &ts);  // (returns at once when the word moved on)
+}
+
+bool LocalBeats::events_current(int64_t now_ns) const {
+  const int64_t read = s_->ev_read_ns.load();
+  const int64_t allowed = (2 * s_->ev_wait_ms.load() + 500) * 1000000;
+  return read > 0 && now_ns - read < allowed;
+}
 
 // ---------- BeatTable ----------
 

@@ -98,6 +98,29 @@ class LocalBeats {
   int64_t sent_ns() const;
   int64_t acked_ns() const;
 
+  // The coordinator's events, relayed by the host's launcher (EventRelay):
+  // its one watch of the store's event log stands for every worker's, and
+  // a worker learns of a new round or abort from this table, woken at once
+  // (a futex word in the shared memory).
+  struct Events {
+    int64_t round = 0, abort = 0;  // the newest of each in the event log
+    bool done = false;             // `elastic/done` was seen
+    int64_t read_ns = 0;           // when the relay last heard from the store (0: never)
+    int64_t wait_ms = 0;           // the relay's longest wait between two store answers
+    uint32_t seq = 0;              // bumped at every change
+  };
+  // The relay's side: raises round and abort to these (never lowers them),
+  // notes that it heard from the store at `now_ns`, and wakes the waiters
+  // when anything changed.
+  void relay_events(int64_t round, int64_t abort, bool done, int64_t now_ns, int64_t wait_ms);
+  Events events() const;
+  // A worker's side: until the events change from `seq`, or `timeout`.
+  void wait_events(uint32_t seq, std::chrono::milliseconds timeout) const;
+  // The relay heard from the store within twice its wait (and half a
+  // second): its view is current. Otherwise a worker watches the store
+  // itself.
+  bool events_current(int64_t now_ns) const;
+
  private:
   struct Shared;
   LocalBeats() = default;

@@ -20,6 +20,7 @@
 #include "elastic/beats.h"
 #include "elastic/coordinator.h"
 #include "elastic/election.h"
+#include "elastic/event_relay.h"
 #include "elastic/launcher.h"
 #include "status/server.h"
 
@@ -113,11 +114,13 @@ class Job {
   std::unique_ptr<Coordinator> coordinator_;
   std::unique_ptr<BeatListener> listener_;  // the coordinator's: every host's heartbeats
   std::unique_ptr<Election> election_;
-  // This host's heartbeat table, each worker's slot in it, and the thread
-  // that relays it to the coordinator (elastic/beats.h).
+  // This host's heartbeat table, each worker's slot in it, the thread
+  // that relays it to the coordinator (elastic/beats.h), and the one that
+  // relays the coordinator's events to the workers (elastic/event_relay.h).
   std::shared_ptr<LocalBeats> beats_table_;
   std::map<pid_t, int> slot_of_;
   std::unique_ptr<BeatSender> relay_;
+  std::unique_ptr<EventRelay> event_relay_;
   std::unique_ptr<status::Server> page_;
   bool url_written_ = false;
   Phase phase_ = Phase::Starting;

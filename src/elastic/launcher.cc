@@ -144,6 +144,14 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
     if (opt_.etcd) bo.connect = [e = *opt_.etcd, t] { return comm::connect_etcd(e, t); };
     else bo.connect = [h = opt_.rdzv_host, p = port_, t, k = opt_.token] { return comm::connect_kv_store(h, p, t, k); };
     relay_ = std::make_unique<BeatSender>(beats_table_, bo);
+    // One watch of the event log for all of this host's workers. Its
+    // connection may wait in the store (a parked wait), so it has its own
+    // timeout: the longest wait plus the heartbeat timeout.
+    const auto wait = std::chrono::milliseconds(opt_.etcd ? 1000 : 500);
+    std::function<std::shared_ptr<comm::KvStore>()> connect;
+    if (opt_.etcd) connect = [e = *opt_.etcd, t = t + wait] { return comm::connect_etcd(e, t); };
+    else connect = [h = opt_.rdzv_host, p = port_, t = t + wait, k = opt_.token] { return comm::connect_kv_store(h, p, t, k); };
+    event_relay_ = std::make_unique<EventRelay>(beats_table_, connect, wait);
   }
   if (opt_.elastic && hosting_) make_coordinator();
   // Every launcher of an elastic job serves the whole job's page: rank 0

@@ -77,8 +77,12 @@ Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
   // the training thread cannot delay a heartbeat or an abort.
   // (Both connections are made before either thread starts: a failed
   // connect must not leave a running thread behind.)
+  // With a launcher's table whose relay is current, the watch thread
+  // reads the events there and makes its store connection only when it
+  // must watch the store itself.
   auto publish_store = opt_.connect();
-  auto watch_store = opt_.connect();
+  std::shared_ptr<comm::KvStore> watch_store;
+  if (!opt_.beats || !beats_->events_current(monotonic_ns())) watch_store = opt_.connect();
   heartbeat_ = std::thread([this] { beat_loop(); });
   publish_ = std::thread([this, s = std::move(publish_store)] { publish_loop(s); });
   watch_ = std::thread([this, s = std::move(watch_store), seen] { watch_loop(s, seen); });
@@ -161,14 +165,38 @@ void Member::check_cut_off() {
   }
 }
 
-// Waits for the coordinator's events in order. After five waits without one
-// it also reads the current round and abort, a safety net should an event
-// ever be missing.
+// The coordinator's events: from the host's table while its launcher's
+// relay is current (elastic/event_relay.h; woken the moment it writes),
+// otherwise from the store's event log, in order. After five waits without
+// an event it also reads the current round and abort, a safety net should
+// an event ever be missing.
 void Member::watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen) {
   int64_t n = seen;
   int quiet = 0;
+  bool relayed = false;
   while (!stop_) {
+    if (opt_.beats && beats_->events_current(monotonic_ns())) {
+      const auto e = beats_->events();
+      if (e.round > latest_round_.load()) on_event("round " + std::to_string(e.round));
+      if (e.abort > latest_abort_.load()) on_event("abort " + std::to_string(e.abort));
+      if (e.done && !completed_) {
+        completed_ = true;
+        std::lock_guard<std::mutex> lock(mu_);
+        cv_.notify_all();
+      }
+      relayed = true;
+      beats_->wait_events(e.seq, std::chrono::milliseconds(50));
+      continue;
+    }
     try {
+      if (!s) s = opt_.connect();
+      if (relayed) {
+        // Back to the store (the relay is not current): from its state now.
+        relayed = false;
+        n = s->add("elastic/events", 0);
+        if (auto k = s->try_get("elastic/round")) on_event("round " + *k);
+        if (auto k = s->try_get("elastic/abort")) on_event("abort " + *k);
+      }
       const std::string key = "elastic/event/" + std::to_string(n + 1);
       if (s->wait_for(key, opt_.watch_wait)) {
         if (auto ev = s->try_get(key)) on_event(*ev);
@@ -186,6 +214,7 @@ void Member::watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen) {
         }
       }
     } catch (const std::exception& e) {
+      s.reset();  // a new connection next time
       sleep_while_running(std::chrono::milliseconds(20));  // the store is out of reach: try again
     }
   }
