@@ -46,6 +46,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -380,7 +381,9 @@ struct Row {
   std::string store;
   int members = 0, real = 0;
   double join_s = NAN, calls_per_s = 0, poll_ms = NAN;
+  // CPU shares (of one core) in the steady window, and over the join.
   double coord_cpu = 0, store_cpu = 0, driver_cpu = 0, real_cpu = 0;
+  double join_coord_cpu = 0, join_store_cpu = 0, join_driver_cpu = 0;
   double loss_to_round = NAN, round_to_all = NAN, loss_to_all = NAN;
   int false_losses = 0, registration_failures = 0;
 };
@@ -489,11 +492,15 @@ Row run(const std::string& store, const std::string& spec, pid_t store_pid, int 
       for (auto& l : reals[i]->lines()) ready[i] = ready[i] || l == "ready";
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
-  double cpu0_reals = 0;
-  for (auto& r : reals) cpu0_reals += process_cpu(r->pid);
-  const double cpu0_coord = process_cpu(coord.pid);
-  const double cpu0_store = store_pid > 0 ? process_cpu(store_pid) : 0;
-  const double cpu0_self = process_cpu(::getpid());
+  // Each process's CPU seconds now (coordinator, store, this driver, the
+  // real members).
+  auto cpu_now = [&] {
+    double rc = 0;
+    for (auto& r : reals) rc += process_cpu(r->pid);
+    return std::array<double, 4>{process_cpu(coord.pid), store_pid > 0 ? process_cpu(store_pid) : 0,
+                                 process_cpu(::getpid()), rc};
+  };
+  const auto cpu_start = cpu_now();
   std::atomic<bool> stop{false};
   std::atomic<int> registered{0}, failures{0};
   const double t0 = mono_s();
@@ -661,10 +668,20 @@ Row run(const std::string& store, const std::string& spec, pid_t store_pid, int 
     poll_ms.clear();
     const int64_t calls0 = all_calls();
     const double w0 = mono_s();
+    const auto cpu_w0 = cpu_now();
+    row.join_coord_cpu = (cpu_w0[0] - cpu_start[0]) / (w0 - t0);
+    row.join_store_cpu = (cpu_w0[1] - cpu_start[1]) / (w0 - t0);
+    row.join_driver_cpu = (cpu_w0[2] - cpu_start[2]) / (w0 - t0);
     std::this_thread::sleep_for(std::chrono::duration<double>(o.window));
     std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // the children's next counts
     drain();
-    row.calls_per_s = (all_calls() - calls0) / (mono_s() - w0);
+    const auto cpu_w1 = cpu_now();
+    const double w = mono_s() - w0;
+    row.calls_per_s = (all_calls() - calls0) / w;
+    row.coord_cpu = (cpu_w1[0] - cpu_w0[0]) / w;
+    row.store_cpu = (cpu_w1[1] - cpu_w0[1]) / w;
+    row.driver_cpu = (cpu_w1[2] - cpu_w0[2]) / w;
+    row.real_cpu = (cpu_w1[3] - cpu_w0[3]) / w;
     row.poll_ms = median(poll_ms);
     // Losses: a real member's process killed.
     std::vector<double> to_round, to_all, total, kill_at;
@@ -721,18 +738,11 @@ Row run(const std::string& store, const std::string& spec, pid_t store_pid, int 
       if (r.size < alive) row.false_losses += 1;
     }
   }
-  const double t_end = mono_s();
   stop = true;
   for (auto& w : workers) w.join();
   beats.join();
   drain();
   row.registration_failures = failures.load();
-  row.driver_cpu = (process_cpu(::getpid()) - cpu0_self) / (t_end - t0);
-  row.coord_cpu = (process_cpu(coord.pid) - cpu0_coord) / (t_end - t0);
-  if (store_pid > 0) row.store_cpu = (process_cpu(store_pid) - cpu0_store) / (t_end - t0);
-  double rc = 0;
-  for (auto& r : reals) rc += process_cpu(r->pid);
-  row.real_cpu = (rc - cpu0_reals) / (t_end - t0);
   reals.clear();
   return row;
 }
@@ -746,6 +756,8 @@ void write_json(const std::string& out, const std::vector<Row>& rows, const Opti
                  {"per_host", o.per_host}, {"watch", o.watch}, {"heartbeat_timeout_s", o.hb_ms / 1000.0}, {"join_s", num(x.join_s)},
                  {"calls_per_s", x.calls_per_s}, {"poll_ms", num(x.poll_ms)}, {"coordinator_cpu", x.coord_cpu},
                  {"store_cpu", x.store_cpu}, {"driver_cpu", x.driver_cpu}, {"real_members_cpu", x.real_cpu},
+                 {"join_coordinator_cpu", x.join_coord_cpu}, {"join_store_cpu", x.join_store_cpu},
+                 {"join_driver_cpu", x.join_driver_cpu},
                  {"loss_to_round_s", num(x.loss_to_round)}, {"round_to_all_s", num(x.round_to_all)},
                  {"loss_to_all_s", num(x.loss_to_all)}, {"false_losses", x.false_losses},
                  {"store_call_failures", x.registration_failures}});

@@ -459,4 +459,78 @@ bool EtcdClient::watch(const std::string& key, int64_t after, std::chrono::milli
   return false;  // timed out (or the stream ended) without a change
 }
 
+bool EtcdClient::watch_stream(const std::string& prefix, int64_t from, std::chrono::milliseconds idle,
+                              const std::function<bool()>& stop,
+                              const std::function<void(std::vector<Event>&&)>& on_events) {
+  int64_t next = from;
+  while (!stop()) {
+    std::string endpoint, token;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!opt_.user.empty() && auth_token_.empty()) authenticate_locked();
+      endpoint = conns_[current_]->endpoint;
+      token = auth_token_;
+    }
+    auto http = make_http(opt_, endpoint);
+    http->set_keep_alive(false);
+    set_timeouts(*http, idle);
+    const json create = {{"create_request",
+                          {{"key", base64_encode(prefix)},
+                           {"range_end", base64_encode(prefix_end(prefix))},
+                           {"start_revision", std::to_string(next)}}}};
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v3/watch";
+    req.body = create.dump();
+    req.set_header("Content-Type", "application/json");
+    if (!token.empty()) req.set_header("Authorization", token);
+    std::string pending;
+    bool gone = false, failed = false;
+    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      pending.append(data, n);
+      for (size_t nl; (nl = pending.find('\n')) != std::string::npos;) {
+        const std::string line = pending.substr(0, nl);
+        pending.erase(0, nl + 1);
+        json j;
+        try {
+          j = json::parse(line);
+        } catch (const std::exception&) {
+          continue;  // not a whole answer
+        }
+        if (j.contains("error")) {
+          failed = true;  // (opened again below)
+          return false;
+        }
+        const auto& r = j.value("result", json::object());
+        if (r.value("canceled", false) || num(r, "compact_revision") > 0) {
+          gone = true;
+          return false;
+        }
+        if (!r.contains("events") || r["events"].empty()) continue;
+        std::vector<Event> events;
+        for (const auto& e : r["events"]) {
+          const auto kv = to_kv(e.value("kv", json::object()));
+          Event ev{kv.key, kv.value, e.value("type", std::string("PUT")) == "DELETE", kv.mod_revision};
+          next = std::max(next, ev.mod_revision + 1);
+          events.push_back(std::move(ev));
+        }
+        on_events(std::move(events));
+      }
+      return !stop();
+    };
+    httplib::Response res;
+    httplib::Error err = httplib::Error::Success;
+    http->send(req, res, err);
+    if (gone) return false;
+    if (failed || err == httplib::Error::Connection || err == httplib::Error::ConnectionTimeout) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        current_ = (current_ + 1) % conns_.size();
+      }
+      for (int i = 0; i < 5 && !stop(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  return true;
+}
+
 }  // namespace limbo::comm

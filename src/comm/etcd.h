@@ -17,6 +17,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -109,6 +110,22 @@ class EtcdClient {
   // Waits until `key` is written or deleted at a revision after `after`:
   // true; false when `timeout` passes first.
   bool watch(const std::string& key, int64_t after, std::chrono::milliseconds timeout);
+
+  // A long-lived watch of every key under `prefix`, from revision `from`,
+  // on a connection of its own (etcd's JSON gateway streams its answers):
+  // `on_events` gets each answer's events in order, until `stop()` holds
+  // (looked at whenever the connection is idle for `idle`; it is then
+  // opened again from the revision after the last event delivered, so
+  // nothing is lost or repeated). Returns false when etcd can no longer
+  // serve the history from there (compacted, or the watch cancelled): the
+  // caller lists the keys again.
+  struct Event {
+    std::string key, value;
+    bool deleted = false;
+    int64_t mod_revision = 0;
+  };
+  bool watch_stream(const std::string& prefix, int64_t from, std::chrono::milliseconds idle,
+                    const std::function<bool()>& stop, const std::function<void(std::vector<Event>&&)>& on_events);
 
   std::chrono::milliseconds timeout() const { return timeout_; }
   std::string describe() const { return opt_.url(); }
