@@ -130,6 +130,10 @@ class Counting : public comm::KvStore {
   }
   bool erase(const std::string& k) override { return ++g_calls, s_->erase(k); }
   int64_t ticket(const std::string& k) override { return ++g_calls, s_->ticket(k); }
+  bool follow(const std::string& p, std::chrono::milliseconds idle, const std::function<bool()>& stop,
+              const std::function<void(const std::string&, const std::string&)>& on_write) override {
+    return ++g_calls, s_->follow(p, idle, stop, on_write);
+  }
 
  private:
   std::shared_ptr<comm::KvStore> s_;
@@ -292,9 +296,8 @@ int member(const std::string& spec, int hb_ms, bool relay_events) {
   elastic::BeatSender relay(table, bo);
   std::unique_ptr<elastic::EventRelay> events;
   if (relay_events)
-    events = std::make_unique<elastic::EventRelay>(
-        table, [&] { return counted(spec, t + std::chrono::milliseconds(etcd ? 1000 : 500)); },
-        std::chrono::milliseconds(etcd ? 1000 : 500));
+    events = std::make_unique<elastic::EventRelay>(table, [&] { return counted(spec, t + std::chrono::milliseconds(500)); },
+                                                   std::chrono::milliseconds(etcd ? 1000 : 500));
   std::unique_ptr<elastic::Member> m;
   for (int attempt = 1; !m; ++attempt) {
     try {
@@ -400,9 +403,10 @@ Row run(const std::string& store, const std::string& spec, pid_t store_pid, int 
   row.store = store;
   row.members = n;
   const bool etcd = store == "etcd";
-  // A watch's parked wait: the relay's (elastic/launcher.cc) or a member's
-  // own (elastic/join.cc, Member's default).
-  const double watch_wait = o.watch == "host" ? (etcd ? 1.0 : 0.5) : (etcd ? 1.0 : 0.2);
+  // A watch's parked wait: the relay's (elastic/launcher.cc; on etcd its
+  // stream, reopened after 5 s idle) or a member's own (elastic/join.cc,
+  // Member's default).
+  const double watch_wait = o.watch == "host" ? (etcd ? 5.0 : 0.5) : (etcd ? 1.0 : 0.2);
   const double beat_interval = std::max(10, o.hb_ms / 4) / 1000.0;
   const auto call_timeout = std::chrono::milliseconds(std::max(o.hb_ms, 1000));
   const int real = std::min(o.real, n);
@@ -561,11 +565,14 @@ Row run(const std::string& store, const std::string& spec, pid_t store_pid, int 
           std::fprintf(stderr, "%s: %d of %d members registered (%.1f s)\n", store.c_str(), registered.load(), n,
                        mono_s() - t0);
       }
-      // The watches of the event log: the calls of EventRelay::loop (one a
-      // host) or of Member::watch_loop (one a member), at the rate of their
-      // parked wait's expiry. Each wait is the real client's wait_for with
-      // a 1 ms timeout: on etcd a new watch on its own connection, as a
-      // real one, on the embedded store a parked wait that expires.
+      // The watches of the event log: the calls of EventRelay (one a host)
+      // or of Member::watch_loop (one a member), at the rate of their
+      // parked wait's expiry (the relay's stream's reopening on etcd). Each
+      // wait is the real client's wait_for with a 1 ms timeout: on etcd a
+      // new watch on its own connection, on the embedded store a parked
+      // wait that expires. (Not simulated: the fan-out of an event to the
+      // simulated hosts' open streams on etcd; the real members' relays
+      // hold theirs.)
       while (!stop) {
         const double now = mono_s();
         double next = now + 0.05;

@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "comm/etcd.h"
+#include "elastic/event_relay.h"
 #include "comm/kv_store.h"
 #include "comm/store.h"
 #include "elastic/election.h"
@@ -205,6 +206,43 @@ TEST_P(Rendezvous, ChangesSinceKeepAReaderInStepWithOnlyTheChanges) {
   EXPECT_FALSE(last.full);
   // Another reader's revision (or a forgotten one) gets the whole prefixes.
   EXPECT_TRUE(s->changes_since(prefixes, rev + 12345).full);
+}
+
+// The launcher's event relay over either store (etcd: one watch stream,
+// follow(); the embedded store: parked waits): the newest round and abort
+// of the event log and elastic/done reach the host's table in order, and a
+// worker's wait on the table is woken by them.
+TEST_P(Rendezvous, TheEventRelayCarriesTheEventLogToTheHostsTable) {
+  auto s = connect();
+  s->set("elastic/round", "2");
+  s->set("elastic/events", "0");
+  auto table = limbo::elastic::LocalBeats::in_process();
+  limbo::elastic::EventRelay relay(table, [&] { return connect(); }, 100ms);
+  auto eventually = [](auto ok) {
+    const auto until = Clock::now() + 5s;
+    while (!ok() && Clock::now() < until) std::this_thread::sleep_for(5ms);
+    return ok();
+  };
+  ASSERT_TRUE(eventually([&] { return table->events().round == 2; }));  // the state before the log
+  auto publish = [&](int64_t n, const std::string& what) {
+    s->set("elastic/event/" + std::to_string(n), what);
+    s->set("elastic/events", std::to_string(n));
+  };
+  const auto seq = table->events().seq;
+  std::thread writer([&] {
+    std::this_thread::sleep_for(200ms);
+    publish(1, "round 3");
+  });
+  table->wait_events(seq, 10000ms);
+  writer.join();
+  EXPECT_EQ(table->events().round, 3);
+  publish(2, "abort 3");
+  publish(3, "round 4");
+  ASSERT_TRUE(eventually([&] { return table->events().round == 4 && table->events().abort == 3; }));
+  EXPECT_FALSE(table->events().done);
+  s->set("elastic/done", "1");
+  ASSERT_TRUE(eventually([&] { return table->events().done; }));
+  EXPECT_TRUE(table->events_current(limbo::elastic::monotonic_ns()));
 }
 
 TEST_P(Rendezvous, WaitForWakesWhenTheKeyIsWrittenAndTimesOutOtherwise) {

@@ -177,6 +177,16 @@ class EtcdKvStore : public KvStore {
 
   ~EtcdKvStore() override { stop_watching(); }
 
+  bool follow(const std::string& prefix, std::chrono::milliseconds idle, const std::function<bool()>& stop,
+              const std::function<void(const std::string&, const std::string&)>& on_write) override {
+    int64_t revision = 0;
+    c_.get(prefix_ + prefix, &revision);  // (for the revision: from here on)
+    return c_.watch_stream(prefix_ + prefix, revision + 1, idle, stop, [&](std::vector<EtcdClient::Event>&& events) {
+      for (const auto& e : events)
+        if (!e.deleted) on_write(e.key.substr(prefix_.size()), e.value);
+    });
+  }
+
   // The first call (and any after the stream broke, or from another
   // reader's revision) lists the prefixes and starts a watch stream from
   // the revision after the listing (EtcdClient::watch_stream, one

@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <map>
 #include <memory>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -59,6 +60,18 @@ class KvStore {
   // polls pays for what changed, not for every key. The default lists the
   // prefixes whole (full = true).
   virtual KvChanges changes_since(const std::vector<std::string>& prefixes, int64_t since);
+  // Hands every key under `prefix` written from (about) now on to
+  // `on_write`, in the order the store took them, over one stream the store
+  // holds open, until `stop()` holds (looked at least every `idle`). A
+  // write just before the call may come too. Returns false at once when
+  // the store has no such stream (the caller waits with wait_for), or when
+  // the stream broke and cannot go on without a gap (the caller reads the
+  // state again and follows anew). Over etcd: a watch stream, where each
+  // wait_for would be a new watch on a new connection.
+  virtual bool follow(const std::string& prefix, std::chrono::milliseconds idle, const std::function<bool()>& stop,
+                      const std::function<void(const std::string& key, const std::string& value)>& on_write) {
+    return false;
+  }
   // Where the store is, for messages ("HOST:PORT", "etcd://...").
   virtual std::string describe() const { return "the rendezvous store"; }
 };

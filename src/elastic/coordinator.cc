@@ -70,8 +70,10 @@ void Coordinator::resume() {
 }
 
 namespace {
-// What a poll reads: who joined, left, and died (marked by a launcher).
-const std::vector<std::string> kMemberPrefixes = {"elastic/join/", "elastic/left/", "elastic/dead/"};
+// What a poll reads: who joined, left, and died (marked by a launcher),
+// and which rounds a member asked to replace (`want/<k>`).
+const std::vector<std::string> kMemberPrefixes = {"elastic/join/", "elastic/left/", "elastic/dead/",
+                                                  "elastic/want/"};
 }  // namespace
 
 // The member keys that changed since the last poll (over the embedded
@@ -82,6 +84,7 @@ void Coordinator::read_members() {
     joined_.clear();
     left_keys_.clear();
     dead_keys_.clear();
+    wanted_.clear();
   }
   for (const auto& [key, value] : ch.written) note_key(key, &value);
   for (const auto& key : ch.erased) note_key(key, nullptr);
@@ -97,7 +100,7 @@ void Coordinator::note_key(const std::string& key, const std::string* value) {
     if (tail.empty() || tail.size() > 18 || tail.find_first_not_of("0123456789") != std::string::npos)
       return;  // not a member's key
     const int64_t id = std::stoll(tail);
-    std::set<int64_t>& ids = kind == 0 ? joined_ : kind == 1 ? left_keys_ : dead_keys_;
+    std::set<int64_t>& ids = kind == 0 ? joined_ : kind == 1 ? left_keys_ : kind == 2 ? dead_keys_ : wanted_;
     if (value) ids.insert(id);
     else ids.erase(id);
     return;
@@ -315,8 +318,8 @@ Coordinator::Result Coordinator::poll_once() {
   if (static_cast<int>(l.alive.size()) > opt_.max_workers) l.alive.resize(opt_.max_workers);
   // A member that failed in (or wants to leave) the current round asks for
   // the next one; requests about older rounds are already answered.
-  const bool asked = current_.number > 0 &&
-                     store_->try_get("elastic/want/" + std::to_string(current_.number)).has_value();
+  // (Read with the member keys: no call of its own each poll.)
+  const bool asked = current_.number > 0 && wanted_.count(current_.number) > 0;
   r.round = current_;
   if (below_minimum(l.alive.size(), now, r) || settling(l.alive, now)) return r;
   if (l.alive != current_.members || asked) write_round(l, r);

@@ -129,6 +129,7 @@ class Coordinator {
   // store revision they are at.
   int64_t revision_ = 0;
   std::set<int64_t> joined_, left_keys_, dead_keys_;
+  std::set<int64_t> wanted_;  // rounds with a `want/<k>` key
   std::shared_ptr<BeatTable> beats_;
   // Each worker's latest beat in the table, kept up from its changes at
   // each poll (BeatTable::take_changes: no copy of the whole table).

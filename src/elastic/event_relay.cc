@@ -18,17 +18,6 @@ std::pair<std::string, int64_t> parse_event(const std::string& event) {
   }
 }
 
-EventRelay::EventRelay(std::shared_ptr<LocalBeats> table, std::function<std::shared_ptr<comm::KvStore>()> connect,
-                       std::chrono::milliseconds wait)
-    : table_(std::move(table)), connect_(std::move(connect)), wait_(wait) {
-  thread_ = std::thread([this] { loop(); });
-}
-
-EventRelay::~EventRelay() {
-  stop_ = true;
-  if (thread_.joinable()) thread_.join();
-}
-
 namespace {
 int64_t to_int(const std::optional<std::string>& v) {
   try {
@@ -38,6 +27,65 @@ int64_t to_int(const std::optional<std::string>& v) {
   }
 }
 }  // namespace
+
+EventRelay::EventRelay(std::shared_ptr<LocalBeats> table, std::function<std::shared_ptr<comm::KvStore>()> connect,
+                       std::chrono::milliseconds wait)
+    : table_(std::move(table)), connect_(std::move(connect)), wait_(wait) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+// Over a store with streams (etcd): the event log followed on one stream
+// held open, where waiting for each event would open a new watch (and a
+// new connection) every wait. The stream is reopened (from where it was)
+// only when it idles for five waits; the relay then marks itself current
+// (so the table says it may be up to that late: workers fall back to the
+// store after twice that), reads `elastic/done` (not in the log), and every
+// fifth time the round and abort keys too (a safety net). The state is
+// read once the stream runs; raising to the same values twice is harmless.
+// False when the store has no streams, or the stream broke (the caller
+// goes on without).
+bool EventRelay::follow(comm::KvStore& s) {
+  const int64_t idle_ms = 5 * wait_.count();
+  bool started = false;
+  int idle = 0;
+  auto last = monotonic_ns();
+  auto read_state = [&](bool all) {
+    int64_t round = 0, abort = 0;
+    if (all) {
+      round = to_int(s.try_get("elastic/round"));
+      abort = to_int(s.try_get("elastic/abort"));
+    }
+    const bool done = s.try_get("elastic/done").has_value();
+    table_->relay_events(round, abort, done, monotonic_ns(), idle_ms);
+  };
+  const bool ok = s.follow(
+      "elastic/event/", std::chrono::milliseconds(idle_ms),
+      [&] {
+        // Before the stream opens, after each answer, and when it idled.
+        if (!started) {
+          started = true;
+          read_state(true);
+          last = monotonic_ns();
+        } else if (monotonic_ns() - last >= idle_ms * 1000000 * 9 / 10) {
+          read_state(++idle % 5 == 0);
+          last = monotonic_ns();
+        }
+        return stop_.load();
+      },
+      [&](const std::string&, const std::string& value) {
+        const auto [kind, k] = parse_event(value);
+        if (kind == "round") table_->relay_events(k, 0, false, monotonic_ns(), idle_ms);
+        else if (kind == "abort") table_->relay_events(0, k, false, monotonic_ns(), idle_ms);
+        last = monotonic_ns();
+      });
+  return ok && started;
+}
+
+EventRelay::~EventRelay() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
 
 // The event log in order, as a member's watch reads it; each store answer
 // is marked in the table (it is current), each event raises its round or
@@ -52,6 +100,7 @@ void EventRelay::loop() {
   while (!stop_) {
     try {
       if (!s) s = connect_();
+      if (follow(*s)) return;
       if (fresh) {
         n = s->add("elastic/events", 0);
         const int64_t round = to_int(s->try_get("elastic/round"));

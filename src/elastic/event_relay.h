@@ -39,6 +39,7 @@ class EventRelay {
 
  private:
   void loop();
+  bool follow(comm::KvStore& s);
   std::shared_ptr<LocalBeats> table_;
   std::function<std::shared_ptr<comm::KvStore>()> connect_;
   std::chrono::milliseconds wait_;
