@@ -115,7 +115,9 @@ std::shared_ptr<comm::KvStore> connect_spec(const std::string& spec, std::chrono
   return comm::connect_kv_store(spec.substr(0, colon), std::stoi(spec.substr(colon + 1)), t);
 }
 
-// Every call of the rendezvous interface, counted (per process).
+// Every call of the rendezvous interface, counted (per process); each is
+// forwarded to the store's own (a wrapper that fell back on KvStore's
+// defaults would list prefixes where the store answers with changes).
 std::atomic<int64_t> g_calls{0};
 class Counting : public comm::KvStore {
  public:
@@ -130,6 +132,9 @@ class Counting : public comm::KvStore {
   }
   bool erase(const std::string& k) override { return ++g_calls, s_->erase(k); }
   int64_t ticket(const std::string& k) override { return ++g_calls, s_->ticket(k); }
+  comm::KvChanges changes_since(const std::vector<std::string>& p, int64_t since) override {
+    return ++g_calls, s_->changes_since(p, since);
+  }
   bool follow(const std::string& p, std::chrono::milliseconds idle, const std::function<bool()>& stop,
               const std::function<void(const std::string&, const std::string&)>& on_write) override {
     return ++g_calls, s_->follow(p, idle, stop, on_write);
