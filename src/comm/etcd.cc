@@ -459,6 +459,11 @@ bool EtcdClient::watch(const std::string& key, int64_t after, std::chrono::milli
   return false;  // timed out (or the stream ended) without a change
 }
 
+void EtcdClient::interrupt_streams() {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  for (void* h : streams_) static_cast<httplib::Client*>(h)->stop();
+}
+
 bool EtcdClient::watch_stream(const std::string& prefix, int64_t from, std::chrono::milliseconds idle,
                               const std::function<bool()>& stop,
                               const std::function<void(std::vector<Event>&&)>& on_events) {
@@ -520,7 +525,15 @@ bool EtcdClient::watch_stream(const std::string& prefix, int64_t from, std::chro
     };
     httplib::Response res;
     httplib::Error err = httplib::Error::Success;
-    http->send(req, res, err);
+    {
+      std::lock_guard<std::mutex> lock(streams_mu_);
+      streams_.insert(http.get());
+    }
+    if (!stop()) http->send(req, res, err);
+    {
+      std::lock_guard<std::mutex> lock(streams_mu_);
+      streams_.erase(http.get());
+    }
     if (gone) return false;
     if (failed || err == httplib::Error::Connection || err == httplib::Error::ConnectionTimeout) {
       {

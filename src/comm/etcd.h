@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -127,6 +128,10 @@ class EtcdClient {
   bool watch_stream(const std::string& prefix, int64_t from, std::chrono::milliseconds idle,
                     const std::function<bool()>& stop, const std::function<void(std::vector<Event>&&)>& on_events);
 
+  // Ends every watch_stream of this client in progress at once (their
+  // stop() is looked at next, and they open again if it does not hold).
+  void interrupt_streams();
+
   std::chrono::milliseconds timeout() const { return timeout_; }
   std::string describe() const { return opt_.url(); }
 
@@ -148,6 +153,10 @@ class EtcdClient {
   std::string auth_token_;
   std::string txn_marker_;  // this client's marker key (txn)
   std::atomic<uint64_t> txn_seq_{0};
+  // The httplib clients of watch_stream calls in progress (its own mutex:
+  // mu_ is held through whole calls).
+  std::mutex streams_mu_;
+  std::set<void*> streams_;
 };
 
 // The rendezvous interface over etcd, every key under the job's prefix.

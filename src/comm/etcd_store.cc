@@ -177,6 +177,7 @@ class EtcdKvStore : public KvStore {
 
   ~EtcdKvStore() override { stop_watching(); }
 
+  void interrupt_follow() override { c_.interrupt_streams(); }
   bool follow(const std::string& prefix, std::chrono::milliseconds idle, const std::function<bool()>& stop,
               const std::function<void(const std::string&, const std::string&)>& on_write) override {
     int64_t revision = 0;
@@ -267,7 +268,10 @@ class EtcdKvStore : public KvStore {
       watching_ = false;
       t = std::move(watcher_);
     }
-    if (t.joinable()) t.join();
+    if (t.joinable()) {
+      c_.interrupt_streams();  // (not its idle period)
+      t.join();
+    }
   }
 
   EtcdClient::Compare fence_cond() const {

@@ -72,6 +72,9 @@ class KvStore {
                       const std::function<void(const std::string& key, const std::string& value)>& on_write) {
     return false;
   }
+  // Ends a follow() in progress on another thread at once (its stop() is
+  // looked at next), where it would wait out its idle period.
+  virtual void interrupt_follow() {}
   // Where the store is, for messages ("HOST:PORT", "etcd://...").
   virtual std::string describe() const { return "the rendezvous store"; }
 };

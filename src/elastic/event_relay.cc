@@ -81,8 +81,14 @@ bool EventRelay::follow(comm::KvStore& s) {
   return ok && started;
 }
 
-EventRelay::~EventRelay() {
+void EventRelay::request_stop() {
   stop_ = true;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (current_) current_->interrupt_follow();
+}
+
+EventRelay::~EventRelay() {
+  request_stop();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -99,7 +105,12 @@ void EventRelay::loop() {
   const int64_t wait_ms = wait_.count();
   while (!stop_) {
     try {
-      if (!s) s = connect_();
+      if (!s) {
+        s = connect_();
+        std::lock_guard<std::mutex> lock(mu_);
+        current_ = s;
+        if (stop_) return;
+      }
       if (follow(*s)) return;
       if (fresh) {
         n = s->add("elastic/events", 0);

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include "comm/kv_store.h"
@@ -33,9 +34,14 @@ class EventRelay {
   // safety net should an event ever be missing).
   EventRelay(std::shared_ptr<LocalBeats> table, std::function<std::shared_ptr<comm::KvStore>()> connect,
              std::chrono::milliseconds wait);
+  // Ends the relay's thread: at once while it follows a stream, else when
+  // its store call in progress returns.
   ~EventRelay();
   EventRelay(const EventRelay&) = delete;
   EventRelay& operator=(const EventRelay&) = delete;
+  // Asks the thread to end, without waiting (a launcher cut off from its
+  // job: its call in progress returns meanwhile, not in the destructor).
+  void request_stop();
 
  private:
   void loop();
@@ -44,6 +50,8 @@ class EventRelay {
   std::function<std::shared_ptr<comm::KvStore>()> connect_;
   std::chrono::milliseconds wait_;
   std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::shared_ptr<comm::KvStore> current_;  // the thread's connection (interrupted on stop)
   std::thread thread_;
 };
 

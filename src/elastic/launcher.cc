@@ -144,13 +144,12 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
     if (opt_.etcd) bo.connect = [e = *opt_.etcd, t] { return comm::connect_etcd(e, t); };
     else bo.connect = [h = opt_.rdzv_host, p = port_, t, k = opt_.token] { return comm::connect_kv_store(h, p, t, k); };
     relay_ = std::make_unique<BeatSender>(beats_table_, bo);
-    // One watch of the event log for all of this host's workers. Its
-    // connection may wait in the store (a parked wait), so it has its own
-    // timeout: the longest wait plus the heartbeat timeout.
+    // One watch of the event log for all of this host's workers (a parked
+    // wait is answered by its deadline, the heartbeat timeout on top).
     const auto wait = std::chrono::milliseconds(opt_.etcd ? 1000 : 500);
     std::function<std::shared_ptr<comm::KvStore>()> connect;
-    if (opt_.etcd) connect = [e = *opt_.etcd, t = t + wait] { return comm::connect_etcd(e, t); };
-    else connect = [h = opt_.rdzv_host, p = port_, t = t + wait, k = opt_.token] { return comm::connect_kv_store(h, p, t, k); };
+    if (opt_.etcd) connect = [e = *opt_.etcd, t] { return comm::connect_etcd(e, t); };
+    else connect = [h = opt_.rdzv_host, p = port_, t, k = opt_.token] { return comm::connect_kv_store(h, p, t, k); };
     event_relay_ = std::make_unique<EventRelay>(beats_table_, connect, wait);
   }
   if (opt_.elastic && hosting_) make_coordinator();
@@ -254,6 +253,9 @@ void Job::enter(Phase p, const std::string& why) {
   if (p == phase_) return;
   log_info(std::string("launch: ") + phase_name(phase_) + " -> " + phase_name(p) + " (" + why + ")");
   phase_ = p;
+  // Cut off from the job: the event relay's call in progress may wait out
+  // its time; it ends during the workers' grace period, not at exit.
+  if (p == Phase::Lost && event_relay_) event_relay_->request_stop();
 }
 
 bool Job::with_store(const std::function<void()>& f) {
