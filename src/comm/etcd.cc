@@ -392,27 +392,37 @@ void EtcdClient::revoke_lease(int64_t lease) {
   }
 }
 
-// A watch from revision `after + 1` on its own connection (it is dropped
-// when the wait ends). An event, or the watch being cancelled or compacted,
-// ends the wait with true: the caller reads the key again.
-bool EtcdClient::watch(const std::string& key, int64_t after, std::chrono::milliseconds timeout) {
-  std::string endpoint, token;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!opt_.user.empty() && auth_token_.empty()) authenticate_locked();
-    endpoint = conns_[current_]->endpoint;
-    token = auth_token_;
-  }
-  auto http = make_http(opt_, endpoint);
-  http->set_keep_alive(false);
-  set_timeouts(*http, timeout);
-  const json create = {{"create_request", {{"key", base64_encode(key)}, {"start_revision", std::to_string(after + 1)}}}};
+std::pair<std::string, std::string> EtcdClient::watch_target() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!opt_.user.empty() && auth_token_.empty()) authenticate_locked();
+  return {conns_[current_]->endpoint, auth_token_};
+}
+
+namespace {
+
+// The POST of a watch's create request (the gateway streams its answers).
+httplib::Request watch_request(const json& create, const std::string& token) {
   httplib::Request req;
   req.method = "POST";
   req.path = "/v3/watch";
   req.body = create.dump();
   req.set_header("Content-Type", "application/json");
   if (!token.empty()) req.set_header("Authorization", token);
+  return req;
+}
+
+}  // namespace
+
+// A watch from revision `after + 1` on its own connection (it is dropped
+// when the wait ends). An event, or the watch being cancelled or compacted,
+// ends the wait with true: the caller reads the key again.
+bool EtcdClient::watch(const std::string& key, int64_t after, std::chrono::milliseconds timeout) {
+  const auto [endpoint, token] = watch_target();
+  auto http = make_http(opt_, endpoint);
+  http->set_keep_alive(false);
+  set_timeouts(*http, timeout);
+  httplib::Request req = watch_request(
+      {{"create_request", {{"key", base64_encode(key)}, {"start_revision", std::to_string(after + 1)}}}}, token);
   std::string pending;
   bool changed = false;
   std::string failure;
@@ -469,26 +479,15 @@ bool EtcdClient::watch_stream(const std::string& prefix, int64_t from, std::chro
                               const std::function<void(std::vector<Event>&&)>& on_events) {
   int64_t next = from;
   while (!stop()) {
-    std::string endpoint, token;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!opt_.user.empty() && auth_token_.empty()) authenticate_locked();
-      endpoint = conns_[current_]->endpoint;
-      token = auth_token_;
-    }
+    const auto [endpoint, token] = watch_target();
     auto http = make_http(opt_, endpoint);
     http->set_keep_alive(false);
     set_timeouts(*http, idle);
-    const json create = {{"create_request",
-                          {{"key", base64_encode(prefix)},
-                           {"range_end", base64_encode(prefix_end(prefix))},
-                           {"start_revision", std::to_string(next)}}}};
-    httplib::Request req;
-    req.method = "POST";
-    req.path = "/v3/watch";
-    req.body = create.dump();
-    req.set_header("Content-Type", "application/json");
-    if (!token.empty()) req.set_header("Authorization", token);
+    httplib::Request req = watch_request({{"create_request",
+                                           {{"key", base64_encode(prefix)},
+                                            {"range_end", base64_encode(prefix_end(prefix))},
+                                            {"start_revision", std::to_string(next)}}}},
+                                         token);
     std::string pending;
     bool gone = false, failed = false;
     req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {

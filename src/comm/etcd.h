@@ -144,6 +144,8 @@ class EtcdClient {
                           bool* resent = nullptr);
   bool txn_ops(nlohmann::json compare, nlohmann::json success, int64_t* revision);
   void authenticate_locked();
+  // Where a watch goes and the token it carries (authenticating first).
+  std::pair<std::string, std::string> watch_target();
 
   EtcdOptions opt_;
   std::chrono::milliseconds timeout_;
