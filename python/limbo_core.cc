@@ -212,7 +212,7 @@ class Core {
       diloco_.mixing = get<double>(o, "mixing", 0.0);
       if (diloco_.inner_steps < 1) throw InvalidInput("inner_steps must be at least 1");
       // The inner steps are the user's loop: no overlap (docs/python.md).
-      train::check_streaming(diloco_, [](const std::string& k) { return k; }, !flat_->buffer_entries().empty());
+      train::check_streaming(diloco_, [](const std::string& k) { return k; });
       if (diloco_.nesterov && diloco_.outer_momentum <= 0)
         throw InvalidInput("nesterov=True needs outer_momentum > 0");
       if (drop_last_) throw InvalidInput("sync=\"diloco\" deals every sample of an epoch; set drop_last=False");

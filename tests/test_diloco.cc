@@ -16,7 +16,9 @@
 #include "job_checks.h"
 #include "test_util.h"
 #include "train/checkpoint.h"
+#include "optim/flat_params.h"
 #include "train/diloco.h"
+#include "train/outer_steps.h"
 
 using limbo::testing::slurp;
 using limbo::testing::TempDir;
@@ -348,7 +350,7 @@ TEST(Diloco, SettingsItCannotHonourAreRefused) {
       {{"--set", "diloco.fragments=3"}, "must be a multiple of diloco.fragments"},
       {{"--set", "diloco.fragments=2", "--set", "diloco.overlap_steps=5"}, "must be below the 5 inner steps"},
       {{"--set", "diloco.fragments=10"}, "more than the model's 6 trainable parameter tensors"},
-      {{"--set", "diloco.fragments=2", "--set", "model.name=\"resnet20\""}, "has buffers"}};
+      {{"--set", "diloco.fragments=2", "--set", "diloco.mixing=1.5"}, "'diloco.mixing' = 1.5"}};
   for (const auto& [extra, want] : cases) {
     std::vector<std::string> a = {"train"};
     auto t = job_args(d.file("bad"), 1);
@@ -431,6 +433,62 @@ TEST(StreamingDiloco, AJoinerTakesTheGlobalWeightsAndGoesOn) {
   EXPECT_GE(s["membership_changes"].get<int64_t>(), 1);
   limbo::testing::expect_exactly_once(run, 2, kSamples);
   limbo::testing::expect_identical_finals(run, 2);
+}
+
+// Streaming's module buffers: floating ones averaged by the members'
+// samples in the unit, in rank order; integer ones (BatchNorm's batch
+// count) their maximum; what a member's buffers moved since its row (inner
+// steps run ahead) is kept on top.
+TEST(StreamingDiloco, BuffersAreAveragedBySamplesAndCountsTakeTheMaximum) {
+  torch::nn::Sequential net(torch::nn::Linear(3, 2), torch::nn::BatchNorm1d(2));
+  limbo::optim::FlatParams flat(*net);
+  ASSERT_EQ(flat.buffer_entries().size(), 3u);  // running_mean, running_var, num_batches_tracked
+  auto& e = flat.buffer_entries();
+  auto set = [&](float mean, float var, int64_t count) {
+    torch::NoGradGuard ng;
+    e[0].tensor.fill_(mean);
+    e[1].tensor.fill_(var);
+    e[2].tensor.fill_(count);
+  };
+  set(1, 4, 7);
+  const auto a = limbo::train::buffer_row(flat);
+  set(3, 8, 5);
+  const auto b = limbo::train::buffer_row(flat);
+  ASSERT_EQ(a.numel(), 5);
+  auto rows = torch::stack({a, b});
+  auto avg = limbo::train::average_buffers(flat, rows, {1.0, 3.0});
+  ASSERT_EQ(avg.size(), 3u);
+  EXPECT_TRUE(avg[0].equal(torch::full({2}, 2.5f)));  // (1 x 1 + 3 x 3) / 4
+  EXPECT_TRUE(avg[1].equal(torch::full({2}, 7.0f)));  // (4 + 24) / 4
+  EXPECT_EQ(avg[2].scalar_type(), torch::kLong);
+  EXPECT_EQ(avg[2].item<int64_t>(), 7);
+  // Member b took it in after two more steps of its own: those stay on top.
+  const auto agreed = flat.save_buffers();
+  set(3.5, 8, 7);
+  limbo::train::take_buffer_average(flat, avg, agreed);
+  EXPECT_TRUE(e[0].tensor.equal(torch::full({2}, 3.0f)));
+  EXPECT_TRUE(e[1].tensor.equal(torch::full({2}, 7.0f)));
+  EXPECT_EQ(e[2].tensor.item<int64_t>(), 9);
+  // A member with no samples in the unit (a joiner's redo) weighs nothing.
+  auto only = limbo::train::average_buffers(flat, rows, {0.0, 2.0});
+  EXPECT_TRUE(only[0].equal(torch::full({2}, 3.0f)));
+}
+
+// A model with BatchNorm (ResNet-20) in streaming DiLoCo with overlap: the
+// statistics ride in every unit's agreement and are averaged when it
+// commits, so both members end with the same weights and buffers, every
+// sample once.
+TEST(StreamingDiloco, AModelWithBatchNormEndsWithTheSameStatisticsOnEveryMember) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  auto extra = streaming_args();
+  extra.insert(extra.end(), {"--set", "model.name=\"resnet20\""});
+  const auto run = run_job(d, "run", 2, 1, extra);
+  const auto s = summary(run);
+  limbo::testing::expect_exactly_once(run, 1, kSamples);
+  limbo::testing::expect_identical_finals(run, 2);
+  EXPECT_GT(s["inner_steps_overlapped"].get<int64_t>(), 0);
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.3) << s.dump();  // 0.10 untrained
 }
 
 // Streaming's outer update steps a fragment at a time on every member:

@@ -254,8 +254,48 @@ TEST(ElasticSim, StreamingDilocoMembersFollowTheSchedule) {
   EXPECT_EQ(s["membership_changes"], 1);
   EXPECT_EQ(s["samples"], 4000);
   EXPECT_LT(s["test_loss"].get<double>(), 1.5);  // 2.30 untrained
+  // With overlap, across the same changes: the members run ahead only
+  // where the schedule keeps them.
   streaming.push_back("diloco.overlap_steps=2");
-  EXPECT_THROW(elastic("0:2", streaming), InvalidInput);
+  auto o = elastic("0:1,0.5:3", streaming);
+  EXPECT_EQ(o["samples"], 4000);
+  EXPECT_GT(o["inner_steps_overlapped"].get<int64_t>(), 0);
+  EXPECT_LT(o["test_loss"].get<double>(), 1.5);
+}
+
+// Streaming with overlap (each sync overlapping the next unit's first 2
+// inner steps): two virtual members run ahead as real members do while the
+// fragment is on the wire, and equal a real two-worker job to float32
+// rounding.
+TEST(ElasticSim, StreamingDilocoWithOverlapIsARealTwoWorkerJob) {
+  if (!file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) GTEST_SKIP() << "no Fashion-MNIST";
+  auto streaming = kDiloco;
+  streaming.insert(streaming.end(), {"diloco.fragments=2", "diloco.mixing=0.5", "diloco.overlap_steps=2"});
+  auto s = elastic("0:2", streaming);
+  const auto real = real_two_worker_job(streaming);
+  ASSERT_FALSE(real.is_null());
+  EXPECT_EQ(s["steps"], real["steps"]);
+  EXPECT_GT(s["inner_steps_overlapped"].get<int64_t>(), 0);
+  EXPECT_EQ(s["inner_steps_overlapped"].get<int64_t>(), 2 * real["inner_steps_overlapped"].get<int64_t>());
+  EXPECT_NEAR(s["test_loss"].get<double>(), real["test_loss"].get<double>(), 1e-5);
+  // Not the run without overlap.
+  streaming.pop_back();
+  EXPECT_GT(std::abs(s["test_loss"].get<double>() - elastic("0:2", streaming)["test_loss"].get<double>()), 1e-4);
+}
+
+// Streaming with a model that has BatchNorm (ResNet-20), with overlap:
+// each virtual member keeps its own statistics, averaged at every unit as
+// the real members average them.
+TEST(ElasticSim, StreamingDilocoWithBatchNormIsARealTwoWorkerJob) {
+  if (!file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) GTEST_SKIP() << "no Fashion-MNIST";
+  auto streaming = kDiloco;
+  streaming.insert(streaming.end(), {"diloco.fragments=2", "diloco.mixing=0.5", "diloco.overlap_steps=2",
+                                     "model.name=resnet20", "data.train_limit=1600"});
+  auto s = elastic("0:2", streaming);
+  const auto real = real_two_worker_job(streaming);
+  ASSERT_FALSE(real.is_null());
+  EXPECT_EQ(s["steps"], real["steps"]);
+  EXPECT_NEAR(s["test_loss"].get<double>(), real["test_loss"].get<double>(), 1e-4);
 }
 
 TEST(ElasticSim, DilocoMembersFollowTheSchedule) {

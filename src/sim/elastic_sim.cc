@@ -45,13 +45,22 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
   // Streaming (diloco.fragments = F > 1): units of H / F inner steps, each
   // syncing one fragment from every member's local weights, which persist
   // across units (train/outer_steps.h); members weighted by their samples
-  // since the fragment's last sync; no overlap.
+  // since the fragment's last sync. With overlap (tau inner steps), each
+  // member runs the next unit's first tau inner steps on its local weights
+  // before the synced fragment is mixed in, as a real member does while the
+  // fragment's all-reduce is on the wire; never across an epoch's end or a
+  // change of the schedule. Module buffers: each member's own, averaged at
+  // every unit (weighted by its samples in the unit; counts their maximum).
   const int64_t F = cfg.diloco.fragments, b = cfg.loader.batch_size, H = cfg.diloco.unit_steps();
-  if (cfg.diloco.overlap_steps > 0)
-    throw InvalidInput("the simulator runs streaming DiLoCo without overlap; set diloco.overlap_steps = 0");
+  const int64_t tau = F > 1 ? cfg.diloco.overlap_steps : 0;
+  const bool buffers = F > 1 && !flat.buffer_entries().empty();
   const auto fragments = train::cut_fragments(flat, F);
-  std::vector<torch::Tensor> local;               // per virtual member (undefined: the global weights)
-  std::vector<std::vector<int64_t>> since_sync;  // per member, per fragment
+  std::vector<torch::Tensor> local;                   // per virtual member (undefined: the global weights)
+  std::vector<std::vector<torch::Tensor>> bufs;       // per member: its buffers (empty: the global ones)
+  std::vector<std::vector<int64_t>> since_sync;       // per member, per fragment
+  std::vector<int64_t> ahead;                         // per member: the unit's inner steps run ahead of it
+  std::vector<double> ahead_loss;                     // their losses times their samples
+  std::vector<torch::Tensor> gbufs = buffers ? flat.save_buffers() : std::vector<torch::Tensor>{};
   optim::LrSchedule schedule(cfg.lr);
   data::Sampler sampler(n, cfg.loader.order, cfg.loader.seed);
   train::RunDir run(opt.run_dir, false);
@@ -59,13 +68,43 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
   std::vector<std::unique_ptr<train::OptimizerStep>> inner;  // per virtual member
   data::Cursor cur;
   train::PositionRanges owed;
-  int64_t step = 0, changes = 0, samples = 0, inner_steps = 0;
+  int64_t step = 0, changes = 0, samples = 0, inner_steps = 0, overlapped = 0;
   int last_r = 0;
   double grad_seconds = 0, eval_seconds = 0, last_loss = 0;
   torch::Tensor global = flat.data().clone(), gsum = torch::zeros_like(flat.grad());
   train::EvalResult ev;
   auto wall0 = Clock::now();
   model.train();
+  // Member k's inner steps [from, to) of `plan` (its share), the cursor
+  // position it was planned from and the unit's index `unit`, on the
+  // weights in `flat`: the sum of their losses times their samples.
+  auto run_inner = [&](int k, const train::OuterPlan& plan, int64_t at, int64_t unit, int64_t from, int64_t to) {
+    const auto& order = sampler.epoch_order(plan.epoch);
+    const int64_t lo = plan.offsets[k], hi = plan.offsets[k + 1];
+    double sum = 0;
+    for (int64_t i = from; i < to && lo + i * b < hi; ++i) {
+      std::vector<int64_t> ids;
+      for (int64_t q = lo + i * b; q < std::min(lo + (i + 1) * b, hi); ++q) ids.push_back(order[plan.positions[q]]);
+      auto batch = data::make_train_batch(train_set, t.normalization(), ids, plan.epoch, cfg.loader.augment);
+      const double epoch = plan.epoch + static_cast<double>(std::min(at, n) + i * b * plan.world) / n;
+      const double l = t.step().gradient(batch);
+      if (train::finite_step(flat.grad(), l)) {
+        inner[k]->apply(flat.data(), flat.grad(), schedule.lr(epoch, unit * H + i));
+        sum += l * static_cast<double>(ids.size());
+      }
+      inner_steps += 1;
+    }
+    return sum;
+  };
+  // Member k's local weights and buffers into the model, and back out.
+  auto load = [&](int k) {
+    flat.data().copy_(F > 1 && local[k].defined() ? local[k] : global);
+    if (buffers) flat.restore_buffers(bufs[k].empty() ? gbufs : bufs[k]);
+  };
+  auto keep = [&](int k) {
+    local[k] = flat.data().clone();
+    if (buffers) bufs[k] = flat.save_buffers();
+  };
   while (cur.epoch < cfg.train.epochs && (cfg.train.max_steps <= 0 || step < cfg.train.max_steps)) {
     const double epoch_now = cur.epoch + static_cast<double>(cur.position) / n;
     const int r = workers_at(opt.schedule, epoch_now);
@@ -77,68 +116,95 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
     last_r = r;
     inner.resize(static_cast<size_t>(r));
     local.resize(static_cast<size_t>(r));
+    bufs.resize(static_cast<size_t>(r));
+    ahead.resize(static_cast<size_t>(r), 0);
+    ahead_loss.resize(static_cast<size_t>(r), 0.0);
     since_sync.resize(static_cast<size_t>(r), std::vector<int64_t>(fragments.size(), 0));
     for (auto& o : inner)
       if (!o) o = std::make_unique<train::OptimizerStep>(optim::make_optimizer(cfg.optimizer), cfg.clip_grad_norm);
     const auto plan = train::plan_outer(cur, owed, n, b * H, r);
-    const auto& order = sampler.epoch_order(plan.epoch);
     gsum.zero_();
     double loss_sum = 0;
     const int64_t total = static_cast<int64_t>(plan.positions.size());
     std::vector<int64_t> consumed;
+    std::vector<torch::Tensor> rows;                  // buffers: each member's row
+    std::vector<std::vector<torch::Tensor>> agreed;   // and its buffers then
     auto g0 = Clock::now();
     for (int k = 0; k < r; ++k) {
       const int64_t lo = plan.offsets[k], hi = plan.offsets[k + 1];
       consumed.push_back(hi - lo);
-      if (hi == lo) continue;
-      flat.data().copy_(F > 1 && local[k].defined() ? local[k] : global);
-      int64_t i = 0;
-      for (int64_t at = lo; at < hi; at += b, ++i) {
-        std::vector<int64_t> ids;
-        for (int64_t q = at; q < std::min(at + b, hi); ++q) ids.push_back(order[plan.positions[q]]);
-        auto batch = data::make_train_batch(train_set, t.normalization(), ids, plan.epoch, cfg.loader.augment);
-        const double epoch = plan.epoch + static_cast<double>(std::min(cur.position, n) + i * b * r) / n;
-        const double l = t.step().gradient(batch);
-        if (train::finite_step(flat.grad(), l)) {
-          inner[k]->apply(flat.data(), flat.grad(), schedule.lr(epoch, step * H + i));
-          loss_sum += l * static_cast<double>(ids.size());
-        }
-        inner_steps += 1;
-      }
+      loss_sum += ahead_loss[k];
+      if (hi == lo && F == 1) continue;
+      load(k);
+      loss_sum += run_inner(k, plan, cur.position, step, ahead[k], (hi - lo + b - 1) / b);
       // What the weighted all-reduce sums: the member's share times its
       // pseudo-gradient.
       torch::NoGradGuard ng;
-      if (F > 1) local[k] = flat.data().clone();
+      if (F > 1) keep(k);
       else gsum.add_(global - flat.data(), static_cast<double>(hi - lo) / static_cast<double>(total));
+      if (buffers) {
+        rows.push_back(train::buffer_row(flat));
+        agreed.push_back(bufs[k]);
+      }
     }
-    grad_seconds += seconds_since(g0);
-    flat.data().copy_(global);
+    std::fill(ahead.begin(), ahead.end(), 0);
+    std::fill(ahead_loss.begin(), ahead_loss.end(), 0.0);
+    auto settled = train::settle_outer(plan, consumed, n);
     if (F > 1) {
-      torch::NoGradGuard ng;
       const size_t f = static_cast<size_t>(step % F);
       const auto [flo, fhi] = fragments[f];
       double weight_total = 0;
       for (int k = 0; k < r; ++k) weight_total += static_cast<double>(since_sync[k][f] + consumed[k]);
       auto piece = torch::zeros({fhi - flo}, torch::kFloat32);
       for (int k = 0; k < r; ++k) {
-        if (!local[k].defined()) continue;  // a joiner with no share yet: weight 0
         const double wk = static_cast<double>(since_sync[k][f] + consumed[k]) / weight_total;
         piece.add_((global.slice(0, flo, fhi) - local[k].slice(0, flo, fhi)) * static_cast<float>(wk));
       }
+      // Overlap: the next unit's first tau inner steps, planned as the real
+      // members plan them, run before the fragment is mixed in.
+      const double next_epoch = settled.cursor.epoch + static_cast<double>(settled.cursor.position) / n;
+      if (tau > 0 && !settled.last_in_epoch && workers_at(opt.schedule, next_epoch) == r &&
+          (cfg.train.max_steps <= 0 || step + 1 < cfg.train.max_steps)) {
+        const auto next = train::plan_outer(settled.cursor, settled.owed, n, b * H, r);
+        for (int k = 0; k < r; ++k) {
+          load(k);
+          const int64_t before = inner_steps;
+          ahead_loss[k] = run_inner(k, next, settled.cursor.position, step + 1, 0, tau);
+          ahead[k] = inner_steps - before;
+          overlapped += ahead[k];
+          keep(k);
+        }
+      }
+      torch::NoGradGuard ng;
       const bool finite = train::finite_step(piece, loss_sum);
+      flat.data().copy_(global);
       if (finite) train::outer_update_slice(outer.optimizer(), flat.data(), piece, flo, fhi, cfg.diloco.outer_lr);
       const double alpha = finite ? cfg.diloco.mixing : 0.0;
+      std::vector<torch::Tensor> average;
+      if (buffers) {
+        std::vector<double> weights(consumed.begin(), consumed.end());
+        average = train::average_buffers(flat, torch::stack(rows), weights);
+      }
       for (int k = 0; k < r; ++k) {
-        if (!local[k].defined()) continue;
         local[k].slice(0, flo, fhi).mul_(alpha).add_(flat.data().slice(0, flo, fhi), 1.0 - alpha);
         for (auto& x : since_sync[k]) x += consumed[k];
         since_sync[k][f] = 0;
+        if (buffers) {
+          flat.restore_buffers(bufs[k]);
+          train::take_buffer_average(flat, average, agreed[static_cast<size_t>(k)]);
+          bufs[k] = flat.save_buffers();
+        }
       }
-    } else if (train::finite_step(gsum, loss_sum)) {
-      outer.apply(flat.data(), gsum, cfg.diloco.outer_lr);
+      if (buffers) {
+        gbufs = average;
+        flat.restore_buffers(gbufs);  // what an evaluation reads
+      }
+    } else {
+      flat.data().copy_(global);
+      if (train::finite_step(gsum, loss_sum)) outer.apply(flat.data(), gsum, cfg.diloco.outer_lr);
     }
+    grad_seconds += seconds_since(g0);
     global.copy_(flat.data());
-    auto settled = train::settle_outer(plan, consumed, n);
     cur = settled.cursor;
     owed = settled.owed;
     step += 1;
@@ -162,7 +228,7 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
   const double wall = seconds_since(wall0) - eval_seconds;
   json s = {{"mode", "sim-elastic"}, {"sync", "diloco"}, {"steps", step}, {"outer_steps", step},
             {"inner_steps", inner_steps}, {"samples", samples}, {"epochs", cur.epoch},
-            {"fragments", static_cast<int64_t>(fragments.size())},
+            {"fragments", static_cast<int64_t>(fragments.size())}, {"inner_steps_overlapped", overlapped},
             {"membership_changes", changes}, {"train_loss", last_loss}, {"batch_policy", "none"},
             {"wall_seconds", wall}, {"gradient_seconds", grad_seconds},
             {"overhead_fraction", grad_seconds > 0 ? (wall - grad_seconds) / grad_seconds : 0.0}};

@@ -79,8 +79,7 @@ OuterSettled settle_outer(const OuterPlan& plan, const std::vector<int64_t>& con
   return s;
 }
 
-void check_streaming(const DilocoOptions& d, const std::function<std::string(const std::string&)>& key,
-                     bool model_has_buffers) {
+void check_streaming(const DilocoOptions& d, const std::function<std::string(const std::string&)>& key) {
   if (d.fragments < 1 || d.inner_steps % d.fragments != 0)
     throw InvalidInput(key("inner_steps") + " (" + std::to_string(d.inner_steps) + ") must be a multiple of " +
                        key("fragments") + " (" + std::to_string(d.fragments) +
@@ -89,9 +88,6 @@ void check_streaming(const DilocoOptions& d, const std::function<std::string(con
     throw InvalidInput(key("overlap_steps") + " (" + std::to_string(d.overlap_steps) + ") must be below the " +
                        std::to_string(d.unit_steps()) + " inner steps between two syncs (inner_steps / fragments)");
   if (d.mixing < 0 || d.mixing > 1) throw InvalidInput(key("mixing") + " must be in [0, 1]");
-  if (d.fragments > 1 && model_has_buffers)
-    throw InvalidInput("streaming DiLoCo (" + key("fragments") + " > 1) syncs parameters only, and the model has "
-                       "buffers (BatchNorm statistics); use " + key("fragments") + " = 1");
 }
 
 }  // namespace limbo::train

@@ -61,10 +61,9 @@ struct DilocoOptions {
 // Refuses streaming settings that cannot run (InvalidInput naming each
 // setting as `key` spells it: "diloco.fragments" in the CLI, "fragments"
 // in the Python module): inner steps not a multiple of the fragments, an
-// overlap not below the inner steps between two syncs, fragments of a model
-// with buffers (only parameters are synced).
-void check_streaming(const DilocoOptions& d, const std::function<std::string(const std::string&)>& key,
-                     bool model_has_buffers);
+// overlap not below the inner steps between two syncs, a mixing factor
+// outside [0, 1].
+void check_streaming(const DilocoOptions& d, const std::function<std::string(const std::string&)>& key);
 
 // Positions [lo, hi) of an epoch's order.
 using PositionRanges = std::vector<std::pair<int64_t, int64_t>>;

@@ -54,6 +54,51 @@ void outer_update_slice(optim::Optimizer& opt, torch::Tensor& w, const torch::Te
 }
 
 
+torch::Tensor buffer_row(const optim::FlatParams& flat) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& b : flat.buffer_entries()) parts.push_back(b.tensor.reshape(-1).to(torch::kFloat64));
+  return parts.empty() ? torch::zeros({0}, torch::kFloat64) : torch::cat(parts);
+}
+
+std::vector<torch::Tensor> average_buffers(const optim::FlatParams& flat, const torch::Tensor& rows,
+                                           const std::vector<double>& weights) {
+  torch::NoGradGuard no_grad;
+  double total = 0;
+  for (double w : weights) total += w;
+  if (rows.size(0) != static_cast<int64_t>(weights.size()) || total <= 0)
+    throw Error("internal: averaging buffers without members' samples");
+  std::vector<torch::Tensor> out;
+  int64_t at = 0;
+  for (const auto& b : flat.buffer_entries()) {
+    const int64_t n = b.tensor.numel();
+    auto cols = rows.narrow(1, at, n);
+    torch::Tensor acc;
+    if (b.tensor.is_floating_point()) {
+      acc = torch::zeros({n}, torch::kFloat64);
+      for (int64_t m = 0; m < cols.size(0); ++m) acc.add_(cols[m], weights[static_cast<size_t>(m)]);
+      acc.div_(total);
+    } else {
+      acc = cols[0].clone();
+      for (int64_t m = 1; m < cols.size(0); ++m) acc = torch::maximum(acc, cols[m]);
+    }
+    out.push_back(acc.reshape(b.tensor.sizes()).to(b.tensor.scalar_type()));
+    at += n;
+  }
+  return out;
+}
+
+void take_buffer_average(optim::FlatParams& flat, const std::vector<torch::Tensor>& average,
+                         const std::vector<torch::Tensor>& agreed) {
+  torch::NoGradGuard no_grad;
+  const auto& e = flat.buffer_entries();
+  if (average.size() != e.size() || agreed.size() != e.size()) throw Error("internal: buffers of another model");
+  for (size_t i = 0; i < e.size(); ++i) {
+    auto& t = e[i].tensor;
+    if (t.scalar_type() == torch::kBool) t.copy_(average[i]);
+    else t.copy_(average[i] + (t - agreed[i]));
+  }
+}
+
 OuterSteps::OuterSteps(Session& session, optim::FlatParams& flat, std::shared_ptr<UpdateRule> rule,
                        std::shared_ptr<OptimizerStep> outer, Options opt)
     : s_(session),
@@ -218,6 +263,7 @@ void OuterSteps::swap_in_local() {
 void OuterSteps::undo_ahead() {
   if (!ahead_) return;
   local_ = ahead_->local_before;
+  if (!ahead_->buffers_before.empty()) flat_.restore_buffers(ahead_->buffers_before);
   if (inner_opt_) inner_opt_->restore(ahead_->inner_before);
   ahead_undone += ahead_->inner_steps;
   ahead_.reset();
@@ -277,8 +323,17 @@ std::optional<OuterSteps::Agreed> OuterSteps::agree(double weight) {
   const auto sync_start = Clock::now();
   const int W = s_.world();
   constexpr double kNone = -1e300;
-  auto rows = torch::full({W, 7}, -1.0, torch::kFloat64);
+  // Streaming with buffers: each member's buffers ride in its row too.
+  const bool with_buffers = streaming() && !flat_.buffer_entries().empty();
+  const torch::Tensor mine = with_buffers ? buffer_row(flat_) : torch::Tensor();
+  const int64_t B = with_buffers ? mine.numel() : 0;
+  auto rows = torch::full({W, 7 + B}, -1.0, torch::kFloat64);
   rows.select(1, 4).fill_(kNone);
+  if (with_buffers) {
+    rows.narrow(1, 7, B).fill_(kNone);
+    rows[s_.rank()].narrow(0, 7, B).copy_(mine);
+    agreed_buffers_ = flat_.save_buffers();
+  }
   {
     auto a = rows.accessor<double, 2>();
     const int me = s_.rank();
@@ -318,6 +373,11 @@ std::optional<OuterSteps::Agreed> OuterSteps::agree(double weight) {
     g.loss_sum += a[m][3];
   }
   if (g.total == 0) throw Error("internal: an outer step whose members processed no sample");
+  if (with_buffers) {
+    std::vector<double> weights;
+    for (int m = 0; m < W; ++m) weights.push_back(std::max(0.0, a[m][1]));
+    g.buffers = average_buffers(flat_, rows.narrow(1, 7, B), weights);
+  }
   if (streaming()) rule_->set_agreed_flag(g.flag);
   return g;
 }
@@ -393,7 +453,11 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
     local_ = w.clone();
     w.copy_(global_);  // the Session's weights are the global ones again
     delta_ = (global_.slice(0, lo, hi) - local_.slice(0, lo, hi)).contiguous();
+    local_buffers_.clear();
+    if (!flat_.buffer_entries().empty()) local_buffers_ = flat_.save_buffers();
     inner_done_ = true;
+  } else if (!local_buffers_.empty()) {
+    flat_.restore_buffers(local_buffers_);  // a redo: this member's own buffers, not the state sync's
   }
   if (!delta_.defined()) delta_ = torch::zeros({hi - lo}, torch::kFloat32);  // no share (a redo's joiner)
   const auto sync_start = Clock::now();
@@ -426,6 +490,7 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
     a.step = st.step + 1;
     a.cursor_position = c.settled.cursor.position;
     a.local_before = local_.clone();
+    if (!flat_.buffer_entries().empty()) a.buffers_before = flat_.save_buffers();
     a.inner_before = inner_opt_->snapshot();
     ahead_ = std::move(a);
     Work aw = work_of(ahead_->plan, ahead_->rank, 0);
@@ -487,6 +552,15 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   };
   mix(local_);
   if (ahead_) mix(ahead_->local_before);
+  // The buffers: the members' average, with what inner steps run ahead
+  // since moved them (an average that is not finite leaves them).
+  bool buffers_finite = true;
+  for (const auto& b : g->buffers)
+    if (b.is_floating_point()) buffers_finite = buffers_finite && std::isfinite(b.sum().item<double>());
+  if (!g->buffers.empty() && buffers_finite) {
+    take_buffer_average(flat_, g->buffers, agreed_buffers_);
+    if (ahead_) ahead_->buffers_before = g->buffers;
+  }
   s_.state().owed = c.settled.owed;
   s_.commit(c.res, c.settled.cursor, {});
   rule_->sum_committed(f);

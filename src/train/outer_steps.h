@@ -38,7 +38,10 @@
 // inner optimizer back as before them) and the unit is redone, and if the
 // next unit's plan turns out different (the group re-formed) they are
 // undone the same way. Never across an epoch's end or a membership change
-// the agreement announced.
+// the agreement announced. Module buffers (BatchNorm statistics) ride in
+// every unit's agreement, each member's row with its own, and are averaged
+// (weighted by the unit's samples; integer ones take the maximum) when the
+// unit commits.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -66,6 +69,21 @@ std::vector<std::pair<int64_t, int64_t>> cut_fragments(const optim::FlatParams& 
 // values, contiguous), its state allocated whole (zeros) at the first.
 void outer_update_slice(optim::Optimizer& opt, torch::Tensor& w, const torch::Tensor& g, int64_t lo, int64_t hi,
                         double lr);
+
+// Streaming's module buffers (BatchNorm statistics): every buffer's values
+// as one flat float64 row, in FlatParams' buffer order.
+torch::Tensor buffer_row(const optim::FlatParams& flat);
+// The members' rows [W, buffer values] averaged in rank order: floating
+// buffers weighted by `weights` (the samples each member processed in the
+// unit; they sum to more than 0), integer and bool buffers (BatchNorm's
+// batch count) their maximum. In the buffers' shapes and types.
+std::vector<torch::Tensor> average_buffers(const optim::FlatParams& flat, const torch::Tensor& rows,
+                                           const std::vector<double>& weights);
+// Puts the average in, keeping what this member's buffers moved since
+// `agreed` (its row's buffers; inner steps run ahead of the sync since):
+// buffer = average + (buffer - agreed); a bool buffer takes the average.
+void take_buffer_average(optim::FlatParams& flat, const std::vector<torch::Tensor>& average,
+                         const std::vector<torch::Tensor>& agreed);
 
 class OuterSteps {
  public:
@@ -165,6 +183,8 @@ class OuterSteps {
     std::vector<int64_t> consumed;  // by plan rank
     double flag = 0;         // the membership-change flags' sum
     double weight_total = 0;  // streaming: the members' samples since the fragment's last sync
+    // Streaming with buffers: the members' buffers averaged (empty: none).
+    std::vector<torch::Tensor> buffers;
   };
   std::optional<Agreed> agree(double weight);
   // Work of `plan` for plan rank `p`, from inner batch `from` on.
@@ -195,6 +215,7 @@ class OuterSteps {
     int64_t skipped = 0;
     int64_t cursor_position = 0;           // the cursor it was planned from
     torch::Tensor local_before;            // local weights before them (the synced fragment mixed in)
+    std::vector<torch::Tensor> buffers_before;  // the module's buffers before them (the average put in)
     optim::Optimizer::Snapshot inner_before;
   };
   std::optional<Ahead> ahead_;
@@ -211,6 +232,7 @@ class OuterSteps {
   torch::Tensor global_;  // the committed global weights the inner steps began from
   torch::Tensor delta_;   // this member's pseudo-gradient, global - local (kept for a redo)
   std::vector<torch::Tensor> local_buffers_;  // the buffers after its inner steps (kept for a redo)
+  std::vector<torch::Tensor> agreed_buffers_;  // streaming: the buffers this member's row carried
   bool inner_done_ = false;
   bool redo_ = false;
   int64_t consumed_ = 0;  // samples of its share processed

@@ -127,7 +127,7 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
     if (d.inner_steps < 1) throw InvalidInput("diloco.inner_steps must be at least 1");
     if (d.nesterov && d.outer_momentum <= 0)
       throw InvalidInput("diloco.nesterov = true needs diloco.outer_momentum > 0");
-    check_streaming(d, [](const std::string& k) { return "diloco." + k; }, !flat_->buffer_entries().empty());
+    check_streaming(d, [](const std::string& k) { return "diloco." + k; });
     optim::OptimizerOptions outer;
     outer.algorithm = "sgd";
     outer.momentum = d.outer_momentum;

@@ -453,9 +453,9 @@ def test_diloco_members_end_with_the_same_global_weights_and_every_sample_once(r
 def test_diloco_streaming_syncs_fragments_in_turn_and_members_end_identical(run_dir):
     """fragments=2 (streaming DiLoCo, mixing 0.5) from Python: a step syncs
     one fragment every 2 batches, in turn; every sample once an epoch and
-    both members with the same global weights."""
-    r = launch(run_dir, 2, ["--optimizer", "adamw", "--sync", "diloco", "--inner-steps", "4", "--fragments", "2",
-                            "--model", "plain"])  # no buffers (refused by streaming)
+    both members with the same global weights and BatchNorm buffers (the
+    default model has them; they are averaged at every sync)."""
+    r = launch(run_dir, 2, ["--optimizer", "adamw", "--sync", "diloco", "--inner-steps", "4", "--fragments", "2"])
     assert r.returncode == 0, r.stdout + r.stderr
     check_exactly_once(run_dir, 1024, 2)
     f = finals(run_dir)
