@@ -491,16 +491,32 @@ TEST(StreamingDiloco, AModelWithBatchNormEndsWithTheSameStatisticsOnEveryMember)
   EXPECT_GT(s["test_accuracy"].get<double>(), 0.3) << s.dump();  // 0.10 untrained
 }
 
-// Streaming's outer update steps a fragment at a time on every member:
-// sharded outer state is refused, by name.
-TEST(StreamingDiloco, ShardedOuterStateIsRefused) {
+// Streaming with the outer optimizer's state sharded (optim.shard_state):
+// each member updates its shard's part of the synced fragment (on the wire
+// with the sum, while the next unit's first inner steps run) and the
+// fragment's weights are all-gathered; the same weights and state as the
+// replicated outer update, bit for bit. With a member SIGKILLed as the
+// others start an overlapped sync, its shard is taken from its home and
+// the run ends as the replicated one does.
+TEST(StreamingDiloco, ShardedOuterStateEqualsTheReplicatedOneAndSurvivesALostMember) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   TempDir d;
-  // Refused before it joins (no store answers at this address).
-  std::vector<std::string> a = {"train", "--elastic", "--dist-rdzv", "127.0.0.1:1"};
-  auto t = job_args(d.file("bad"), 1);
-  a.insert(a.end(), t.begin(), t.end());
-  a.insert(a.end(), {"--set", "diloco.fragments=2", "--set", "optim.shard_state=true"});
-  auto r = limbo::testing::run_limbo(a);
-  EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("not built for streaming DiLoCo"), std::string::npos) << r.output;
+  auto sharded = streaming_args();
+  sharded.insert(sharded.end(), {"--set", "optim.shard_state=true"});
+  const auto rep = run_job(d, "rep", 2, 1, streaming_args());
+  const auto sh = run_job(d, "shard", 2, 1, sharded);
+  limbo::testing::expect_same_checkpoint(rep, sh);
+  limbo::testing::expect_identical_finals(sh, 2);
+  EXPECT_GT(summary(sh)["inner_steps_overlapped"].get<int64_t>(), 0);
+  EXPECT_TRUE(summary(sh)["communication"].contains("all_gather_ms_per_step")) << summary(sh).dump();
+  EXPECT_FALSE(summary(rep)["communication"].contains("all_gather_ms_per_step")) << summary(rep).dump();
+  auto die = streaming_args();
+  die.insert(die.end(), {"--set", "train.testing_die_at_step=5", "--set", "train.testing_die_in_outer=true"});
+  auto die_sharded = die;
+  die_sharded.insert(die_sharded.end(), {"--set", "optim.shard_state=true"});
+  const auto lost_rep = run_job(d, "lost-rep", 3, 2, die);
+  const auto lost_sh = run_job(d, "lost-shard", 3, 2, die_sharded);
+  expect_lost_member_run(lost_sh, 40);
+  EXPECT_EQ(final_fingerprint(lost_sh), final_fingerprint(lost_rep));
+  EXPECT_FALSE(final_fingerprint(lost_sh).empty());
 }

@@ -78,27 +78,42 @@ TEST(SlowLink, DilocoSendsAFractionOfTheBytesOverShapedLinksAndLosesNoSample) {
 // A host lost whole (its worker and launcher SIGKILLed) halfway through the
 // inner steps of outer step 3, over shaped links: the other host's members
 // redo the outer step's sync without it, its samples are dealt again, and
-// every sample is used once.
+// every sample is used once. Twice: plain DiLoCo, and streaming with
+// overlap and the outer state sharded, where the lost host's shard comes
+// from its copy on the other host.
 TEST(SlowLink, DilocoLosesAHostInItsInnerStepsAndDealsItsSamplesAgain) {
   if (!limbo::testing::have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   if (!have_tc()) GTEST_SKIP() << "tc (iproute2) is missing";
-  VirtualHosts hosts(2);
-  if (!hosts.ok()) GTEST_SKIP() << hosts.why();
-  ASSERT_TRUE(hosts.shape("100mbit"));
-  HostJob job(hosts, 1);
-  job.train_extra = {"--set", "elastic.sync=\"diloco\"", "--set", "diloco.inner_steps=10", "--set", "diloco.max_wait=0"};
-  job.host_train_extra[1] = {"--set", "train.testing_die_at_step=3", "--set", "train.testing_die_rank=2",
-                             "--set", "train.testing_die_with_host=true"};
-  // Training starts once host B's worker has joined: the whole job is 9
-  // outer steps (2 s), and a joiner that came after outer step 3 would never
-  // die (found in CI).
-  job.host_extra[0] = {"--start-workers", "3"};
-  ASSERT_TRUE(job.start_two_hosts());
-  job.wait_all(300, {1});
-  EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();
-  limbo::testing::expect_exactly_once(job.run, 1, job.train_limit);
-  limbo::testing::expect_identical_finals(job.run, 2);
-  const auto s = nlohmann::json::parse(slurp(job.run + "/summary.json"));
-  EXPECT_EQ(s["workers"].get<int64_t>(), 2) << job.all_logs();
-  EXPECT_GE(s["outer_steps_redone"].get<int64_t>(), 1);
+  const std::vector<std::vector<std::string>> modes = {
+      {},
+      {"--set", "diloco.fragments=2", "--set", "diloco.overlap_steps=2", "--set", "diloco.mixing=0.5",
+       "--set", "optim.shard_state=true"}};
+  for (const auto& mode : modes) {
+    SCOPED_TRACE(mode.empty() ? "diloco" : "streaming, sharded");
+    VirtualHosts hosts(2);
+    if (!hosts.ok()) GTEST_SKIP() << hosts.why();
+    ASSERT_TRUE(hosts.shape("100mbit"));
+    HostJob job(hosts, 1);
+    job.train_extra = {"--set", "elastic.sync=\"diloco\"", "--set", "diloco.inner_steps=10",
+                       "--set", "diloco.max_wait=0"};
+    job.train_extra.insert(job.train_extra.end(), mode.begin(), mode.end());
+    job.host_train_extra[1] = {"--set", "train.testing_die_at_step=3", "--set", "train.testing_die_rank=2",
+                               "--set", "train.testing_die_with_host=true"};
+    // Training starts once host B's worker has joined: the whole job is 9
+    // outer steps (2 s), and a joiner that came after outer step 3 would
+    // never die (found in CI).
+    job.host_extra[0] = {"--start-workers", "3"};
+    ASSERT_TRUE(job.start_two_hosts());
+    job.wait_all(300, {1});
+    EXPECT_EQ(job.results[0].exit_code, 0) << job.all_logs();
+    limbo::testing::expect_exactly_once(job.run, 1, job.train_limit);
+    limbo::testing::expect_identical_finals(job.run, 2);
+    const auto s = nlohmann::json::parse(slurp(job.run + "/summary.json"));
+    EXPECT_EQ(s["workers"].get<int64_t>(), 2) << job.all_logs();
+    EXPECT_GE(s["outer_steps_redone"].get<int64_t>(), 1);
+    if (!mode.empty()) {
+      EXPECT_EQ(s["fragments"].get<int64_t>(), 2);
+      EXPECT_TRUE(s["communication"].contains("all_gather_ms_per_step")) << s.dump();
+    }
+  }
 }

@@ -96,10 +96,6 @@ int run_train(const TrainArgs& a) {
   if (reduce_options.shard_state && cfg.get_string("optim.algorithm") == "isgd")
     throw InvalidInput("optim.shard_state = true does not run with optim.algorithm = \"isgd\" (its extra "
                        "updates step the whole model on every worker); use sgd, adam or adamw");
-  if (reduce_options.shard_state && trainer.diloco() && cfg.get_int("diloco.fragments") > 1)
-    throw InvalidInput("optim.shard_state = true is not built for streaming DiLoCo (diloco.fragments > 1: its "
-                       "outer update steps one fragment at a time on every member); use diloco.fragments = 1 "
-                       "or optim.shard_state = false");
   if (distributed)
     trainer.set_update_rule(
         elastic::join_static(jo, a.dist_rank, a.dist_world, trainer.rule_optimizer(), trainer.params()));

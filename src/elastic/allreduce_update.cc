@@ -277,6 +277,63 @@ void AllReduceUpdate::sum_committed(int key) {
   if (it != sum_encoders_.end() && it->second) it->second->commit();
 }
 
+// Each home's next version starts as a copy of the committed one (zeros
+// before the first update, as the replicated outer_update_slice starts), and
+// only its part of [lo, hi) is updated, in place, from those values: the
+// replicated update's arithmetic, element for element.
+bool AllReduceUpdate::update_fragment(torch::Tensor& w, const torch::Tensor& g, int64_t lo, int64_t hi, double lr,
+                                      int64_t k, bool skip) {
+  if (!shard_) return false;
+  torch::NoGradGuard no_grad;
+  const auto t_update = std::chrono::steady_clock::now();
+  drop_retired();  // the sum came from every member: each finished the state sync
+  ensure_home(k);
+  std::vector<ShardHome*> homes{home_.get()};
+  for (auto& c : copies_) homes.push_back(c.get());
+  auto& opt = opt_->optimizer();
+  const int states = home_->states();
+  auto out = w.clone();  // every part but this member's is overwritten by the all-gather
+  const int64_t steps = home_->optimizer_steps(home_->version_of(k)) + (skip ? 0 : 1);
+  const bool has_state = home_->has_state(home_->version_of(k)) || (!skip && states > 0);
+  for (ShardHome* x : homes) {
+    const int cur = x->version_of(k), next = 1 - cur;
+    x->begin(next);
+    if (states > 0) {
+      if (x->has_state(cur)) std::memcpy(x->state(next, 0), x->state(cur, 0), static_cast<size_t>(x->version_bytes()));
+      else std::memset(x->state(next, 0), 0, static_cast<size_t>(x->version_bytes()));
+    }
+    const int64_t a = std::max(lo, x->lo()), e = std::min(hi, x->hi());
+    if (!skip && e > a) {
+      std::vector<const float*> in;
+      std::vector<float*> st;
+      for (int i = 0; i < states; ++i) {
+        in.push_back(x->state(next, i) + (a - x->lo()));
+        st.push_back(x->state(next, i) + (a - x->lo()));
+      }
+      opt.set_state({}, x->optimizer_steps(cur));
+      opt.step_into(w.data_ptr<float>() + (a - lo), out.data_ptr<float>() + (a - lo), g.data_ptr<float>() + (a - lo),
+                    in, st, e - a, lr);
+    }
+    x->commit(next, k + 1, steps, has_state);
+  }
+  std::vector<torch::Tensor> views;
+  if (has_state)
+    for (int i = 0; i < states; ++i)
+      views.push_back(torch::from_blob(home_->state(home_->version_of(k + 1), i), {home_->size()}, torch::kFloat32));
+  opt.set_state(std::move(views), steps);
+  const auto t_gather = std::chrono::steady_clock::now();
+  std::vector<int64_t> parts;
+  for (int64_t b : bounds_) parts.push_back(std::clamp(b, lo, hi) - lo);
+  group_->all_gather(out, parts);
+  w.copy_(out);
+  weights_step_ = k + 1;
+  const auto t_end = std::chrono::steady_clock::now();
+  update_seconds_ += std::chrono::duration<double>(t_gather - t_update).count();
+  gather_seconds_ += std::chrono::duration<double>(t_end - t_gather).count();
+  updates_ += 1;
+  return true;
+}
+
 void AllReduceUpdate::backward_starts(train::StepContext& ctx) {
   share_ = ctx.global_batch > 0 ? static_cast<double>(ctx.batch_size) / ctx.global_batch : 0.0;
   reducer_.begin(group_, share_, ctx.loss);

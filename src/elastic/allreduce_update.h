@@ -64,6 +64,8 @@ class AllReduceUpdate : public train::UpdateRule {
   void agree_max(torch::Tensor& t) override { group_->allreduce_max(t); }
   void sum(torch::Tensor& t, int key) override;
   void sum_committed(int key) override;
+  bool update_fragment(torch::Tensor& w, const torch::Tensor& g, int64_t lo, int64_t hi, double lr, int64_t step,
+                       bool skip) override;
   double change_flag() override { return flag_source_ ? flag_source_() : 0.0; }
   void set_agreed_flag(double sum) override { flag_sum_ = sum; }
   const char* name() const override { return "allreduce"; }

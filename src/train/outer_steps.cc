@@ -482,6 +482,17 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   const bool overlap = tau > 0 && run_ahead && inner_opt_ && g->flag == 0 && !c.settled.last_in_epoch &&
                        plan_rank_ >= 0 && local_.defined();
   std::exception_ptr failed;
+  // The sum, and where the rule shards the outer state, the sharded update
+  // of the global fragment (a copy of it: the weights hold the local ones
+  // while inner steps run ahead) and its all-gather, all on the wire while
+  // those steps run.
+  torch::Tensor fragment = w.slice(0, lo, hi).clone();
+  bool skipped = false, sharded = false;
+  auto sync = [&] {
+    rule_->sum(piece, f);
+    skipped = !std::isfinite(piece.sum().item<float>());
+    sharded = rule_->update_fragment(fragment, piece, lo, hi, opt_.diloco.outer_lr, st.step, skipped);
+  };
   if (overlap) {
     Ahead a;
     a.plan = plan_outer(c.settled.cursor, c.settled.owed, opt_.samples, opt_.batch * opt_.diloco.unit_steps(),
@@ -498,7 +509,8 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
     const auto ahead_start = Clock::now();
     std::thread comm([&] {
       try {
-        rule_->sum(piece, f);
+        torch::NoGradGuard no_grad;
+        sync();
       } catch (...) {
         failed = std::current_exception();
       }
@@ -521,7 +533,7 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
     if (failed) undo_ahead();
   } else {
     try {
-      rule_->sum(piece, f);
+      sync();
     } catch (...) {
       failed = std::current_exception();
     }
@@ -539,9 +551,10 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   }
   c.res.global_batch = g->total;
   c.res.loss = g->loss_sum / static_cast<double>(g->total);
-  c.res.skipped = !std::isfinite(piece.sum().item<float>());
+  c.res.skipped = skipped;
   auto gw = w.slice(0, lo, hi);
-  if (!c.res.skipped) outer_update_slice(outer_->optimizer(), w, piece, lo, hi, opt_.diloco.outer_lr);
+  if (sharded) gw.copy_(fragment);
+  else if (!c.res.skipped) outer_update_slice(outer_->optimizer(), w, piece, lo, hi, opt_.diloco.outer_lr);
   // The local fragment moves to the global one by the mixing factor (a
   // step that was not finite: to the global one).
   const double alpha = c.res.skipped ? 0.0 : opt_.diloco.mixing;

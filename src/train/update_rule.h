@@ -112,6 +112,18 @@ class UpdateRule {
   // the old one). Identity for one process.
   virtual void sum(torch::Tensor& t, int key) {}
   virtual void sum_committed(int key) {}
+  // Streaming DiLoCo's outer update of the global fragment [lo, hi) of the
+  // weights (`w`, its hi - lo values, updated in place) by the summed
+  // pseudo-gradient `g`, where the rule shards the optimizer state: each
+  // member updates its shard's part of the fragment (and the copies it
+  // keeps for another host) from committed step `step`'s version into the
+  // next, and the fragment's new weights are all-gathered. `skip` (a sum
+  // that was not finite): the versions move to step + 1 unchanged. False
+  // when the rule does not shard: the caller updates with the whole state.
+  virtual bool update_fragment(torch::Tensor& w, const torch::Tensor& g, int64_t lo, int64_t hi, double lr,
+                               int64_t step, bool skip) {
+    return false;
+  }
   // The membership-change flag this member sends with a gradient (0: none),
   // and, where it travels outside the gradient (streaming DiLoCo's
   // agreement), the members' sum of it, as apply() would have agreed it.
