@@ -517,6 +517,21 @@ TEST(Beats, MembersBeatWithoutWritingToTheStore) {
   for (auto& m : members) EXPECT_FALSE(m->cut_off());
 }
 
+// A member's threads (training, publishing, watching, beating) share one
+// connection to the embedded store: a member adds one connection, not three.
+TEST(Beats, AMemberHoldsOneStoreConnectionForAllItsThreads) {
+  Job job;
+  job.start_coordinator(2);
+  ASSERT_TRUE(eventually([&] { return job.server.connections() == 1; }));  // the coordinator's
+  Member a(job.connect(), job.member_options());
+  Member b(job.connect(), job.member_options());
+  ASSERT_TRUE(eventually([&] { return job.coord->poll().round.members.size() == 2; }));
+  std::this_thread::sleep_for(300ms);  // every thread of both has made its calls
+  EXPECT_EQ(job.server.connections(), 3u);
+  EXPECT_FALSE(a.cut_off());
+  EXPECT_FALSE(b.cut_off());
+}
+
 // A member whose beats nobody acknowledges (no coordinator listens) is cut
 // off after its cut-off time, and back once one does.
 TEST(Beats, AMemberIsCutOffWhileNoBeatIsAcknowledged) {

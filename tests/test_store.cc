@@ -11,6 +11,7 @@
 #include <ifaddrs.h>
 #include <net/if.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -187,6 +188,90 @@ TEST(Store, AClientReachesAServerThatStartsLaterAndNamesItWhenThereIsNone) {
     EXPECT_NE(std::string(e.what()).find("127.0.0.1:" + std::to_string(port)), std::string::npos) << e.what();
   }
   EXPECT_THROW(c.set("a", "c"), PeerFailure);  // the server is gone
+}
+
+// One connection carries many threads' calls at once: a get parked on the
+// server (another thread's) holds up no other call on the connection, and
+// the answers find their callers by id.
+TEST(Store, OneConnectionCarriesAParkedWaitAndOtherCallsAtOnce) {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient a("127.0.0.1", server.port(), 5s);
+  StoreClient b(a, 2s);  // the same connection, its own timeout
+  EXPECT_EQ(b.timeout(), 2s);
+  std::string got;
+  std::thread waiter([&] { got = a.get("late", 10s); });
+  std::thread other([&] { EXPECT_TRUE(a.wait_for({"later"}, 10s)); });
+  std::this_thread::sleep_for(100ms);  // both parked on the server
+  const double calls = seconds_of([&] {
+    for (int i = 0; i < 100; ++i) EXPECT_EQ(b.add("n", 1), i + 1);
+    EXPECT_FALSE(b.try_get("late").has_value());
+    EXPECT_FALSE(b.wait_for({"never"}, 50ms));
+  });
+  EXPECT_LT(calls, 2.0) << "calls waited behind the parked ones";
+  b.set("later", "1");
+  other.join();
+  b.set("late", "v");
+  waiter.join();
+  EXPECT_EQ(got, "v");
+  EXPECT_EQ(a.connects(), 1);
+  EXPECT_EQ(b.connects(), 1);
+}
+
+// A wait given up (its timeout, or cancelled) is withdrawn from the server,
+// and the connection goes on: more given-up waits than the server parks on
+// one connection (4,096) leave nothing behind, and no call reconnects.
+TEST(Store, WaitsGivenUpAreWithdrawnAndTheConnectionGoesOn) {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient c("127.0.0.1", server.port(), 5s);
+  for (int i = 0; i < 4200; ++i) ASSERT_THROW(c.get("never", 1ms), Timeout) << i;
+  std::atomic<bool> cancel{false};
+  c.set_cancel([&] { return cancel.load(); });
+  std::thread t([&] {
+    std::this_thread::sleep_for(100ms);
+    cancel = true;
+  });
+  EXPECT_THROW(c.wait({"never"}, 10s), PeerFailure);
+  t.join();
+  c.set_cancel(nullptr);
+  c.set("k", "v");
+  EXPECT_EQ(c.get("k", 1s), "v");
+  EXPECT_EQ(c.connects(), 1);
+}
+
+// A connection that breaks fails every call in flight on it, whichever
+// thread made it; the next call connects again.
+TEST(Store, ABrokenConnectionFailsEveryCallOnItAndTheNextConnectsAgain) {
+  auto server = std::make_unique<StoreServer>("127.0.0.1", 0);
+  const int port = server->port();
+  StoreClient a("127.0.0.1", port, 5s);
+  StoreClient b(a, 5s);
+  std::atomic<int> failed{0};
+  std::thread w1([&] {
+    try {
+      a.get("never", 10s);
+    } catch (const PeerFailure&) {
+      failed++;
+    }
+  });
+  std::thread w2([&] {
+    try {
+      b.wait({"never"}, 10s);
+    } catch (const PeerFailure&) {
+      failed++;
+    }
+  });
+  std::this_thread::sleep_for(100ms);
+  const double broke = seconds_of([&] {
+    server.reset();
+    w1.join();
+    w2.join();
+  });
+  EXPECT_EQ(failed.load(), 2);
+  EXPECT_LT(broke, 2.0);
+  server = std::make_unique<StoreServer>("127.0.0.1", port);
+  b.set("x", "1");
+  EXPECT_EQ(*a.try_get("x"), "1");
+  EXPECT_EQ(a.connects(), 2);
 }
 
 }  // namespace

@@ -140,7 +140,7 @@ TEST(StoreGuard, PipelinedWaitsAreServedWithoutRecursion) {
   StoreClient c("127.0.0.1", server.port(), 5s);
   c.set("k", "v");
   Heartbeat hb(server.port());
-  const double s = pipeline(server.port(), frame(kWait, {"k"}), 200000, kOk);
+  const double s = pipeline(server.port(), frame(kWait, {id_field(1), "k"}), 200000, kOk);
   hb.stop();
   ASSERT_GT(s, 0) << "the server closed the pipelining connection";
   EXPECT_LT(s, 20.0);
@@ -154,7 +154,7 @@ TEST(StoreGuard, PipelinedWaitsAreServedWithoutRecursion) {
 TEST(StoreGuard, PipelinedRequestsAreParsedInLinearTime) {
   StoreServer server("127.0.0.1", 0);
   Heartbeat hb(server.port());
-  const double s = pipeline(server.port(), frame(kTryGet, {"missing"}), 400000, kMissing);
+  const double s = pipeline(server.port(), frame(kTryGet, {id_field(1), "missing"}), 400000, kMissing);
   hb.stop();
   ASSERT_GT(s, 0);
   EXPECT_LT(s, 20.0) << "400,000 pipelined requests took " << s << " s";

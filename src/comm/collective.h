@@ -100,6 +100,10 @@ struct GroupOptions {
   // that store's ports (its connections are not the group's).
   std::function<std::shared_ptr<KvStore>()> connect_store;
   std::vector<int> control_ports;
+  // The embedded store's connection this member already holds (comm/store.h
+  // carries many calls on one): the group forms through it, where it would
+  // open a connection of its own for every formation.
+  std::shared_ptr<StoreClient> share_client;
 };
 
 // The store a group forms through (opt.connect_store, or a client of the

@@ -251,7 +251,8 @@ class GlooGroup : public Collective {
       if (opt.connect_store) {
         tcp = c10::make_intrusive<KvC10dStore>(opt.connect_store(), opt.timeout, opt.cancelled);
       } else {
-        client = std::make_shared<StoreClient>(opt.store_host, opt.store_port, opt.timeout, opt.token);
+        client = opt.share_client ? std::make_shared<StoreClient>(*opt.share_client, opt.timeout)
+                                  : std::make_shared<StoreClient>(opt.store_host, opt.store_port, opt.timeout, opt.token);
         if (opt.cancelled) client->set_cancel(opt.cancelled);
         tcp = c10::make_intrusive<C10dStore>(client);
       }

@@ -11,6 +11,7 @@ class TcpKvStore : public KvStore {
  public:
   TcpKvStore(const std::string& host, int port, std::chrono::milliseconds timeout, const std::string& token)
       : client_(host, port, timeout, token) {}
+  TcpKvStore(const StoreClient& client, std::chrono::milliseconds timeout) : client_(client, timeout) {}
   void set(const std::string& key, const std::string& value) override { client_.set(key, value); }
   std::optional<std::string> try_get(const std::string& key) override { return client_.try_get(key); }
   int64_t add(const std::string& key, int64_t delta) override { return client_.add(key, delta); }
@@ -28,9 +29,12 @@ class TcpKvStore : public KvStore {
     return client_.changes_since(prefixes, since);
   }
   std::string describe() const override { return client_.address(); }
+  std::shared_ptr<KvStore> share(std::chrono::milliseconds timeout) override {
+    return std::make_shared<TcpKvStore>(client_, timeout);
+  }
 
  private:
-  StoreClient client_;  // thread-safe: one request at a time
+  StoreClient client_;  // thread-safe: many calls in flight on its connection
 };
 
 }  // namespace
@@ -38,6 +42,10 @@ class TcpKvStore : public KvStore {
 std::unique_ptr<KvStore> connect_kv_store(const std::string& host, int port,
                                           std::chrono::milliseconds timeout, const std::string& token) {
   return std::make_unique<TcpKvStore>(host, port, timeout, token);
+}
+
+std::unique_ptr<KvStore> kv_store_on(const StoreClient& client, std::chrono::milliseconds timeout) {
+  return std::make_unique<TcpKvStore>(client, timeout);
 }
 
 KvChanges KvStore::changes_since(const std::vector<std::string>& prefixes, int64_t) {

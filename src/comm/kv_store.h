@@ -77,6 +77,11 @@ class KvStore {
   virtual void interrupt_follow() {}
   // Where the store is, for messages ("HOST:PORT", "etcd://...").
   virtual std::string describe() const { return "the rendezvous store"; }
+  // Another handle on this store's connection whose calls time out after
+  // `timeout`: the embedded store's connection carries many threads' calls
+  // at once, waits included (comm/store.h). Null where the store cannot
+  // share one (the caller connects anew).
+  virtual std::shared_ptr<KvStore> share(std::chrono::milliseconds timeout) { return nullptr; }
 };
 
 // Which key was written or erased last at which revision: the index behind
@@ -115,6 +120,10 @@ class Revisions {
 std::unique_ptr<KvStore> connect_kv_store(const std::string& host, int port,
                                           std::chrono::milliseconds timeout,
                                           const std::string& token = "");
+class StoreClient;
+// A KvStore on `client`'s connection (shared, comm/store.h), its calls
+// timing out after `timeout`.
+std::unique_ptr<KvStore> kv_store_on(const StoreClient& client, std::chrono::milliseconds timeout);
 
 class MemoryKvStore : public KvStore {
  public:

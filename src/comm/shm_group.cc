@@ -23,6 +23,7 @@
 
 #include "comm/compression.h"
 #include "comm/kv_store.h"
+#include "comm/store.h"
 #include "common/error.h"
 #include "common/log.h"
 
@@ -336,6 +337,7 @@ std::string read_first_line(const std::string& path) {
 
 std::shared_ptr<KvStore> group_store(const GroupOptions& opt) {
   if (opt.connect_store) return opt.connect_store();
+  if (opt.share_client) return std::shared_ptr<KvStore>(kv_store_on(*opt.share_client, opt.timeout));
   return std::shared_ptr<KvStore>(connect_kv_store(opt.store_host, opt.store_port, opt.timeout, opt.token));
 }
 

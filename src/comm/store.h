@@ -11,10 +11,12 @@
 //
 // Wire format (both directions): u32 length (little-endian) of the rest,
 // then one op byte (requests) or status byte (answers), then the fields,
-// each a u32 length and its bytes. One request in flight per connection;
-// `get` with waiting and `wait` are parked on the server until their keys
-// exist (`wait_for` also until its own deadline). Requests and values are
-// at most 64 MiB.
+// each a u32 length and its bytes; after the handshake the first field of a
+// request is its id (4 bytes), which its answer's first field repeats.
+// Many requests may be in flight on one connection: `get` with waiting and
+// `wait` are parked on the server until their keys exist (`wait_for` also
+// until its own deadline; `cancel` withdraws one) while the requests behind
+// them are answered. Requests and values are at most 64 MiB.
 //
 // Every connection starts with the server's hello; with a job secret the
 // client must pass the HMAC challenge of comm/auth.h before any request is
@@ -64,22 +66,31 @@ class StoreServer {
   StoreServer& operator=(const StoreServer&) = delete;
   int port() const;
   size_t max_connections() const;
+  // Connections open now (handshakes included).
+  size_t connections() const;
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
-// A connection to a StoreServer. Thread-safe (one request at a time). Each
-// call blocks for at most the timeout: Timeout when the server does not
-// answer in time (the connection is then dropped and made again on the next
-// call), PeerFailure when it cannot be reached. A wrong or missing job
-// secret is InvalidInput (not retried).
+// A client of a StoreServer over one connection that many threads share:
+// each request carries an id and its answer comes back with it, so a call
+// never waits behind another thread's (a parked get or wait included).
+// Each call blocks for at most its timeout: Timeout when the server does not
+// answer in time, PeerFailure when it cannot be reached or the connection
+// breaks (every call then in flight on it fails alike, and the next call
+// connects again). A wait the caller gives up on (its timeout, or
+// cancelled) is withdrawn from the server; any other request that times
+// out drops the connection (the server is not answering). A wrong or
+// missing job secret is InvalidInput (not retried).
 class StoreClient {
  public:
   // Connects, retrying until `timeout` (the server may still be starting).
   StoreClient(const std::string& host, int port, std::chrono::milliseconds timeout,
               std::string token = "");
+  // Another client on `other`'s connection, its calls with `timeout`.
+  StoreClient(const StoreClient& other, std::chrono::milliseconds timeout);
   ~StoreClient();
   StoreClient(const StoreClient&) = delete;
   StoreClient& operator=(const StoreClient&) = delete;
@@ -108,32 +119,27 @@ class StoreClient {
   // Waits on the server until every key exists (true) or `timeout` passes
   // (false). The connection stays up either way.
   bool wait_for(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
-  // Blocking get / wait / wait_for check `cancelled` every few milliseconds
-  // and throw PeerFailure when it returns true (e.g. the group being formed
-  // was replaced by a newer round). Set before the waits start.
+  // Blocking get / wait / wait_for of this client check `cancelled` every
+  // few milliseconds and throw PeerFailure when it returns true (e.g. the
+  // group being formed was replaced by a newer round). Set before the waits
+  // start.
   void set_cancel(std::function<bool()> cancelled) { cancel_ = std::move(cancelled); }
   std::chrono::milliseconds timeout() const { return timeout_; }
-  const std::string& address() const { return address_; }
+  const std::string& address() const;
+  // Connections made so far by this client's connection object (1 until it
+  // broke and was made again), for tests.
+  int64_t connects() const;
 
  private:
+  struct Connection;
   // Sends one request (op code, store_wire.h) and returns the answer's status
   // byte and field.
   std::pair<uint8_t, std::string> call(uint8_t op, const std::vector<std::string>& fields,
                                        std::chrono::milliseconds timeout);
-  void connect_locked(std::chrono::steady_clock::time_point deadline);
-  // Reads one whole frame; false on timeout. Throws PeerFailure on errors.
-  std::string read_frame_locked(std::chrono::steady_clock::time_point deadline, bool cancellable);
-  void handshake_locked(std::chrono::steady_clock::time_point deadline);
-  void drop_locked();
 
-  std::string host_;
-  int port_;
-  std::string address_;
+  std::shared_ptr<Connection> conn_;
   std::chrono::milliseconds timeout_;
-  std::string token_;
   std::function<bool()> cancel_;
-  std::mutex mu_;
-  int fd_ = -1;
 };
 
 }  // namespace limbo::comm

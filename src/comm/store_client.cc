@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cerrno>
 #include <cstring>
 #include <algorithm>
@@ -31,41 +32,201 @@ using namespace store_wire;
 
 
 
+// The connection many StoreClients may share. Every caller sends its
+// request under `mu`; then one caller at a time reads the socket (`reading`)
+// and hands each answer to the caller waiting for its id; the others wait
+// on `cv`. The socket is closed only while no one reads it.
+struct StoreClient::Connection {
+  Connection(std::string h, int p, std::string t)
+      : host(std::move(h)), port(p), address(host + ":" + std::to_string(port)), token(std::move(t)) {}
+  ~Connection() {
+    if (fd >= 0) ::close(fd);
+  }
+
+  struct Pending {
+    bool done = false, failed = false;
+    uint8_t status = 0;
+    std::string field, error;
+  };
+
+  const std::string host;
+  const int port;
+  const std::string address;
+  const std::string token;
+  std::mutex mu;
+  std::condition_variable cv;
+  int fd = -1;
+  bool reading = false;
+  bool broken = false;  // to be closed once no one reads it
+  uint32_t next_id = 1;
+  std::map<uint32_t, Pending*> pending;
+  std::string rbuf;  // the reader's bytes not yet a whole answer
+  int64_t connects = 0;
+
+  uint32_t new_id() {
+    const uint32_t id = next_id++;
+    if (next_id == 0) next_id = 1;
+    return id;
+  }
+
+  // Every call in flight fails with `why`; the socket goes now, or when its
+  // reader is out.
+  void fail_all_locked(const std::string& why) {
+    for (auto& [id, p] : pending) {
+      p->done = p->failed = true;
+      p->error = why;
+    }
+    pending.clear();
+    broken = true;
+    close_if_idle_locked();
+    cv.notify_all();
+  }
+
+  void close_if_idle_locked() {
+    if (!broken || reading) return;
+    if (fd >= 0) ::close(fd);
+    fd = -1;
+    rbuf.clear();
+    broken = false;
+  }
+
+  // A usable connection (waiting for a broken one's reader to leave it).
+  void ready_locked(std::unique_lock<std::mutex>& lk, std::chrono::steady_clock::time_point deadline) {
+    while (broken && reading) cv.wait_for(lk, std::chrono::milliseconds(5));
+    close_if_idle_locked();
+    if (fd < 0) connect_locked(deadline);
+  }
+
+  // The whole frame, or false at the deadline (PeerFailure on errors).
+  bool send_locked(const std::string& req, std::chrono::steady_clock::time_point deadline) {
+    for (size_t o = 0; o < req.size();) {
+      ssize_t n = ::send(fd, req.data() + o, req.size() - o, MSG_NOSIGNAL);
+      if (n > 0) {
+        o += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+        pollfd p{fd, POLLOUT, 0};
+        if (::poll(&p, 1, ms_until(deadline)) == 0) return false;
+        continue;
+      }
+      throw PeerFailure("rendezvous store at " + address + ": send failed: " + std::strerror(errno));
+    }
+    return true;
+  }
+
+  // Withdraws parked request `id` (its answer, should it come, is dropped).
+  void withdraw_locked(uint32_t id) {
+    if (fd < 0 || broken) return;
+    try {
+      if (!send_locked(frame(kCancel, {id_field(new_id()), id_field(id)}),
+                       std::chrono::steady_clock::now() + std::chrono::milliseconds(100)))
+        fail_all_locked("rendezvous store at " + address + ": no room to withdraw a wait");
+    } catch (const PeerFailure& e) {
+      fail_all_locked(e.what());
+    }
+  }
+
+  // Reads what arrives within `wait_ms` (without the lock: only the reader
+  // touches the socket's input and `rbuf`); false with `why` when the
+  // connection broke.
+  bool read_some(int wait_ms, std::vector<std::string>* frames, std::string* why) {
+    pollfd p{fd, POLLIN, 0};
+    const int pr = ::poll(&p, 1, wait_ms);
+    if (pr < 0 && errno != EINTR) {
+      *why = std::string("poll failed: ") + std::strerror(errno);
+      return false;
+    }
+    if (pr <= 0) return true;
+    char buf[65536];
+    for (;;) {
+      ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+      if (n > 0) {
+        rbuf.append(buf, static_cast<size_t>(n));
+        if (static_cast<size_t>(n) < sizeof buf) break;
+        continue;
+      }
+      if (n == 0) {
+        *why = "the store closed the connection";
+        return false;
+      }
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+      *why = std::string("recv failed: ") + std::strerror(errno);
+      return false;
+    }
+    size_t at = 0;
+    while (rbuf.size() - at >= 4) {
+      const size_t len = get_u32(rbuf.data() + at);
+      if (len == 0 || len > kMaxFrame) {
+        *why = "an answer of " + std::to_string(len) + " bytes";
+        return false;
+      }
+      if (rbuf.size() - at < 4 + len) break;
+      frames->push_back(rbuf.substr(at, 4 + len));
+      at += 4 + len;
+    }
+    rbuf.erase(0, at);
+    return true;
+  }
+
+  // Hands an answer to the call waiting for its id (none: a withdrawn wait's).
+  void dispatch_locked(const std::string& fr) {
+    std::vector<std::string> f;
+    if (!parse_fields(fr.data() + 5, fr.size() - 5, &f) || f.empty() || f[0].size() != 4 || f.size() > 2) {
+      fail_all_locked("rendezvous store at " + address + ": a malformed answer");
+      return;
+    }
+    auto it = pending.find(get_u32(f[0].data()));
+    if (it == pending.end()) return;
+    Pending& p = *it->second;
+    p.status = static_cast<uint8_t>(fr[4]);
+    if (f.size() == 2) p.field = std::move(f[1]);
+    p.done = true;
+    pending.erase(it);
+  }
+
+  void connect_locked(std::chrono::steady_clock::time_point deadline);
+  void handshake_locked(std::chrono::steady_clock::time_point deadline);
+  // One whole frame (the handshake's; nothing else is in flight), or empty
+  // at the deadline. Throws PeerFailure on errors.
+  std::string read_one_frame_locked(std::chrono::steady_clock::time_point deadline);
+};
+
 StoreClient::StoreClient(const std::string& host, int port, std::chrono::milliseconds timeout,
                          std::string token)
-    : host_(host),
-      port_(port),
-      address_(host + ":" + std::to_string(port)),
-      timeout_(timeout),
-      token_(std::move(token)) {
-  std::lock_guard<std::mutex> lock(mu_);
-  connect_locked(std::chrono::steady_clock::now() + timeout_);
+    : conn_(std::make_shared<Connection>(host, port, std::move(token))), timeout_(timeout) {
+  std::unique_lock<std::mutex> lock(conn_->mu);
+  conn_->connect_locked(std::chrono::steady_clock::now() + timeout_);
 }
 
-StoreClient::~StoreClient() {
-  std::lock_guard<std::mutex> lock(mu_);
-  drop_locked();
+StoreClient::StoreClient(const StoreClient& other, std::chrono::milliseconds timeout)
+    : conn_(other.conn_), timeout_(timeout) {}
+
+StoreClient::~StoreClient() = default;
+
+const std::string& StoreClient::address() const { return conn_->address; }
+
+int64_t StoreClient::connects() const {
+  std::lock_guard<std::mutex> lock(conn_->mu);
+  return conn_->connects;
 }
 
-void StoreClient::drop_locked() {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-}
-
-void StoreClient::connect_locked(std::chrono::steady_clock::time_point deadline) {
+void StoreClient::Connection::connect_locked(std::chrono::steady_clock::time_point deadline) {
   std::string why = "no answer";
   do {
-    addrinfo* res = resolve(host_, port_, false);
-    if (!res) throw PeerFailure("cannot resolve the rendezvous store host '" + host_ + "'");
-    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    int rc = ::connect(fd, res->ai_addr, res->ai_addrlen);
+    addrinfo* res = resolve(host, port, false);
+    if (!res) throw PeerFailure("cannot resolve the rendezvous store host '" + host + "'");
+    int s = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    int rc = ::connect(s, res->ai_addr, res->ai_addrlen);
     ::freeaddrinfo(res);
     if (rc != 0 && errno == EINPROGRESS) {
-      pollfd p{fd, POLLOUT, 0};
+      pollfd p{s, POLLOUT, 0};
       if (::poll(&p, 1, std::max(1, ms_until(deadline))) == 1) {
         int err = 0;
         socklen_t len = sizeof err;
-        ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
+        ::getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &len);
         rc = err == 0 ? 0 : -1;
         errno = err;
       } else {
@@ -73,106 +234,98 @@ void StoreClient::connect_locked(std::chrono::steady_clock::time_point deadline)
       }
     }
     if (rc == 0) {
-      set_nodelay(fd);
-      fd_ = fd;  // used by the handshake; dropped again unless it succeeds
+      set_nodelay(s);
+      fd = s;  // used by the handshake; dropped again unless it succeeds
+      rbuf.clear();
       try {
         handshake_locked(deadline);
+        connects += 1;
         return;
       } catch (const PeerFailure& e) {  // e.g. the server closed a connection over its cap: try again
-        drop_locked();
+        ::close(fd);
+        fd = -1;
         why = e.what();
       } catch (...) {  // a store that is not ours, or refused us: never used
-        drop_locked();
+        ::close(fd);
+        fd = -1;
         throw;
       }
     } else {
       why = std::strerror(errno);
-      ::close(fd);
+      ::close(s);
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   } while (std::chrono::steady_clock::now() < deadline);
-  throw PeerFailure("cannot reach the rendezvous store at " + address_ + " (" + why + ")");
+  throw PeerFailure("cannot reach the rendezvous store at " + address + " (" + why + ")");
 }
 
 // The server's hello, then (when it asks) the challenge of comm/auth.h.
-void StoreClient::handshake_locked(std::chrono::steady_clock::time_point deadline) {
+void StoreClient::Connection::handshake_locked(std::chrono::steady_clock::time_point deadline) {
   auto fields = [&](const std::string& fr, uint8_t* status) {
     std::vector<std::string> f;
     if (fr.size() < 5 || !parse_fields(fr.data() + 5, fr.size() - 5, &f))
-      throw PeerFailure("rendezvous store at " + address_ + ": a malformed handshake");
+      throw PeerFailure("rendezvous store at " + address + ": a malformed handshake");
     *status = static_cast<uint8_t>(fr[4]);
     return f;
   };
   uint8_t status = 0;
-  const std::string hello_frame = read_frame_locked(deadline, false);
-  if (hello_frame.empty()) throw PeerFailure("rendezvous store at " + address_ + ": no hello in time");
+  const std::string hello_frame = read_one_frame_locked(deadline);
+  if (hello_frame.empty()) throw PeerFailure("rendezvous store at " + address + ": no hello in time");
   auto hello = fields(hello_frame, &status);
   if (status != kHello || hello.size() != 2 || hello[0] != kProtocol)
-    throw InvalidInput("the rendezvous store at " + address_ + " does not speak " + kProtocol +
+    throw InvalidInput("the rendezvous store at " + address + " does not speak " + kProtocol +
                        " (another program, or another Limbo version, on that port?)");
   const std::string& nonce = hello[1];
   if (nonce.empty()) {
-    if (!token_.empty())
-      throw InvalidInput("the rendezvous store at " + address_ + " does not ask for the job secret this "
+    if (!token.empty())
+      throw InvalidInput("the rendezvous store at " + address + " does not ask for the job secret this "
                          "process was given; refusing to trust it (another job on that address?)");
     return;
   }
-  if (token_.empty())
-    throw InvalidInput("the rendezvous store at " + address_ + " needs the job's secret: give --token-file "
+  if (token.empty())
+    throw InvalidInput("the rendezvous store at " + address + " needs the job's secret: give --token-file "
                        "FILE or set LIMBO_JOB_TOKEN, as on the launcher that hosts it");
   const std::string mine = random_bytes(32);
-  const std::string req = frame(kAuth, {mine, client_proof(token_, nonce, mine)});
-  for (size_t o = 0; o < req.size();) {
-    ssize_t n = ::send(fd_, req.data() + o, req.size() - o, MSG_NOSIGNAL);
-    if (n > 0) o += static_cast<size_t>(n);
-    else if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) {
-      pollfd p{fd_, POLLOUT, 0};
-      if (::poll(&p, 1, ms_until(deadline)) == 0) throw PeerFailure("rendezvous store at " + address_ + ": handshake timed out");
-    } else {
-      throw PeerFailure("rendezvous store at " + address_ + ": " + std::strerror(errno));
-    }
-  }
+  if (!send_locked(frame(kAuth, {mine, client_proof(token, nonce, mine)}), deadline))
+    throw PeerFailure("rendezvous store at " + address + ": handshake timed out");
   // (A connection closed here is a PeerFailure, retried: the server may
   // have timed the handshake out on a starved machine. Only an explicit
   // "denied" is a wrong secret.)
-  const std::string fr = read_frame_locked(deadline, false);
-  if (fr.empty()) throw PeerFailure("rendezvous store at " + address_ + ": handshake timed out");
+  const std::string fr = read_one_frame_locked(deadline);
+  if (fr.empty()) throw PeerFailure("rendezvous store at " + address + ": handshake timed out");
   auto ok = fields(fr, &status);
   if (status == kDenied)
-    throw InvalidInput("the rendezvous store at " + address_ + " refused this process's job secret (a "
+    throw InvalidInput("the rendezvous store at " + address + " refused this process's job secret (a "
                        "different --token-file / LIMBO_JOB_TOKEN than the launcher that hosts it?)");
-  if (status != kOk || ok.size() != 1 || !same_secret_bytes(ok[0], server_proof(token_, nonce, mine)))
-    throw InvalidInput("the rendezvous store at " + address_ + " could not prove it knows the job secret; "
+  if (status != kOk || ok.size() != 1 || !same_secret_bytes(ok[0], server_proof(token, nonce, mine)))
+    throw InvalidInput("the rendezvous store at " + address + " could not prove it knows the job secret; "
                        "refusing to trust it");
 }
 
-std::string StoreClient::read_frame_locked(std::chrono::steady_clock::time_point deadline, bool cancellable) {
+std::string StoreClient::Connection::read_one_frame_locked(std::chrono::steady_clock::time_point deadline) {
   std::string in;
   size_t want = 4;
   char buf[65536];
-  const bool check = cancellable && cancel_;
   while (in.size() < want) {
-    pollfd p{fd_, POLLIN, 0};
-    const int wait_ms = check ? std::min(ms_until(deadline), 5) : ms_until(deadline);
-    int pr = ::poll(&p, 1, wait_ms);
+    pollfd p{fd, POLLIN, 0};
+    int pr = ::poll(&p, 1, ms_until(deadline));
     if (pr < 0 && errno == EINTR) continue;
     if (pr == 0) {
-      if (check && cancel_()) throw PeerFailure("rendezvous store at " + address_ + ": wait cancelled (superseded)");
       if (std::chrono::steady_clock::now() >= deadline) return {};
       continue;
     }
-    // One answer at a time: never read past it.
-    ssize_t n = ::recv(fd_, buf, std::min(sizeof buf, want - in.size()), 0);
-    if (n == 0) throw PeerFailure("rendezvous store at " + address_ + ": the store closed the connection");
+    // Never read past it.
+    ssize_t n = ::recv(fd, buf, std::min(sizeof buf, want - in.size()), 0);
+    if (n == 0) throw PeerFailure("rendezvous store at " + address + ": the store closed the connection");
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-      throw PeerFailure("rendezvous store at " + address_ + ": recv failed: " + std::strerror(errno));
+      throw PeerFailure("rendezvous store at " + address + ": recv failed: " + std::strerror(errno));
     }
     in.append(buf, static_cast<size_t>(n));
     if (want == 4 && in.size() >= 4) {
       const size_t len = get_u32(in.data());
       if (len == 0 || len > kMaxFrame)
-        throw PeerFailure("rendezvous store at " + address_ + ": an answer of " + std::to_string(len) + " bytes");
+        throw PeerFailure("rendezvous store at " + address + ": an answer of " + std::to_string(len) + " bytes");
       want = 4 + len;
     }
   }
@@ -181,45 +334,66 @@ std::string StoreClient::read_frame_locked(std::chrono::steady_clock::time_point
 
 std::pair<uint8_t, std::string> StoreClient::call(uint8_t op, const std::vector<std::string>& fields,
                                                   std::chrono::milliseconds timeout) {
-  std::lock_guard<std::mutex> lock(mu_);
+  Connection& c = *conn_;
+  std::unique_lock<std::mutex> lk(c.mu);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  if (fd_ < 0) connect_locked(deadline);
-  const std::string req = frame(op, fields);
-  auto fail = [&](bool timed_out, const std::string& what) {
-    drop_locked();
-    if (timed_out)
-      throw Timeout("rendezvous store at " + address_ + ": no answer within " +
-                    std::to_string(timeout.count()) + " ms (" + what + ")");
-    throw PeerFailure("rendezvous store at " + address_ + ": " + what);
-  };
-  for (size_t o = 0; o < req.size();) {
-    ssize_t n = ::send(fd_, req.data() + o, req.size() - o, MSG_NOSIGNAL);
-    if (n > 0) {
-      o += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-      pollfd p{fd_, POLLOUT, 0};
-      if (::poll(&p, 1, ms_until(deadline)) == 0) fail(true, "sending");
-      continue;
-    }
-    fail(false, std::string("send failed: ") + std::strerror(errno));
-  }
+  c.ready_locked(lk, deadline);
+  const uint32_t id = c.new_id();
+  std::vector<std::string> f{id_field(id)};
+  f.insert(f.end(), fields.begin(), fields.end());
+  Connection::Pending me;
+  c.pending[id] = &me;
   const bool waits = op == kGet || op == kWait || op == kWaitFor;
-  std::string in;
+  const bool cancellable = waits && static_cast<bool>(cancel_);
+  auto give_up = [&](bool timed_out, const std::string& what) {
+    c.pending.erase(id);
+    if (timed_out && waits) {
+      c.withdraw_locked(id);  // the others' calls go on
+      throw Timeout("rendezvous store at " + c.address + ": no answer within " + std::to_string(timeout.count()) +
+                    " ms (" + what + ")");
+    }
+    c.fail_all_locked("rendezvous store at " + c.address + ": " + what);
+    if (timed_out)
+      throw Timeout("rendezvous store at " + c.address + ": no answer within " + std::to_string(timeout.count()) +
+                    " ms (" + what + ")");
+    throw PeerFailure("rendezvous store at " + c.address + ": " + what);
+  };
   try {
-    in = read_frame_locked(deadline, waits);
-  } catch (const PeerFailure&) {
-    drop_locked();  // an answer may still be on its way: this connection is out of step
+    if (!c.send_locked(frame(op, f), deadline)) give_up(true, "sending");
+  } catch (const PeerFailure& e) {
+    c.pending.erase(id);
+    c.fail_all_locked(e.what());
     throw;
   }
-  if (in.empty()) fail(true, "waiting for the answer");
-  std::vector<std::string> f;
-  if (!parse_fields(in.data() + 5, in.size() - 5, &f) || f.size() > 1) fail(false, "a malformed answer");
-  const uint8_t status = static_cast<uint8_t>(in[4]);
-  if (status == kBad) throw InvalidInput("rendezvous store at " + address_ + ": " + (f.empty() ? "bad request" : f[0]));
-  return {status, f.empty() ? std::string() : f[0]};
+  while (!me.done) {
+    if (cancellable && cancel_()) {
+      c.pending.erase(id);
+      c.withdraw_locked(id);
+      throw PeerFailure("rendezvous store at " + c.address + ": wait cancelled (superseded)");
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) give_up(true, "waiting for the answer");
+    if (!c.reading) {
+      c.reading = true;
+      const int slice = std::max(1, std::min(ms_until(deadline), cancellable ? 5 : 50));
+      std::vector<std::string> frames;
+      std::string why;
+      lk.unlock();
+      const bool ok = c.read_some(slice, &frames, &why);
+      lk.lock();
+      c.reading = false;
+      for (const auto& fr : frames) c.dispatch_locked(fr);
+      if (!ok) c.fail_all_locked("rendezvous store at " + c.address + ": " + why);
+      c.close_if_idle_locked();
+      c.cv.notify_all();
+    } else {
+      c.cv.wait_for(lk, std::chrono::milliseconds(5));
+    }
+  }
+  if (me.failed) throw PeerFailure(me.error);
+  if (me.status == kBad)
+    throw InvalidInput("rendezvous store at " + c.address + ": " + (me.field.empty() ? "bad request" : me.field));
+  return {me.status, std::move(me.field)};
 }
 
 void StoreClient::set(const std::string& key, const std::string& value) { call(kSet, {key, value}, timeout_); }
@@ -234,7 +408,7 @@ std::string StoreClient::get(const std::string& key, std::chrono::milliseconds t
   try {
     return call(kGet, {key}, timeout).second;
   } catch (const Timeout&) {
-    throw Timeout("rendezvous store at " + address_ + ": key '" + key + "' did not appear within " +
+    throw Timeout("rendezvous store at " + address() + ": key '" + key + "' did not appear within " +
                   std::to_string(timeout.count()) + " ms");
   }
 }
@@ -256,7 +430,7 @@ std::vector<std::pair<std::string, std::string>> StoreClient::list(const std::st
   const std::string packed = call(kList, {prefix}, timeout_).second;
   std::vector<std::string> f;
   if (!parse_fields(packed.data(), packed.size(), &f) || f.size() % 2 != 0)
-    throw PeerFailure("rendezvous store at " + address_ + ": a malformed list answer");
+    throw PeerFailure("rendezvous store at " + address() + ": a malformed list answer");
   std::vector<std::pair<std::string, std::string>> out;
   for (size_t i = 0; i < f.size(); i += 2) out.emplace_back(std::move(f[i]), std::move(f[i + 1]));
   return out;
@@ -282,7 +456,7 @@ KvChanges StoreClient::changes_since(const std::vector<std::string>& prefixes, i
   } catch (const std::exception&) {
     ok = false;
   }
-  if (!ok) throw PeerFailure("rendezvous store at " + address_ + ": a malformed answer of changes");
+  if (!ok) throw PeerFailure("rendezvous store at " + address() + ": a malformed answer of changes");
   for (size_t i = 0; i < written; ++i) c.written.emplace_back(std::move(f[3 + 2 * i]), std::move(f[4 + 2 * i]));
   for (size_t i = 3 + 2 * written; i < f.size(); ++i) c.erased.push_back(std::move(f[i]));
   return c;
@@ -297,7 +471,7 @@ void StoreClient::wait(const std::vector<std::string>& keys, std::chrono::millis
   } catch (const Timeout&) {
     std::string names;
     for (const auto& k : keys) names += (names.empty() ? "'" : ", '") + k + "'";
-    throw Timeout("rendezvous store at " + address_ + ": keys " + names + " did not all appear within " +
+    throw Timeout("rendezvous store at " + address() + ": keys " + names + " did not all appear within " +
                   std::to_string(timeout.count()) + " ms");
   }
 }

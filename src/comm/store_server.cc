@@ -18,6 +18,7 @@
 #include <map>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "comm/auth.h"
 #include "common/error.h"
@@ -65,16 +66,19 @@ constexpr size_t kBacklog = size_t{1} << 20;
 }  // namespace
 
 struct StoreServer::Impl {
+  // A get / wait waiting for its keys (by its request id).
+  struct Parked {
+    Code op = 0;
+    std::vector<std::string> keys;
+    std::string waiting_on;  // the key it is indexed under in `waiters`
+    SteadyClock::time_point until = SteadyClock::time_point::max();
+  };
   struct Conn {
     std::string in;
     size_t in_off = 0;     // bytes of `in` already parsed (compacted now and then: linear time)
     std::string out;
     size_t out_sent = 0;   // bytes of `out` already sent
-    bool parked = false;   // a get / wait waiting for its keys
-    Code parked_op = 0;
-    std::vector<std::string> parked_keys;
-    std::string waiting_on;  // the key it is indexed under in `waiters`
-    SteadyClock::time_point parked_until = SteadyClock::time_point::max();
+    std::map<uint32_t, Parked> parked;  // the requests behind them are served meanwhile
     bool authed = false;
     std::string nonce;     // this connection's challenge
     SteadyClock::time_point auth_deadline = SteadyClock::time_point::max();
@@ -93,17 +97,19 @@ struct StoreServer::Impl {
   std::map<std::string, std::string> kv;
   Revisions revisions;  // for changes_since
   std::map<int, Conn> conns;
-  // Parked connections by a key they still wait for; a write of that key
-  // wakes only them (not every parked connection).
-  std::map<std::string, std::set<int>> waiters;
-  std::vector<int> woken;      // connections whose key was written
+  std::atomic<size_t> open_connections{0};  // conns.size(), for other threads
+  // Parked requests (connection, request id) by a key they still wait
+  // for; a write of that key wakes only them (not every parked request).
+  std::map<std::string, std::set<std::pair<int, uint32_t>>> waiters;
+  std::vector<std::pair<int, uint32_t>> woken;  // parked requests whose key was written
   std::vector<int> to_serve;   // connections with requests left to parse
   std::vector<int> busy;       // connections whose turn ended with requests left
   std::vector<int> touched;    // connections whose epoll events may have to change
   std::vector<int> closing_fds;
-  // Parked waits' and handshakes' deadlines, earliest first (an entry may
-  // outlive its reason: expire() checks the connection).
-  std::set<std::pair<SteadyClock::time_point, int>> deadlines;
+  // Parked waits' (connection, request id) and handshakes' (id 0)
+  // deadlines, earliest first (an entry may outlive its reason: expire()
+  // checks the connection).
+  std::set<std::tuple<SteadyClock::time_point, int, uint32_t>> deadlines;
   SteadyClock::time_point accept_paused_until{};
   ThrottledLog over_cap_log{"rendezvous store: "}, emfile_log{"rendezvous store: "},
       auth_log{"rendezvous store: "};
@@ -148,13 +154,14 @@ struct StoreServer::Impl {
       for (int fd : closing_fds) {
         auto it = conns.find(fd);
         if (it == conns.end()) continue;
-        unindex(fd, it->second);
+        for (auto& [id, p] : it->second.parked) unindex(fd, id, p);
         forget_deadlines(fd, it->second);
         ::epoll_ctl(ep, EPOLL_CTL_DEL, fd, nullptr);
         ::close(fd);
         conns.erase(it);
       }
       closing_fds.clear();
+      open_connections = conns.size();
       for (int fd : touched) {
         auto it = conns.find(fd);
         if (it != conns.end()) sync_events(fd, it->second);
@@ -191,8 +198,8 @@ struct StoreServer::Impl {
   }
 
   void forget_deadlines(int fd, const Conn& c) {
-    deadlines.erase({c.parked_until, fd});
-    deadlines.erase({c.auth_deadline, fd});
+    for (const auto& [id, p] : c.parked) deadlines.erase({p.until, fd, id});
+    deadlines.erase({c.auth_deadline, fd, 0});
   }
 
   // Reads only while the connection has no backlog of complete requests
@@ -202,7 +209,7 @@ struct StoreServer::Impl {
     if (pending < 4) return true;
     const size_t len = get_u32(c.in.data() + c.in_off);
     if (pending < 4 + static_cast<size_t>(std::min<size_t>(len, kMaxFrame))) return true;
-    return pending < kBacklog && !c.parked;
+    return pending < kBacklog;
   }
 
   size_t pending_handshakes() const {
@@ -234,7 +241,7 @@ struct StoreServer::Impl {
   int timeout_ms(SteadyClock::time_point now) const {
     auto next = SteadyClock::time_point::max();
     if (!accepting) next = accept_paused_until;
-    if (!deadlines.empty()) next = std::min(next, deadlines.begin()->first);
+    if (!deadlines.empty()) next = std::min(next, std::get<0>(*deadlines.begin()));
     if (next == SteadyClock::time_point::max()) return -1;
     return ms_until(next) + 1;
   }
@@ -280,11 +287,11 @@ struct StoreServer::Impl {
       if (!opt.token.empty()) {
         c.nonce = random_bytes(32);
         c.auth_deadline = SteadyClock::now() + opt.handshake_timeout;
-        deadlines.insert({c.auth_deadline, fd});
+        deadlines.insert({c.auth_deadline, fd, 0});
       } else {
         c.authed = true;
       }
-      answer(fd, c, kHello, {kProtocol, c.nonce});
+      answer_raw(fd, c, kHello, {kProtocol, c.nonce});
     }
   }
 
@@ -301,7 +308,7 @@ struct StoreServer::Impl {
           close_later(fd, c);
           return;
         }
-        if (pending > 2 * kMaxFrame) {  // requests behind a parked one, without end
+        if (pending > 2 * kMaxFrame) {  // a backlog without end
           close_later(fd, c);
           return;
         }
@@ -314,12 +321,12 @@ struct StoreServer::Impl {
     serve(fd, c);
   }
 
-  // Answers the complete requests in the buffer (one at a time: a parked
-  // request holds back the ones behind it). Never recurses: writes that
-  // wake parked requests queue them for drain().
+  // Answers the complete requests in the buffer, in order; a parked
+  // request waits aside (by its id) and the ones behind it are served.
+  // Never recurses: writes that wake parked requests queue them for drain().
   void serve(int fd, Conn& c) {
     touched.push_back(fd);
-    for (int served = 0; !c.closing && !c.parked && c.in.size() - c.in_off >= 4; ++served) {
+    for (int served = 0; !c.closing && c.in.size() - c.in_off >= 4; ++served) {
       if (served == kServeBudget) {
         busy.push_back(fd);
         break;
@@ -341,11 +348,13 @@ struct StoreServer::Impl {
         authenticate(fd, c, op, ok ? std::move(f) : std::vector<std::string>{});
         continue;
       }
-      if (!ok) {
-        answer(fd, c, kBad, {"malformed request"});
+      if (!ok || f.empty() || f[0].size() != 4) {
+        answer(fd, c, 0, kBad, {"malformed request (" + std::string(kProtocol) + " requests start with an id)"});
         continue;
       }
-      handle(fd, c, op, std::move(f));
+      const uint32_t id = get_u32(f[0].data());
+      f.erase(f.begin());
+      handle(fd, c, id, op, std::move(f));
     }
     if (c.in_off == c.in.size()) {
       c.in.clear();
@@ -362,14 +371,14 @@ struct StoreServer::Impl {
       auth_log.warn("refused a connection from " + c.peer + ": " +
                     (op != kAuth || f.size() != 2 ? std::string("no handshake (garbage or an old client)")
                                                   : std::string("wrong job secret")));
-      answer(fd, c, kDenied, {"this store needs the job's secret (--token-file / LIMBO_JOB_TOKEN)"});
+      answer_raw(fd, c, kDenied, {"this store needs the job's secret (--token-file / LIMBO_JOB_TOKEN)"});
       close_later(fd, c);
       return;
     }
     c.authed = true;
-    deadlines.erase({c.auth_deadline, fd});
+    deadlines.erase({c.auth_deadline, fd, 0});
     c.auth_deadline = SteadyClock::time_point::max();
-    answer(fd, c, kOk, {server_proof(opt.token, c.nonce, f[0])});
+    answer_raw(fd, c, kOk, {server_proof(opt.token, c.nonce, f[0])});
   }
 
   void wrote(const std::string& key) {
@@ -380,7 +389,10 @@ struct StoreServer::Impl {
     waiters.erase(it);
   }
 
-  void handle(int fd, Conn& c, Code op, std::vector<std::string> f) {
+  void handle(int fd, Conn& c, uint32_t id, Code op, std::vector<std::string> f) {
+    auto answer = [&](int, Conn&, uint8_t status, const std::vector<std::string>& fields) {
+      this->answer(fd, c, id, status, fields);
+    };
     auto need = [&](size_t n) {
       if (f.size() == n) return true;
       answer(fd, c, kBad, {"wrong number of fields"});
@@ -414,13 +426,27 @@ struct StoreServer::Impl {
           f.erase(f.begin());
         }
         if (f.empty() || (op == kGet && f.size() != 1)) return answer(fd, c, kBad, {"wrong number of fields"});
-        c.parked = true;
-        c.parked_op = op;
-        c.parked_keys = std::move(f);
-        c.parked_until = until;
-        if (until != SteadyClock::time_point::max()) deadlines.insert({until, fd});
-        try_unpark(fd, c);
+        if (c.parked.count(id)) return answer(fd, c, kBad, {"request id " + std::to_string(id) + " is waiting already"});
+        if (c.parked.size() >= kMaxParked)
+          return answer(fd, c, kBad, {std::to_string(kMaxParked) + " waits are parked on this connection already"});
+        Parked& p = c.parked[id];
+        p.op = op;
+        p.keys = std::move(f);
+        p.until = until;
+        if (until != SteadyClock::time_point::max()) deadlines.insert({until, fd, id});
+        try_unpark(fd, c, id);
         return;
+      }
+      case kCancel: {  // a parked request the client no longer waits for: dropped unanswered
+        if (!need(1) || f[0].size() != 4) return;
+        const uint32_t target = get_u32(f[0].data());
+        auto it = c.parked.find(target);
+        if (it != c.parked.end()) {
+          unindex(fd, target, it->second);
+          deadlines.erase({it->second.until, fd, target});
+          c.parked.erase(it);
+        }
+        return answer(fd, c, kOk, {});
       }
       case kAdd: {
         if (!need(2)) return;
@@ -510,49 +536,50 @@ struct StoreServer::Impl {
     }
   }
 
-  // Answers a parked request whose keys all exist; otherwise indexes it
-  // under the first missing key. Does not serve the requests behind it.
-  void try_unpark(int fd, Conn& c) {
-    for (const auto& k : c.parked_keys)
+  // Answers parked request `id` when its keys all exist; otherwise indexes
+  // it under the first missing key.
+  void try_unpark(int fd, Conn& c, uint32_t id) {
+    auto it = c.parked.find(id);
+    if (it == c.parked.end()) return;
+    Parked& p = it->second;
+    for (const auto& k : p.keys)
       if (!kv.count(k)) {
-        c.waiting_on = k;
-        waiters[k].insert(fd);
+        p.waiting_on = k;
+        waiters[k].insert({fd, id});
         return;
       }
-    c.parked = false;
-    deadlines.erase({c.parked_until, fd});
-    c.parked_until = SteadyClock::time_point::max();
-    if (c.parked_op == kGet) answer(fd, c, kOk, {kv[c.parked_keys[0]]});
-    else answer(fd, c, kOk, {});
-    c.parked_keys.clear();
+    deadlines.erase({p.until, fd, id});
+    const bool get = p.op == kGet;
+    const std::string key = get ? p.keys[0] : std::string();
+    c.parked.erase(it);
+    if (get) answer(fd, c, id, kOk, {kv[key]});
+    else answer(fd, c, id, kOk, {});
   }
 
-  void unindex(int fd, Conn& c) {
-    if (c.waiting_on.empty()) return;
-    auto it = waiters.find(c.waiting_on);
+  void unindex(int fd, uint32_t id, Parked& p) {
+    if (p.waiting_on.empty()) return;
+    auto it = waiters.find(p.waiting_on);
     if (it != waiters.end()) {
-      it->second.erase(fd);
+      it->second.erase({fd, id});
       if (it->second.empty()) waiters.erase(it);
     }
-    c.waiting_on.clear();
+    p.waiting_on.clear();
   }
 
   // Parked waits past their deadline answer "missing"; connections that
   // did not pass the handshake in time are closed.
   void expire(SteadyClock::time_point now) {
-    while (!deadlines.empty() && deadlines.begin()->first <= now) {
-      const int fd = deadlines.begin()->second;
+    while (!deadlines.empty() && std::get<0>(*deadlines.begin()) <= now) {
+      const auto [when, fd, id] = *deadlines.begin();
       deadlines.erase(deadlines.begin());
       auto it = conns.find(fd);
       if (it == conns.end() || it->second.closing) continue;
       Conn& c = it->second;
-      if (c.parked && now >= c.parked_until) {
-        unindex(fd, c);
-        c.parked = false;
-        c.parked_until = SteadyClock::time_point::max();
-        c.parked_keys.clear();
-        answer(fd, c, kMissing, {});
-        to_serve.push_back(fd);
+      auto pit = c.parked.find(id);
+      if (pit != c.parked.end() && now >= pit->second.until) {
+        unindex(fd, id, pit->second);
+        c.parked.erase(pit);
+        answer(fd, c, id, kMissing, {});
       }
       if (!c.authed && now >= c.auth_deadline) {
         auth_log.warn("closed the connection from " + c.peer + ": no handshake within " +
@@ -566,14 +593,15 @@ struct StoreServer::Impl {
   // up behind them, until nothing changes (a loop, not recursion).
   void drain() {
     while (!woken.empty() || !to_serve.empty()) {
-      std::vector<int> w;
+      std::vector<std::pair<int, uint32_t>> w;
       w.swap(woken);
-      for (int fd : w) {
+      for (const auto& [fd, id] : w) {
         auto it = conns.find(fd);
-        if (it == conns.end() || !it->second.parked || it->second.closing) continue;
-        it->second.waiting_on.clear();
-        try_unpark(fd, it->second);
-        if (!it->second.parked) to_serve.push_back(fd);
+        if (it == conns.end() || it->second.closing) continue;
+        auto pit = it->second.parked.find(id);
+        if (pit == it->second.parked.end()) continue;
+        pit->second.waiting_on.clear();
+        try_unpark(fd, it->second, id);
       }
       std::vector<int> s;
       s.swap(to_serve);
@@ -584,7 +612,17 @@ struct StoreServer::Impl {
     }
   }
 
-  void answer(int fd, Conn& c, uint8_t status, const std::vector<std::string>& fields) {
+  // An answer to request `id` (its id first, as the request had it).
+  void answer(int fd, Conn& c, uint32_t id, uint8_t status, const std::vector<std::string>& fields) {
+    std::vector<std::string> with_id;
+    with_id.reserve(fields.size() + 1);
+    with_id.push_back(id_field(id));
+    with_id.insert(with_id.end(), fields.begin(), fields.end());
+    answer_raw(fd, c, status, with_id);
+  }
+
+  // A frame as it is (the handshake's have no id).
+  void answer_raw(int fd, Conn& c, uint8_t status, const std::vector<std::string>& fields) {
     c.out += frame(status, fields);
     touched.push_back(fd);
     if (c.out.size() - c.out_sent > kMaxOut) {
@@ -675,6 +713,8 @@ StoreServer::~StoreServer() {
 int StoreServer::port() const { return impl_->port; }
 
 size_t StoreServer::max_connections() const { return impl_->opt.max_connections; }
+
+size_t StoreServer::connections() const { return impl_->open_connections; }
 
 size_t connections_allowed() {
   rlimit r{};

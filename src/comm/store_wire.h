@@ -18,10 +18,21 @@ namespace limbo::comm::store_wire {
 // Request op codes, shared by the server and the client.
 using Code = uint8_t;
 constexpr Code kSet = 1, kGet = 2, kTryGet = 3, kAdd = 4, kCompareSet = 5, kErase = 6, kCheck = 7,
-             kNumKeys = 8, kWait = 9, kWaitFor = 10, kAuth = 11, kList = 12, kChanges = 13;
+             kNumKeys = 8, kWait = 9, kWaitFor = 10, kAuth = 11, kList = 12, kChanges = 13, kCancel = 14;
 // Answer status codes; kHello opens every connection (comm/auth.h).
 constexpr uint8_t kOk = 0, kMissing = 1, kBad = 2, kDenied = 3, kHello = 4;
-constexpr const char* kProtocol = "limbo-store/2";
+// 3: requests carry an id (their first field) and answers echo it, so one
+// connection carries many callers' requests, parked waits among them.
+constexpr const char* kProtocol = "limbo-store/3";
+// Waits one connection may have parked at once.
+constexpr size_t kMaxParked = 4096;
+
+// A request id as its field (4 bytes, little-endian), and back.
+inline std::string id_field(uint32_t id) {
+  std::string s;
+  for (int i = 0; i < 4; ++i) s.push_back(static_cast<char>((id >> (8 * i)) & 0xff));
+  return s;
+}
 constexpr size_t kMaxFrame = size_t{64} << 20;
 constexpr size_t kMaxOut = size_t{64} << 20;
 

@@ -8,6 +8,7 @@
 #include "comm/etcd.h"
 #include "comm/hier_group.h"
 #include "comm/kv_store.h"
+#include "comm/store.h"
 #include "common/error.h"
 #include "common/log.h"
 
@@ -79,7 +80,11 @@ Joined join_elastic(const JoinOptions& opt, std::shared_ptr<train::OptimizerStep
     kv = comm::connect_etcd(eo, go.timeout);
   } else {
     std::tie(go.store_host, go.store_port) = split_host_port(opt.rdzv, "--dist-rdzv");
-    kv = comm::connect_kv_store(go.store_host, go.store_port, go.timeout, go.token);
+    // One connection for every store call of this worker: its training
+    // thread's, its member threads' (Member shares it) and each group
+    // formation's.
+    go.share_client = std::make_shared<comm::StoreClient>(go.store_host, go.store_port, go.timeout, go.token);
+    kv = comm::kv_store_on(*go.share_client, go.timeout);
   }
   mo.group = go;
   // The launcher's heartbeat table and this worker's slot in it.

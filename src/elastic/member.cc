@@ -46,10 +46,16 @@ Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
   cut_off_after_ = opt_.cut_off_after.count() > 0 ? opt_.cut_off_after : heartbeat_timeout_;
   if (!opt_.connect) {
     // No call of these threads may wait longer than the heartbeat timeout:
-    // past it the coordinator has counted this member gone anyway.
+    // past it the coordinator has counted this member gone anyway. The
+    // embedded store's connection carries every thread's calls at once (a
+    // parked wait holds up no other call): they share the training
+    // thread's, each with its own timeout.
     const auto g = opt_.group;
     const auto t = heartbeat_timeout_;
-    opt_.connect = [g, t]() -> std::shared_ptr<comm::KvStore> {
+    std::weak_ptr<comm::KvStore> shared = store_;
+    opt_.connect = [g, t, shared]() -> std::shared_ptr<comm::KvStore> {
+      if (auto s = shared.lock())
+        if (auto view = s->share(t)) return view;
       return comm::connect_kv_store(g.store_host, g.store_port, t, g.token);
     };
   }
@@ -73,10 +79,11 @@ Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
   latest_round_ = to_int(store_->try_get("elastic/round"));
   latest_abort_ = to_int(store_->try_get("elastic/abort"));
   store_->set("elastic/join/" + std::to_string(id_), "1");
-  // Each thread has its own store connection, so that a long store call on
-  // the training thread cannot delay a heartbeat or an abort.
-  // (Both connections are made before either thread starts: a failed
-  // connect must not leave a running thread behind.)
+  // Each thread has its own handle on the store (its own connection where
+  // the store cannot carry several threads' calls on one), so that a long
+  // store call on the training thread cannot delay an abort.
+  // (Both are made before either thread starts: a failed connect must not
+  // leave a running thread behind.)
   // With a launcher's table whose relay is current, the watch thread
   // reads the events there and makes its store connection only when it
   // must watch the store itself.

@@ -242,15 +242,14 @@ def test_misuse_is_a_clear_exception():
         limbo.Job(nn.Linear(4, 2), torch.optim.SGD(other.parameters(), lr=0.1), dataset=data, batch_size=4)
     with pytest.raises(limbo.InvalidInput, match="batch_size"):
         limbo.Job(other, torch.optim.SGD(other.parameters(), lr=0.1), dataset=data, batch_size=0)
-    # Streaming DiLoCo: fragments that do not divide inner_steps, and a model
-    # with buffers (only parameters are synced).
+    # Streaming DiLoCo: fragments that do not divide inner_steps, a mixing
+    # factor outside [0, 1].
     with pytest.raises(limbo.InvalidInput, match="must be a multiple of fragments"):
         limbo.Job(other, torch.optim.SGD(other.parameters(), lr=0.1), dataset=data, batch_size=4, sync="diloco",
                   inner_steps=10, fragments=3)
-    bn = nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2))
-    with pytest.raises(limbo.InvalidInput, match="has buffers"):
-        limbo.Job(bn, torch.optim.SGD(bn.parameters(), lr=0.1), dataset=data, batch_size=4, sync="diloco",
-                  inner_steps=10, fragments=2)
+    with pytest.raises(limbo.InvalidInput, match="mixing"):
+        limbo.Job(other, torch.optim.SGD(other.parameters(), lr=0.1), dataset=data, batch_size=4, sync="diloco",
+                  inner_steps=10, fragments=2, mixing=1.5)
 
 
 
