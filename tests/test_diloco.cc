@@ -488,7 +488,7 @@ TEST(StreamingDiloco, AModelWithBatchNormEndsWithTheSameStatisticsOnEveryMember)
   limbo::testing::expect_exactly_once(run, 1, kSamples);
   limbo::testing::expect_identical_finals(run, 2);
   EXPECT_GT(s["inner_steps_overlapped"].get<int64_t>(), 0);
-  EXPECT_GT(s["test_accuracy"].get<double>(), 0.3) << s.dump();  // 0.10 untrained
+  EXPECT_GT(s["test_accuracy"].get<double>(), 0.3) << s.dump();  // 0.64-0.71 over seeds 1-3; 0.10 untrained
 }
 
 // Streaming with the outer optimizer's state sharded (optim.shard_state):

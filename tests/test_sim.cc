@@ -260,7 +260,7 @@ TEST(ElasticSim, StreamingDilocoMembersFollowTheSchedule) {
   auto o = elastic("0:1,0.5:3", streaming);
   EXPECT_EQ(o["samples"], 4000);
   EXPECT_GT(o["inner_steps_overlapped"].get<int64_t>(), 0);
-  EXPECT_LT(o["test_loss"].get<double>(), 1.5);
+  EXPECT_LT(o["test_loss"].get<double>(), 1.5);  // 0.59-0.61 over seeds 1-3
 }
 
 // Streaming with overlap (each sync overlapping the next unit's first 2

@@ -75,6 +75,7 @@ class AllReduceUpdate : public train::UpdateRule {
   void set_group(std::shared_ptr<comm::Collective> group);
   // Sharded optimizer state (optim.shard_state).
   bool sharded() const { return shard_; }
+  bool shards_state() const override { return shard_; }
   const std::vector<int64_t>& bounds() const { return bounds_; }
   ShardHome* home() { return home_.get(); }
   // A new home for this member's shard of the current group (named for

@@ -486,12 +486,13 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   // of the global fragment (a copy of it: the weights hold the local ones
   // while inner steps run ahead) and its all-gather, all on the wire while
   // those steps run.
-  torch::Tensor fragment = w.slice(0, lo, hi).clone();
+  torch::Tensor fragment = rule_->shards_state() ? w.slice(0, lo, hi).clone() : torch::Tensor();
   bool skipped = false, sharded = false;
   auto sync = [&] {
     rule_->sum(piece, f);
     skipped = !std::isfinite(piece.sum().item<float>());
-    sharded = rule_->update_fragment(fragment, piece, lo, hi, opt_.diloco.outer_lr, st.step, skipped);
+    if (fragment.defined())
+      sharded = rule_->update_fragment(fragment, piece, lo, hi, opt_.diloco.outer_lr, st.step, skipped);
   };
   if (overlap) {
     Ahead a;

@@ -124,6 +124,8 @@ class UpdateRule {
                                int64_t step, bool skip) {
     return false;
   }
+  // Whether update_fragment() updates (the optimizer state is sharded).
+  virtual bool shards_state() const { return false; }
   // The membership-change flag this member sends with a gradient (0: none),
   // and, where it travels outside the gradient (streaming DiLoCo's
   // agreement), the members' sum of it, as apply() would have agreed it.
