@@ -199,7 +199,11 @@ def main():
     ap.add_argument("--limbo", default="build/src/cli/limbo")
     ap.add_argument("--jobs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--tolerance", type=float, default=0.04, help="accuracy below the fault-free job allowed")
+    # Measured spread of ps-restart (a learner killed and restarted with its
+    # old id; 5 epochs of softsync): 82.5-85.6 % in 8 jobs alone against a
+    # fault-free 85.3 %, and once 80.25 % against 85.35 % while the suite
+    # ran beside it. A fault that breaks training ends far lower.
+    ap.add_argument("--tolerance", type=float, default=0.08, help="accuracy below the fault-free job allowed")
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--job-timeout", type=float, default=180, help="seconds before a job counts as hung")
     ap.add_argument("--each", action="store_true", help="one job per fault, in order (the ctest version)")
