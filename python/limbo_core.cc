@@ -246,6 +246,9 @@ class Core {
       jo.reduce.bucket_bytes = static_cast<int64_t>(get<double>(o, "bucket_mb", 4.0) * (1 << 20));
       jo.reduce.compression = comm::parse_compression(get<std::string>(o, "compression", "none"));
       jo.reduce.shard_state = shard_state_;
+      // `.grad` is the group's when the user's backward returns, as with
+      // DDP: clipping or reading it by hand sees the reduced gradient.
+      jo.reduce.finish_in_backward = true;
       if (elastic) {
         py::gil_scoped_release no_gil;
         auto joined = elastic::join_elastic(jo, rule_opt, *flat_,
@@ -324,9 +327,12 @@ class Core {
 
   // The next batch of this member from `at` (the sampler's position), or
   // None past the end; the plan is queued for begin_step().
-  py::object plan(int64_t epoch, int64_t position, int64_t steps_ahead) {
+  // `first_step` is the committed step count when the sampler started and
+  // `steps_ahead` the batches it planned since: the batch is step
+  // first_step + steps_ahead + 1.
+  py::object plan(int64_t epoch, int64_t position, int64_t first_step, int64_t steps_ahead) {
     if (outer_steps_) return plan_inner(epoch, position, steps_ahead);
-    if (epoch >= epochs_ || (max_steps_ > 0 && state_.step + steps_ahead >= max_steps_)) return py::none();
+    if (epoch >= epochs_ || (max_steps_ > 0 && first_step + steps_ahead >= max_steps_)) return py::none();
     auto p = data::plan_batch(*sampler_, {epoch, position}, batch_size_, world(), rank(), drop_last_);
     py::list ids;
     for (int64_t id : p.ids) ids.append(id);
@@ -334,6 +340,7 @@ class Core {
     return py::make_tuple(ids, plans_.back().end.epoch, plans_.back().end.position);
   }
   void clear_plans() { plans_.clear(); }
+
 
   // DiLoCo: the sampler's pass is this member's share of the outer step
   // (the first call begins it: after a re-formation the group agrees first,
@@ -429,7 +436,14 @@ class Core {
         rule().scale_momentum(opt, policy_step_.momentum_factor, state_.step);
       opt.set_batch_scale(policy_->options().rule == optim::ScalingRule::Sqrt ? policy_step_.kappa : 1.0);
     }
+    // One backward a step: the reduction is armed before forward, so a
+    // plain loss.backward() reduces during backward as job.backward() does
+    // (the loss, unknown until job.backward() tells it, rides as 0).
+    if (accumulate_ == 1) arm(0.0);
   }
+
+  // job.no_sync(): backwards add to this member's gradient only.
+  void no_sync(bool on) { rule().no_sync(on); }
 
   // Before each of the user's backwards of a step (`accumulate` of them:
   // micro-batches): before the first, the gradient is zeroed (and
@@ -451,9 +465,18 @@ class Core {
     }
     backwards_ += 1;
     loss_sum_ += loss;
+    if (backward_started_) {  // armed before forward: the loss is known now
+      ctx_->loss = loss_sum_;
+      rule().set_step_loss(loss_sum_);
+      return;
+    }
     if (backwards_ < accumulate_ || outer_steps_) return;  // DiLoCo's inner steps reduce nothing
+    arm(loss_sum_);
+  }
+
+  void arm(double loss) {
     backward_started_ = true;
-    ctx_ = std::make_unique<train::StepContext>(context(loss_sum_));
+    ctx_ = std::make_unique<train::StepContext>(context(loss));
     rule().backward_starts(*ctx_);
   }
 
@@ -481,11 +504,15 @@ class Core {
       outer_steps_->inner_step_done(static_cast<int64_t>(plan_.ids.size()), loss, finite, seconds_since(step_start_));
       return 2;
     }
-    if (!backward_started_) {
-      // The user ran backward itself: the gradient is wherever autograd put it.
-      attach_grads(/*keep=*/true);
-      ctx_ = std::make_unique<train::StepContext>(context(loss));
-    }
+    // The user's own loss.backward() (no job.backward()): the loss is not
+    // known; the gradient and the step are as with job.backward().
+    const bool loss_known = backwards_ > 0;
+    if (!loss_known) loss = 0.0;
+    // A gradient autograd put elsewhere (zero_grad(set_to_none=True), with
+    // no reduction in backward: alone, or not armed) is taken from there; a
+    // reduction finished in backward already left every `.grad` the view.
+    attach_grads(/*keep=*/true);
+    if (!backward_started_) ctx_ = std::make_unique<train::StepContext>(context(loss));
     std::optional<train::StepResult> res;
     {
       py::gil_scoped_release no_gil;
@@ -500,6 +527,7 @@ class Core {
     ctx_.reset();
     if (!res) return 0;
     session_->commit(*res, plan_.end, buffers_before_);
+    if (!loss_known) res->loss = NAN;
     last_loss_ = res->loss;
     last_global_ = res->global_batch;
     samples_this_run_ += res->global_batch;
@@ -674,7 +702,7 @@ class Core {
 
   train::StepContext context(double loss) {
     return {flat_->data(), flat_->grad(), flat_->grad_with_slot(), loss,
-            static_cast<int64_t>(plan_.ids.size()), plan_.global_size,
+            plan_.samples(), plan_.global_size,
             own_ ? lr_ * policy_step_.multiplier : policy_step_.multiplier, state_.step, {}};
   }
 
@@ -693,6 +721,7 @@ class Core {
     for (const auto& [k, v] : user_) j[k] = v;
     session_->run_dir().append_metrics(j);
     window_.reset();
+    user_.clear();  // job.log()'s numbers go on one line: the next one's are the next steps
   }
 
   py::function pack_, unpack_, step_;
@@ -759,6 +788,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("diloco", &Core::diloco)
       .def("begin_step", &Core::begin_step)
       .def("backward_starts", &Core::backward_starts)
+      .def("no_sync", &Core::no_sync)
       .def("step", &Core::step)
       .def("after_step", &Core::after_step)
       .def("checkpoint", &Core::checkpoint)

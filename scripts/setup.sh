@@ -32,6 +32,11 @@ LIMBO_PACKAGES=(
   libcpp-httplib-dev libjs-chart.js dataset-fashion-mnist
   python3-dev pybind11-dev
 )
+# PyTorch for Python, for a user's own loop with the `limbo` module (the
+# README's Python example). With --limbo it is installed while `limbo`
+# builds (the download overlaps the compiler), and waited for before the
+# end.
+PYTHON_PACKAGES=(python3-torch python3-numpy)
 # The tests, benchmarks and experiments, on top: GoogleTest, network
 # namespaces, etcd and the certificates of its TLS tests, PyTorch for Python
 # (the side-by-side baseline and oracle; torchvision for the augmentation
@@ -40,12 +45,12 @@ LIMBO_PACKAGES=(
 TEST_PACKAGES=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   iproute2 openssl etcd-server etcd-client
-  python3-torch python3-torchvision python3-numpy python3-matplotlib python3-prometheus-client chromium
+  python3-torchvision python3-matplotlib python3-prometheus-client chromium
   python3-pytest
   munge slurmctld slurmd slurm-client
 )
 PACKAGES=("${LIMBO_PACKAGES[@]}")
-if [ "$MODE" = all ]; then PACKAGES+=("${TEST_PACKAGES[@]}"); fi
+if [ "$MODE" = all ]; then PACKAGES+=("${PYTHON_PACKAGES[@]}" "${TEST_PACKAGES[@]}"); fi
 
 BUILD_DIR="${LIMBO_BUILD_DIR:-build}"
 JOBS="${LIMBO_JOBS:-2}"
@@ -101,12 +106,14 @@ hint_for() {
 }
 
 # ---- packages ----
-missing=()
-for p in "${PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
-    missing+=("$p")
-  fi
-done
+# missing_of PKG...: those of PKG not installed, on one line.
+missing_of() {
+  local p
+  for p in "$@"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then printf '%s ' "$p"; fi
+  done
+}
+read -r -a missing <<<"$(missing_of "${PACKAGES[@]}")"
 if [ "${#missing[@]}" -gt 0 ]; then
   log="$LOGS/packages.log"
   : >"$log"
@@ -176,6 +183,23 @@ if [ "$first" = 1 ]; then begin "configuring"; fi
 run "configuring (cmake)" "$log" cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DLIMBO_BUILD_TESTS="$tests"
 if [ "$first" = 1 ]; then end "done"; fi
 
+# --limbo: PyTorch for Python installs while limbo builds (apt's lock is
+# free again once the packages phase ended).
+py_pid=""
+py_log="$LOGS/python-packages.log"
+if [ "$MODE" = limbo ]; then
+  read -r -a py_missing <<<"$(missing_of "${PYTHON_PACKAGES[@]}")"
+  if [ "${#py_missing[@]}" -gt 0 ]; then
+    : >"$py_log"
+    SUDO_PY=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO_PY="sudo"; fi
+    DEBIAN_FRONTEND=noninteractive $SUDO_PY apt-get install -y --no-install-recommends "${py_missing[@]}" \
+      >>"$py_log" 2>&1 &
+    py_pid=$!
+    printf '[%s] installing PyTorch for Python (%s) while limbo builds\n' "$(elapsed)" "${py_missing[*]}"
+  fi
+fi
+
 target=()
 what="every target (limbo, tests, benchmarks)"
 if [ "$MODE" = limbo ]; then
@@ -201,3 +225,27 @@ fi
 wait "$pid" || status=$?
 if [ "$status" -ne 0 ]; then fail "building $what" "$log" "$status" "$(hint_for "$log")"; fi
 if grep -qE 'Building CXX|Linking CXX' "$log"; then end "done"; else end "up to date"; fi
+
+if [ -n "$py_pid" ]; then
+  begin "finishing the install of PyTorch for Python"
+  status=0
+  wait "$py_pid" || status=$?
+  if [ "$status" -ne 0 ]; then fail "installing PyTorch for Python" "$py_log" "$status" "$(hint_for "$py_log")"; fi
+  end "done"
+fi
+
+# `import limbo` from Debian's Python without PYTHONPATH: a .pth file in
+# its site directory names this build's module folder (what `pip install
+# -e` does); rewritten when the checkout moves.
+if [ -d "$BUILD_DIR/python/limbo" ] && [ -x /usr/bin/python3 ]; then
+  site="$(/usr/bin/python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)"
+  want="$(cd "$BUILD_DIR/python" && pwd)"
+  if [ -n "$site" ] && [ "$(cat "$site/limbo.pth" 2>/dev/null)" != "$want" ]; then
+    log="$LOGS/python-path.log"
+    : >"$log"
+    begin "making \`import limbo\` work for /usr/bin/python3 ($site/limbo.pth)"
+    run "writing $site/limbo.pth" "$log" $SUDO mkdir -p "$site"
+    echo "$want" | $SUDO tee "$site/limbo.pth" >>"$log" 2>&1 || fail "writing $site/limbo.pth" "$log" 1
+    end "done"
+  fi
+fi

@@ -16,6 +16,8 @@ describes every argument, the guarantees and the error policy.
 """
 
 import atexit
+import contextlib
+import copy
 import io
 import json
 import os
@@ -78,9 +80,9 @@ class _Sampler:
     def __iter__(self):
         core = self._job._core
         epoch, position = core.cursor
-        ahead = 0
+        first, ahead = core.steps, 0
         while True:
-            planned = core.plan(epoch, position, ahead)
+            planned = core.plan(epoch, position, first, ahead)
             if planned is None:
                 return
             ids, epoch, position = planned
@@ -92,8 +94,11 @@ class _Sampler:
         core = job._core
         if core.diloco:  # an outer step's share: inner_steps batches at most
             return job._inner_steps
-        global_batch = job.batch_size * core.world
+        world = core.world
+        global_batch = job.batch_size * world
+        rest = job.dataset_size % global_batch
         per_epoch = (job.dataset_size // global_batch if job.drop_last
+                     or (job.dataset_size >= global_batch and 0 < rest < world)
                      else -(-job.dataset_size // global_batch))
         epoch, position = core.cursor
         left = per_epoch * (job.epochs - epoch) - (-(-position // global_batch))
@@ -167,7 +172,7 @@ class Job:
                  overlap=True, bucket_mb=4.0, compression="none", shared_memory=True,
                  hierarchical=True, collective_timeout=10.0, round_timeout=120.0,
                  max_nonfinite_steps=10, sync="step", inner_steps=500, outer_lr=0.7, outer_momentum=0.9,
-                 nesterov=True, max_wait=1.0, fragments=1, mixing=0.0):
+                 nesterov=True, max_wait=1.0, fragments=1, mixing=0.0, scheduler_every=None):
         if not isinstance(model, torch.nn.Module):
             raise InvalidInput("model must be a torch.nn.Module, got %s" % type(model).__name__)
         own = isinstance(optimizer, Optimizer)
@@ -179,6 +184,27 @@ class Job:
                                "lr_schedule=f (the rate is lr x f(step))")
         if not own and lr_schedule is not None:
             raise InvalidInput("lr_schedule is for limbo.Optimizer; a torch.optim optimizer takes scheduler=")
+        schedulers = [] if scheduler is None else list(scheduler) if isinstance(scheduler, (list, tuple)) \
+            else [scheduler]
+        for sc in schedulers:
+            if not hasattr(sc, "state_dict") or not hasattr(sc, "step"):
+                raise InvalidInput("scheduler must be a torch.optim.lr_scheduler (or a list of them), got %s"
+                                   % type(sc).__name__)
+        plateau = any(isinstance(sc, torch.optim.lr_scheduler.ReduceLROnPlateau) for sc in schedulers)
+        if scheduler_every is None:
+            scheduler_every = "manual" if plateau else "step"
+        if scheduler_every not in ("step", "epoch", "manual"):
+            raise InvalidInput("scheduler_every must be \"step\", \"epoch\" or \"manual\", got %r"
+                               % (scheduler_every,))
+        if plateau and scheduler_every != "manual":
+            raise InvalidInput("a ReduceLROnPlateau steps on a metric: scheduler_every=\"manual\" and call "
+                               "scheduler.step(metric) yourself after a committed step (its state travels)")
+        if not own and not schedulers and getattr(optimizer.step, "_with_counter", False):
+            # A scheduler made over this optimizer that the job was not given:
+            # its position would not travel to joiners, checkpoints or a redo.
+            raise InvalidInput("the optimizer has an lr_scheduler that limbo.Job was not given: pass it as "
+                               "scheduler= (a list for several; scheduler_every=\"manual\" if you step it "
+                               "yourself), so that its state travels with the optimizer's")
         owned = {id(p) for p in model.parameters()}
         for g in ([] if own else optimizer.param_groups):
             for p in g["params"]:
@@ -198,6 +224,7 @@ class Job:
         if state is not None and not isinstance(state, dict):
             raise InvalidInput("state must be a dict, got %s" % type(state).__name__)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self._schedulers, self._scheduler_every = schedulers, scheduler_every
         self._own = own
         self._lr_schedule = lr_schedule
         self.state = state if state is not None else {}
@@ -243,6 +270,9 @@ class Job:
         self.sampler = _Sampler(self)
         self._loss = None
         self._stepped = True
+        self._committed = False   # the step of the batch in the loop committed: its work follows the user's code
+        self._rollback = None     # after a step that did not commit: the committed user state, put back
+        self._scheduler_marks = None
         self._epoch_ended = False
         self._ended = False
         self._summary = None
@@ -345,6 +375,11 @@ class Job:
                 if not self._stepped:
                     raise UsageError("job.step() was not called for a batch of job.batches(): "
                                      "call job.backward(loss) and job.step() once a batch")
+                # The user's code after job.step() has run: the step's work
+                # (records, checkpoints, a membership change, state handed to
+                # a joiner) sees the state it left; after a step that did not
+                # commit, what it changed is put back.
+                self._end_of_batch()
                 if core.left or core.generation != generation:
                     break
             del iterator
@@ -355,6 +390,27 @@ class Job:
             if core.diloco and core.generation == generation and core.outer_finish():
                 self._after_commit()
         self._ended = core.end_training()
+
+    def _end_of_batch(self):
+        if self._rollback is not None:
+            self._restore_light(self._rollback)
+            self._rollback = None
+        if self._committed:
+            self._committed = False
+            self._check_schedulers()
+            self._after_commit()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside add to this member's gradient without reducing it
+        (DDP's no_sync): micro-batches by hand, or an auxiliary loss's
+        backward, before the step's last backward outside it, which reduces
+        the sum."""
+        self._core.no_sync(True)
+        try:
+            yield
+        finally:
+            self._core.no_sync(False)
 
     def backward(self, loss):
         """loss.backward(), with the gradient reduced across the group in
@@ -383,14 +439,34 @@ class Job:
         loss = self._loss if self._loss is not None else float("nan")
         self._loss = None
         self._stepped = True
-        done = self._core.step(loss, self._rate())
+        return self._stepped_core(self._core.step(loss, self._rate()))
+
+    def _stepped_core(self, done):
+        """After the core's step (1 committed, 2 DiLoCo's inner step, 0 not)."""
         if not done:
+            # What the user changes after a step that did not commit (a
+            # scheduler stepped, `state` updated) is undone at the next batch.
+            self._rollback = self._save_light()
             return False
-        if self.scheduler is not None:
-            self.scheduler.step()
+        if self._scheduler_every == "step" or (self._scheduler_every == "epoch" and done == 1
+                                               and self._core.cursor[1] == 0):
+            for sc in self._schedulers:
+                sc.step()
+        self._scheduler_marks = [getattr(sc, "last_epoch", None) for sc in self._schedulers]
         if done == 1:
-            self._after_commit()
+            self._committed = True
         return True
+
+    def _check_schedulers(self):
+        if self._scheduler_every == "manual" or self._scheduler_marks is None:
+            return
+        for sc, mark in zip(self._schedulers, self._scheduler_marks):
+            if getattr(sc, "last_epoch", None) != mark:
+                raise UsageError("the scheduler %s was stepped outside the job, which steps it after every "
+                                 "committed %s (scheduler_every=%r): step it only yourself with "
+                                 "scheduler_every=\"manual\", or leave it to the job"
+                                 % (type(sc).__name__, "step" if self._scheduler_every == "step" else
+                                    "step that ends an epoch", self._scheduler_every))
 
     def _after_commit(self):
         """After a committed step (sync="diloco": an outer step): the epoch's
@@ -452,19 +528,37 @@ class Job:
     # -- state that travels --------------------------------------------------
     def _pack(self):
         buf = io.BytesIO()
+        scheds = [sc.state_dict() for sc in self._schedulers]
         torch.save({"optimizer": None if self._own else self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                    "scheduler": scheds[0] if len(scheds) == 1 else (scheds or None),
                     "state": self.state}, buf)
         return buf.getvalue()
+
+    def _load_schedulers(self, saved):
+        if saved is None or not self._schedulers:
+            return
+        saved = saved if isinstance(saved, list) else [saved]
+        for sc, st in zip(self._schedulers, saved):
+            sc.load_state_dict(st)
 
     def _unpack(self, data):
         saved = torch.load(io.BytesIO(bytes(data)))
         if not self._own:
             self.optimizer.load_state_dict(saved["optimizer"])
-        if self.scheduler is not None and saved.get("scheduler") is not None:
-            self.scheduler.load_state_dict(saved["scheduler"])
+        self._load_schedulers(saved.get("scheduler"))
         self.state.clear()
         self.state.update(saved["state"])
+
+    def _save_light(self):
+        """The user's state dict and schedulers as committed (small: kept
+        after a step that did not commit, to undo what the loop does next)."""
+        return copy.deepcopy(self.state), [copy.deepcopy(sc.state_dict()) for sc in self._schedulers]
+
+    def _restore_light(self, saved):
+        state, scheds = saved
+        self.state.clear()
+        self.state.update(state)
+        self._load_schedulers(scheds)
 
     def _optimizer_step(self, multiplier):
         groups = self.optimizer.param_groups

@@ -81,18 +81,26 @@ BatchPlan plan_batch(Sampler& sampler, Cursor at, int64_t per_worker, int world,
   BatchPlan plan;
   plan.begin = at;
   plan.global_size = std::min(want, n - at.position);
+  if (!drop_last && n - at.position - plan.global_size < world) plan.global_size = n - at.position;
   const auto& order = sampler.epoch_order(at.epoch);
   int64_t lo = at.position + plan.global_size * rank / world;
   int64_t hi = at.position + plan.global_size * (rank + 1) / world;
   plan.ids.assign(order.begin() + lo, order.begin() + hi);
+  if (plan.ids.empty()) {
+    plan.padded = true;
+    plan.ids.push_back(order[static_cast<size_t>(at.position + rank % plan.global_size)]);
+  }
   int64_t next = at.position + plan.global_size;
   plan.last_in_epoch = next >= n || (drop_last && n - next < want);
   plan.end = plan.last_in_epoch ? Cursor{at.epoch + 1, 0} : Cursor{at.epoch, next};
   return plan;
 }
 
-int64_t batches_per_epoch(int64_t n, int64_t global_batch, bool drop_last) {
-  return drop_last ? n / global_batch : (n + global_batch - 1) / global_batch;
+int64_t batches_per_epoch(int64_t n, int64_t global_batch, bool drop_last, int world) {
+  if (drop_last) return n / global_batch;
+  const int64_t rest = n % global_batch;
+  if (n >= global_batch && rest > 0 && rest < world) return n / global_batch;
+  return (n + global_batch - 1) / global_batch;
 }
 
 }  // namespace limbo::data

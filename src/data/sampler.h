@@ -50,15 +50,29 @@ struct BatchPlan {
   Cursor begin, end;         // cursor before / after the global batch
   int64_t global_size = 0;   // samples in the global batch (all workers)
   bool last_in_epoch = false;
+  // This worker's slice of the global batch is empty: `ids` holds one
+  // sample of another worker's slice, which the step computes with weight 0
+  // (it counts for nothing in the gradient, the loss or the buffers).
+  bool padded = false;
+  // Samples this worker contributes to the global batch (0 when padded).
+  int64_t samples() const { return padded ? 0 : static_cast<int64_t>(ids.size()); }
 };
 
 // Cuts the next global batch of up to per_worker * world samples at `at`.
 // The final batch of an epoch is smaller unless drop_last (then the remainder
 // is skipped and the next epoch starts). Slices differ by at most one sample.
+// A remainder of fewer samples than members would leave a member without a
+// sample: it joins the batch before (at most world - 1 samples more), so an
+// epoch's last batch is never split into empty slices. Only a group larger
+// than what is left of the epoch when the step starts (it grew after the
+// batch before was cut, or the data set is smaller than the group) leaves a
+// worker's slice empty: it is padded with one sample of another slice, of
+// weight 0 (BatchPlan::padded), so that every member runs the same step.
 BatchPlan plan_batch(Sampler& sampler, Cursor at, int64_t per_worker, int world, int rank,
                      bool drop_last);
 
-// Number of global batches per epoch for this configuration.
-int64_t batches_per_epoch(int64_t dataset_size, int64_t global_batch, bool drop_last);
+// Number of global batches per epoch for this configuration (`world`
+// members: a remainder of fewer samples joins the batch before).
+int64_t batches_per_epoch(int64_t dataset_size, int64_t global_batch, bool drop_last, int world = 1);
 
 }  // namespace limbo::data

@@ -23,6 +23,10 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
       home_prefix_(opt.home_prefix),
       stats_(torch::zeros({2}, torch::kFloat32)) {
   reducer_.set_testing_death(opt.testing_die_in_bucket);
+  if (opt.finish_in_backward) {
+    reducer_.set_finish_in_backward(true);
+    if (shard_) reducer_.set_after_finish([this] { shard_sum_ = own_shard_sum(); });
+  }
   if (shard_ && opt.compression != comm::Compression::None)
     throw InvalidInput("optim.shard_state = true reduce-scatters a float32 gradient; set comm.compression = \"none\"");
   if (group_) set_group(group_);
@@ -336,15 +340,19 @@ bool AllReduceUpdate::update_fragment(torch::Tensor& w, const torch::Tensor& g, 
 
 void AllReduceUpdate::backward_starts(train::StepContext& ctx) {
   share_ = ctx.global_batch > 0 ? static_cast<double>(ctx.batch_size) / ctx.global_batch : 0.0;
-  reducer_.begin(group_, share_, ctx.loss);
+  reducer_.begin(group_, share_, ctx.loss, flag_source_);
 }
 
 train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   // Gradient, float buffers, loss and flag in one pass of buckets; the loss
   // and flag ride in the spare slots after the gradient (a separate tiny
   // all-reduce costs a full round trip).
-  if (!reducer_.armed()) backward_starts(ctx);
-  reducer_.finish(flag_source_ ? flag_source_() : 0.0);
+  if (reducer_.finished()) {
+    reducer_.take_finished();  // at the end of backward (finish_in_backward): its failure, if any
+  } else {
+    if (!reducer_.armed()) backward_starts(ctx);
+    reducer_.finish(flag_source_ ? flag_source_() : 0.0);
+  }
   auto& buf = ctx.grad_with_slot;
   const int64_t n = buf.numel() - optim::FlatParams::kSlots;
   const double global_loss = buf[n].item<double>();
@@ -387,8 +395,29 @@ bool AllReduceUpdate::update_into(ShardHome& h, int64_t step, float coef, train:
 // This member's shard (and the copies it keeps): agree on finiteness and
 // the norm (one small all-reduce), clip, update into the homes' other
 // versions, commit them, all-gather the weights.
+double AllReduceUpdate::own_shard_sum() const {
+  if (!group_ || bounds_.empty()) return std::nan("");
+  const int me = group_->rank();
+  const int64_t lo = bounds_.at(me), hi = bounds_.at(me + 1);
+  return hi > lo ? flat_.grad().narrow(0, lo, hi - lo).sum().item<double>() : 0.0;
+}
+
 train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double global_loss) {
   torch::NoGradGuard no_grad;
+  // Between a backward that reduced and the step, `.grad` holds the group's
+  // sum only in this member's shard (reduce-scatter): a change made there
+  // by hand (clipping, masking) would act on a part of the gradient, with a
+  // factor that differs between members and between a shard and its copy.
+  if (!std::isnan(shard_sum_)) {
+    const double before = shard_sum_;
+    shard_sum_ = std::nan("");
+    const double now = own_shard_sum();
+    if (!(now == before) && !(std::isnan(now) && std::isnan(before)))
+      throw InvalidInput("the gradient changed between backward and the step (clipping by hand?) while the "
+                         "optimizer state is sharded (limbo.Optimizer(shard_state=True)): `.grad` then holds "
+                         "the group's gradient only in this member's shard; clip with limbo.Job(clip_grad_norm=), "
+                         "or shard_state=False");
+  }
   const int64_t k = ctx.iteration;
   ensure_home(k);
   ShardHome& h = *home_;

@@ -25,6 +25,7 @@
 // from it the update, can differ by float32 rounding.
 #pragma once
 
+#include <cmath>
 #include <functional>
 #include <map>
 #include <memory>
@@ -45,6 +46,10 @@ struct ReduceOptions {
   comm::Compression compression = comm::Compression::None;  // comm.compression
   int64_t testing_die_in_bucket = 0;  // train.testing_die_in_bucket (see BucketReducer)
   bool shard_state = false;  // optim.shard_state
+  // The reduction completes at the end of the backward pass that reduces
+  // (the Python front end: `.grad` is the group's when backward returns;
+  // BucketReducer).
+  bool finish_in_backward = false;
   // The start of the names of this job's shard homes, "/limbo-zero-<job>-"
   // (a member's are <prefix>m<member id>-r<round>); empty: in this
   // process's memory (a crash loses the shard).
@@ -59,6 +64,8 @@ class AllReduceUpdate : public train::UpdateRule {
   // Broadcasts member 0's weights and buffers to everyone.
   void start(torch::Tensor& weights, torch::Tensor& buffers) override;
   void backward_starts(train::StepContext& ctx) override;
+  void set_step_loss(double loss) override { reducer_.set_loss(loss); }
+  void no_sync(bool on) override { reducer_.set_no_sync(on); }
   train::StepResult apply(train::StepContext& ctx) override;
   double reduce(torch::Tensor* grad, double loss) override;
   void agree_max(torch::Tensor& t) override { group_->allreduce_max(t); }
@@ -150,11 +157,16 @@ class AllReduceUpdate : public train::UpdateRule {
   std::map<int, std::unique_ptr<comm::Compressor>> sum_encoders_;  // sum()'s, by key
 
   train::StepResult apply_shard(train::StepContext& ctx, double global_loss);
+  double own_shard_sum() const;
   void ensure_home(int64_t step);
   bool update_into(ShardHome& h, int64_t step, float coef, train::StepContext& ctx);
   std::unique_ptr<ShardHome> make_home(const std::string& base, int64_t lo, int64_t hi, int states);
   void drop_retired();
   bool shard_ = false;
+  // finish_in_backward with sharded state: the sum of this member's shard
+  // of the reduced gradient when the reduction finished (NaN: none), to
+  // refuse a gradient the user changed before the step (see apply_shard).
+  double shard_sum_ = std::nan("");
   std::string home_prefix_;
   int64_t member_id_ = 0;
   int64_t weights_step_ = kWeightsUnknown;

@@ -1,5 +1,6 @@
 #include "elastic/bucket_reducer.h"
 
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -70,8 +71,16 @@ BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool
   ops_ = views_.size();
   ready_.assign(ops_, 0);
   next_ = ops_;
-  if (!overlap_) return;
-  const auto& params = flat.parameters();
+  if (overlap_) install_hooks();
+}
+
+void BucketReducer::set_finish_in_backward(bool on) {
+  finish_in_backward_ = on;
+  if (on && hooks_.empty()) install_hooks();
+}
+
+void BucketReducer::install_hooks() {
+  const auto& params = flat_.parameters();
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].requires_grad()) continue;
     auto acc = torch::autograd::impl::grad_accumulator(params[i]);
@@ -102,9 +111,13 @@ BucketReducer::~BucketReducer() {
 
 size_t BucketReducer::op_of(size_t bucket) const { return bucket; }
 
-void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share, double loss) {
+void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share, double loss,
+                          std::function<double()> flag) {
   if (armed_) throw Error("internal: a step's gradient reduction began twice");
   begun_ += 1;
+  flag_ = std::move(flag);
+  finished_ = callback_queued_ = grad_after_finish_ = false;
+  deferred_ = nullptr;
   group_ = std::move(group);
   share_ = share;
   loss_ = loss;
@@ -134,11 +147,58 @@ void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share,
 }
 
 void BucketReducer::on_parameter_ready(int param) {
-  if (!armed_ || !threaded_) return;  // ISGD's extra passes, or no overlap this step
+  if (no_sync_) return;  // the user's micro-batches: the gradient accumulates locally
+  if (finished_) {       // a backward after this step's reduction
+    grad_after_finish_ = true;
+    return;
+  }
+  if (!armed_) return;  // ISGD's extra passes, an unarmed micro-batch
+  if (finish_in_backward_) {
+    own_grad(param);
+    if (!callback_queued_) {
+      callback_queued_ = true;
+      torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_from_backward(); });
+    }
+  }
+  if (!threaded_) return;  // no overlap this step
   const int b = bucket_of_[param];
   if (--pending_[b] != 0) return;
   prepare(b);
   mark_ready(op_of(b));
+}
+
+void BucketReducer::own_grad(int param) {
+  const auto& p = flat_.parameters()[static_cast<size_t>(param)];
+  const auto& view = flat_.grad_views()[static_cast<size_t>(param)];
+  auto& g = const_cast<torch::Tensor&>(p).mutable_grad();
+  if (g.defined() && g.data_ptr() == view.data_ptr() && g.strides() == view.strides()) return;
+  torch::NoGradGuard no_grad;
+  if (g.defined()) view.copy_(g);
+  else view.zero_();
+  g = view;
+}
+
+void BucketReducer::finish_from_backward() {
+  try {
+    finish(flag_ ? flag_() : 0.0);
+  } catch (...) {
+    deferred_ = std::current_exception();
+  }
+  finished_ = true;
+}
+
+void BucketReducer::take_finished() {
+  if (!finished_) throw Error("internal: no reduction finished in backward");
+  finished_ = false;
+  if (deferred_) {
+    auto e = deferred_;
+    deferred_ = nullptr;
+    std::rethrow_exception(e);
+  }
+  if (grad_after_finish_)
+    throw InvalidInput("a backward added to the gradient after the step's gradient was reduced across the group "
+                       "(loss.backward() twice in one step?): run the backwards before the last one inside "
+                       "`with job.no_sync():`, or backward the sum of the losses once");
 }
 
 void BucketReducer::prepare(size_t b) {
@@ -241,6 +301,9 @@ void BucketReducer::finish(double flag) {
   // never reached) are prepared here, in order.
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (prepared_[b]) continue;
+    if (finish_in_backward_)
+      for (int p : buckets_[b].params)
+        if (flat_.parameters()[static_cast<size_t>(p)].requires_grad()) own_grad(p);
     prepare(b);
     if (threaded_) mark_ready(op_of(b));
   }
@@ -281,6 +344,7 @@ void BucketReducer::finish(double flag) {
     else if (finite_ && !sharded_)
       finite_ = std::isfinite(flat_.grad().sum().item<float>());
   }
+  if (after_finish_) after_finish_();
   if (!finite_) return;
   if (compression_ != comm::Compression::None) {
     const int64_t g = flat_.numel();

@@ -42,6 +42,22 @@
 // forward (the trainer does; see FlatParams::save_buffers()). A sum that is
 // not finite (finite()) moves no residual either.
 //
+// With finish_in_backward (the Python front end), the reduction is complete
+// when backward returns, as DDP's is: the first hook of an armed step queues
+// finish() as a callback of the autograd engine, which runs it at the end of
+// that backward pass, on the thread that called backward. A failure there
+// is kept and thrown by take_finished() (the step did not commit). So
+// whatever the user does to `.grad` between backward and the step (clipping
+// by hand, masking, reading the norm) sees the group's gradient, the same on
+// every member, and never races the communication thread. Hooks then also
+// keep each parameter's `.grad` the flat buffer's view (a user's
+// zero_grad(set_to_none=True) made autograd put it elsewhere: it is copied
+// in; a parameter that got none contributes zeros), and notice a backward
+// that adds to the gradient after it was reduced (a second loss.backward()
+// in one step), which take_finished() refuses. Under no_sync (the user's
+// micro-batches by hand) the hooks do nothing: gradients accumulate locally
+// until a backward outside it.
+//
 // Threads: one communication thread per member, which does nothing but the
 // collectives (the network and gloo's summing loop; no torch operations, so
 // it never starts an intra-op thread pool of its own).
@@ -51,6 +67,7 @@
 
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -101,8 +118,22 @@ class BucketReducer {
 
   // Between forward and backward: arms the hooks (with overlap) for a step
   // whose member weight is `share` and whose batch loss is `loss`.
-  void begin(std::shared_ptr<comm::Collective> group, double share, double loss);
+  // `flag` (may be null: 0) is read when the reduction finishes.
+  void begin(std::shared_ptr<comm::Collective> group, double share, double loss,
+             std::function<double()> flag = nullptr);
   bool armed() const { return armed_; }
+  // The step's loss, when it became known after begin() (before finish).
+  void set_loss(double loss) { loss_ = loss; }
+  // See finish_in_backward above; set before the first step.
+  void set_finish_in_backward(bool on);
+  void set_no_sync(bool on) { no_sync_ = on; }
+  // Whether the armed step's reduction already finished at the end of a
+  // backward (finish_in_backward). take_finished() then ends that step:
+  // rethrows its failure, or refuses a gradient changed by a later backward.
+  bool finished() const { return finished_; }
+  // Called at the end of every finish() that summed (on its thread).
+  void set_after_finish(std::function<void()> f) { after_finish_ = std::move(f); }
+  void take_finished();
   // After backward: writes the tail (buffers scaled by the share, the loss
   // times the share, `flag`), reduces what is left, waits for everything,
   // and leaves grad_with_slot holding the sums. Throws the first failure
@@ -122,7 +153,12 @@ class BucketReducer {
   void set_testing_death(int64_t step) { die_at_step_ = step; }
 
  private:
+  void install_hooks();  // a post-hook on every trainable parameter's gradient accumulator
   void on_parameter_ready(int param);
+  void finish_from_backward();
+  // Points parameter `param`'s .grad at its view of the flat gradient (the
+  // gradient autograd put elsewhere copied in; none: zeros).
+  void own_grad(int param);
   void prepare(size_t bucket);  // scale (and encode) on the training thread
   void mark_ready(size_t op);
   size_t op_of(size_t bucket) const;
@@ -152,6 +188,11 @@ class BucketReducer {
   bool tail_separate_ = true;
   double loss_ = 0;
   bool finite_ = true;
+  std::function<double()> flag_;
+  std::function<void()> after_finish_;
+  bool finish_in_backward_ = false, no_sync_ = false, finished_ = false, callback_queued_ = false;
+  bool grad_after_finish_ = false;
+  std::exception_ptr deferred_;  // a failure of finish() in a callback
   std::vector<int> pending_;
   std::vector<char> prepared_;
   int64_t begun_ = 0, die_at_step_ = 0;

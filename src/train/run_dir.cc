@@ -89,7 +89,8 @@ void log_committed_batch(const std::string& run_dir, int64_t step, const data::B
   for (int64_t i = 0; i < plan.global_size; ++i) line += " " + std::to_string(epoch_order[plan.begin.position + i]);
   std::ofstream(run_dir + "/samples-" + pid + ".txt", std::ios::app) << line << "\n";
   std::string mine = std::to_string(step) + " " + std::to_string(plan.begin.epoch) + " " + std::to_string(world);
-  for (int64_t id : plan.ids) mine += " " + std::to_string(id);
+  if (!plan.padded)
+    for (int64_t id : plan.ids) mine += " " + std::to_string(id);
   std::ofstream(run_dir + "/slices-" + pid + ".txt", std::ios::app) << mine << "\n";
 }
 

@@ -140,7 +140,7 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
   if (cfg_.algorithm == "isgd") {
     const int64_t global = cfg_.loader.batch_size * cfg_.loader.world;
     isgd_ = std::make_unique<optim::IsgdController>(
-        cfg_.isgd, data::batches_per_epoch(splits_->train.size(), global, cfg_.loader.drop_last));
+        cfg_.isgd, data::batches_per_epoch(splits_->train.size(), global, cfg_.loader.drop_last, cfg_.loader.world));
   }
 }
 
@@ -172,7 +172,7 @@ void Trainer::reformed(Run& r, const Membership::Established& est) {
   if (outer_steps_) outer_steps_->reformed();
   if (isgd_)  // the control window holds one epoch of the new global batches
     isgd_->set_batches_per_epoch(data::batches_per_epoch(
-        r.n, cfg_.loader.batch_size * est.world, cfg_.loader.drop_last));
+        r.n, cfg_.loader.batch_size * est.world, cfg_.loader.drop_last, est.world));
 }
 
 void Trainer::eval_now(Run& r) {
@@ -229,7 +229,7 @@ bool Trainer::train_step(Run& r) {
   std::vector<torch::Tensor> buffers_before;
   if (!flat_->buffer_entries().empty()) buffers_before = flat_->save_buffers();
   StepContext ctx{flat_->data(), flat_->grad(), flat_->grad_with_slot(), 0.0,
-                  static_cast<int64_t>(batch.plan.ids.size()), batch.plan.global_size, r.lr,
+                  batch.plan.samples(), batch.plan.global_size, r.lr,
                   state_.step, {}};
   // Between forward and backward the rule may start reducing gradient
   // buckets as backward produces them (elastic.overlap).
@@ -460,7 +460,7 @@ nlohmann::json Trainer::run() {
         state_.cursor);
   const int64_t global_batch = loader_opt.batch_size * loader_opt.world;
   const int64_t per_epoch = outer_ ? data::batches_per_epoch(r.n, global_batch * cfg_.diloco.unit_steps(), false)
-                                   : data::batches_per_epoch(r.n, global_batch, loader_opt.drop_last);
+                                   : data::batches_per_epoch(r.n, global_batch, loader_opt.drop_last, loader_opt.world);
   r.total_steps = t.epochs * per_epoch;
   if (t.max_steps > 0) r.total_steps = std::min(r.total_steps, t.max_steps);
   session.set_on_reform([this, &r](const Membership::Established& est) { reformed(r, est); });

@@ -95,6 +95,13 @@ class UpdateRule {
   // communicates while backward runs (elastic.overlap) starts here; apply()
   // then finishes what it started. Optional: apply() alone must also work.
   virtual void backward_starts(StepContext& ctx) {}
+  // The step's loss, when it became known after backward_starts() (a
+  // front end that arms the reduction before forward).
+  virtual void set_step_loss(double loss) {}
+  // While on, backward passes add to this member's gradient without
+  // reducing it (the user's micro-batches by hand); a backward after it is
+  // turned off reduces the sum.
+  virtual void no_sync(bool on) {}
   virtual StepResult apply(StepContext& ctx) = 0;
   // Averages an extra gradient (may be null: loss only) and loss across
   // workers, in place; returns the global loss. Used for additional passes

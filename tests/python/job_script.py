@@ -17,6 +17,17 @@ Faults, from the environment (once, in the first process of that rank):
   DIE_WHERE               before_forward | before_backward | before_step | after_step
   PACE                    seconds each step sleeps (time for joins and kills)
   PACE_UNTIL              ... only while the group has fewer members than this
+Habits (--habit), the ways DDP scripts are written:
+  job-backward    job.backward(loss) (the documented way)
+  plain-backward  optimizer.zero_grad(); loss.backward()
+  set-to-none     optimizer.zero_grad(set_to_none=True); loss.backward()
+  clip            job.backward(loss), then clip_grad_norm_ by hand
+  plain-clip      loss.backward(), then clip_grad_norm_ by hand and a look at the norm
+  no-sync         two micro-batches by hand: the first under `with job.no_sync()`
+  aux             an auxiliary loss's backward under job.no_sync(), then the loss's
+State: state["committed"] counts committed steps, updated after job.step()
+returns True; every checkpoint and every member must agree with
+job.step_count (checked here, and by the tests in the checkpoints).
 """
 import argparse
 import os
@@ -96,8 +107,9 @@ def fingerprint(job, model, opt):
         for p in group["params"]:
             for k, v in sorted(opt.state.get(p, {}).items()):
                 st.append(float(v.double().sum()) if torch.is_tensor(v) else float(v))
-    return "%d %.17g %.17g %.17g %s" % (job.step_count, float(w.sum()), float((w * w).sum()), b,
-                                        " ".join("%.17g" % v for v in st))
+    return "%d %.17g %.17g %.17g %s %s" % (job.step_count, float(w.sum()), float((w * w).sum()), b,
+                                           " ".join("%.17g" % v for v in st),
+                                           " ".join("%s=%s" % kv for kv in sorted(job.state.items())))
 
 
 def main():
@@ -114,6 +126,11 @@ def main():
     p.add_argument("--inner-steps", type=int, default=4)
     p.add_argument("--compression", default="none")
     p.add_argument("--fragments", type=int, default=1)
+    p.add_argument("--habit", choices=["job-backward", "plain-backward", "set-to-none", "clip", "plain-clip",
+                                       "no-sync", "aux"], default="job-backward")
+    p.add_argument("--fetch", action="store_true", help="a function of the ids in place of the DataLoader")
+    p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--clip-max", type=float, default=0.5, help="the norm of --habit clip and plain-clip")
     args = p.parse_args()
 
     torch.manual_seed(7)
@@ -127,7 +144,7 @@ def main():
                                  {"params": [p for n, p in model.named_parameters() if "out" not in n]}],
                                 lr=1e-3, weight_decay=0.01)
     warmup = lambda s: min(1.0, (s + 1) / 10)  # noqa: E731
-    state = {"seen_by_me": 0}
+    state = {"committed": 0}
     if args.optimizer.startswith("limbo-"):  # Limbo's own AdamW, its state sharded or not
         opt = limbo.Optimizer("adamw", lr=3e-3, weight_decay=0.01, shard_state=args.optimizer.endswith("sharded"))
         schedule = dict(lr_schedule=warmup)
@@ -137,7 +154,7 @@ def main():
                     state=state, run_dir=args.run_dir, checkpoint_every_steps=args.checkpoint_every_steps,
                     log_every=10, sync=args.sync, inner_steps=args.inner_steps, compression=args.compression,
                     max_wait=0, fragments=args.fragments, mixing=0.5 if args.fragments > 1 else 0.0,
-                    **schedule)
+                    bucket_mb=args.bucket_mb, **schedule)
     diloco = args.sync == "diloco"
     logged = [0]
 
@@ -149,6 +166,8 @@ def main():
             log.flush()
             logged[0] = job.step_count
     loader = DataLoader(train, batch_sampler=job.sampler, num_workers=args.loader_workers)
+    if args.fetch:
+        loader = lambda ids: {"features": x[ids], "label": y[ids], "index": torch.tensor(ids)}  # noqa: E731
     run_dir = job.run_dir or os.environ.get("LIMBO_RUN_DIR", "")
     pace = float(os.environ.get("PACE", "0"))
     pace_until = int(os.environ.get("PACE_UNTIL", "0"))
@@ -178,13 +197,42 @@ def main():
             time.sleep(pace)
         # The loader's batch is the one the job dealt to this member.
         assert batch["index"].tolist() == job.batch_ids(), (batch["index"].tolist(), job.batch_ids())
-        loss = F.cross_entropy(model(batch), batch["label"])
-        maybe_die("before_backward")
-        job.backward(loss)
+        if state["committed"] != job.step_count:
+            raise SystemExit("state['committed'] is %d at step %d" % (state["committed"], job.step_count))
+        habit = args.habit
+        if habit in ("plain-backward", "plain-clip"):
+            opt.zero_grad()
+        elif habit == "set-to-none":
+            opt.zero_grad(set_to_none=True)
+        if habit == "no-sync":
+            half = len(batch["label"]) // 2
+            parts = [{k: v[:half] for k, v in batch.items()}, {k: v[half:] for k, v in batch.items()}]
+            opt.zero_grad()
+            with job.no_sync():
+                (F.cross_entropy(model(parts[0]), parts[0]["label"]) * half / len(batch["label"])).backward()
+            maybe_die("before_backward")
+            loss = F.cross_entropy(model(parts[1]), parts[1]["label"]) * (len(batch["label"]) - half) / len(batch["label"])
+            loss.backward()
+        else:
+            out = model(batch)
+            loss = F.cross_entropy(out, batch["label"])
+            maybe_die("before_backward")
+            if habit == "aux":
+                opt.zero_grad()
+                with job.no_sync():
+                    (0.1 * out.pow(2).mean()).backward(retain_graph=True)
+                loss.backward()
+            elif habit in ("job-backward", "clip"):
+                job.backward(loss)
+            else:
+                loss.backward()
+        if habit in ("clip", "plain-clip"):
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_max)
+            job.log(grad_norm_by_hand=float(norm))
         maybe_die("before_step")
         ids, epoch = job.global_ids(), int(job.epoch)
         if job.step():
-            state["seen_by_me"] += len(batch["label"])
+            state["committed"] += 1
             job.log(my_metric=float(loss), lr0=opt.lr if isinstance(opt, limbo.Optimizer) else opt.param_groups[0]["lr"])
             if log and not diloco:
                 log.write("%d %d %s\n" % (job.step_count, epoch, " ".join(map(str, ids))))

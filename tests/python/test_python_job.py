@@ -198,6 +198,101 @@ def test_a_signal_at_the_launcher_stops_after_a_checkpoint_and_resume_goes_on(ru
     check_identical(run_dir, 2)
 
 
+@pytest.mark.parametrize("habit", ["plain-backward", "set-to-none", "clip", "plain-clip", "no-sync", "aux"])
+def test_a_habit_of_ddp_scripts_keeps_every_guarantee(run_dir, habit):
+    """The loop written the way DDP scripts are: loss.backward() without
+    job.backward(), zero_grad(set_to_none=True), clipping `.grad` by hand
+    between backward and the step (buckets of 2 KB: the reduction runs on
+    the communication thread while backward goes on), micro-batches and an
+    auxiliary loss under job.no_sync(). Three members, one SIGKILLed before
+    its step: exit 0, every sample once an epoch, the survivors identical
+    (weights, buffers, the momentum, the user's state), and it learns."""
+    r = launch(run_dir, 3, ["--habit", habit, "--bucket-mb", "0.002"],
+               ["--min-workers", "1"], DIE_AT_STEP=20, DIE_RANK=1, DIE_HOW="kill", DIE_WHERE="before_step",
+               PACE=0.01)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.exists(os.path.join(run_dir, "died"))
+    check_exactly_once(run_dir, 1024, 2)
+    check_identical(run_dir, 2)
+    s = summary(run_dir)
+    # SGD with momentum: 0.63-0.71 measured with these habits (chance: 0.25).
+    assert s["skipped_steps"] == 0 and s["test_accuracy"] > 0.45, s
+    if "clip" in habit:
+        train = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
+        norms = [x["grad_norm_by_hand"] for x in train if x.get("kind") == "train" and "grad_norm_by_hand" in x]
+        assert norms, "job.log() of the step after job.step() is on its line"
+
+
+def test_clipping_by_hand_with_sharded_state_is_refused(run_dir):
+    """With Limbo's optimizer state sharded, `.grad` holds the group's sum
+    only in the member's shard when backward returns (reduce-scatter): a
+    gradient changed by hand before the step is refused, naming
+    clip_grad_norm=, never a silent divergence of a shard and its copy."""
+    r = launch(run_dir, 2, ["--habit", "clip", "--clip-max", "1e-4", "--optimizer", "limbo-adamw-sharded"])
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "clip_grad_norm=" in r.stderr, r.stderr
+
+
+def test_a_second_backward_without_no_sync_is_refused(run_dir):
+    """loss.backward() twice in one step adds a member's own gradient to the
+    group's after it was reduced: refused, naming job.no_sync()."""
+    code = """
+import sys, torch, limbo
+sys.path.insert(0, %r)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = [(torch.randn(4), 0)] * 8
+job = limbo.Job(model, opt, dataset=data, batch_size=2)
+for x, y in job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler)):
+    out = model(x)
+    out.pow(2).mean().backward(retain_graph=True)
+    out.sum().backward()
+    job.step()
+""" % HERE
+    script = os.path.join(run_dir, "twice.py")
+    with open(script, "w") as f:
+        f.write(code)
+    r = subprocess.run([LIMBO, "launch", "--nproc", "2", "--run-dir", os.path.join(run_dir, "r"), "--", PY, script],
+                       env=env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "job.no_sync()" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("samples,nproc,fetch,elastic", [
+    (1025, 2, False, False), (1025, 2, True, True), (1009, 3, False, True), (2, 3, True, True)])
+def test_any_data_set_size_uses_every_sample_once(run_dir, samples, nproc, fetch, elastic):
+    """A data set whose size is not a multiple of the global batch: a
+    remainder of fewer samples than members joins the epoch's last batch
+    (1,025 samples, 2 x 16; 1,009 samples, 3 x 16), so no member is dealt an
+    empty batch that its DataLoader's collate or its mean loss would choke
+    on; a member whose slice is empty all the same (2 samples, 3 members of
+    1) gets one sample of another slice with weight 0, so its loop runs as
+    the others' do. Every sample once an epoch, members identical (the
+    user's state too), no step skipped, in a fixed group and an elastic
+    one, from a DataLoader and from a fetch function."""
+    args = ["--samples", str(samples), "--model", "plain"] + (["--fetch"] if fetch else [])
+    if samples < nproc:
+        args += ["--batch-size", "1", "--epochs", "3"]
+    r = launch(run_dir, nproc, args, ["--min-workers", "1"] if elastic else [])
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_exactly_once(run_dir, samples, 3 if samples < nproc else 2)
+    check_identical(run_dir, nproc)
+    s = summary(run_dir)
+    assert s["skipped_steps"] == 0 and s["workers"] == nproc, s
+    assert s.get("membership_changes", 0) == 0, s
+
+
+def test_import_limbo_works_without_pythonpath():
+    """After the set-up command, Debian's Python imports the module with no
+    PYTHONPATH (scripts/setup.sh writes a .pth file into its site folder)."""
+    e = env()
+    e.pop("PYTHONPATH", None)
+    r = subprocess.run(["/usr/bin/python3", "-c", "import limbo; print(limbo.__file__)"], env=e,
+                       capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert "build/python/limbo" in r.stdout, r.stdout
+
+
 def test_misuse_is_a_clear_exception():
     # A program that is not there stops the launcher at start, exit code 2, naming it.
     r = subprocess.run([LIMBO, "launch", "--nproc", "1", "--", "no-such-program-here"], capture_output=True,
