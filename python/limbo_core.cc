@@ -252,7 +252,9 @@ class Core {
       if (elastic) {
         py::gil_scoped_release no_gil;
         auto joined = elastic::join_elastic(jo, rule_opt, *flat_,
-                                            get_leave_ ? get_leave_ : (get_leave_ = elastic::leave_on_signals()));
+                                            get_leave_ ? get_leave_
+                                                       : (get_leave_ = elastic::leave_on_signals(
+                                                              get<std::vector<int>>(o, "chain_signals", {}))));
         rule = joined.rule;
         membership = std::move(joined.membership);
       } else {
@@ -542,7 +544,10 @@ class Core {
     log_step();
     py::gil_scoped_release no_gil;
     try {
-      if (session_->after_step(epoch(), state_.step % 10 == 0 || plan_.last_in_epoch)) left_ = true;
+      if (session_->after_step(epoch(), state_.step % 10 == 0 || plan_.last_in_epoch)) {
+        left_ = true;
+        elastic::restore_signals();  // it left: a second Ctrl-C acts as before the job
+      }
     } catch (const train::CompletedElsewhere& e) {
       log_warn(std::string(e.what()) + "; this member ends");
       left_ = true;
@@ -570,9 +575,13 @@ class Core {
     py::gil_scoped_release no_gil;
     if (!session_->gather_final(session_->writer())) {
       left_ = true;
+      elastic::restore_signals();
       return false;
     }
     session_->training_done();
+    // Training is over: Ctrl-C and SIGTERM act as they did before the job
+    // (during evaluation or whatever the program does next).
+    if (get_leave_) elastic::restore_signals();
     return true;
   }
 
@@ -675,6 +684,10 @@ class Core {
     const auto& es = flat_->entries();
     const float* base = flat_->data().data_ptr<float>();
     for (size_t i = 0; i < ps.size(); ++i) {
+      if (ps[i].defined() && ps[i].scalar_type() != torch::kFloat32)
+        throw InvalidInput("parameter '" + es[i].name + "' became " + std::string(c10::toString(ps[i].scalar_type())) +
+                           " after limbo.Job took the model (model.half() or .to(dtype)?); Limbo trains float32 "
+                           "parameters: keep the model in float32 and compute in bf16 under torch.autocast");
       if (!ps[i].defined() || ps[i].sizes().vec() != es[i].shape || ps[i].data_ptr<float>() != base + es[i].offset)
         throw InvalidInput("parameter '" + es[i].name + "' changed after limbo.Job took the model (its data was "
                            "replaced or resized); build the model completely before creating the job");

@@ -21,6 +21,7 @@ import copy
 import io
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -259,6 +260,11 @@ class Job:
             token=env.get("LIMBO_JOB_TOKEN", ""), sync=sync, inner_steps=int(inner_steps),
             outer_lr=float(outer_lr), outer_momentum=float(outer_momentum), nesterov=bool(nesterov),
             max_wait=float(max_wait), fragments=int(fragments), mixing=float(mixing))
+        # Signals whose handler is the user's own (not Python's defaults):
+        # the job's handler, which leaves at the next agreed step, runs it too.
+        options["chain_signals"] = [
+            int(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+            if callable(signal.getsignal(sig)) and signal.getsignal(sig) is not signal.default_int_handler]
         # An outer step's share (streaming: a unit's, inner_steps / fragments).
         self._inner_steps = int(inner_steps) // max(int(fragments), 1)
         if own:
@@ -266,6 +272,17 @@ class Job:
         options["config_toml"] = self._describe(options)
         params = list(model.named_parameters())
         buffers = [(n, b) for n, b in model.named_buffers() if b is not None]
+        # What the job took of the model, checked after every batch (a few
+        # dict lookups): a parameter unfrozen, frozen or replaced, a buffer
+        # reassigned, a parameter group added would leave Limbo's view of the
+        # model behind the user's, members diverging silently.
+        self._param_refs = [(m, n, p, p.requires_grad) for m in model.modules()
+                            for n, p in m._parameters.items() if p is not None]
+        self._buffer_refs = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+        self._groups = None if own else len(optimizer.param_groups)
+        # Frozen float parameters travel with the state (the values of the
+        # member everyone takes), as DDP broadcasts them when it starts.
+        self._frozen = [(n, p) for n, p in params if not p.requires_grad and p.is_floating_point()]
         self._core = _core.Core(params, buffers, options, self._pack, self._unpack, self._optimizer_step)
         self.sampler = _Sampler(self)
         self._loss = None
@@ -391,7 +408,36 @@ class Job:
                 self._after_commit()
         self._ended = core.end_training()
 
+    def _check_model(self):
+        for m, n, p, trainable in self._param_refs:
+            now = m._parameters.get(n)
+            if now is not p:
+                raise UsageError("parameter %r of %s was replaced after limbo.Job took the model; change its "
+                                 "values in place (with torch.no_grad(): p.copy_(...))" % (n, type(m).__name__))
+            if trainable and p.dtype != torch.float32:
+                raise InvalidInput("parameter %r of %s became %s after limbo.Job took the model (model.half() or "
+                                   ".to(dtype)?); Limbo trains float32 parameters: keep the model in float32 and "
+                                   "compute in bf16 under torch.autocast" % (n, type(m).__name__, p.dtype))
+            if p.requires_grad != trainable:
+                raise UsageError(
+                    "parameter %r of %s was %s after limbo.Job took the model; the job reduces, steps and hands "
+                    "to joiners the parameters that were trainable when it was made. Keep it trainable from the "
+                    "start and give its parameter group lr=0 until it should train (then raise the group's lr: "
+                    "the optimizer's groups travel with its state)"
+                    % (n, type(m).__name__, "unfrozen" if p.requires_grad else "frozen"))
+        for m, n, b in self._buffer_refs:
+            if m._buffers.get(n) is not b:
+                raise UsageError("buffer %r of %s was reassigned (self.%s = ...) after limbo.Job took the model; "
+                                 "the job averages, saves and hands to joiners the buffer it took: update it in "
+                                 "place (self.%s.mul_(0.9).add_(...), or self.%s.copy_(...))"
+                                 % (n, type(m).__name__, n, n, n))
+        if self._groups is not None and len(self.optimizer.param_groups) != self._groups:
+            raise UsageError("a parameter group was added to the optimizer after limbo.Job was made; a joiner's "
+                             "optimizer could not take the group's state: make every group before the job "
+                             "(lr=0 until it should train)")
+
     def _end_of_batch(self):
+        self._check_model()
         if self._rollback is not None:
             self._restore_light(self._rollback)
             self._rollback = None
@@ -455,6 +501,7 @@ class Job:
         self._scheduler_marks = [getattr(sc, "last_epoch", None) for sc in self._schedulers]
         if done == 1:
             self._committed = True
+            self._epoch_ended = self._core.cursor[1] == 0  # for the loop's code after job.step()
         return True
 
     def _check_schedulers(self):
@@ -531,7 +578,7 @@ class Job:
         scheds = [sc.state_dict() for sc in self._schedulers]
         torch.save({"optimizer": None if self._own else self.optimizer.state_dict(),
                     "scheduler": scheds[0] if len(scheds) == 1 else (scheds or None),
-                    "state": self.state}, buf)
+                    "state": self.state, "frozen": {n: p.detach() for n, p in self._frozen}}, buf)
         return buf.getvalue()
 
     def _load_schedulers(self, saved):
@@ -548,6 +595,11 @@ class Job:
         self._load_schedulers(saved.get("scheduler"))
         self.state.clear()
         self.state.update(saved["state"])
+        frozen = saved.get("frozen") or {}
+        with torch.no_grad():
+            for n, p in self._frozen:
+                if n in frozen:
+                    p.copy_(frozen[n])
 
     def _save_light(self):
         """The user's state dict and schedulers as committed (small: kept

@@ -250,6 +250,14 @@ void AllReduceUpdate::release_state(optim::Optimizer& opt, int64_t step) {
 void AllReduceUpdate::start(torch::Tensor& weights, torch::Tensor& buffers) {
   if (!group_) return;  // elastic training syncs in establish()
   group_->broadcast(weights, 0);
+  // Frozen parameters too (a frozen layer left unseeded differs between
+  // members otherwise), as DDP does when it starts.
+  for (const auto& f : flat_.frozen_parameters())
+    if (f.scalar_type() == torch::kFloat32 && f.is_contiguous()) {
+      torch::NoGradGuard no_grad;
+      auto t = f;
+      group_->broadcast(t, 0);
+    }
   if (buffers.numel() > 0) {
     flat_.buffers_to_flat();
     group_->broadcast(buffers, 0);

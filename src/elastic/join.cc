@@ -1,5 +1,6 @@
 #include "elastic/join.h"
 
+#include <pthread.h>
 #include <signal.h>
 
 #include <atomic>
@@ -39,7 +40,34 @@ comm::GroupOptions group_options(const JoinOptions& opt) {
 }
 
 std::atomic<bool> g_leave_requested{false};
-void on_leave_signal(int) { g_leave_requested = true; }
+constexpr int kLeaveSignals[] = {SIGTERM, SIGINT, SIGUSR1};
+struct sigaction g_before[3];          // the handlers leave_on_signals() replaced
+volatile sig_atomic_t g_chain[3] = {};  // ... which also run
+volatile sig_atomic_t g_installed = 0;
+
+int slot_of(int sig) {
+  for (int i = 0; i < 3; ++i)
+    if (kLeaveSignals[i] == sig) return i;
+  return -1;
+}
+
+void on_leave_signal(int sig, siginfo_t* info, void* ctx) {
+  g_leave_requested = true;
+  const int i = slot_of(sig);
+  if (i < 0 || !g_chain[i]) return;
+  const struct sigaction& old = g_before[i];
+  if (old.sa_flags & SA_SIGINFO) {
+    if (old.sa_sigaction) old.sa_sigaction(sig, info, ctx);
+  } else if (old.sa_handler != SIG_DFL && old.sa_handler != SIG_IGN && old.sa_handler) {
+    old.sa_handler(sig);
+  }
+}
+
+void put_back() {
+  if (!g_installed) return;
+  for (int i = 0; i < 3; ++i) ::sigaction(kLeaveSignals[i], &g_before[i], nullptr);
+  g_installed = 0;
+}
 
 }  // namespace
 
@@ -109,13 +137,25 @@ Joined join_elastic(const JoinOptions& opt, std::shared_ptr<train::OptimizerStep
   return j;
 }
 
-std::function<bool()> leave_on_signals() {
+std::function<bool()> leave_on_signals(const std::vector<int>& chain) {
+  static const bool at_fork = [] {
+    // A forked child (a DataLoader worker) gets the handlers of before.
+    ::pthread_atfork(nullptr, nullptr, [] { put_back(); });
+    return true;
+  }();
+  (void)at_fork;
   struct sigaction sa {};
-  sa.sa_handler = on_leave_signal;
-  ::sigaction(SIGTERM, &sa, nullptr);
-  ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(SIGUSR1, &sa, nullptr);
+  sa.sa_sigaction = on_leave_signal;
+  sa.sa_flags = SA_SIGINFO;
+  for (int i = 0; i < 3; ++i) {
+    g_chain[i] = 0;
+    for (int c : chain) g_chain[i] = g_chain[i] || c == kLeaveSignals[i];
+    ::sigaction(kLeaveSignals[i], &sa, g_installed ? nullptr : &g_before[i]);
+  }
+  g_installed = 1;
   return [] { return g_leave_requested.load(); };
 }
+
+void restore_signals() { put_back(); }
 
 }  // namespace limbo::elastic

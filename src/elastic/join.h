@@ -6,6 +6,7 @@
 #pragma once
 
 #include <functional>
+#include <vector>
 #include <memory>
 #include <string>
 #include <utility>
@@ -50,7 +51,14 @@ Joined join_elastic(const JoinOptions& opt, std::shared_ptr<train::OptimizerStep
 // and SIGUSR1 (Slurm's warning ahead of preemption or the time limit) set a
 // flag instead of ending the process: the member finishes its step and
 // leaves at the next agreed boundary (the writer checkpoints first).
-// Returns the flag's reader.
-std::function<bool()> leave_on_signals();
+// Returns the flag's reader. For the signals in `chain`, the handler that
+// was there before also runs (a Python user's own handler: Python's C
+// handler, which runs the user's function at the next bytecode). A process
+// forked meanwhile (a DataLoader's workers) starts with the handlers that
+// were there before, as under plain PyTorch.
+std::function<bool()> leave_on_signals(const std::vector<int>& chain = {});
+// Puts back the handlers leave_on_signals() replaced (training is over:
+// Ctrl-C acts as it did before the job).
+void restore_signals();
 
 }  // namespace limbo::elastic

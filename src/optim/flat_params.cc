@@ -46,6 +46,7 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
   for (const auto& p : named) {
     if (!p.value().requires_grad()) {  // frozen: the module keeps it as it is
       frozen_ += p.value().numel();
+      frozen_params_.push_back(p.value());
       continue;
     }
     if (p.value().scalar_type() != torch::kFloat32)

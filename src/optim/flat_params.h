@@ -66,6 +66,8 @@ class FlatParams {
   int64_t numel() const { return data_.numel(); }
   // Elements of frozen parameters (not in the flat buffers).
   int64_t frozen_numel() const { return frozen_; }
+  // The frozen parameters themselves (the module's tensors).
+  const std::vector<torch::Tensor>& frozen_parameters() const { return frozen_params_; }
   void zero_grad() { grad_.zero_(); }
 
   // Module buffers -> region (for those not stored in it), and back.
@@ -106,6 +108,7 @@ class FlatParams {
   std::vector<torch::Tensor> params_, grad_views_;
   std::vector<BufferEntry> buffer_entries_;
   int64_t averaged_ = 0, frozen_ = 0;
+  std::vector<torch::Tensor> frozen_params_;
 };
 
 }  // namespace limbo::optim

@@ -99,10 +99,17 @@ class Plain(nn.Module):
         return self.out(F.relu(self.hidden(batch["features"])))
 
 
-def fingerprint(job, model, opt):
+def fingerprint(job, model, opt, limbo_state=None, sched=None):
+    """Weights, buffers, the optimizer's state (a torch.optim one's, or
+    Limbo's own as job.optimizer_state() gave it at the last step), the
+    scheduler's position and rates, the user's state."""
     w = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
     b = sum(float(t.double().sum()) for t in model.buffers())
     st = []
+    for k, v in sorted((limbo_state or {}).items()):
+        st.append(float(v.double().sum()) if torch.is_tensor(v) else float(v))
+    if sched is not None:
+        st += [float(sched.last_epoch)] + [float(g["lr"]) for g in opt.param_groups]
     for group in ([] if isinstance(opt, limbo.Optimizer) else opt.param_groups):
         for p in group["params"]:
             for k, v in sorted(opt.state.get(p, {}).items()):
@@ -131,12 +138,20 @@ def main():
     p.add_argument("--fetch", action="store_true", help="a function of the ids in place of the DataLoader")
     p.add_argument("--bucket-mb", type=float, default=4.0)
     p.add_argument("--clip-max", type=float, default=0.5, help="the norm of --habit clip and plain-clip")
+    p.add_argument("--unseeded-frozen", action="store_true",
+                   help="the frozen layer drawn from this process's own seed (differs between members)")
+    p.add_argument("--always", action="store_true",
+                   help="after job.step(), whatever it returned: state['tried'] += 1 and the scheduler's step "
+                        "(scheduler_every='manual'); both must equal the committed steps at the next batch")
     args = p.parse_args()
 
     torch.manual_seed(7)
     x, y = make_data(args.samples, 3)
     train = Rows(x, y)
     model = DictNet() if args.model == "dict" else Plain()
+    if args.unseeded_frozen:
+        with torch.no_grad():
+            model.frozen.weight.copy_(torch.randn(4, 4, generator=torch.Generator().manual_seed(os.getpid())))
     if args.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     else:
@@ -150,6 +165,9 @@ def main():
         schedule = dict(lr_schedule=warmup)
     else:
         schedule = dict(scheduler=torch.optim.lr_scheduler.LambdaLR(opt, warmup))
+        if args.always:
+            schedule["scheduler_every"] = "manual"
+            state["tried"] = 0
     job = limbo.Job(model, opt, dataset=train, batch_size=args.batch_size, epochs=args.epochs,
                     state=state, run_dir=args.run_dir, checkpoint_every_steps=args.checkpoint_every_steps,
                     log_every=10, sync=args.sync, inner_steps=args.inner_steps, compression=args.compression,
@@ -190,6 +208,7 @@ def main():
         os.kill(os.getpid(), how)
 
     log = open(os.path.join(run_dir, "samples-%d.txt" % os.getpid()), "a") if run_dir else None
+    limbo_state = None
     for batch in job.batches(loader):
         log_outer()
         maybe_die("before_forward")
@@ -199,6 +218,9 @@ def main():
         assert batch["index"].tolist() == job.batch_ids(), (batch["index"].tolist(), job.batch_ids())
         if state["committed"] != job.step_count:
             raise SystemExit("state['committed'] is %d at step %d" % (state["committed"], job.step_count))
+        if args.always and (state["tried"] != job.step_count or schedule["scheduler"].last_epoch != job.step_count):
+            raise SystemExit("after a step that did not commit: state['tried'] %d, the scheduler at %d, step %d"
+                             % (state["tried"], schedule["scheduler"].last_epoch, job.step_count))
         habit = args.habit
         if habit in ("plain-backward", "plain-clip"):
             opt.zero_grad()
@@ -231,7 +253,13 @@ def main():
             job.log(grad_norm_by_hand=float(norm))
         maybe_die("before_step")
         ids, epoch = job.global_ids(), int(job.epoch)
-        if job.step():
+        ok = job.step()
+        if args.always:  # the habit of a loop that does not look at what job.step() returned
+            state["tried"] += 1
+            schedule["scheduler"].step()
+        if ok and isinstance(opt, limbo.Optimizer) and not diloco and job.epoch >= args.epochs:
+            limbo_state = job.optimizer_state()  # a collective: every member at the last step
+        if ok:
             state["committed"] += 1
             job.log(my_metric=float(loss), lr0=opt.lr if isinstance(opt, limbo.Optimizer) else opt.param_groups[0]["lr"])
             if log and not diloco:
@@ -248,7 +276,7 @@ def main():
     summary = job.finish(test_accuracy=acc)
     if run_dir and job.step_count > 0 and not job.left:
         with open(os.path.join(run_dir, "final-%d.txt" % os.getpid()), "w") as f:
-            f.write(fingerprint(job, model, opt) + "\n")
+            f.write(fingerprint(job, model, opt, limbo_state, schedule.get("scheduler")) + "\n")
     if summary is not None and job.is_writer:
         print("done: %d steps, accuracy %.3f" % (summary["steps"], acc), flush=True)
 

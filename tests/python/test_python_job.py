@@ -85,6 +85,18 @@ def check_identical(run_dir, expect_members):
     return f[0]
 
 
+def check_close(a, b, rel=1e-5):
+    """Two fingerprints equal up to float rounding (numbers) and exactly (the rest)."""
+    assert len(a) == len(b), (a, b)
+    for x, y in zip(a, b):
+        try:
+            fx, fy = float(x), float(y)
+        except ValueError:
+            assert x == y, (a, b)
+            continue
+        assert abs(fx - fy) <= rel * max(1.0, abs(fx), abs(fy)), (x, y, a, b)
+
+
 def summary(run_dir):
     with open(os.path.join(run_dir, "summary.json")) as f:
         return json.load(f)
@@ -195,7 +207,14 @@ def test_a_signal_at_the_launcher_stops_after_a_checkpoint_and_resume_goes_on(ru
                         "--", PY, SCRIPT, "--epochs", "4"], env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     check_exactly_once(run_dir, 1024, 4)
-    check_identical(run_dir, 2)
+    resumed = check_identical(run_dir, 2)
+    # Against the same job without the interruption: the same weights,
+    # buffers, momentum, scheduler and user state (resume dropping any of
+    # them would show), up to float rounding.
+    plain = os.path.join(run_dir, "uninterrupted")
+    r = launch(plain, 2, ["--epochs", "4"], ["--min-workers", "1"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_close(resumed, check_identical(plain, 2))
 
 
 @pytest.mark.parametrize("habit", ["plain-backward", "set-to-none", "clip", "plain-clip", "no-sync", "aux"])
@@ -221,6 +240,120 @@ def test_a_habit_of_ddp_scripts_keeps_every_guarantee(run_dir, habit):
         train = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))]
         norms = [x["grad_norm_by_hand"] for x in train if x.get("kind") == "train" and "grad_norm_by_hand" in x]
         assert norms, "job.log() of the step after job.step() is on its line"
+
+
+def test_what_the_loop_changes_after_a_step_that_did_not_commit_is_put_back(run_dir):
+    """A loop that ignores what job.step() returned: it updates `state` and
+    steps its scheduler (scheduler_every="manual") after every step. After
+    the step that a SIGKILLed member made fail, the survivors' `state` and
+    scheduler are put back to the committed step before the next batch (the
+    script checks it at every batch), and they end identical."""
+    r = launch(run_dir, 3, ["--always"], ["--min-workers", "1"], DIE_AT_STEP=20, DIE_RANK=1, DIE_HOW="kill",
+               DIE_WHERE="before_step", PACE=0.01)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.exists(os.path.join(run_dir, "died"))
+    assert summary(run_dir)["membership_changes"] >= 1
+    check_exactly_once(run_dir, 1024, 2)
+    f = check_identical(run_dir, 2)
+    assert "tried=%s" % f[0] in f, f
+
+
+def test_schedulers_per_step_per_epoch_and_on_a_metric(run_dir):
+    """A scheduler made over the optimizer but not given to the job is
+    refused at once; one the job steps and the loop steps too is refused at
+    the next batch; scheduler_every="epoch" steps it once an epoch; a
+    ReduceLROnPlateau is stepped by the loop on a metric (the default
+    "manual"), and its state is in the checkpoint."""
+    import torch.nn as nn
+    data = [(torch.randn(4), 0)] * 16
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    with pytest.raises(limbo.InvalidInput, match="scheduler="):
+        limbo.Job(model, opt, dataset=data, batch_size=4)
+
+    def run(scheduler, epochs=3, twice=False, plateau=False, run_dir=None, **kw):
+        job = limbo.Job(model, opt, dataset=data, batch_size=4, epochs=epochs, scheduler=scheduler,
+                        run_dir=run_dir, **kw)
+        for x, y in job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler)):
+            job.backward(torch.nn.functional.cross_entropy(model(x), y))
+            if job.step():
+                if twice:
+                    scheduler.step()
+                if plateau and job.epoch_ended:
+                    scheduler.step(1.0)  # a metric that never improves
+        job.finish()
+        return job
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    with pytest.raises(limbo.UsageError, match="stepped outside the job"):
+        run(sched, twice=True)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    run(sched, epochs=3, scheduler_every="epoch")
+    assert sched.last_epoch == 3 and abs(opt.param_groups[0]["lr"] - 0.1 / 8) < 1e-12
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    with pytest.raises(limbo.InvalidInput, match="manual"):
+        limbo.Job(model, opt, dataset=data, batch_size=4, scheduler=sched, scheduler_every="step")
+    run(sched, epochs=3, plateau=True, run_dir=run_dir)
+    # The first metric sets the best; the next two reduce the rate twice.
+    assert abs(opt.param_groups[0]["lr"] - 0.025) < 1e-12, opt.param_groups[0]["lr"]
+    import io
+    front_end = torch.jit.load(os.path.join(run_dir, "checkpoint.pt")).extra.front_end
+    saved = torch.load(io.BytesIO(bytes(front_end.numpy())))
+    assert saved["scheduler"]["num_bad_epochs"] == sched.num_bad_epochs and saved["scheduler"]["best"] == 1.0
+
+
+@pytest.mark.parametrize("elastic", [False, True])
+def test_frozen_parameters_are_the_same_on_every_member(run_dir, elastic):
+    """A frozen layer each member drew from its own seed: the group starts
+    from one member's values (as DDP broadcasts them), in a fixed group and
+    an elastic one, so the members end identical."""
+    r = launch(run_dir, 2, ["--unseeded-frozen", "--epochs", "1"], ["--min-workers", "1"] if elastic else [])
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_identical(run_dir, 2)
+
+
+def test_a_model_changed_in_the_loop_is_refused_naming_the_fix():
+    """What would leave the job's view of the model behind the user's is
+    refused at the batch it happens in, with the way to do it: a parameter
+    unfrozen or frozen, a buffer reassigned, a parameter group added, the
+    model turned to half precision."""
+    import torch.nn as nn
+    data = [(torch.randn(4), 0)] * 16
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+            self.register_buffer("ema", torch.zeros(2))
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    def loop(change, error=limbo.UsageError, match=None, frozen=False):
+        model = Net()
+        if frozen:
+            model.a.requires_grad_(False)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        job = limbo.Job(model, opt, dataset=data, batch_size=4)
+        with pytest.raises(error, match=match):
+            for i, (x, y) in enumerate(job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler))):
+                job.backward(torch.nn.functional.cross_entropy(model(x), y))
+                job.step()
+                if i == 1:
+                    change(model, opt)
+
+    loop(lambda m, o: m.a.requires_grad_(True), match="unfrozen.*lr=0", frozen=True)
+    loop(lambda m, o: m.a.requires_grad_(False), match="frozen")
+    loop(lambda m, o: setattr(m, "ema", m.ema * 0.9 + 1), match="reassigned.*mul_")
+    loop(lambda m, o: o.add_param_group({"params": [nn.Parameter(torch.zeros(1))]}), match="group was added")
+    loop(lambda m, o: m.half(), error=limbo.InvalidInput, match="float32")
 
 
 def test_clipping_by_hand_with_sharded_state_is_refused(run_dir):
@@ -291,6 +424,55 @@ def test_import_limbo_works_without_pythonpath():
                        capture_output=True, text=True, timeout=60, cwd="/")
     assert r.returncode == 0, r.stderr
     assert "build/python/limbo" in r.stdout, r.stdout
+
+
+def test_signals_act_as_a_python_user_expects(run_dir):
+    """After the loop, Ctrl-C interrupts the program at once (the job's
+    handlers are gone once training is over); a process forked while the job
+    trains (a DataLoader worker) gets the handlers of before the job, so
+    Ctrl-C raises KeyboardInterrupt there as under plain PyTorch; the user's
+    own SIGTERM handler still runs, and the job still leaves after a
+    checkpoint with the launcher's exit code."""
+    script = os.path.join(HERE, "signals_script.py")
+
+    def start(mode, out, d):
+        return subprocess.Popen([LIMBO, "launch", "--nproc", "1", "--min-workers", "1", "--run-dir", d, "--",
+                                 PY, script, mode, out], env=env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    def wait_for(path, text, seconds):
+        deadline = time.time() + seconds
+        while time.time() < deadline:
+            if os.path.exists(path) and text in open(path).read():
+                return open(path).read()
+            time.sleep(0.05)
+        return open(path).read() if os.path.exists(path) else ""
+
+    out = os.path.join(run_dir, "after.txt")
+    p = start("after", out, os.path.join(run_dir, "after"))
+    got = wait_for(out, "ready", 120)
+    assert "ready" in got, got
+    pid = int(got.split()[1])
+    t0 = time.time()
+    os.kill(pid, signal.SIGINT)
+    got = wait_for(out, "interrupted", 20)
+    assert "interrupted" in got and time.time() - t0 < 10, got
+    p.communicate(timeout=60)
+
+    out = os.path.join(run_dir, "fork.txt")
+    p = start("fork", out, os.path.join(run_dir, "fork"))
+    p.communicate(timeout=120)
+    assert wait_for(out, "child", 1).strip() == "child 0", open(out).read()
+
+    out = os.path.join(run_dir, "own.txt")
+    d = os.path.join(run_dir, "own")
+    p = start("own", out, d)
+    assert "training" in wait_for(out, "training", 120)
+    p.send_signal(signal.SIGTERM)
+    log, _ = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, log
+    assert "own handler" in open(out).read(), open(out).read()
+    assert os.path.exists(os.path.join(d, "checkpoint.pt")), log
 
 
 def test_misuse_is_a_clear_exception():
