@@ -17,6 +17,7 @@
 #include <pybind11/stl.h>
 
 #include <deque>
+#include <limits>
 #include <map>
 
 #include "cli/schema.h"
@@ -515,6 +516,7 @@ class Core {
     // reduction finished in backward already left every `.grad` the view.
     attach_grads(/*keep=*/true);
     if (!backward_started_) ctx_ = std::make_unique<train::StepContext>(context(loss));
+    ctx_->lr = rate();  // armed before forward: this step's rate is known now
     std::optional<train::StepResult> res;
     {
       py::gil_scoped_release no_gil;
@@ -652,6 +654,48 @@ class Core {
   std::string run_dir() const { return session_ ? const_cast<train::Session&>(*session_).run_dir().path() : ""; }
   const std::vector<int64_t>& batch_ids() const { return plan_.ids; }
 
+  // An evaluation across the members: this member's share of `n`
+  // samples (contiguous, by rank: every sample once across the group).
+  py::tuple eval_share(int64_t n) const {
+    const int w = world(), r = rank();
+    return py::make_tuple(n * r / w, n * (r + 1) / w);
+  }
+  // The members' sums of `values` (each member's row in an agreement of
+  // maxima, exact, then added in rank order: the same bits everywhere).
+  // None: a member was lost, the group re-formed; evaluate again.
+  // After training (`ended`: the group no longer re-forms) a failure gives
+  // None too, and the caller evaluates the whole set itself.
+  py::object eval_reduce(const std::vector<double>& values, bool ended) {
+    const int64_t k = static_cast<int64_t>(values.size());
+    auto rows = torch::full({world(), k}, -std::numeric_limits<double>::infinity(), torch::kFloat64);
+    for (int64_t j = 0; j < k; ++j) rows[rank()][j] = values[static_cast<size_t>(j)];
+    bool done = false;
+    {
+      py::gil_scoped_release no_gil;
+      try {
+        if (ended) {
+          try {
+            rule().agree_max(rows);
+            done = true;
+          } catch (const Error& e) {
+            log_warn(std::string("evaluation after training: ") + e.what() + "; this member evaluates it all");
+          }
+        } else {
+          done = session_->collective("evaluation", [&] { rule().agree_max(rows); });
+        }
+      } catch (const train::CompletedElsewhere& e) {
+        log_warn(std::string(e.what()) + " (in an evaluation); this member ends");
+        left_ = true;
+      }
+    }
+    if (!done) return py::none();
+    std::vector<double> sums(static_cast<size_t>(k), 0.0);
+    auto a = rows.accessor<double, 2>();
+    for (int64_t i = 0; i < rows.size(0); ++i)
+      for (int64_t j = 0; j < k; ++j) sums[static_cast<size_t>(j)] += a[i][j];
+    return py::cast(sums);
+  }
+
   // Limbo's optimizer: its state by name (whole, gathered from the shards
   // when sharded: a collective, every member calls it alike) and its count.
   py::dict optimizer_state() {
@@ -714,10 +758,13 @@ class Core {
   }
 
   train::StepContext context(double loss) {
-    return {flat_->data(), flat_->grad(), flat_->grad_with_slot(), loss,
-            plan_.samples(), plan_.global_size,
-            own_ ? lr_ * policy_step_.multiplier : policy_step_.multiplier, state_.step, {}};
+    return {flat_->data(), flat_->grad(), flat_->grad_with_slot(), loss, plan_.samples(), plan_.global_size,
+            rate(), state_.step, {}};
   }
+  // The step's rate as the rule applies it: Limbo's optimizer's scheduled
+  // rate times the batch policy's multiplier (a torch.optim optimizer:
+  // the multiplier, which _optimizer_step applies to its groups).
+  double rate() const { return own_ ? lr_ * policy_step_.multiplier : policy_step_.multiplier; }
 
   void log_step() {
     if (!((window_.steps() > 0 && state_.step % log_every_ == 0) || plan_.last_in_epoch)) return;
@@ -812,6 +859,8 @@ PYBIND11_MODULE(_core, m) {
       .def("global_ids", &Core::global_ids)
       .def("batch_ids", &Core::batch_ids)
       .def("optimizer_state", &Core::optimizer_state)
+      .def("eval_share", &Core::eval_share)
+      .def("eval_reduce", &Core::eval_reduce)
       .def_property_readonly("world", &Core::world)
       .def_property_readonly("rank", &Core::rank)
       .def_property_readonly("generation", &Core::generation)

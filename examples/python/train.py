@@ -79,16 +79,13 @@ class MLP(nn.Module):
         return self.out(h)
 
 
-@torch.no_grad()
-def evaluate(model, data):
-    model.eval()
-    loss, right = 0.0, 0
-    for x, y in DataLoader(data, batch_size=1000):
+def sums(model):
+    """What job.evaluate() adds up over the members' shares of the test set."""
+    def of(batch):
+        x, y = batch
         out = model(x)
-        loss += F.cross_entropy(out, y, reduction="sum").item()
-        right += (out.argmax(1) == y).sum().item()
-    model.train()
-    return loss / len(data), right / len(data)
+        return {"loss": F.cross_entropy(out, y, reduction="sum"), "right": (out.argmax(1) == y).sum(), "n": len(y)}
+    return of
 
 
 def main():
@@ -119,12 +116,13 @@ def main():
     for x, y in job.batches(loader):  # limbo
         loss = F.cross_entropy(model(x), y)
         job.backward(loss)  # limbo
-        job.step()  # limbo
-        if job.epoch_ended and job.rank == 0:
-            test_loss, acc = evaluate(model, test)
-            job.record("eval", test_loss=test_loss, test_accuracy=acc)
-            print("epoch %d: test accuracy %.2f%%" % (round(job.epoch), 100 * acc), flush=True)
-    test_loss, acc = evaluate(model, test)
+        if job.step() and job.epoch_ended:  # limbo
+            m = job.evaluate(sums(model), test, batch_size=1000)  # limbo: each member its share
+            job.record("eval", test_loss=m["loss"] / m["n"], test_accuracy=m["right"] / m["n"])
+            if job.rank == 0:
+                print("epoch %d: test accuracy %.2f%%" % (round(job.epoch), 100 * m["right"] / m["n"]), flush=True)
+    m = job.evaluate(sums(model), test, batch_size=1000)  # limbo
+    test_loss, acc = m["loss"] / m["n"], m["right"] / m["n"]
     summary = job.finish(test_loss=test_loss, test_accuracy=acc)  # limbo
     if summary is not None and job.is_writer:
         print("steps %d, test accuracy %.2f%% (test loss %.4f)" % (summary["steps"], 100 * acc, test_loss))

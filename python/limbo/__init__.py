@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import weakref
 
 import torch
 
@@ -283,7 +284,12 @@ class Job:
         # Frozen float parameters travel with the state (the values of the
         # member everyone takes), as DDP broadcasts them when it starts.
         self._frozen = [(n, p) for n, p in params if not p.requires_grad and p.is_floating_point()]
-        self._core = _core.Core(params, buffers, options, self._pack, self._unpack, self._optimizer_step)
+        # The core calls back through a weak reference: a Job the program
+        # drops is freed with its core (its threads, sockets and handlers),
+        # not kept alive by a cycle through C++ that Python cannot collect.
+        me = weakref.ref(self)
+        self._core = _core.Core(params, buffers, options, lambda: me()._pack(), lambda b: me()._unpack(b),
+                                lambda m: me()._optimizer_step(m))
         self.sampler = _Sampler(self)
         self._loss = None
         self._stepped = True
@@ -295,7 +301,7 @@ class Job:
         self._summary = None
         self._finished = False
         self._started = self._core.start()
-        atexit.register(self._at_exit)
+
 
     # -- what the loop sees ------------------------------------------------
     @property
@@ -407,6 +413,8 @@ class Job:
             if core.diloco and core.generation == generation and core.outer_finish():
                 self._after_commit()
         self._ended = core.end_training()
+        if self._ended:
+            _unfinished.add(self)  # finish() at exit if the program does not call it
 
     def _check_model(self):
         for m, n, p, trainable in self._param_refs:
@@ -537,6 +545,71 @@ class Job:
         f = self._lr_schedule(self._core.steps) if self._lr_schedule is not None else 1.0
         return self.optimizer.lr * float(f)
 
+    def evaluate(self, fn, data, *, size=None, batch_size=256, **loader_args):
+        """Evaluation across the members: each evaluates its share of `data`
+        (every sample once across the group) and every member gets the
+        group's sums, the same on each. `fn(batch)` returns a dict of
+        numbers to add up (a loss summed over the batch, correct
+        predictions, the count): divide them yourself. `data` is a map-style
+        Dataset (a DataLoader over this member's share is made with
+        `loader_args`: collate_fn, num_workers, ...) or a function of a list
+        of sample ids (then give `size`). Call it on every member at the
+        same point (after a committed step: `if job.step() and
+        job.epoch_ended:`, or after the loop). A member lost meanwhile: the
+        group re-forms and the evaluation is done again by the new one;
+        after training is over, when the group can no longer re-form, the
+        survivors evaluate the whole set each. Runs under torch.no_grad()
+        with the model in eval mode (its mode is put back)."""
+        fetch = data if callable(data) and not hasattr(data, "__getitem__") else None
+        n = size if size is not None else (len(data) if fetch is None else None)
+        if not isinstance(n, int) or n < 1:
+            raise InvalidInput("job.evaluate(): the data set's size is needed (a Dataset with len(), or size= "
+                               "with a function of the ids), got %r" % (n,))
+        if batch_size < 1:
+            raise InvalidInput("job.evaluate(): batch_size must be at least 1, got %r" % (batch_size,))
+        keys = None
+
+        def over(lo, hi):
+            nonlocal keys
+            totals = {}
+            batches = [list(range(i, min(i + batch_size, hi))) for i in range(lo, hi, batch_size)]
+            if fetch is not None:
+                source = (fetch(ids) for ids in batches)
+            else:
+                source = torch.utils.data.DataLoader(data, batch_sampler=batches, **loader_args) if batches else []
+            for batch in source:
+                out = fn(batch)
+                if not isinstance(out, dict):
+                    raise InvalidInput("job.evaluate(): fn(batch) must return a dict of numbers to sum, got %s"
+                                       % type(out).__name__)
+                for k, v in out.items():
+                    totals[k] = totals.get(k, 0.0) + float(v)
+            if keys is None:
+                keys = sorted(totals)
+            elif batches and sorted(totals) != keys:
+                raise InvalidInput("job.evaluate(): fn returned other keys for another batch (%s, then %s)"
+                                   % (keys, sorted(totals)))
+            return totals
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                while True:
+                    if self._core.left or not self._started:  # no group: the whole set here
+                        return over(0, n)
+                    lo, hi = self._core.eval_share(n)
+                    mine = over(lo, hi)
+                    if keys is None:  # an empty share: the keys from one sample, counted as nothing
+                        mine = {k: 0.0 for k in over(0, 1)}
+                    got = self._core.eval_reduce([mine[k] for k in keys], self._ended)
+                    if got is not None:
+                        return dict(zip(keys, got))
+                    if self._ended:  # after training a lost member is not replaced: the whole set here
+                        return over(0, n)
+        finally:
+            self.model.train(was_training)
+
     def optimizer_state(self):
         """Limbo's optimizer: its state tensors by name (whole: gathered from
         the shards, so every member must call it at the same step) and its
@@ -562,6 +635,7 @@ class Job:
         """After the loop: the final checkpoint and summary.json (with
         `results`, e.g. test_accuracy=...), written once per storage. Returns
         the summary (None on a member that left before the end)."""
+        _unfinished.discard(self)
         if self._finished:
             return self._summary
         if not self._ended:
@@ -650,3 +724,15 @@ class Job:
         lines.append('optimizer = "%s"' % (("limbo " + self.optimizer.algorithm) if self._own
                                            else type(self.optimizer).__name__))
         return "\n".join(lines) + "\n"
+
+
+# Jobs whose training ended without job.finish(): held until the exit,
+# which writes their final checkpoint and summary (the launcher waits for
+# them). Any other Job is freed when the program drops it.
+_unfinished = set()
+
+
+@atexit.register
+def _finish_at_exit():
+    for job in list(_unfinished):
+        job._at_exit()

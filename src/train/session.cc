@@ -165,6 +165,19 @@ void Session::gather_state(const std::string& why, bool here) {
   }
 }
 
+bool Session::collective(const std::string& what, const std::function<void()>& f) {
+  const auto t0 = Clock::now();
+  try {
+    f();
+    return true;
+  } catch (const Error& e) {
+    if (!membership_ || !recoverable(e)) throw;
+    log_warn(what + " failed: " + e.what());
+    reform(std::string("failure during ") + what + ": " + e.what(), t0, seconds_since(t0));
+    return false;
+  }
+}
+
 std::optional<StepResult> Session::apply(StepContext& ctx, const std::vector<torch::Tensor>& buffers_before) {
   const auto apply_start = Clock::now();
   try {

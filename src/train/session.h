@@ -121,6 +121,10 @@ class Session {
   // collective), re-forming and retrying when a member is lost meanwhile.
   void gather_state(const std::string& why, bool here);
 
+  // A collective of the front end's own between steps (an evaluation's
+  // sums): true when it completed; false when a peer failed (elastic): the
+  // group re-formed and the front end does it again with the new one.
+  bool collective(const std::string& what, const std::function<void()>& f);
   // Runs the rule. nullopt: a peer failed (elastic), the step did not
   // commit here, the group re-formed and the front end redoes the step.
   // `buffers_before` (FlatParams::save_buffers, may be empty) is put back

@@ -140,6 +140,9 @@ def main():
     p.add_argument("--clip-max", type=float, default=0.5, help="the norm of --habit clip and plain-clip")
     p.add_argument("--unseeded-frozen", action="store_true",
                    help="the frozen layer drawn from this process's own seed (differs between members)")
+    p.add_argument("--evaluate", type=int, default=0,
+                   help="at each epoch's end, job.evaluate() over a validation set of this many samples; each "
+                        "member writes its result to eval-PID.txt (DIE_WHERE=in_eval dies inside it)")
     p.add_argument("--always", action="store_true",
                    help="after job.step(), whatever it returned: state['tried'] += 1 and the scheduler's step "
                         "(scheduler_every='manual'); both must equal the committed steps at the next batch")
@@ -216,7 +219,7 @@ def main():
             time.sleep(pace)
         # The loader's batch is the one the job dealt to this member.
         assert batch["index"].tolist() == job.batch_ids(), (batch["index"].tolist(), job.batch_ids())
-        if state["committed"] != job.step_count:
+        if not diloco and state["committed"] != job.step_count:
             raise SystemExit("state['committed'] is %d at step %d" % (state["committed"], job.step_count))
         if args.always and (state["tried"] != job.step_count or schedule["scheduler"].last_epoch != job.step_count):
             raise SystemExit("after a step that did not commit: state['tried'] %d, the scheduler at %d, step %d"
@@ -259,7 +262,20 @@ def main():
             schedule["scheduler"].step()
         if ok and isinstance(opt, limbo.Optimizer) and not diloco and job.epoch >= args.epochs:
             limbo_state = job.optimizer_state()  # a collective: every member at the last step
-        if ok:
+        if ok and args.evaluate and job.epoch_ended:
+            vx, vy = make_data(args.evaluate, 5)
+
+            def measure(b):
+                maybe_die("in_eval")
+                out = model(b)
+                return {"count": len(b["label"]), "correct": int((out.argmax(1) == b["label"]).sum()),
+                        "loss": float(F.cross_entropy(out, b["label"], reduction="sum")),
+                        "idsum": int(b["index"].sum())}
+            got = job.evaluate(measure, Rows(vx, vy), batch_size=32, num_workers=args.loader_workers)
+            with open(os.path.join(run_dir, "eval-%d.txt" % os.getpid()), "a") as f:
+                f.write("%d %d %d %.17g %d\n" % (job.step_count, got["count"], got["correct"], got["loss"],
+                                                 got["idsum"]))
+        if ok and not diloco:  # DiLoCo: job.step() is an inner step; outer steps commit in job.batches()
             state["committed"] += 1
             job.log(my_metric=float(loss), lr0=opt.lr if isinstance(opt, limbo.Optimizer) else opt.param_groups[0]["lr"])
             if log and not diloco:

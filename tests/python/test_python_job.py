@@ -426,6 +426,33 @@ def test_import_limbo_works_without_pythonpath():
     assert "build/python/limbo" in r.stdout, r.stdout
 
 
+@pytest.mark.parametrize("die", [False, True])
+def test_evaluation_across_the_members_counts_every_sample_once(run_dir, die):
+    """job.evaluate() at each epoch's end: each member evaluates its share
+    of a validation set of 301 samples, every member gets the same sums,
+    and they hold every sample once (count 301, the ids' sum), also when a
+    member is SIGKILLed inside the evaluation (the group re-forms and
+    evaluates again)."""
+    # 3 members of 16: the first epoch ends at step 22.
+    extra = dict(DIE_AT_STEP=22, DIE_RANK=1, DIE_HOW="kill", DIE_WHERE="in_eval") if die else {}
+    r = launch(run_dir, 3, ["--evaluate", "301", "--model", "plain"], ["--min-workers", "1"], **extra)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if die:
+        assert os.path.exists(os.path.join(run_dir, "died"))
+    lines = collections.defaultdict(set)
+    for path in glob.glob(os.path.join(run_dir, "eval-*.txt")):
+        for line in open(path):
+            f = line.split()
+            lines[int(f[0])].add(tuple(f[1:]))
+    assert len(lines) == 2, lines  # one evaluation an epoch
+    for step, results in lines.items():
+        assert len(results) == 1, "members disagree at step %d: %s" % (step, results)
+        count, correct, loss, idsum = next(iter(results))
+        assert int(count) == 301 and int(idsum) == 301 * 300 // 2, results
+        assert 0 < int(correct) <= 301
+    check_identical(run_dir, 2)
+
+
 def test_signals_act_as_a_python_user_expects(run_dir):
     """After the loop, Ctrl-C interrupts the program at once (the job's
     handlers are gone once training is over); a process forked while the job
@@ -473,6 +500,28 @@ def test_signals_act_as_a_python_user_expects(run_dir):
     assert p.returncode == 128 + signal.SIGTERM, log
     assert "own handler" in open(out).read(), open(out).read()
     assert os.path.exists(os.path.join(d, "checkpoint.pt")), log
+
+
+def test_a_job_the_program_drops_is_freed():
+    """A Job that the program no longer references is freed (no cycle
+    through the C++ core, no reference held for the exit): a second Job in
+    the same process does not live beside the first one's threads."""
+    import gc
+    import weakref
+    import torch.nn as nn
+    data = [(torch.randn(4), 0)] * 8
+    refs = []
+    for _ in range(2):
+        model = nn.Linear(4, 2)
+        job = limbo.Job(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset=data, batch_size=4)
+        for x, y in job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler)):
+            job.backward(model(x).sum())
+            job.step()
+        job.finish()
+        refs.append(weakref.ref(job))
+        del job
+        gc.collect()
+    assert all(r() is None for r in refs)
 
 
 def test_misuse_is_a_clear_exception():
