@@ -303,6 +303,14 @@ TEST(ShardedHosts, TheCopiesFollowElasticMomentumThroughALaterHostLoss) {
       EXPECT_EQ(logs.find("falling back"), std::string::npos) << logs;
       limbo::testing::expect_exactly_once(job.run, 2, 2400);
     }
-    limbo::testing::expect_same_checkpoint(jobs[false]->run, jobs[true]->run);
+    // Three members for the first 15 steps: the sharded path reduces the
+    // gradient in a bucket without the tail (buffers, loss, flag), the
+    // replicated one in a bucket with it, so Gloo's ring cuts them into
+    // other chunks and adds three members' values in another order (two
+    // members' sums are the same bits either way). Measured: every weight
+    // within 9e-8 and the momentum within 5e-7 of the replicated run's
+    // (a few float32 ulps); a copy that missed a momentum rescale at the
+    // later loss would be off by a third of the momentum.
+    limbo::testing::expect_close_checkpoint(jobs[false]->run, jobs[true]->run, 1e-4, 1e-6);
   }
 }
