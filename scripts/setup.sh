@@ -193,8 +193,10 @@ if [ "$MODE" = limbo ]; then
     : >"$py_log"
     SUDO_PY=""
     if [ "$(id -u)" -ne 0 ]; then SUDO_PY="sudo"; fi
-    DEBIAN_FRONTEND=noninteractive $SUDO_PY apt-get install -y --no-install-recommends "${py_missing[@]}" \
-      >>"$py_log" 2>&1 &
+    # Without fresh package lists (none were missing above, so no update
+    # ran) the install may not find them: it updates and tries again.
+    py_install() { DEBIAN_FRONTEND=noninteractive $SUDO_PY apt-get install -y --no-install-recommends "${py_missing[@]}"; }
+    { py_install || { $SUDO_PY apt-get update && py_install; }; } >>"$py_log" 2>&1 &
     py_pid=$!
     printf '[%s] installing PyTorch for Python (%s) while limbo builds\n' "$(elapsed)" "${py_missing[*]}"
   fi
