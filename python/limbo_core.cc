@@ -16,6 +16,7 @@
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
+#include <csignal>
 #include <deque>
 #include <limits>
 #include <map>
@@ -269,10 +270,13 @@ class Core {
                               get<int64_t>(o, "max_nonfinite_steps", 10), {}, {}};
     parts.pack_extra = [this]() {
       py::gil_scoped_acquire gil;
-      py::bytes b = pack_();
-      const std::string s = b;
-      auto t = torch::empty({static_cast<int64_t>(s.size())}, torch::kUInt8);
-      std::memcpy(t.data_ptr<uint8_t>(), s.data(), s.size());
+      // The packed bytes as a buffer (a memoryview of the pickle: no copy),
+      // copied once into the tensor that travels.
+      py::buffer b = pack_();
+      const py::buffer_info info = b.request();
+      const auto n = static_cast<int64_t>(info.size * info.itemsize);
+      auto t = torch::empty({n}, torch::kUInt8);
+      std::memcpy(t.data_ptr<uint8_t>(), info.ptr, static_cast<size_t>(n));
       return t;
     };
     parts.unpack_extra = [this](const torch::Tensor& t) {
@@ -832,6 +836,16 @@ PYBIND11_MODULE(_core, m) {
       if (p) std::rethrow_exception(p);
     } catch (const limbo::InvalidInput& e) {
       invalid(e.what());
+    } catch (const limbo::train::Interrupted& e) {
+      // Asked to stop (Ctrl-C, SIGTERM, Slurm's warning) while waiting for a
+      // group: as Python would end on the signal.
+      const int sig = limbo::elastic::leave_signal();
+      if (sig == SIGINT) {
+        PyErr_SetString(PyExc_KeyboardInterrupt, e.what());
+      } else {
+        py::object code = py::int_(limbo::elastic::exit_code_for(sig));
+        PyErr_SetObject(PyExc_SystemExit, code.ptr());
+      }
     } catch (const limbo::Error& e) {
       error(e.what());
     }

@@ -92,21 +92,20 @@ class _Sampler:
             yield ids
 
     def __len__(self):
+        """Batches in an epoch at the group's size when the run began (the
+        same on every member, joiners and resumed runs included: a schedule
+        written over `epochs * len(loader)` is the same function everywhere).
+        The steps an epoch really takes follow the group's size."""
         job = self._job
         core = job._core
         if core.diloco:  # an outer step's share: inner_steps batches at most
             return job._inner_steps
-        world = core.world
+        world = job._first_world or core.world
         global_batch = job.batch_size * world
         rest = job.dataset_size % global_batch
-        per_epoch = (job.dataset_size // global_batch if job.drop_last
-                     or (job.dataset_size >= global_batch and 0 < rest < world)
-                     else -(-job.dataset_size // global_batch))
-        epoch, position = core.cursor
-        left = per_epoch * (job.epochs - epoch) - (-(-position // global_batch))
-        if job.max_steps:
-            left = min(left, job.max_steps - core.steps)
-        return max(0, left)
+        if job.drop_last or (job.dataset_size >= global_batch and 0 < rest < world):
+            return max(1, job.dataset_size // global_batch)
+        return -(-job.dataset_size // global_batch)
 
 
 class Job:
@@ -300,7 +299,10 @@ class Job:
         self._ended = False
         self._summary = None
         self._finished = False
+        self._first_world = None  # the group's size when the run began: from the state when joining
         self._started = self._core.start()
+        if self._first_world is None:
+            self._first_world = self._core.world
 
 
     # -- what the loop sees ------------------------------------------------
@@ -652,8 +654,9 @@ class Job:
         scheds = [sc.state_dict() for sc in self._schedulers]
         torch.save({"optimizer": None if self._own else self.optimizer.state_dict(),
                     "scheduler": scheds[0] if len(scheds) == 1 else (scheds or None),
-                    "state": self.state, "frozen": {n: p.detach() for n, p in self._frozen}}, buf)
-        return buf.getvalue()
+                    "state": self.state, "frozen": {n: p.detach() for n, p in self._frozen},
+                    "first_world": self._first_world}, buf)
+        return buf.getbuffer()  # a view: the core copies it once
 
     def _load_schedulers(self, saved):
         if saved is None or not self._schedulers:
@@ -663,12 +666,14 @@ class Job:
             sc.load_state_dict(st)
 
     def _unpack(self, data):
-        saved = torch.load(io.BytesIO(bytes(data)))
+        saved = torch.load(io.BytesIO(data))
         if not self._own:
             self.optimizer.load_state_dict(saved["optimizer"])
         self._load_schedulers(saved.get("scheduler"))
         self.state.clear()
         self.state.update(saved["state"])
+        if saved.get("first_world"):
+            self._first_world = saved["first_world"]
         frozen = saved.get("frozen") or {}
         with torch.no_grad():
             for n, p in self._frozen:

@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "common/memory.h"
+#include "elastic/join.h"
 #include "train/membership.h"
 
 namespace {
@@ -235,6 +236,9 @@ int main(int argc, char** argv) {
     return report("peer failure", e.what(), kExitPeerFailure);
   } catch (const Timeout& e) {
     return report("timeout", e.what(), kExitTimeout);
+  } catch (const train::Interrupted& e) {
+    log_info(e.what());
+    return elastic::exit_code_for(elastic::leave_signal());
   } catch (const train::StateLost& e) {
     return report("state lost", e.what(), kExitFailure);
   } catch (const c10::Error& e) {

@@ -51,7 +51,10 @@ int slot_of(int sig) {
   return -1;
 }
 
+volatile sig_atomic_t g_last_signal = 0;
+
 void on_leave_signal(int sig, siginfo_t* info, void* ctx) {
+  g_last_signal = sig;
   g_leave_requested = true;
   const int i = slot_of(sig);
   if (i < 0 || !g_chain[i]) return;
@@ -88,6 +91,7 @@ Joined join_elastic(const JoinOptions& opt, std::shared_ptr<train::OptimizerStep
   go.timeout = std::chrono::milliseconds(static_cast<int64_t>(1000 * opt.collective_timeout));
   MemberOptions mo;
   mo.round_timeout = std::chrono::milliseconds(static_cast<int64_t>(1000 * opt.round_timeout));
+  mo.interrupted = want_leave;
   std::shared_ptr<comm::KvStore> kv;
   if (comm::is_etcd_url(opt.rdzv)) {
     // Every store call of this worker goes to etcd; its credentials come
@@ -157,5 +161,9 @@ std::function<bool()> leave_on_signals(const std::vector<int>& chain) {
 }
 
 void restore_signals() { put_back(); }
+
+int leave_signal() { return g_last_signal; }
+
+int exit_code_for(int sig) { return sig == SIGUSR1 ? kExitPreempted : 128 + sig; }
 
 }  // namespace limbo::elastic

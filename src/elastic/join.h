@@ -60,5 +60,9 @@ std::function<bool()> leave_on_signals(const std::vector<int>& chain = {});
 // Puts back the handlers leave_on_signals() replaced (training is over:
 // Ctrl-C acts as it did before the job).
 void restore_signals();
+// The last of those signals received (0: none), and the exit code a member
+// that stops on it uses: 128 + the signal, 75 for SIGUSR1 (as the launcher's).
+int leave_signal();
+int exit_code_for(int sig);
 
 }  // namespace limbo::elastic

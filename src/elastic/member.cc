@@ -311,6 +311,9 @@ Round Member::wait_round(int64_t after) {
       }
       continue;
     }
+    if (opt_.interrupted && opt_.interrupted() && Clock::now() - start > std::chrono::seconds(1))
+      throw train::Interrupted("worker " + std::to_string(id_) +
+                               ": asked to stop while waiting for a membership round");
     if (!told && Clock::now() - start > std::chrono::seconds(5)) {
       log_info("worker " + std::to_string(id_) + ": waiting for a membership round (too few "
                "workers for the minimum, or the store out of reach?)");

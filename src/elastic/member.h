@@ -50,6 +50,11 @@ struct MemberOptions {
   comm::GroupOptions group;  // store address, secret, timeouts, bind host
   std::chrono::milliseconds heartbeat_interval{100};  // until the coordinator's value is read
   std::chrono::milliseconds round_timeout{120000};
+  // Polled while waiting for a round (may be null): once true and the wait
+  // has lasted a second (a formation under way normally ends sooner, and
+  // the member then leaves after its next step, checkpointed), the wait
+  // throws train::Interrupted.
+  std::function<bool()> interrupted;
   // Opens another store connection (the heartbeat and watch threads');
   // default: comm::connect_kv_store to the group's store, timing out
   // after the heartbeat timeout.

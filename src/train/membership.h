@@ -54,6 +54,14 @@ class CompletedElsewhere : public limbo::Error {
 // Some part of the newest committed state is held by no member (sharded
 // optimizer state whose shard and copy were lost together; thrown by
 // establish()). The trainer falls back to the run directory's checkpoint.
+// The member was asked to leave (a signal) while it waited for a group that
+// did not form within a second: it ends without a step to commit (the
+// front end exits as the signal asks).
+class Interrupted : public limbo::Error {
+ public:
+  using Error::Error;
+};
+
 class StateLost : public limbo::Error {
  public:
   using Error::Error;

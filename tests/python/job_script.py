@@ -187,6 +187,7 @@ def main():
             log.flush()
             logged[0] = job.step_count
     loader = DataLoader(train, batch_sampler=job.sampler, num_workers=args.loader_workers)
+    per_epoch = len(loader)  # as a schedule over epochs * len(loader) would take it: the same on every member
     if args.fetch:
         loader = lambda ids: {"features": x[ids], "label": y[ids], "index": torch.tensor(ids)}  # noqa: E731
     run_dir = job.run_dir or os.environ.get("LIMBO_RUN_DIR", "")
@@ -292,7 +293,7 @@ def main():
     summary = job.finish(test_accuracy=acc)
     if run_dir and job.step_count > 0 and not job.left:
         with open(os.path.join(run_dir, "final-%d.txt" % os.getpid()), "w") as f:
-            f.write(fingerprint(job, model, opt, limbo_state, schedule.get("scheduler")) + "\n")
+            f.write(fingerprint(job, model, opt, limbo_state, schedule.get("scheduler")) + " len=%d\n" % per_epoch)
     if summary is not None and job.is_writer:
         print("done: %d steps, accuracy %.3f" % (summary["steps"], acc), flush=True)
 

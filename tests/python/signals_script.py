@@ -7,6 +7,9 @@ then what the mode asks.
   fork OUT    forks after the job installed its handlers: the child raises
               SIGINT and must get KeyboardInterrupt (a DataLoader worker's
               handlers are those of before the job); writes "child CODE"
+  wait OUT    writes "waiting PID", then limbo.Job(...) waits for a group that
+              cannot form (the launcher's --min-workers is not met): Ctrl-C
+              must end that wait at once, as KeyboardInterrupt ("interrupted")
   own OUT     the user's own SIGTERM handler, installed before the job, must
               still run when SIGTERM arrives ("own handler"); the job also
               leaves at the next step (the launcher's checkpoint and exit code)
@@ -26,6 +29,15 @@ if mode == "own":
 model = torch.nn.Linear(4, 2)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 data = [(torch.randn(4), 0)] * 64
+if mode == "wait":
+    with open(out, "w") as f:
+        f.write("waiting %d\n" % os.getpid())
+    try:
+        limbo.Job(model, opt, dataset=data, batch_size=4)
+        open(out, "a").write("formed\n")
+    except KeyboardInterrupt:
+        open(out, "a").write("interrupted\n")
+    sys.exit(0)
 job = limbo.Job(model, opt, dataset=data, batch_size=4, epochs=10000 if mode == "own" else 1)
 if mode == "fork":
     pid = os.fork()

@@ -459,7 +459,8 @@ def test_signals_act_as_a_python_user_expects(run_dir):
     trains (a DataLoader worker) gets the handlers of before the job, so
     Ctrl-C raises KeyboardInterrupt there as under plain PyTorch; the user's
     own SIGTERM handler still runs, and the job still leaves after a
-    checkpoint with the launcher's exit code."""
+    checkpoint with the launcher's exit code; a member waiting for a group
+    that cannot form ends on Ctrl-C at once (KeyboardInterrupt)."""
     script = os.path.join(HERE, "signals_script.py")
 
     def start(mode, out, d):
@@ -490,6 +491,22 @@ def test_signals_act_as_a_python_user_expects(run_dir):
     p = start("fork", out, os.path.join(run_dir, "fork"))
     p.communicate(timeout=120)
     assert wait_for(out, "child", 1).strip() == "child 0", open(out).read()
+
+    # Waiting for a group that cannot form (two workers wanted, one there):
+    # Ctrl-C ends the wait within about a second, not the round timeout.
+    out = os.path.join(run_dir, "wait.txt")
+    p = subprocess.Popen([LIMBO, "launch", "--nproc", "1", "--min-workers", "2", "--run-dir",
+                          os.path.join(run_dir, "wait"), "--", PY, script, "wait", out], env=env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    got = wait_for(out, "waiting", 120)
+    assert "waiting" in got, got
+    time.sleep(2.0)
+    t0 = time.time()
+    os.kill(int(got.split()[1]), signal.SIGINT)
+    got = wait_for(out, "interrupted", 20)
+    assert "interrupted" in got and time.time() - t0 < 5, got
+    p.kill()
+    p.communicate(timeout=60)
 
     out = os.path.join(run_dir, "own.txt")
     d = os.path.join(run_dir, "own")
