@@ -2,7 +2,7 @@
 // cross-key checks of the trainer options.
 #include <gtest/gtest.h>
 
-#include "cli/schema.h"
+#include "train/schema.h"
 #include "common/config.h"
 #include "common/error.h"
 #include "test_util.h"
@@ -25,7 +25,7 @@ void expect_has(const std::string& msg, const std::vector<std::string>& needles)
 }
 
 TEST(Config, DefaultsAreTheDefaultJob) {
-  Config c(cli::train_schema());
+  Config c(train::train_schema());
   EXPECT_EQ(c.get_string("model.name"), "lenet");
   EXPECT_EQ(c.get_string("data.dataset"), "fashion-mnist");
   EXPECT_EQ(c.get_int("data.batch_size"), 64);
@@ -34,7 +34,7 @@ TEST(Config, DefaultsAreTheDefaultJob) {
 }
 
 TEST(Config, UnknownKeyNamesItAndSuggests) {
-  Config c(cli::train_schema());
+  Config c(train::train_schema());
   auto msg = error_of([&] { c.apply_override("optim.lrr=0.1"); });
   expect_has(msg, {"optim.lrr", "did you mean 'optim.lr'", "optim.momentum"});
   msg = error_of([&] { c.load_toml_string("[trian]\nepochs = 3\n", "job.toml"); });
@@ -42,7 +42,7 @@ TEST(Config, UnknownKeyNamesItAndSuggests) {
 }
 
 TEST(Config, OutOfRangeAndWrongTypesNameKeyValueAndAllowed) {
-  Config c(cli::train_schema());
+  Config c(train::train_schema());
   expect_has(error_of([&] { c.apply_override("optim.momentum=1.5"); }),
              {"optim.momentum", "1.5", "out of range", "[0, 1)"});
   expect_has(error_of([&] { c.apply_override("data.batch_size=0"); }),
@@ -69,7 +69,7 @@ TEST(Config, TomlFileOverridesAndRoundTrip) {
                               "[model]\nname = \"mlp\"\n[optim]\nlr = 1\nmilestones = [3, 6]\n"
                               "[train]\nepochs = 5\n",
                               false);
-  Config c(cli::train_schema());
+  Config c(train::train_schema());
   c.load_toml_file(path);
   c.apply_override("train.epochs=7");
   c.apply_override("optim.nesterov=true");
@@ -78,7 +78,7 @@ TEST(Config, TomlFileOverridesAndRoundTrip) {
   EXPECT_EQ(c.get_string("optim.milestones"), "3,6");
   EXPECT_EQ(c.get_int("train.epochs"), 7);
   EXPECT_TRUE(c.get_bool("optim.nesterov"));
-  Config again(cli::train_schema());
+  Config again(train::train_schema());
   again.load_toml_string(c.to_toml(), "resolved");
   EXPECT_EQ(again.to_toml(), c.to_toml());
   EXPECT_THROW(c.load_toml_file(d.file("missing.toml")), InvalidInput);
@@ -88,7 +88,7 @@ TEST(Config, TomlFileOverridesAndRoundTrip) {
 // command line) was refused, though the docs say lists may be written as
 // TOML arrays; only files took them.
 TEST(Config, SetTakesTomlArraysAndQuotedStringsAsAFileDoes) {
-  Config c(cli::train_schema());
+  Config c(train::train_schema());
   c.apply_override("data.augment=[\"random_crop:2\", \"hflip\"]");
   EXPECT_EQ(c.get_string("data.augment"), "random_crop:2,hflip");
   c.apply_override("optim.milestones=[3, 6]");
@@ -137,24 +137,24 @@ TEST(Config, InterleavedSectionsStillWriteOneTableEach) {
 }
 
 TEST(Config, CrossKeyChecks) {
-  Config c(cli::train_schema());
+  Config c(train::train_schema());
   c.apply_override("optim.momentum=0");
   c.apply_override("optim.nesterov=true");
-  expect_has(error_of([&] { cli::trainer_config(c); }), {"optim.nesterov", "optim.momentum"});
-  Config m(cli::train_schema());
+  expect_has(error_of([&] { train::trainer_config(c); }), {"optim.nesterov", "optim.momentum"});
+  Config m(train::train_schema());
   m.apply_override("optim.schedule=multistep");
-  expect_has(error_of([&] { cli::trainer_config(m); }), {"optim.milestones"});
+  expect_has(error_of([&] { train::trainer_config(m); }), {"optim.milestones"});
   m.apply_override("optim.milestones=5,2");
-  expect_has(error_of([&] { cli::trainer_config(m); }), {"ascending"});
+  expect_has(error_of([&] { train::trainer_config(m); }), {"ascending"});
 }
 
 TEST(Config, OptimizerClippingAndAccumulationReachTheTrainer) {
-  Config c(cli::train_schema());
+  Config c(train::train_schema());
   for (const char* o : {"optim.algorithm=adamw", "optim.beta1=0.8", "optim.beta2=0.95", "optim.eps=1e-6",
                         "optim.weight_decay=0.1", "optim.clip_grad_norm=1.5", "train.accumulate=4",
                         "data.batch_size=16"})
     c.apply_override(o);
-  auto t = cli::trainer_config(c);
+  auto t = train::trainer_config(c);
   EXPECT_EQ(t.optimizer.algorithm, "adamw");
   EXPECT_DOUBLE_EQ(t.optimizer.beta1, 0.8);
   EXPECT_DOUBLE_EQ(t.optimizer.beta2, 0.95);
@@ -164,22 +164,22 @@ TEST(Config, OptimizerClippingAndAccumulationReachTheTrainer) {
   EXPECT_EQ(t.train.accumulate, 4);
   EXPECT_EQ(t.loader.batch_size, 64) << "the loader hands out a step's batch: accumulate x data.batch_size";
   // ISGD's extra updates are SGD steps: it runs on SGD.
-  Config i(cli::train_schema());
+  Config i(train::train_schema());
   i.apply_override("optim.algorithm=isgd");
-  EXPECT_EQ(cli::trainer_config(i).optimizer.algorithm, "sgd");
+  EXPECT_EQ(train::trainer_config(i).optimizer.algorithm, "sgd");
   // Nesterov is an SGD setting; Adam has none. Betas outside [0, 1) are refused.
-  Config n(cli::train_schema());
+  Config n(train::train_schema());
   n.apply_override("optim.algorithm=adam");
   n.apply_override("optim.nesterov=true");
-  expect_has(error_of([&] { cli::trainer_config(n); }), {"optim.nesterov", "adam"});
-  Config b(cli::train_schema());
+  expect_has(error_of([&] { train::trainer_config(n); }), {"optim.nesterov", "adam"});
+  Config b(train::train_schema());
   EXPECT_THROW(b.apply_override("optim.beta2=1.0"), InvalidInput);
   EXPECT_THROW(b.apply_override("train.accumulate=0"), InvalidInput);
 }
 
 TEST(Config, SchemaMarkdownListsEveryKey) {
-  auto md = cli::train_schema()->to_markdown();
-  for (const auto& k : cli::train_schema()->keys())
+  auto md = train::train_schema()->to_markdown();
+  for (const auto& k : train::train_schema()->keys())
     EXPECT_NE(md.find("`" + k.key + "`"), std::string::npos) << k.key;
 }
 
@@ -189,7 +189,7 @@ namespace {
 
 TEST(Config, DocsMatchTheSchema) {
   std::string doc = limbo::testing::slurp(std::string(LIMBO_SOURCE_DIR) + "/docs/config.md");
-  EXPECT_NE(doc.find(cli::train_schema()->to_markdown()), std::string::npos)
+  EXPECT_NE(doc.find(train::train_schema()->to_markdown()), std::string::npos)
       << "docs/config.md is stale: regenerate the table with `limbo config --schema`";
 }
 

@@ -583,6 +583,36 @@ TEST(Elastic, StoppedWorkerIsDetectedByItsHeartbeatsNotTheCollectiveTimeout) {
   expect_identical_finals(job.run, 2);
 }
 
+// Found: the launcher that holds the store and the coordinator paused for
+// 0.6 s (SIGSTOP, then SIGCONT: what steal time, a live migration or an
+// attached debugger does) made every worker declare itself cut off and
+// abort its collectives: 6 membership rounds and 15 failed formations in
+// that second. Members whose peers all answer have lost nothing: pauses of
+// the coordinator's host cost no re-formation at all.
+TEST(Elastic, PausesOfTheCoordinatorsHostCostNoReformation) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  Job job;
+  // Paced (10 ms a step, 125 steps an epoch): training lasts past the pauses.
+  job.start(3, 1, 4, {}, {"--set", "train.slow_step_ms=10"});
+  ASSERT_TRUE(job.training()) << slurp(job.log);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_EQ(::kill(job.launcher, SIGSTOP), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    ASSERT_EQ(::kill(job.launcher, SIGCONT), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+  }
+  ASSERT_FALSE(std::filesystem::exists(job.run + "/summary.json")) << "training ended before the pauses did";
+  auto r = job.finish();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.find("out of its round"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("(lost "), std::string::npos) << r.output;
+  auto s = job.summary();
+  EXPECT_EQ(s["membership_changes"].get<int64_t>(), 0) << s.dump();
+  EXPECT_EQ(s["workers"].get<int64_t>(), 3);
+  expect_exactly_once(job.run, 4, 3000);
+  expect_identical_finals(job.run, 3);
+}
+
 // Slow is not dead: steps of 5 s (heartbeats go on from their own thread)
 // evict no one.
 TEST(Elastic, AWorkerWhoseStepsTakeFiveSecondsIsNotEvicted) {

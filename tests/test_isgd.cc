@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "optim/sgd.h"
-#include "cli/schema.h"
+#include "train/schema.h"
 #include "common/error.h"
 #include "optim/isgd.h"
 #include "test_util.h"
@@ -265,15 +265,15 @@ TEST(Isgd, ResumeRestoresTheControlWindowExactly) {
 }
 
 TEST(Isgd, ConfigSelectsFixedCycleByDefault) {
-  Config c(cli::train_schema());
+  Config c(train::train_schema());
   c.apply_override("optim.algorithm=isgd");
-  EXPECT_EQ(cli::trainer_config(c).loader.order, data::Order::FixedCycle);
+  EXPECT_EQ(train::trainer_config(c).loader.order, data::Order::FixedCycle);
   c.apply_override("data.order=shuffle");
-  EXPECT_EQ(cli::trainer_config(c).loader.order, data::Order::Shuffle);
-  Config s(cli::train_schema());
-  EXPECT_EQ(cli::trainer_config(s).loader.order, data::Order::Shuffle);
+  EXPECT_EQ(train::trainer_config(c).loader.order, data::Order::Shuffle);
+  Config s(train::train_schema());
+  EXPECT_EQ(train::trainer_config(s).loader.order, data::Order::Shuffle);
   c.apply_override("isgd.k=inf");
-  EXPECT_TRUE(std::isinf(cli::trainer_config(c).isgd.k));
+  EXPECT_TRUE(std::isinf(train::trainer_config(c).isgd.k));
   EXPECT_THROW(c.apply_override("isgd.stop=0"), InvalidInput);
 }
 

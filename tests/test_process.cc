@@ -79,6 +79,26 @@ TEST(Supervisor, RecordsTheLaunchersSignalsOnce) {
   EXPECT_EQ(sup.first_signal(), SIGTERM);
 }
 
+// Found: the latch kept one signal, so Slurm's warning (SIGUSR1) followed
+// by SIGTERM within one look of the launcher (20 ms) was taken as SIGTERM
+// alone: exit 143, not 75 (requeue). Both are taken, in the order they came.
+TEST(Supervisor, TwoSignalsBetweenTwoLooksAreBothTakenInOrder) {
+  Supervisor sup;
+  while (sup.take_signal() != 0) {
+  }
+  ::raise(SIGUSR1);
+  ::raise(SIGTERM);
+  ::raise(SIGUSR1);  // again before it was taken: once
+  EXPECT_EQ(sup.take_signal(), SIGUSR1);
+  EXPECT_EQ(sup.take_signal(), SIGTERM);
+  EXPECT_EQ(sup.take_signal(), 0);
+  ::raise(SIGTERM);
+  ::raise(SIGINT);
+  EXPECT_EQ(sup.take_signal(), SIGTERM);
+  EXPECT_EQ(sup.take_signal(), SIGINT);
+  EXPECT_EQ(sup.take_signal(), 0);
+}
+
 TEST(Supervisor, LeavesNoChildBehind) {
   pid_t pid = 0;
   {

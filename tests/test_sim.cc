@@ -8,7 +8,7 @@
 #include <set>
 #include <sstream>
 
-#include "cli/schema.h"
+#include "train/schema.h"
 #include "elastic/launcher.h"
 #include "sim/async_sim.h"
 #include "sim/elastic_sim.h"
@@ -27,7 +27,7 @@ train::TrainerConfig mlp_config(std::vector<std::string> extra = {}) {
                                 "train.progress=false", "train.eval_every_epochs=0",
                                 "train.checkpoint_every_epochs=0"};
   o.insert(o.end(), extra.begin(), extra.end());
-  auto tc = cli::trainer_config(cli::resolve_config("", o));
+  auto tc = train::trainer_config(train::resolve_config("", o));
   return tc;
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -272,6 +273,262 @@ TEST(Store, ABrokenConnectionFailsEveryCallOnItAndTheNextConnectsAgain) {
   b.set("x", "1");
   EXPECT_EQ(*a.try_get("x"), "1");
   EXPECT_EQ(a.connects(), 2);
+}
+
+
+// A TCP relay between a client and the store that can stop carrying bytes
+// (a store host frozen, a link that stalls) and start again, without
+// breaking the connection: what a pause looks like from the client.
+class PausableRelay {
+ public:
+  explicit PausableRelay(int upstream_port) : upstream_(upstream_port) {
+    listen_fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    int one = 1;
+    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 || ::listen(listen_fd_, 16) != 0)
+      throw std::runtime_error("relay: cannot listen");
+    socklen_t len = sizeof a;
+    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&a), &len);
+    port_ = ntohs(a.sin_port);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~PausableRelay() {
+    stop_ = true;
+    thread_.join();
+    for (auto& [c, s] : pairs_) {
+      ::close(c);
+      ::close(s);
+    }
+    ::close(listen_fd_);
+  }
+  int port() const { return port_; }
+  std::atomic<bool> paused{false};
+  // Connections accepted (each a client's connect).
+  std::atomic<int> accepted{0};
+
+ private:
+  void run() {
+    std::vector<char> buf(1 << 16);
+    while (!stop_) {
+      std::vector<pollfd> fds{{listen_fd_, POLLIN, 0}};
+      if (!paused)
+        for (auto& [c, s] : pairs_) {
+          fds.push_back({c, POLLIN, 0});
+          fds.push_back({s, POLLIN, 0});
+        }
+      if (::poll(fds.data(), fds.size(), 5) <= 0) continue;
+      if (fds[0].revents & POLLIN) {
+        const int c = ::accept(listen_fd_, nullptr, nullptr);
+        if (c >= 0) {
+          pairs_.emplace_back(c, limbo::testing::connect_loopback(upstream_));
+          accepted++;
+        }
+      }
+      std::vector<bool> dead(pairs_.size(), false);
+      for (size_t i = 1; i < fds.size(); ++i) {
+        if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+        const auto [c, s] = pairs_[(i - 1) / 2];
+        const int from = fds[i].fd, to = from == c ? s : c;
+        const ssize_t n = ::recv(from, buf.data(), buf.size(), MSG_DONTWAIT);
+        if (n > 0) {
+          for (ssize_t o = 0; o < n;) {
+            const ssize_t w = ::send(to, buf.data() + o, static_cast<size_t>(n - o), MSG_NOSIGNAL);
+            if (w <= 0) break;
+            o += w;
+          }
+        } else if (n == 0 || (errno != EAGAIN && errno != EINTR)) {
+          dead[(i - 1) / 2] = true;  // one side closed: close both
+        }
+      }
+      for (size_t i = dead.size(); i-- > 0;)
+        if (dead[i]) {
+          ::close(pairs_[i].first);
+          ::close(pairs_[i].second);
+          pairs_.erase(pairs_.begin() + static_cast<std::ptrdiff_t>(i));
+        }
+    }
+  }
+  int upstream_, port_ = 0, listen_fd_ = -1;
+  std::atomic<bool> stop_{false};
+  std::vector<std::pair<int, int>> pairs_;
+  std::thread thread_;
+};
+
+// Found: one caller's short timeout failed every call on the shared
+// connection (the store answered late once: the connection was dropped and
+// a formation's parked get failed 29.9 s early). A timeout costs only its
+// own caller; late answers are dropped by id.
+TEST(Store, ACallThatTimesOutFailsOnlyItself) {
+  StoreServer server("127.0.0.1", 0);
+  PausableRelay relay(server.port());
+  StoreClient parked("127.0.0.1", relay.port(), 5s);
+  StoreClient hurried(parked, 50ms);
+  StoreClient other("127.0.0.1", server.port(), 5s);
+  std::string got, error;
+  std::thread waiter([&] {
+    try {
+      got = parked.get("late", 30s);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(100ms);  // parked on the server
+  relay.paused = true;
+  EXPECT_THROW(hurried.set("k", "v"), Timeout);
+  std::this_thread::sleep_for(150ms);
+  relay.paused = false;
+  std::this_thread::sleep_for(100ms);
+  other.set("late", "v");
+  waiter.join();
+  EXPECT_EQ(error, "");
+  EXPECT_EQ(got, "v");
+  // The late answer to the set that timed out was dropped; the connection
+  // goes on, in step.
+  EXPECT_EQ(*hurried.try_get("k"), "v");
+  hurried.set("k", "w");
+  EXPECT_EQ(parked.get("k", 1s), "w");
+  EXPECT_EQ(parked.connects(), 1);
+}
+
+// Found: a request sent in part at its deadline was followed by the
+// withdrawal of that wait on the same stream, which the server read as the
+// rest of the request (with an 8 MiB key the connection swallowed the next
+// calls). A partial send ends the connection; the next call connects again.
+TEST(Store, ARequestSentInPartNeverLeavesTheStreamMisaligned) {
+  StoreServer server("127.0.0.1", 0);
+  PausableRelay relay(server.port());
+  StoreClient c("127.0.0.1", relay.port(), 5s);
+  relay.paused = true;
+  const std::string big(8 << 20, 'k');
+  EXPECT_THROW(c.get(big, 200ms), Timeout);
+  relay.paused = false;
+  c.set("after", "1");
+  EXPECT_EQ(c.get("after", 2s), "1");
+  EXPECT_EQ(*c.try_get("after"), "1");
+  EXPECT_EQ(c.connects(), 2);
+}
+
+// Found: a call held the connection's lock through a reconnect, a handshake
+// or a blocked send until its own deadline, while the others waited with no
+// deadline. Each call blocks for at most its own timeout.
+TEST(Store, NoCallWaitsPastItsTimeoutBehindAnotherOnTheSameConnection) {
+  StoreServer server("127.0.0.1", 0);
+  PausableRelay relay(server.port());
+  StoreClient slow("127.0.0.1", relay.port(), 3s);
+  StoreClient quick(slow, 100ms);
+  // A send that blocks: 8 MiB to a store that does not read.
+  relay.paused = true;
+  std::thread sender([&] { EXPECT_THROW(slow.set("big", std::string(8 << 20, 'v')), Timeout); });
+  std::this_thread::sleep_for(100ms);
+  double took = seconds_of([&] { EXPECT_THROW(quick.set("k", "v"), Timeout); });
+  EXPECT_LT(took, 1.0) << "waited behind a blocked send";
+  sender.join();
+  relay.paused = false;
+  // A reconnect whose handshake waits: the relay accepts but carries nothing.
+  relay.paused = true;
+  std::thread connector([&] { EXPECT_THROW(slow.set("x", "1"), std::exception); });
+  std::this_thread::sleep_for(200ms);
+  took = seconds_of([&] { EXPECT_THROW(quick.set("k", "v"), std::exception); });
+  EXPECT_LT(took, 1.0) << "waited behind a reconnect";
+  connector.join();
+  relay.paused = false;
+  slow.set("y", "2");
+  EXPECT_EQ(*quick.try_get("y"), "2");
+}
+
+// A request over the frame limit (64 MiB) is refused in the caller, before
+// it is sent: the server would close the shared connection.
+TEST(Store, ARequestOverTheFrameLimitIsRefusedAndTheConnectionGoesOn) {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient c("127.0.0.1", server.port(), 5s);
+  StoreClient d(c, 5s);
+  std::string got;
+  std::thread waiter([&] { got = c.get("late", 10s); });
+  std::this_thread::sleep_for(100ms);
+  try {
+    d.set("huge", std::string((64 << 20) + 1, 'v'));
+    ADD_FAILURE() << "a 64 MiB value was sent";
+  } catch (const InvalidInput& e) {
+    EXPECT_NE(std::string(e.what()).find("64 MiB"), std::string::npos) << e.what();
+  }
+  d.set("late", "v");
+  waiter.join();
+  EXPECT_EQ(got, "v");
+  EXPECT_EQ(c.connects(), 1);
+}
+
+// Waits parked on a connection are capped by the bytes of their keys (64
+// MiB), not only by their count (4,096 of up to 64 MiB each were allowed):
+// one more is refused, the parked ones go on.
+TEST(Store, ParkedWaitsAreCappedByTheBytesOfTheirKeys) {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient c("127.0.0.1", server.port(), 20s);
+  const std::string big(6 << 20, 'k');  // 6 MiB keys: ten make 60 MiB
+  std::atomic<int> answered{0};
+  std::vector<std::thread> waiters;
+  for (int i = 0; i < 10; ++i)
+    waiters.emplace_back([&, i] {
+      StoreClient mine(c, 30s);
+      mine.wait({big + std::to_string(i)}, 30s);
+      answered++;
+    });
+  std::this_thread::sleep_for(1500ms);  // all ten parked
+  try {
+    StoreClient(c, 5s).wait({big + "x", big + "y"}, 5s);
+    ADD_FAILURE() << "a wait over the connection's 64 MiB of parked keys was parked";
+  } catch (const InvalidInput& e) {
+    EXPECT_NE(std::string(e.what()).find("MiB of keys"), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "a wait over the connection's 64 MiB of parked keys: " << e.what();
+  }
+  for (int i = 0; i < 10; ++i) c.set(big + std::to_string(i), "1");
+  for (auto& t : waiters) t.join();
+  EXPECT_EQ(answered.load(), 10);
+  EXPECT_EQ(c.connects(), 1);
+}
+
+// A wait answers when all its keys exist at once: one written and erased
+// again before the last is written keeps it waiting.
+TEST(Store, AWaitAnswersOnlyWhenAllItsKeysExistAtOnce) {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient c("127.0.0.1", server.port(), 5s);
+  std::atomic<bool> done{false};
+  std::thread waiter([&] {
+    StoreClient(c, 10s).wait({"a", "b", "c"}, 10s);
+    done = true;
+  });
+  std::this_thread::sleep_for(100ms);
+  c.set("a", "1");
+  c.set("b", "1");
+  EXPECT_TRUE(c.erase("a"));
+  c.set("c", "1");
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(done.load());
+  c.set("a", "2");
+  waiter.join();
+  EXPECT_TRUE(done.load());
+}
+
+// Found: a compare-and-set that did not match wrote nothing, yet bumped the
+// store's revision and was reported to readers of changes as a write.
+TEST(Store, ACompareAndSetThatDoesNotMatchWritesNothing) {
+  StoreServer server("127.0.0.1", 0);
+  StoreClient c("127.0.0.1", server.port(), 5s);
+  c.set("k", "a");
+  const int64_t rev = c.changes_since({"k"}, 0).revision;
+  EXPECT_EQ(c.compare_set("k", "not-a", "b"), "a");
+  EXPECT_EQ(c.compare_set("missing", "x", "y"), "x");
+  const auto ch = c.changes_since({"k", "missing"}, rev);
+  EXPECT_EQ(ch.revision, rev);
+  EXPECT_TRUE(ch.written.empty());
+  EXPECT_EQ(c.compare_set("k", "a", "b"), "b");
+  const auto after = c.changes_since({"k"}, rev);
+  EXPECT_GT(after.revision, rev);
+  ASSERT_EQ(after.written.size(), 1u);
+  EXPECT_EQ(after.written[0].second, "b");
 }
 
 }  // namespace

@@ -11,7 +11,7 @@
 #include "common/files.h"
 
 #include "cli/commands.h"
-#include "cli/schema.h"
+#include "train/schema.h"
 #include "common/error.h"
 #include "models/export.h"
 #include "train/checkpoint.h"
@@ -23,11 +23,11 @@ namespace {
 
 std::unique_ptr<train::Trainer> load(const CheckpointArgs& a) {
   if (a.checkpoint.empty()) throw InvalidInput("--checkpoint PATH is required");
-  Config cfg(train_schema());
+  Config cfg(train::train_schema());
   cfg.load_toml_string(train::read_checkpoint_config(a.checkpoint),
                        a.checkpoint + " (stored config)");
   for (const auto& o : a.overrides) cfg.apply_override(o);
-  auto tc = trainer_config(cfg);
+  auto tc = train::trainer_config(cfg);
   tc.run_dir.clear();
   auto trainer = std::make_unique<train::Trainer>(tc);
   train::load_checkpoint(a.checkpoint, trainer->model(), &trainer->optimizer());
@@ -59,10 +59,10 @@ int run_export(const CheckpointArgs& a) {
     train::write_safetensors(a.out, train::state_dict(trainer->model()),
                              {{"format", "pt"}, {"producer", "limbo"}, {"limbo_config", cfg_text}});
   } else if (format == "torchscript") {
-    Config cfg(train_schema());
+    Config cfg(train::train_schema());
     cfg.load_toml_string(cfg_text, a.checkpoint + " (stored config)");
     for (const auto& o : a.overrides) cfg.apply_override(o);
-    auto tc = trainer_config(cfg);
+    auto tc = train::trainer_config(cfg);
     const auto& norm = trainer->normalization();
     const bool user = tc.model.name == "torchscript";
     nlohmann::json info = {

@@ -10,7 +10,7 @@
 
 #include "cli/commands.h"
 #include "status/server.h"
-#include "cli/schema.h"
+#include "train/schema.h"
 #include "comm/compression.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -99,9 +99,9 @@ static int64_t part_floats(const Config& cfg) {
 }
 
 int run_ps_server(const PsServerArgs& a) {
-  Config cfg = resolve_config(a.config_file, a.overrides);
+  Config cfg = train::resolve_config(a.config_file, a.overrides);
   check_async_config(cfg);
-  auto tc = trainer_config(cfg);
+  auto tc = train::trainer_config(cfg);
   tc.run_dir.clear();
   tc.train.progress = false;
   train::Trainer trainer(tc);  // same seeded initialisation and dataset as the learners
@@ -139,9 +139,9 @@ int run_ps_server(const PsServerArgs& a) {
 }
 
 int run_worker_cmd(const WorkerArgs& a) {
-  Config cfg = resolve_config(a.config_file, a.overrides);
+  Config cfg = train::resolve_config(a.config_file, a.overrides);
   check_async_config(cfg);
-  auto tc = trainer_config(cfg);
+  auto tc = train::trainer_config(cfg);
   tc.run_dir.clear();
   train::Trainer trainer(tc);
   ps::WorkerOptions wo;
@@ -175,16 +175,16 @@ int run_keygen(const std::string& out) {
 }
 
 int run_sim(const SimArgs& a) {
-  Config cfg = resolve_config(a.config_file, a.overrides);
+  Config cfg = train::resolve_config(a.config_file, a.overrides);
   const bool elastic = cfg.get_string("sim.mode") == "elastic";
   if (elastic && cfg.get_string("optim.algorithm") == "isgd")
     throw InvalidInput("the elastic simulation supports optim.algorithm = \"sgd\", \"adam\" or \"adamw\", not \"isgd\"");
   if (!elastic) check_async_config(cfg);
-  auto tc = trainer_config(cfg);
+  auto tc = train::trainer_config(cfg);
   tc.run_dir.clear();
   tc.train.progress = false;
   train::Trainer trainer(tc);
-  const std::string run_dir = a.run_dir.empty() ? timestamped_run_dir("sim") : a.run_dir;
+  const std::string run_dir = a.run_dir.empty() ? train::timestamped_run_dir("sim") : a.run_dir;
   if (elastic) {
     sim::ElasticSimOptions eo;
     eo.schedule = elastic::parse_schedule(cfg.get_string("sim.elastic_schedule"));
@@ -240,7 +240,7 @@ int run_launch_async(const LaunchArgs& a) {
   o.run_dir = a.run_dir;
   o.resume = a.resume;
   if (a.resume && a.run_dir.empty()) throw InvalidInput("launch --mode async --resume needs the job's --run-dir");
-  if (o.run_dir.empty()) o.run_dir = timestamped_run_dir("async");
+  if (o.run_dir.empty()) o.run_dir = train::timestamped_run_dir("async");
   o.status = a.status;
   if (a.protocol != "hardsync" && a.protocol != "softsync")
     throw InvalidInput("--protocol must be hardsync or softsync, got '" + a.protocol + "'");
@@ -255,9 +255,9 @@ int run_launch_async(const LaunchArgs& a) {
   }
   overrides.push_back("ps.protocol=" + a.protocol);
   if (a.softsync_n > 0) overrides.push_back("ps.softsync_n=" + std::to_string(a.softsync_n));
-  Config cfg = resolve_config(config_file, overrides);
+  Config cfg = train::resolve_config(config_file, overrides);
   check_async_config(cfg);
-  trainer_config(cfg);
+  train::trainer_config(cfg);
   if (!a.keys_file.empty()) ps::load_curve_keys(a.keys_file);
   char exe[4096];
   ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);

@@ -6,7 +6,7 @@
 
 #include "cli/commands.h"
 #include "status/server.h"
-#include "cli/schema.h"
+#include "train/schema.h"
 #include "comm/etcd.h"
 #include "comm/hier_group.h"
 #include "common/files.h"
@@ -31,10 +31,10 @@
 namespace limbo::cli {
 namespace {
 
-Config resolve(const TrainArgs& a) { return resolve_config(a.config_file, a.overrides); }
+Config resolve(const TrainArgs& a) { return train::resolve_config(a.config_file, a.overrides); }
 
 std::string default_run_dir(const Config& cfg) {
-  return timestamped_run_dir(cfg.get_string("model.name") + "-" + cfg.get_string("data.dataset"));
+  return train::timestamped_run_dir(cfg.get_string("model.name") + "-" + cfg.get_string("data.dataset"));
 }
 
 using elastic::split_host_port;
@@ -49,7 +49,7 @@ std::string job_token(const std::string& token_file) {
 
 int run_train(const TrainArgs& a) {
   Config cfg = resolve(a);
-  auto tc = trainer_config(cfg);
+  auto tc = train::trainer_config(cfg);
   tc.run_dir = a.run_dir.empty() ? default_run_dir(cfg) : a.run_dir;
   tc.train.resume = a.resume;
   const bool distributed = !a.dist_rdzv.empty() && !a.elastic;
@@ -258,7 +258,7 @@ int run_launch(const LaunchArgs& a) {
                        " differ; give one");
   if (given.empty())
     lo.train_args.insert(lo.train_args.end(),
-                         {"--run-dir", a.run_dir.empty() ? timestamped_run_dir("launch") : a.run_dir});
+                         {"--run-dir", a.run_dir.empty() ? train::timestamped_run_dir("launch") : a.run_dir});
   if (!a.elastic_schedule.empty()) lo.schedule = elastic::parse_schedule(a.elastic_schedule);
   if (a.min_workers > 0) lo.min_workers = a.min_workers;
   if (a.max_workers > 0) lo.max_workers = a.max_workers;
@@ -299,11 +299,11 @@ int run_launch(const LaunchArgs& a) {
 
 int run_config(const TrainArgs& a, bool schema_markdown) {
   if (schema_markdown) {
-    std::fputs(train_schema()->to_markdown().c_str(), stdout);
+    std::fputs(train::train_schema()->to_markdown().c_str(), stdout);
     return 0;
   }
   Config cfg = resolve(a);
-  trainer_config(cfg);  // cross-key validation
+  train::trainer_config(cfg);  // cross-key validation
   std::fputs(cfg.to_toml().c_str(), stdout);
   return 0;
 }

@@ -1,6 +1,7 @@
 #include "comm/compression.h"
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <cstring>
 #if defined(__x86_64__)
@@ -90,9 +91,14 @@ void quantize(const float* x, const float* residual, float* new_residual, uint8_
       finite = finite && std::isfinite(v);
       m = std::max(m, std::fabs(v));
     }
-    const float scale = finite ? m / qmax : std::nanf("");
+    // A block whose largest value is so small that its step would not be a
+    // normal float (qmax / m overflows: 0 x inf = NaN) is sent as zeros and
+    // kept whole in the residual. (Error feedback shrinks an unmoving block
+    // by 254x a step with int8: from 1e-3 it gets there in some 14 steps.)
+    const bool tiny = m < qmax * std::numeric_limits<float>::min();
+    const float scale = !finite ? std::nanf("") : tiny ? 0.0f : m / qmax;
     std::memcpy(reinterpret_cast<uint8_t*>(scales) + 4 * b, &scale, 4);
-    const float inv = finite && m > 0 ? qmax / m : 0.0f;
+    const float inv = finite && !tiny ? qmax / m : 0.0f;
     for (int64_t i = lo; i < hi; ++i) {
       const float v = new_residual[i];
       const float q = finite ? std::clamp(std::nearbyint(v * inv), -qmax, qmax) : 0.0f;

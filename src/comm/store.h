@@ -77,13 +77,15 @@ class StoreServer {
 // A client of a StoreServer over one connection that many threads share:
 // each request carries an id and its answer comes back with it, so a call
 // never waits behind another thread's (a parked get or wait included).
-// Each call blocks for at most its timeout: Timeout when the server does not
+// Each call blocks for at most its timeout, whatever other threads do on
+// the connection (a send, a reconnect): Timeout when the server does not
 // answer in time, PeerFailure when it cannot be reached or the connection
 // breaks (every call then in flight on it fails alike, and the next call
-// connects again). A wait the caller gives up on (its timeout, or
-// cancelled) is withdrawn from the server; any other request that times
-// out drops the connection (the server is not answering). A wrong or
-// missing job secret is InvalidInput (not retried).
+// connects again). A call that times out costs only itself: a wait is
+// withdrawn from the server, any answer that comes late is dropped by its
+// id. Only a request sent in part at its deadline ends the connection (the
+// stream can no longer be read in step). A request over the store's 64 MiB
+// limit, and a wrong or missing job secret, are InvalidInput (not retried).
 class StoreClient {
  public:
   // Connects, retrying until `timeout` (the server may still be starting).

@@ -32,10 +32,14 @@ using namespace store_wire;
 
 
 
-// The connection many StoreClients may share. Every caller sends its
-// request under `mu`; then one caller at a time reads the socket (`reading`)
-// and hands each answer to the caller waiting for its id; the others wait
-// on `cv`. The socket is closed only while no one reads it.
+// The connection many StoreClients may share. One caller at a time holds
+// the right to write (`writing`: connect, handshake, send), taken within its
+// own deadline and used without `mu`; one caller at a time reads the socket
+// (`reading`) and hands each answer to the caller waiting for its id; the
+// others wait on `cv`. The socket is closed only while no one reads or
+// writes it. A call that times out costs only itself: its answer, should it
+// come, is dropped by its id; only a request sent in part (the stream can
+// no longer be read in step) or a broken socket ends the connection.
 struct StoreClient::Connection {
   Connection(std::string h, int p, std::string t)
       : host(std::move(h)), port(p), address(host + ":" + std::to_string(port)), token(std::move(t)) {}
@@ -57,6 +61,8 @@ struct StoreClient::Connection {
   std::condition_variable cv;
   int fd = -1;
   bool reading = false;
+  bool writing = false;
+  std::vector<uint32_t> withdrawals;  // given-up waits, withdrawn by the next send
   bool broken = false;  // to be closed once no one reads it
   uint32_t next_id = 1;
   std::map<uint32_t, Pending*> pending;
@@ -82,57 +88,122 @@ struct StoreClient::Connection {
     cv.notify_all();
   }
 
-  void close_if_idle_locked() {
-    if (!broken || reading) return;
+  // (`by_writer`: called by the holder of the right to write.)
+  void close_if_idle_locked(bool by_writer = false) {
+    if (!broken || reading || (writing && !by_writer)) return;
     if (fd >= 0) ::close(fd);
     fd = -1;
     rbuf.clear();
     broken = false;
   }
 
-  // A usable connection (waiting for a broken one's reader to leave it).
-  void ready_locked(std::unique_lock<std::mutex>& lk, std::chrono::steady_clock::time_point deadline) {
-    while (broken && reading) cv.wait_for(lk, std::chrono::milliseconds(5));
+  // The right to write, within `deadline` (false: another call holds it).
+  bool acquire_writer_locked(std::unique_lock<std::mutex>& lk, std::chrono::steady_clock::time_point deadline) {
+    while (writing)
+      if (cv.wait_until(lk, deadline) == std::cv_status::timeout && writing) return false;
+    writing = true;
+    return true;
+  }
+  void release_writer_locked() {
+    writing = false;
     close_if_idle_locked();
-    if (fd < 0) connect_locked(deadline);
+    cv.notify_all();
   }
 
-  // The whole frame, or false at the deadline (PeerFailure on errors).
-  bool send_locked(const std::string& req, std::chrono::steady_clock::time_point deadline) {
-    for (size_t o = 0; o < req.size();) {
-      ssize_t n = ::send(fd, req.data() + o, req.size() - o, MSG_NOSIGNAL);
+  // With the right to write: a usable connection (a broken one closed once
+  // its reader left it; connecting without `mu`).
+  void ready_locked(std::unique_lock<std::mutex>& lk, std::chrono::steady_clock::time_point deadline) {
+    while (broken && reading && std::chrono::steady_clock::now() < deadline)
+      cv.wait_for(lk, std::chrono::milliseconds(5));
+    close_if_idle_locked(/*by_writer=*/true);
+    if (fd >= 0) return;
+    if (broken) throw PeerFailure("rendezvous store at " + address + ": the connection is still being read");
+    lk.unlock();
+    int s = -1;
+    try {
+      s = connect_socket(deadline);
+    } catch (...) {
+      lk.lock();
+      throw;
+    }
+    lk.lock();
+    fd = s;
+    rbuf.clear();
+    connects += 1;
+  }
+
+  // The frames queued to withdraw given-up waits (taken: the caller sends
+  // them; `ids` says which, to queue again what was not sent).
+  std::string take_withdrawals_locked(std::vector<uint32_t>* ids) {
+    std::string out;
+    for (uint32_t id : withdrawals) out += frame(kCancel, {id_field(new_id()), id_field(id)});
+    *ids = std::move(withdrawals);
+    withdrawals.clear();
+    return out;
+  }
+  // After a send of `sent` bytes of which the first `queued` were
+  // withdrawals (`ids`): true when the stream is still in step (whole
+  // frames or nothing), the unsent withdrawals queued again.
+  bool in_step_after_locked(size_t sent, size_t queued, const std::vector<uint32_t>& ids) {
+    const size_t one = frame(kCancel, {id_field(0), id_field(0)}).size();
+    if (sent > queued || sent % one != 0) return false;
+    withdrawals.insert(withdrawals.end(), ids.begin() + static_cast<std::ptrdiff_t>(sent / one), ids.end());
+    return true;
+  }
+
+  // Withdraws parked request `id` (its answer, should it come, is dropped):
+  // now when no one is writing, else with the next request.
+  void withdraw_locked(std::unique_lock<std::mutex>& lk, uint32_t id) {
+    if (fd < 0 || broken) return;
+    withdrawals.push_back(id);
+    if (writing) return;
+    writing = true;
+    const int s = fd;
+    std::vector<uint32_t> ids;
+    const std::string out = take_withdrawals_locked(&ids);
+    lk.unlock();
+    size_t sent = 0;
+    std::string why;
+    try {
+      sent = send_some(s, out, std::chrono::steady_clock::now() + std::chrono::milliseconds(100));
+    } catch (const PeerFailure& e) {
+      why = e.what();
+    }
+    lk.lock();
+    if (!why.empty()) fail_all_locked(why);
+    else if (!in_step_after_locked(sent, out.size(), ids))  // (unsent ones go with the next request)
+      fail_all_locked("rendezvous store at " + address + ": a withdrawal sent in part");
+    release_writer_locked();
+  }
+
+  // Sends `out` on socket `s` (without `mu`): the bytes sent, all of them or
+  // fewer at the deadline. PeerFailure on errors.
+  size_t send_some(int s, const std::string& out, std::chrono::steady_clock::time_point deadline) {
+    size_t o = 0;
+    while (o < out.size()) {
+      ssize_t n = ::send(s, out.data() + o, out.size() - o, MSG_NOSIGNAL);
       if (n > 0) {
         o += static_cast<size_t>(n);
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
       if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-        pollfd p{fd, POLLOUT, 0};
-        if (::poll(&p, 1, ms_until(deadline)) == 0) return false;
+        const int ms = ms_until(deadline);
+        if (ms <= 0) break;
+        pollfd p{s, POLLOUT, 0};
+        ::poll(&p, 1, ms);
         continue;
       }
       throw PeerFailure("rendezvous store at " + address + ": send failed: " + std::strerror(errno));
     }
-    return true;
+    return o;
   }
 
-  // Withdraws parked request `id` (its answer, should it come, is dropped).
-  void withdraw_locked(uint32_t id) {
-    if (fd < 0 || broken) return;
-    try {
-      if (!send_locked(frame(kCancel, {id_field(new_id()), id_field(id)}),
-                       std::chrono::steady_clock::now() + std::chrono::milliseconds(100)))
-        fail_all_locked("rendezvous store at " + address + ": no room to withdraw a wait");
-    } catch (const PeerFailure& e) {
-      fail_all_locked(e.what());
-    }
-  }
-
-  // Reads what arrives within `wait_ms` (without the lock: only the reader
-  // touches the socket's input and `rbuf`); false with `why` when the
-  // connection broke.
-  bool read_some(int wait_ms, std::vector<std::string>* frames, std::string* why) {
-    pollfd p{fd, POLLIN, 0};
+  // Reads what arrives on `s` within `wait_ms` (without the lock: only the
+  // reader touches the socket's input and `rbuf`); false with `why` when
+  // the connection broke.
+  bool read_some(int s, int wait_ms, std::vector<std::string>* frames, std::string* why) {
+    pollfd p{s, POLLIN, 0};
     const int pr = ::poll(&p, 1, wait_ms);
     if (pr < 0 && errno != EINTR) {
       *why = std::string("poll failed: ") + std::strerror(errno);
@@ -141,7 +212,7 @@ struct StoreClient::Connection {
     if (pr <= 0) return true;
     char buf[65536];
     for (;;) {
-      ssize_t n = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+      ssize_t n = ::recv(s, buf, sizeof buf, MSG_DONTWAIT);
       if (n > 0) {
         rbuf.append(buf, static_cast<size_t>(n));
         if (static_cast<size_t>(n) < sizeof buf) break;
@@ -187,18 +258,29 @@ struct StoreClient::Connection {
     pending.erase(it);
   }
 
-  void connect_locked(std::chrono::steady_clock::time_point deadline);
-  void handshake_locked(std::chrono::steady_clock::time_point deadline);
+  // A connected, authenticated socket (retrying until the deadline), made
+  // without `mu` by the holder of the right to write.
+  int connect_socket(std::chrono::steady_clock::time_point deadline);
+  void handshake(int s, std::chrono::steady_clock::time_point deadline);
   // One whole frame (the handshake's; nothing else is in flight), or empty
   // at the deadline. Throws PeerFailure on errors.
-  std::string read_one_frame_locked(std::chrono::steady_clock::time_point deadline);
+  std::string read_one_frame(int s, std::chrono::steady_clock::time_point deadline);
 };
 
 StoreClient::StoreClient(const std::string& host, int port, std::chrono::milliseconds timeout,
                          std::string token)
     : conn_(std::make_shared<Connection>(host, port, std::move(token))), timeout_(timeout) {
-  std::unique_lock<std::mutex> lock(conn_->mu);
-  conn_->connect_locked(std::chrono::steady_clock::now() + timeout_);
+  Connection& c = *conn_;
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  std::unique_lock<std::mutex> lk(c.mu);
+  c.acquire_writer_locked(lk, deadline);  // a new connection: no one else writes
+  try {
+    c.ready_locked(lk, deadline);
+  } catch (...) {
+    c.release_writer_locked();
+    throw;
+  }
+  c.release_writer_locked();
 }
 
 StoreClient::StoreClient(const StoreClient& other, std::chrono::milliseconds timeout)
@@ -213,7 +295,7 @@ int64_t StoreClient::connects() const {
   return conn_->connects;
 }
 
-void StoreClient::Connection::connect_locked(std::chrono::steady_clock::time_point deadline) {
+int StoreClient::Connection::connect_socket(std::chrono::steady_clock::time_point deadline) {
   std::string why = "no answer";
   do {
     addrinfo* res = resolve(host, port, false);
@@ -235,32 +317,27 @@ void StoreClient::Connection::connect_locked(std::chrono::steady_clock::time_poi
     }
     if (rc == 0) {
       set_nodelay(s);
-      fd = s;  // used by the handshake; dropped again unless it succeeds
-      rbuf.clear();
       try {
-        handshake_locked(deadline);
-        connects += 1;
-        return;
+        handshake(s, deadline);
+        return s;
       } catch (const PeerFailure& e) {  // e.g. the server closed a connection over its cap: try again
-        ::close(fd);
-        fd = -1;
+        ::close(s);
         why = e.what();
       } catch (...) {  // a store that is not ours, or refused us: never used
-        ::close(fd);
-        fd = -1;
+        ::close(s);
         throw;
       }
     } else {
       why = std::strerror(errno);
       ::close(s);
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::clamp(ms_until(deadline), 0, 20)));
   } while (std::chrono::steady_clock::now() < deadline);
   throw PeerFailure("cannot reach the rendezvous store at " + address + " (" + why + ")");
 }
 
 // The server's hello, then (when it asks) the challenge of comm/auth.h.
-void StoreClient::Connection::handshake_locked(std::chrono::steady_clock::time_point deadline) {
+void StoreClient::Connection::handshake(int s, std::chrono::steady_clock::time_point deadline) {
   auto fields = [&](const std::string& fr, uint8_t* status) {
     std::vector<std::string> f;
     if (fr.size() < 5 || !parse_fields(fr.data() + 5, fr.size() - 5, &f))
@@ -269,7 +346,7 @@ void StoreClient::Connection::handshake_locked(std::chrono::steady_clock::time_p
     return f;
   };
   uint8_t status = 0;
-  const std::string hello_frame = read_one_frame_locked(deadline);
+  const std::string hello_frame = read_one_frame(s, deadline);
   if (hello_frame.empty()) throw PeerFailure("rendezvous store at " + address + ": no hello in time");
   auto hello = fields(hello_frame, &status);
   if (status != kHello || hello.size() != 2 || hello[0] != kProtocol)
@@ -286,12 +363,13 @@ void StoreClient::Connection::handshake_locked(std::chrono::steady_clock::time_p
     throw InvalidInput("the rendezvous store at " + address + " needs the job's secret: give --token-file "
                        "FILE or set LIMBO_JOB_TOKEN, as on the launcher that hosts it");
   const std::string mine = random_bytes(32);
-  if (!send_locked(frame(kAuth, {mine, client_proof(token, nonce, mine)}), deadline))
+  const std::string auth = frame(kAuth, {mine, client_proof(token, nonce, mine)});
+  if (send_some(s, auth, deadline) != auth.size())
     throw PeerFailure("rendezvous store at " + address + ": handshake timed out");
   // (A connection closed here is a PeerFailure, retried: the server may
   // have timed the handshake out on a starved machine. Only an explicit
   // "denied" is a wrong secret.)
-  const std::string fr = read_one_frame_locked(deadline);
+  const std::string fr = read_one_frame(s, deadline);
   if (fr.empty()) throw PeerFailure("rendezvous store at " + address + ": handshake timed out");
   auto ok = fields(fr, &status);
   if (status == kDenied)
@@ -302,12 +380,12 @@ void StoreClient::Connection::handshake_locked(std::chrono::steady_clock::time_p
                        "refusing to trust it");
 }
 
-std::string StoreClient::Connection::read_one_frame_locked(std::chrono::steady_clock::time_point deadline) {
+std::string StoreClient::Connection::read_one_frame(int s, std::chrono::steady_clock::time_point deadline) {
   std::string in;
   size_t want = 4;
   char buf[65536];
   while (in.size() < want) {
-    pollfd p{fd, POLLIN, 0};
+    pollfd p{s, POLLIN, 0};
     int pr = ::poll(&p, 1, ms_until(deadline));
     if (pr < 0 && errno == EINTR) continue;
     if (pr == 0) {
@@ -315,7 +393,7 @@ std::string StoreClient::Connection::read_one_frame_locked(std::chrono::steady_c
       continue;
     }
     // Never read past it.
-    ssize_t n = ::recv(fd, buf, std::min(sizeof buf, want - in.size()), 0);
+    ssize_t n = ::recv(s, buf, std::min(sizeof buf, want - in.size()), 0);
     if (n == 0) throw PeerFailure("rendezvous store at " + address + ": the store closed the connection");
     if (n < 0) {
       if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
@@ -335,51 +413,87 @@ std::string StoreClient::Connection::read_one_frame_locked(std::chrono::steady_c
 std::pair<uint8_t, std::string> StoreClient::call(uint8_t op, const std::vector<std::string>& fields,
                                                   std::chrono::milliseconds timeout) {
   Connection& c = *conn_;
-  std::unique_lock<std::mutex> lk(c.mu);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
-  c.ready_locked(lk, deadline);
-  const uint32_t id = c.new_id();
-  std::vector<std::string> f{id_field(id)};
+  std::vector<std::string> f{id_field(0)};  // the id, set once known
   f.insert(f.end(), fields.begin(), fields.end());
-  Connection::Pending me;
-  c.pending[id] = &me;
+  std::string req = frame(op, f);
+  // The server closes a connection that sends more (every call on it would fail).
+  if (req.size() - 4 > kMaxFrame)
+    throw InvalidInput("rendezvous store at " + c.address + ": a request of " + std::to_string(req.size() >> 20) +
+                       " MiB; the store takes at most " + std::to_string(kMaxFrame >> 20) + " MiB a request");
   const bool waits = op == kGet || op == kWait || op == kWaitFor;
   const bool cancellable = waits && static_cast<bool>(cancel_);
-  auto give_up = [&](bool timed_out, const std::string& what) {
-    c.pending.erase(id);
-    if (timed_out && waits) {
-      c.withdraw_locked(id);  // the others' calls go on
-      throw Timeout("rendezvous store at " + c.address + ": no answer within " + std::to_string(timeout.count()) +
-                    " ms (" + what + ")");
-    }
-    c.fail_all_locked("rendezvous store at " + c.address + ": " + what);
-    if (timed_out)
-      throw Timeout("rendezvous store at " + c.address + ": no answer within " + std::to_string(timeout.count()) +
-                    " ms (" + what + ")");
-    throw PeerFailure("rendezvous store at " + c.address + ": " + what);
+  auto timed_out = [&](const std::string& what) {
+    return Timeout("rendezvous store at " + c.address + ": no answer within " + std::to_string(timeout.count()) +
+                   " ms (" + what + ")");
   };
+  std::unique_lock<std::mutex> lk(c.mu);
+  if (!c.acquire_writer_locked(lk, deadline)) throw timed_out("another call was sending or connecting");
+  Connection::Pending me;
+  uint32_t id = 0;
   try {
-    if (!c.send_locked(frame(op, f), deadline)) give_up(true, "sending");
+    c.ready_locked(lk, deadline);
+    id = c.new_id();
+    const std::string idf = id_field(id);
+    req.replace(9, 4, idf);  // after the length, the op and the id field's length
+    c.pending[id] = &me;
+    std::vector<uint32_t> withdrawn;
+    const std::string before = c.take_withdrawals_locked(&withdrawn);
+    const std::string out = before.empty() ? std::string() : before + req;
+    const std::string& bytes = before.empty() ? req : out;
+    const int s = c.fd;
+    lk.unlock();
+    size_t sent = 0;
+    try {
+      sent = c.send_some(s, bytes, deadline);
+    } catch (...) {
+      lk.lock();
+      throw;
+    }
+    lk.lock();
+    if (sent < bytes.size()) {
+      c.pending.erase(id);
+      // Nothing of this request went: only this call fails. Part of it (or
+      // of a withdrawal): the rest would be read as the next request's start.
+      if (!c.in_step_after_locked(sent, before.size(), withdrawn))
+        c.fail_all_locked("rendezvous store at " + c.address + ": a request sent in part at its deadline");
+      c.release_writer_locked();
+      throw timed_out("sending");
+    }
   } catch (const PeerFailure& e) {
-    c.pending.erase(id);
-    c.fail_all_locked(e.what());
+    if (id != 0) c.pending.erase(id);
+    if (id != 0) c.fail_all_locked(e.what());
+    c.release_writer_locked();
+    throw;
+  } catch (...) {
+    if (id != 0) c.pending.erase(id);
+    c.release_writer_locked();
     throw;
   }
+  c.release_writer_locked();
+  // A wait given up is withdrawn from the server; any call given up is only
+  // forgotten here (its answer, should it come, is dropped by id).
+  auto give_up = [&]() {
+    c.pending.erase(id);
+    if (waits) c.withdraw_locked(lk, id);
+  };
   while (!me.done) {
     if (cancellable && cancel_()) {
-      c.pending.erase(id);
-      c.withdraw_locked(id);
+      give_up();
       throw PeerFailure("rendezvous store at " + c.address + ": wait cancelled (superseded)");
     }
-    const auto now = std::chrono::steady_clock::now();
-    if (now >= deadline) give_up(true, "waiting for the answer");
-    if (!c.reading) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      give_up();
+      throw timed_out("waiting for the answer");
+    }
+    if (!c.reading && c.fd >= 0) {
       c.reading = true;
+      const int s = c.fd;
       const int slice = std::max(1, std::min(ms_until(deadline), cancellable ? 5 : 50));
       std::vector<std::string> frames;
       std::string why;
       lk.unlock();
-      const bool ok = c.read_some(slice, &frames, &why);
+      const bool ok = c.read_some(s, slice, &frames, &why);
       lk.lock();
       c.reading = false;
       for (const auto& fr : frames) c.dispatch_locked(fr);

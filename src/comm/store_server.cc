@@ -53,6 +53,10 @@ constexpr size_t kMaxHandshake = 4096;  // bytes a connection may send before it
 // milliseconds, a flood's silent sockets never do), so a flood cannot keep
 // members out either by holding sockets open.
 constexpr size_t kMaxPendingHandshakes = 256;
+// The keys of the waits parked on one connection, and on the whole store,
+// take at most this much memory (a wait's keys may be up to 64 MiB).
+constexpr size_t kMaxParkedBytes = size_t{64} << 20;
+constexpr size_t kMaxAllParkedBytes = size_t{512} << 20;
 constexpr std::chrono::milliseconds kMinEvictAge{500};
 // Fairness: one connection's turn reads at most kReadBudget bytes and
 // answers at most kServeBudget requests; a connection with kBacklog bytes
@@ -71,6 +75,8 @@ struct StoreServer::Impl {
     Code op = 0;
     std::vector<std::string> keys;
     std::string waiting_on;  // the key it is indexed under in `waiters`
+    size_t next = 0;         // keys[0, next) were there when last looked at
+    size_t bytes = 0;        // of its keys
     SteadyClock::time_point until = SteadyClock::time_point::max();
   };
   struct Conn {
@@ -79,6 +85,7 @@ struct StoreServer::Impl {
     std::string out;
     size_t out_sent = 0;   // bytes of `out` already sent
     std::map<uint32_t, Parked> parked;  // the requests behind them are served meanwhile
+    size_t parked_bytes = 0;            // their keys'
     bool authed = false;
     std::string nonce;     // this connection's challenge
     SteadyClock::time_point auth_deadline = SteadyClock::time_point::max();
@@ -110,6 +117,10 @@ struct StoreServer::Impl {
   // deadlines, earliest first (an entry may outlive its reason: expire()
   // checks the connection).
   std::set<std::tuple<SteadyClock::time_point, int, uint32_t>> deadlines;
+  // Connections in their handshake, oldest first (by deadline: accepted
+  // time + the handshake timeout); a closing one is taken out at once.
+  std::set<std::pair<SteadyClock::time_point, int>> handshaking;
+  size_t parked_bytes = 0;  // every connection's
   SteadyClock::time_point accept_paused_until{};
   ThrottledLog over_cap_log{"rendezvous store: "}, emfile_log{"rendezvous store: "},
       auth_log{"rendezvous store: "};
@@ -155,6 +166,7 @@ struct StoreServer::Impl {
         auto it = conns.find(fd);
         if (it == conns.end()) continue;
         for (auto& [id, p] : it->second.parked) unindex(fd, id, p);
+        parked_bytes -= it->second.parked_bytes;
         forget_deadlines(fd, it->second);
         ::epoll_ctl(ep, EPOLL_CTL_DEL, fd, nullptr);
         ::close(fd);
@@ -172,6 +184,7 @@ struct StoreServer::Impl {
 
   void close_later(int fd, Conn& c) {
     if (c.closing) return;
+    if (!c.authed) handshaking.erase({c.auth_deadline, fd});
     c.closing = true;
     closing_fds.push_back(fd);
   }
@@ -212,26 +225,18 @@ struct StoreServer::Impl {
     return pending < kBacklog;
   }
 
-  size_t pending_handshakes() const {
-    size_t n = 0;
-    for (const auto& [fd, c] : conns) n += !c.authed && !c.closing;
-    return n;
-  }
+  size_t pending_handshakes() const { return handshaking.size(); }
 
   // Closes (at the end of this turn) the connection longest in its
   // handshake, if it has been in it for kMinEvictAge: a member passes the
   // handshake in milliseconds, so a burst of members starting together is
   // not evicted, only sockets that stay silent. False when none is that old.
   bool evict_oldest_handshake() {
-    Conn* oldest = nullptr;
-    int oldest_fd = -1;
-    for (auto& [fd, c] : conns)
-      if (!c.authed && !c.closing && (!oldest || c.auth_deadline < oldest->auth_deadline)) {
-        oldest = &c;
-        oldest_fd = fd;
-      }
-    const auto accepted_at = oldest ? oldest->auth_deadline - opt.handshake_timeout : SteadyClock::time_point{};
-    if (!oldest || SteadyClock::now() - accepted_at < kMinEvictAge) return false;
+    if (handshaking.empty()) return false;
+    const auto [deadline, oldest_fd] = *handshaking.begin();
+    Conn* oldest = &conns.at(oldest_fd);
+    const auto accepted_at = deadline - opt.handshake_timeout;
+    if (SteadyClock::now() - accepted_at < kMinEvictAge) return false;
     over_cap_log.warn("closed the connection from " + oldest->peer + " (the longest in its handshake): " +
                       std::to_string(kMaxPendingHandshakes) + " connections are in their handshake");
     close_later(oldest_fd, *oldest);
@@ -288,6 +293,7 @@ struct StoreServer::Impl {
         c.nonce = random_bytes(32);
         c.auth_deadline = SteadyClock::now() + opt.handshake_timeout;
         deadlines.insert({c.auth_deadline, fd, 0});
+        handshaking.insert({c.auth_deadline, fd});
       } else {
         c.authed = true;
       }
@@ -376,6 +382,7 @@ struct StoreServer::Impl {
       return;
     }
     c.authed = true;
+    handshaking.erase({c.auth_deadline, fd});
     deadlines.erase({c.auth_deadline, fd, 0});
     c.auth_deadline = SteadyClock::time_point::max();
     answer_raw(fd, c, kOk, {server_proof(opt.token, c.nonce, f[0])});
@@ -429,9 +436,23 @@ struct StoreServer::Impl {
         if (c.parked.count(id)) return answer(fd, c, kBad, {"request id " + std::to_string(id) + " is waiting already"});
         if (c.parked.size() >= kMaxParked)
           return answer(fd, c, kBad, {std::to_string(kMaxParked) + " waits are parked on this connection already"});
+        size_t bytes = 0;
+        for (const auto& k : f) bytes += k.size() + 32;  // (and the container's share)
+        if (c.parked_bytes + bytes > kMaxParkedBytes || parked_bytes + bytes > kMaxAllParkedBytes)
+          return answer(fd, c, kBad, {"the waits parked on " + std::string(c.parked_bytes + bytes > kMaxParkedBytes
+                                                                                  ? "this connection"
+                                                                                  : "the store") +
+                                          " would hold over " +
+                                          std::to_string((c.parked_bytes + bytes > kMaxParkedBytes
+                                                              ? kMaxParkedBytes
+                                                              : kMaxAllParkedBytes) >> 20) +
+                                          " MiB of keys"});
         Parked& p = c.parked[id];
         p.op = op;
         p.keys = std::move(f);
+        p.bytes = bytes;
+        c.parked_bytes += bytes;
+        parked_bytes += bytes;
         p.until = until;
         if (until != SteadyClock::time_point::max()) deadlines.insert({until, fd, id});
         try_unpark(fd, c, id);
@@ -442,9 +463,8 @@ struct StoreServer::Impl {
         const uint32_t target = get_u32(f[0].data());
         auto it = c.parked.find(target);
         if (it != c.parked.end()) {
-          unindex(fd, target, it->second);
           deadlines.erase({it->second.until, fd, target});
-          c.parked.erase(it);
+          drop_parked(fd, c, it);
         }
         return answer(fd, c, kOk, {});
       }
@@ -473,7 +493,8 @@ struct StoreServer::Impl {
           answer(fd, c, kOk, {f[2]});
           return wrote(f[0]);
         }
-        if (it->second == f[1]) it->second = f[2];
+        if (it->second != f[1]) return answer(fd, c, kOk, {it->second});  // nothing written
+        it->second = f[2];
         answer(fd, c, kOk, {it->second});
         return wrote(f[0]);
       }
@@ -537,23 +558,41 @@ struct StoreServer::Impl {
   }
 
   // Answers parked request `id` when its keys all exist; otherwise indexes
-  // it under the first missing key.
+  // it under the first missing key. Each wake goes on from the key that was
+  // missing (a wait for K keys written one by one costs O(K), not O(K^2));
+  // once past the last, the earlier ones are looked at again (one may have
+  // been erased since).
   void try_unpark(int fd, Conn& c, uint32_t id) {
     auto it = c.parked.find(id);
     if (it == c.parked.end()) return;
     Parked& p = it->second;
-    for (const auto& k : p.keys)
-      if (!kv.count(k)) {
-        p.waiting_on = k;
-        waiters[k].insert({fd, id});
-        return;
-      }
+    auto missing = [&](size_t from) {
+      for (size_t i = from; i < p.keys.size(); ++i)
+        if (!kv.count(p.keys[i])) return i;
+      return p.keys.size();
+    };
+    p.next = missing(p.next);
+    if (p.next == p.keys.size()) p.next = missing(0);
+    if (p.next < p.keys.size()) {
+      p.waiting_on = p.keys[p.next];
+      waiters[p.waiting_on].insert({fd, id});
+      return;
+    }
     deadlines.erase({p.until, fd, id});
     const bool get = p.op == kGet;
     const std::string key = get ? p.keys[0] : std::string();
-    c.parked.erase(it);
+    drop_parked(fd, c, it);
     if (get) answer(fd, c, id, kOk, {kv[key]});
     else answer(fd, c, id, kOk, {});
+  }
+
+  // Parked request `it` of connection `fd` goes (its deadline entry, if
+  // any, is the caller's).
+  void drop_parked(int fd, Conn& c, std::map<uint32_t, Parked>::iterator it) {
+    unindex(fd, it->first, it->second);
+    c.parked_bytes -= it->second.bytes;
+    parked_bytes -= it->second.bytes;
+    c.parked.erase(it);
   }
 
   void unindex(int fd, uint32_t id, Parked& p) {
@@ -577,8 +616,7 @@ struct StoreServer::Impl {
       Conn& c = it->second;
       auto pit = c.parked.find(id);
       if (pit != c.parked.end() && now >= pit->second.until) {
-        unindex(fd, id, pit->second);
-        c.parked.erase(pit);
+        drop_parked(fd, c, pit);
         answer(fd, c, id, kMissing, {});
       }
       if (!c.authed && now >= c.auth_deadline) {

@@ -63,10 +63,18 @@ std::string describe_status(int status) {
 
 namespace {
 
-std::atomic<int> g_signal{0};        // since the last take_signal()
+// Each signal's arrival (its place in the order of arrivals; 0: none since
+// the last take_signal() of it): two signals within one look of the
+// launcher (SIGUSR1, then SIGTERM) are both taken, in order.
+constexpr int kSignals[] = {SIGINT, SIGTERM, SIGUSR1};
+std::atomic<uint64_t> g_arrivals{0};
+std::atomic<uint64_t> g_arrived[3] = {};
 std::atomic<int> g_first_signal{0};  // the first one
 void on_signal(int sig) {
-  g_signal = sig;
+  for (int i = 0; i < 3; ++i) {
+    uint64_t none = 0;
+    if (kSignals[i] == sig) g_arrived[i].compare_exchange_strong(none, ++g_arrivals);
+  }
   int none = 0;
   g_first_signal.compare_exchange_strong(none, sig);
 }
@@ -113,7 +121,16 @@ std::optional<Supervisor::Exit> Supervisor::poll(pid_t only) {
   }
 }
 
-int Supervisor::take_signal() { return g_signal.exchange(0); }
+int Supervisor::take_signal() {
+  int first = -1;
+  for (int i = 0; i < 3; ++i) {
+    const uint64_t at = g_arrived[i].load();
+    if (at != 0 && (first < 0 || at < g_arrived[first].load())) first = i;
+  }
+  if (first < 0) return 0;
+  g_arrived[first] = 0;
+  return kSignals[first];
+}
 int Supervisor::first_signal() const { return g_first_signal.load(); }
 
 void Supervisor::signal(pid_t pid, int sig) {

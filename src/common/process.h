@@ -58,7 +58,8 @@ class Supervisor {
   // SIGKILLs children whose stop grace period has passed.
   std::optional<Exit> poll(pid_t only = -1);
 
-  // The SIGINT / SIGTERM / SIGUSR1 the launcher received since the last call (0: none).
+  // The next SIGINT / SIGTERM / SIGUSR1 received and not taken yet, in the
+  // order they came (0: none); a signal repeated before it is taken counts once.
   int take_signal();
   // The first such signal ever received (0: none).
   int first_signal() const;

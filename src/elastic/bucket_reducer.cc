@@ -154,7 +154,7 @@ void BucketReducer::on_parameter_ready(int param) {
   }
   if (!armed_) return;  // ISGD's extra passes, an unarmed micro-batch
   if (finish_in_backward_) {
-    own_grad(param);
+    flat_.attach_grad(static_cast<size_t>(param), /*keep=*/true);
     if (!callback_queued_) {
       callback_queued_ = true;
       torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_from_backward(); });
@@ -165,17 +165,6 @@ void BucketReducer::on_parameter_ready(int param) {
   if (--pending_[b] != 0) return;
   prepare(b);
   mark_ready(op_of(b));
-}
-
-void BucketReducer::own_grad(int param) {
-  const auto& p = flat_.parameters()[static_cast<size_t>(param)];
-  const auto& view = flat_.grad_views()[static_cast<size_t>(param)];
-  auto& g = const_cast<torch::Tensor&>(p).mutable_grad();
-  if (g.defined() && g.data_ptr() == view.data_ptr() && g.strides() == view.strides()) return;
-  torch::NoGradGuard no_grad;
-  if (g.defined()) view.copy_(g);
-  else view.zero_();
-  g = view;
 }
 
 void BucketReducer::finish_from_backward() {
@@ -303,7 +292,8 @@ void BucketReducer::finish(double flag) {
     if (prepared_[b]) continue;
     if (finish_in_backward_)
       for (int p : buckets_[b].params)
-        if (flat_.parameters()[static_cast<size_t>(p)].requires_grad()) own_grad(p);
+        if (flat_.parameters()[static_cast<size_t>(p)].requires_grad())
+          flat_.attach_grad(static_cast<size_t>(p), /*keep=*/true);
     prepare(b);
     if (threaded_) mark_ready(op_of(b));
   }

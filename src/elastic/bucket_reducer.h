@@ -156,9 +156,6 @@ class BucketReducer {
   void install_hooks();  // a post-hook on every trainable parameter's gradient accumulator
   void on_parameter_ready(int param);
   void finish_from_backward();
-  // Points parameter `param`'s .grad at its view of the flat gradient (the
-  // gradient autograd put elsewhere copied in; none: zeros).
-  void own_grad(int param);
   void prepare(size_t bucket);  // scale (and encode) on the training thread
   void mark_ready(size_t op);
   size_t op_of(size_t bucket) const;

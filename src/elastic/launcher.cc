@@ -238,7 +238,7 @@ int Job::run() {
   }
   for (next_index_ = 0; next_index_ < opt_.nproc; ++next_index_) start_worker(next_index_, false);
   while (!finished()) {
-    if (int sig = sup_.take_signal()) on_signal(sig);
+    while (int sig = sup_.take_signal()) on_signal(sig);
     while (auto ex = sup_.poll()) on_exit(*ex);
     if (sup_.count() == 0 && phase_ != Phase::Completing && phase_ != Phase::Stopping && phase_ != Phase::Lost)
       on_all_gone();

@@ -154,22 +154,33 @@ void Member::publish_loop(std::shared_ptr<comm::KvStore> s) {
 }
 
 // Cut off: no beat of this member acknowledged for cut_off_after (by the
-// launcher's relay or by its own sender).
+// launcher's relay or by its own sender). Its group is aborted only when a
+// collective of it is stuck as long too: while the peers answer, the
+// member has lost nothing (the coordinator's host may only be paused) and
+// trains on; should the coordinator have dropped it, the others abort the
+// round and its next collective fails.
 void Member::check_cut_off() {
   const int64_t acked = std::max({beats_->acked_ns(), own_sender_ ? own_sender_->acked_ns() : 0, started_ns_});
   const int64_t silent_ns = monotonic_ns() - acked;
-  if (silent_ns <= std::chrono::nanoseconds(cut_off_after_).count()) {
+  const int64_t limit_ns = std::chrono::nanoseconds(cut_off_after_).count();
+  if (silent_ns <= limit_ns) {
     if (cut_off_.exchange(false))
       log_info("worker " + std::to_string(id_) + ": the coordinator hears its heartbeats again");
+    aborted_cut_off_ = false;
     return;
   }
-  if (!cut_off_.exchange(true)) {
-    // The coordinator has counted this member gone by now.
-    log_warn("worker " + std::to_string(id_) + ": no heartbeat acknowledged by the coordinator for " +
-             std::to_string(silent_ns / 1000000) + " ms; this member is out of its round");
-    abort_group_upto(std::numeric_limits<int64_t>::max(), "this member is cut off from the coordinator");
-    cv_.notify_all();
-  }
+  if (!cut_off_.exchange(true))
+    log_info("worker " + std::to_string(id_) + ": no heartbeat acknowledged by the coordinator for " +
+             std::to_string(silent_ns / 1000000) + " ms; it goes on while its group answers");
+  if (aborted_cut_off_ || !activity_->stuck_for(limit_ns)) return;
+  aborted_cut_off_ = true;
+  // The coordinator has counted this member gone by now.
+  log_warn("worker " + std::to_string(id_) + ": no heartbeat acknowledged by the coordinator for " +
+           std::to_string(silent_ns / 1000000) + " ms, and its group's collective stuck for " +
+           std::to_string((monotonic_ns() - activity_->last_change_ns.load()) / 1000000) +
+           " ms; this member is out of its round");
+  abort_group_upto(std::numeric_limits<int64_t>::max(), "this member is cut off from the coordinator");
+  cv_.notify_all();
 }
 
 // The coordinator's events: from the host's table while its launcher's
@@ -431,10 +442,13 @@ std::shared_ptr<comm::Collective> Member::form_group(const Round& round) {
   const int64_t k = round.number;
   go.prefix = "elastic/round/" + std::to_string(k);
   go.cancelled = [this, k] {
-    return latest_round_.load() > k || latest_abort_.load() >= k || cut_off_.load() || completed_.load();
+    // (Not on a silent coordinator alone: its host may only be paused, and
+    // the formation goes on once it answers.)
+    return latest_round_.load() > k || latest_abort_.load() >= k || completed_.load();
   };
-  std::shared_ptr<comm::Collective> g =
-      comm::make_group(go, rank_in(round), static_cast<int>(round.members.size()));
+  std::shared_ptr<comm::Collective> g = std::make_shared<WatchedGroup>(
+      std::shared_ptr<comm::Collective>(comm::make_group(go, rank_in(round), static_cast<int>(round.members.size()))),
+      activity_);
   {
     std::lock_guard<std::mutex> lock(mu_);
     group_ = g;

@@ -7,10 +7,14 @@
 //   (elastic/beats.h), which its launcher relays to the coordinator; a
 //   worker without a launcher's table (or whose launcher stopped relaying)
 //   sends its beats itself. When no beat of it has been acknowledged by the
-//   coordinator for MemberOptions::cut_off_after, this member is cut off:
-//   the coordinator has dropped it, so it aborts its own group (its
-//   training thread stops waiting on peers it cannot rejoin) and waits for
-//   a round again. This thread makes no store call.
+//   coordinator for MemberOptions::cut_off_after, this member is cut off;
+//   once a collective of its group is stuck as long too, the coordinator
+//   has dropped it, so it aborts its own group (its training thread stops
+//   waiting on peers it cannot rejoin) and waits for a round again. While
+//   its peers answer, a silent coordinator costs nothing: its host may be
+//   paused (steal time, a live migration, a debugger); should it have
+//   dropped this member, the others abort the round and its next
+//   collective fails. This thread makes no store call.
 // * the publish thread writes the progress and status records to the
 //   store, once a heartbeat interval, on a connection of its own.
 // * the watch thread waits in the store for the coordinator's next event
@@ -43,6 +47,7 @@
 #include "comm/kv_store.h"
 #include "elastic/beats.h"
 #include "elastic/coordinator.h"
+#include "elastic/watched_group.h"
 
 namespace limbo::elastic {
 
@@ -167,6 +172,9 @@ class Member {
   std::mutex mu_;  // guards group_, group_round_; with cv_, wakes wait_round
   std::condition_variable cv_;
   std::weak_ptr<comm::Collective> group_;  // the last group formed, and its round
+  // Its collectives, as they pass (WatchedGroup): whether the peers answer.
+  std::shared_ptr<GroupActivity> activity_ = std::make_shared<GroupActivity>();
+  bool aborted_cut_off_ = false;  // (heartbeat thread only) the group aborted for this silence
   int64_t group_round_ = 0;
   std::shared_ptr<LocalBeats> beats_;  // this host's table (or one of this member's own)
   int slot_ = -1;

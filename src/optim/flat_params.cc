@@ -90,6 +90,23 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
   }
 }
 
+void FlatParams::attach_grad(size_t i, bool keep) {
+  const auto& view = grad_views_[i];
+  auto& g = params_[i].mutable_grad();
+  if (g.defined() && g.data_ptr() == view.data_ptr() && g.sizes() == view.sizes() && g.strides() == view.strides())
+    return;
+  torch::NoGradGuard no_grad;
+  if (keep) {
+    if (g.defined()) view.copy_(g);
+    else view.zero_();
+  }
+  g = view;
+}
+
+void FlatParams::attach_grads(bool keep) {
+  for (size_t i = 0; i < params_.size(); ++i) attach_grad(i, keep);
+}
+
 void FlatParams::buffers_to_flat() {
   torch::NoGradGuard no_grad;
   for (auto& b : buffer_entries_) {

@@ -92,6 +92,12 @@ class FlatParams {
   // channels-last where the parameter is): what to give back to a parameter
   // whose gradient was dropped or replaced.
   const std::vector<torch::Tensor>& grad_views() const { return grad_views_; }
+  // Parameter i's `.grad` back to its view of grad(): a gradient autograd or
+  // the user put elsewhere (zero_grad(set_to_none=True), an assignment) is
+  // copied in when `keep` (none: zeros), else dropped. A no-op while `.grad`
+  // is the view.
+  void attach_grad(size_t i, bool keep);
+  void attach_grads(bool keep);
 
   enum class Carry { InPlace, Float, Float64, Integer };
   struct BufferEntry {

@@ -1,5 +1,5 @@
 // The elastic step, as every front end drives it: the CLI's Trainer
-// (train/trainer.h) and the Python module (python/limbo_core.cc) call the
+// (train/trainer.h) and the Python module (python/core.h) call the
 // same Session, so that a fix here is a fix in both.
 //
 // A Session owns what one run keeps about its group and its files:

@@ -14,7 +14,7 @@
 #include "optim/adam.h"
 
 namespace limbo::train {
-namespace F = torch::nn::functional;
+namespace nnf = torch::nn::functional;
 
 LossKind parse_loss(const std::string& name) {
   if (name == "cross_entropy") return LossKind::CrossEntropy;
@@ -119,9 +119,9 @@ torch::Tensor TrainStep::loss(const torch::Tensor& x, const torch::Tensor& y) {
     case LossKind::CrossEntropy: {
       auto out = forward(x);
       if (out.dim() >= 2) check_labels(y, out.size(1));
-      return F::cross_entropy(out, y);
+      return nnf::cross_entropy(out, y);
     }
-    case LossKind::Mse: return F::mse_loss(forward(x), y);
+    case LossKind::Mse: return nnf::mse_loss(forward(x), y);
     case LossKind::Module: return module_loss(x, y);
   }
   throw Error("internal: unknown loss");
@@ -181,10 +181,10 @@ EvalResult TrainStep::evaluate(const data::Dataset& split, const data::Normaliza
       } else {
         scores = forward(b.x);
         if (loss_ == LossKind::CrossEntropy) {
-          loss_sum += F::cross_entropy(scores, b.y, F::CrossEntropyFuncOptions().reduction(torch::kSum))
+          loss_sum += nnf::cross_entropy(scores, b.y, nnf::CrossEntropyFuncOptions().reduction(torch::kSum))
                           .item<double>();
         } else {
-          loss_sum += F::mse_loss(scores, b.y, F::MSELossFuncOptions().reduction(torch::kSum)).item<double>();
+          loss_sum += nnf::mse_loss(scores, b.y, nnf::MSELossFuncOptions().reduction(torch::kSum)).item<double>();
         }
         loss_count += b.y.numel();
       }

@@ -9,7 +9,7 @@
 #include "common/config.h"
 #include "train/trainer.h"
 
-namespace limbo::cli {
+namespace limbo::train {
 
 std::shared_ptr<const Schema> train_schema();
 
@@ -23,4 +23,4 @@ Config resolve_config(const std::string& config_file, const std::vector<std::str
 // (e.g. Nesterov without momentum, multistep without milestones).
 train::TrainerConfig trainer_config(const Config& cfg);
 
-}  // namespace limbo::cli
+}  // namespace limbo::train

@@ -1,4 +1,4 @@
-#include "cli/schema.h"
+#include "train/schema.h"
 
 #include <filesystem>
 
@@ -8,7 +8,7 @@
 #include "data/sampler.h"
 #include "models/net.h"
 
-namespace limbo::cli {
+namespace limbo::train {
 namespace {
 
 KeySpec S(std::string key, std::string def, std::vector<std::string> choices, std::string doc) {
@@ -489,4 +489,4 @@ train::TrainerConfig trainer_config(const Config& c) {
   return t;
 }
 
-}  // namespace limbo::cli
+}  // namespace limbo::train
