@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <filesystem>
 #include <sstream>
 #include <thread>
@@ -656,6 +658,76 @@ TEST(EventRelay, AWorkerLearnsRoundsFromTheTableAndFromTheStoreWhenTheRelayStops
   const int64_t third = job.coord->current().number;
   ASSERT_TRUE(eventually([&] { return m.newer_round(third - 1); }));
   EXPECT_GT(waits->load(), 0);
+}
+
+// A store with streams whose stream delivers nothing while it looks open
+// (an etcd member cut off from its cluster holds it, or a proxy buffers
+// it); point reads answer. Each follow() counts, and ends on an interrupt.
+class SilentStreamStore : public comm::KvStore {
+ public:
+  SilentStreamStore(std::shared_ptr<comm::KvStore> inner, std::shared_ptr<std::atomic<int>> follows)
+      : inner_(std::move(inner)), follows_(std::move(follows)) {}
+  void set(const std::string& k, const std::string& v) override { inner_->set(k, v); }
+  std::optional<std::string> try_get(const std::string& k) override { return inner_->try_get(k); }
+  int64_t add(const std::string& k, int64_t d) override { return inner_->add(k, d); }
+  bool wait_for(const std::string& k, std::chrono::milliseconds t) override { return inner_->wait_for(k, t); }
+  std::vector<std::pair<std::string, std::string>> list(const std::string& p) override { return inner_->list(p); }
+  std::string compare_set(const std::string& k, const std::string& e, const std::string& v) override {
+    return inner_->compare_set(k, e, v);
+  }
+  bool erase(const std::string& k) override { return inner_->erase(k); }
+  bool follow(const std::string&, std::chrono::milliseconds idle, const std::function<bool()>& stop,
+              const std::function<void(const std::string&, const std::string&)>&) override {
+    ++*follows_;
+    while (!stop()) {  // as a stream: stop() before it opens and after each idle period
+      std::unique_lock<std::mutex> lock(mu_);
+      if (cv_.wait_for(lock, idle, [&] { return interrupted_; })) {
+        interrupted_ = false;
+        return false;  // broken: the caller reads the state and follows anew
+      }
+    }
+    return true;
+  }
+  void interrupt_follow() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    interrupted_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  std::shared_ptr<comm::KvStore> inner_;
+  std::shared_ptr<std::atomic<int>> follows_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool interrupted_ = false;
+};
+
+// Found: the relay over a stream marked its table current from point reads
+// of `elastic/done` alone, and read the round and abort every fifth idle
+// period: a stream that delivered nothing left an abort 5-22 s late at the
+// workers (the heartbeat timeout is 0.4 s). Current means true as of a
+// read: an event the stream misses reaches the table within about a wait,
+// and the stream is opened again.
+TEST(EventRelay, AStreamThatDeliversNothingLosesNoEventAndIsOpenedAgain) {
+  Job job;
+  auto follows = std::make_shared<std::atomic<int>>(0);
+  auto table = LocalBeats::create();
+  EventRelay relay(table, [&] { return std::make_shared<SilentStreamStore>(job.connect(), follows); }, 200ms);
+  ASSERT_TRUE(eventually([&] { return table->events_current(monotonic_ns()) && follows->load() == 1; }));
+  auto kv = job.connect();
+  kv->set("elastic/event/1", "abort 3");
+  kv->set("elastic/abort", "3");
+  kv->set("elastic/events", "1");
+  // Within a few of the relay's waits (it was one in five idle periods of
+  // five waits: 5 s here).
+  ASSERT_TRUE(eventually([&] { return table->events().abort == 3; }, 2500ms)) << "the abort reached the table late";
+  // Still behind at the next look: the stream is opened again.
+  ASSERT_TRUE(eventually([&] { return follows->load() >= 2; }, 3000ms));
+  kv->set("elastic/event/2", "round 4");
+  kv->set("elastic/round", "4");
+  kv->set("elastic/events", "2");
+  ASSERT_TRUE(eventually([&] { return table->events().round == 4; }, 5000ms));
+  EXPECT_TRUE(table->events_current(monotonic_ns()));
 }
 
 // A store that stops answering (an etcd member stopped: every call waits

@@ -187,7 +187,7 @@ TEST(Diloco, OneInnerStepAndAPlainOuterStepIsSynchronousSgd) {
     ASSERT_TRUE(b.count(name)) << name;
     const double scale = t.abs().max().item<double>();
     EXPECT_LT((t - b.at(name)).abs().max().item<double>(), 1e-5 * scale) << name;
-    EXPECT_GT((t - b.at(name)).abs().max().item<double>() + scale, 0);
+    EXPECT_GT(scale, 0) << name;  // trained weights, not two empty tensors
     ++compared;
   }
   EXPECT_EQ(compared, 6);
@@ -215,7 +215,9 @@ TEST(Diloco, TwoMembersTrainAndEndIdentical) {
   for (const auto& o : outer) {
     EXPECT_GT(o["pseudo_gradient_norm"].get<double>(), 0);
     EXPECT_EQ(o["owed"].get<int64_t>(), 0);
-    EXPECT_GT(o["compute_utilisation"].get<double>(), 0);
+    const double u = o["compute_utilisation"].get<double>();  // a fraction of the unit's wall time
+    EXPECT_GT(u, 0);
+    EXPECT_LE(u, 1);
   }
   EXPECT_EQ(outer[0]["samples"].get<int64_t>(), 160);
   EXPECT_EQ(outer[0]["payload_bytes"].get<int64_t>(), 4 * s["trainable_parameters"].get<int64_t>());

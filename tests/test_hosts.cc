@@ -99,7 +99,10 @@ TEST_F(LostHost, ALauncherCutOffFromItsJobStopsItsWorkersAndExitsWithItsOwnCode)
   EXPECT_EQ(job.results[1].exit_code, 5) << job.all_logs();  // lost the job
   EXPECT_NE(job.results[1].output.find("lost the job"), std::string::npos) << job.results[1].output;
   EXPECT_NE(job.results[1].output.find(job.rdzv()), std::string::npos) << job.results[1].output;
-  EXPECT_LT(job.exited_at[1] - t0, 4.0 + 1.5) << "within --rdzv-timeout";
+  // (Its worker leaves on SIGTERM within about a second; more slack for a
+  // loaded machine: the point is the rendezvous timeout, not the round
+  // timeout of 120 s.)
+  EXPECT_LT(job.exited_at[1] - t0, 4.0 + 2.5) << "within --rdzv-timeout" << job.all_logs();
   EXPECT_TRUE(job.workers(1).empty()) << "B's worker outlived its launcher";
   const double reformed = job.reformed_after(t0);
   EXPECT_GT(reformed, 0);

@@ -393,6 +393,24 @@ TEST(Store, ACallThatTimesOutFailsOnlyItself) {
   EXPECT_EQ(parked.connects(), 1);
 }
 
+// But a connection that carries nothing for 2 s while a request waits for
+// its answer is taken for dead (a host cut off keeps its sockets): the call
+// that finds it so ends it, and the next call connects again.
+TEST(Store, AConnectionSilentForSecondsIsTakenForDead) {
+  StoreServer server("127.0.0.1", 0);
+  PausableRelay relay(server.port());
+  StoreClient c("127.0.0.1", relay.port(), 5s);
+  StoreClient quick(c, 500ms);
+  relay.paused = true;
+  EXPECT_THROW(quick.set("k", "v"), Timeout);  // silent for 0.5 s: only this call
+  StoreClient slow(c, 3s);
+  EXPECT_THROW(slow.set("k", "v"), Timeout);  // silent for 3 s: the connection goes
+  relay.paused = false;
+  c.set("k", "w");
+  EXPECT_EQ(*c.try_get("k"), "w");
+  EXPECT_EQ(c.connects(), 2);
+}
+
 // Found: a request sent in part at its deadline was followed by the
 // withdrawal of that wait on the same stream, which the server read as the
 // rest of the request (with an 8 MiB key the connection swallowed the next

@@ -171,21 +171,26 @@ void gather_codes_and_sum(Collective& g, const uint8_t* mine, int64_t q, torch::
   for (int r = 0; r < W; ++r) dequantize_add(all + r * q, out, n, bits);
 }
 
-void sum_encoded(Collective& g, torch::Tensor& t, Compressor* enc) {
+int64_t sum_encoded(Collective& g, torch::Tensor& t, Compressor* enc) {
   torch::NoGradGuard no_grad;
   if (!t.is_contiguous() || t.scalar_type() != torch::kFloat32)
     throw InvalidInput("sum_encoded takes a contiguous float32 tensor");
   const Compression kind = enc ? enc->kind() : Compression::None;
-  if (kind == Compression::None) return g.allreduce_sum(t);
+  if (kind == Compression::None) {
+    g.allreduce_sum(t);
+    return static_cast<int64_t>(t.nbytes());
+  }
   torch::Tensor wire = enc->encode(t);
+  const auto bytes = static_cast<int64_t>(wire.nbytes());
   if (is_16bit(kind)) {
     g.allreduce_sum_16(wire);
     t.copy_(wire.to(torch::kFloat32).view(t.sizes()));
-    return;
+    return bytes;
   }
   torch::Tensor gathered;
   gather_codes_and_sum(g, wire.data_ptr<uint8_t>(), wire.numel(), gathered, t.data_ptr<float>(), t.numel(),
                        kind == Compression::Int8 ? 8 : 4);
+  return bytes;
 }
 
 }  // namespace limbo::comm

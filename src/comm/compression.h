@@ -80,6 +80,8 @@ void gather_codes_and_sum(Collective& g, const uint8_t* mine, int64_t q, torch::
 // encoder: float32; 16 bits: summed pairwise in float32; int8 / int4: codes
 // gathered and summed by gather_codes_and_sum). The encoder's new residual
 // is pending until its commit(). DiLoCo's fragment all-reduce.
-void sum_encoded(Collective& g, torch::Tensor& t, Compressor* enc);
+// Returns the bytes this member put on the wire (its codes and scales, or
+// 16 or 32 bits a value).
+int64_t sum_encoded(Collective& g, torch::Tensor& t, Compressor* enc);
 
 }  // namespace limbo::comm

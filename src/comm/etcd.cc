@@ -3,7 +3,10 @@
 #include <httplib.h>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -471,7 +474,11 @@ bool EtcdClient::watch(const std::string& key, int64_t after, std::chrono::milli
 
 void EtcdClient::interrupt_streams() {
   std::lock_guard<std::mutex> lock(streams_mu_);
-  for (void* h : streams_) static_cast<httplib::Client*>(h)->stop();
+  ++interrupts_;
+  for (const auto& [h, fd] : streams_) {
+    if (fd >= 0) ::shutdown(fd, SHUT_RDWR);  // (a duplicate: never another's socket)
+    static_cast<httplib::Client*>(h)->stop();
+  }
 }
 
 bool EtcdClient::watch_stream(const std::string& prefix, int64_t from, std::chrono::milliseconds idle,
@@ -524,15 +531,33 @@ bool EtcdClient::watch_stream(const std::string& prefix, int64_t from, std::chro
     };
     httplib::Response res;
     httplib::Error err = httplib::Error::Success;
-    {
+    // Registered before its socket exists, and out again however send()
+    // ends (an exception included).
+    struct Registered {
+      EtcdClient& c;
+      void* h;
+      uint64_t interrupts;
+      Registered(EtcdClient& client, void* http) : c(client), h(http) {
+        std::lock_guard<std::mutex> lock(c.streams_mu_);
+        c.streams_[h] = -1;
+        interrupts = c.interrupts_;
+      }
+      ~Registered() {
+        std::lock_guard<std::mutex> lock(c.streams_mu_);
+        auto it = c.streams_.find(h);
+        if (it->second >= 0) ::close(it->second);
+        c.streams_.erase(it);
+      }
+    } registered(*this, http.get());
+    http->set_socket_options([this, h = http.get(), since = registered.interrupts](int sock) {
+      const int dup = ::fcntl(sock, F_DUPFD_CLOEXEC, 0);
       std::lock_guard<std::mutex> lock(streams_mu_);
-      streams_.insert(http.get());
-    }
+      auto it = streams_.find(h);
+      if (dup >= 0 && it != streams_.end() && it->second < 0) it->second = dup;
+      else if (dup >= 0) ::close(dup);
+      if (interrupts_ != since) ::shutdown(sock, SHUT_RDWR);  // interrupted before its socket existed
+    });
     if (!stop()) http->send(req, res, err);
-    {
-      std::lock_guard<std::mutex> lock(streams_mu_);
-      streams_.erase(http.get());
-    }
     if (gone) return false;
     if (failed || err == httplib::Error::Connection || err == httplib::Error::ConnectionTimeout) {
       {

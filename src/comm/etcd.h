@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <map>
 #include <set>
 #include <string>
 #include <utility>
@@ -155,10 +156,15 @@ class EtcdClient {
   std::string auth_token_;
   std::string txn_marker_;  // this client's marker key (txn)
   std::atomic<uint64_t> txn_seq_{0};
-  // The httplib clients of watch_stream calls in progress (its own mutex:
-  // mu_ is held through whole calls).
+  // Streams in progress (watch_stream calls: their httplib client, and a
+  // duplicate of their socket once made, -1 before), and interrupts so far.
+  // An interrupt shuts down every socket it finds, and one made after it
+  // (a stream is registered before its socket exists), so none is lost
+  // between a stream's check of stop() and its socket. (Its own mutex: mu_
+  // is held through whole calls.)
   std::mutex streams_mu_;
-  std::set<void*> streams_;
+  std::map<void*, int> streams_;
+  uint64_t interrupts_ = 0;
 };
 
 // The rendezvous interface over etcd, every key under the job's prefix.

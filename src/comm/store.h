@@ -83,8 +83,10 @@ class StoreServer {
 // breaks (every call then in flight on it fails alike, and the next call
 // connects again). A call that times out costs only itself: a wait is
 // withdrawn from the server, any answer that comes late is dropped by its
-// id. Only a request sent in part at its deadline ends the connection (the
-// stream can no longer be read in step). A request over the store's 64 MiB
+// id. A request sent in part at its deadline ends the connection (the
+// stream can no longer be read in step), and so does a call that times out
+// on a connection silent for 2 s since before it was sent (a host cut off:
+// the next calls fail at once on connecting, not each after its timeout). A request over the store's 64 MiB
 // limit, and a wrong or missing job secret, are InvalidInput (not retried).
 class StoreClient {
  public:

@@ -30,6 +30,12 @@ namespace limbo::comm {
 
 using namespace store_wire;
 
+namespace {
+// See StoreClient::call: a connection silent this long while a request
+// waits for its answer is dropped.
+constexpr std::chrono::milliseconds kSilentDrop{2000};
+}  // namespace
+
 
 
 // The connection many StoreClients may share. One caller at a time holds
@@ -68,6 +74,7 @@ struct StoreClient::Connection {
   std::map<uint32_t, Pending*> pending;
   std::string rbuf;  // the reader's bytes not yet a whole answer
   int64_t connects = 0;
+  std::chrono::steady_clock::time_point heard{};  // the last bytes read (or the connection made)
 
   uint32_t new_id() {
     const uint32_t id = next_id++;
@@ -130,6 +137,7 @@ struct StoreClient::Connection {
     fd = s;
     rbuf.clear();
     connects += 1;
+    heard = std::chrono::steady_clock::now();
   }
 
   // The frames queued to withdraw given-up waits (taken: the caller sends
@@ -431,6 +439,7 @@ std::pair<uint8_t, std::string> StoreClient::call(uint8_t op, const std::vector<
   if (!c.acquire_writer_locked(lk, deadline)) throw timed_out("another call was sending or connecting");
   Connection::Pending me;
   uint32_t id = 0;
+  auto sent_at = std::chrono::steady_clock::now();
   try {
     c.ready_locked(lk, deadline);
     id = c.new_id();
@@ -451,6 +460,7 @@ std::pair<uint8_t, std::string> StoreClient::call(uint8_t op, const std::vector<
       throw;
     }
     lk.lock();
+    sent_at = std::chrono::steady_clock::now();
     if (sent < bytes.size()) {
       c.pending.erase(id);
       // Nothing of this request went: only this call fails. Part of it (or
@@ -484,6 +494,16 @@ std::pair<uint8_t, std::string> StoreClient::call(uint8_t op, const std::vector<
     }
     if (std::chrono::steady_clock::now() >= deadline) {
       give_up();
+      // A connection that has carried nothing since this request went, and
+      // nothing for kSilentDrop, is taken for dead (a host cut off: its
+      // calls then fail at once on connecting, not each after its timeout).
+      // A store that is only slow answers something within that.
+      if (!waits && c.heard < sent_at && std::chrono::steady_clock::now() - c.heard > kSilentDrop)
+        c.fail_all_locked("rendezvous store at " + c.address + ": nothing heard on the connection for " +
+                          std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                             std::chrono::steady_clock::now() - c.heard)
+                                             .count()) +
+                          " ms");
       throw timed_out("waiting for the answer");
     }
     if (!c.reading && c.fd >= 0) {
@@ -496,6 +516,7 @@ std::pair<uint8_t, std::string> StoreClient::call(uint8_t op, const std::vector<
       const bool ok = c.read_some(s, slice, &frames, &why);
       lk.lock();
       c.reading = false;
+      if (!frames.empty()) c.heard = std::chrono::steady_clock::now();
       for (const auto& fr : frames) c.dispatch_locked(fr);
       if (!ok) c.fail_all_locked("rendezvous store at " + c.address + ": " + why);
       c.close_if_idle_locked();

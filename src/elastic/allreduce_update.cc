@@ -281,7 +281,7 @@ double AllReduceUpdate::reduce(torch::Tensor* grad, double loss) {
 void AllReduceUpdate::sum(torch::Tensor& t, int key) {
   auto& enc = sum_encoders_[key];
   if (!enc && compression_ != comm::Compression::None) enc = std::make_unique<comm::Compressor>(compression_);
-  comm::sum_encoded(*group_, t, enc.get());
+  last_payload_ = comm::sum_encoded(*group_, t, enc.get());
 }
 
 void AllReduceUpdate::sum_committed(int key) {
@@ -361,6 +361,7 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
     if (!reducer_.armed()) backward_starts(ctx);
     reducer_.finish(flag_source_ ? flag_source_() : 0.0);
   }
+  last_payload_ = reducer_.last_payload_bytes();
   auto& buf = ctx.grad_with_slot;
   const int64_t n = buf.numel() - optim::FlatParams::kSlots;
   const double global_loss = buf[n].item<double>();

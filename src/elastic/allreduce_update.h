@@ -70,6 +70,7 @@ class AllReduceUpdate : public train::UpdateRule {
   double reduce(torch::Tensor* grad, double loss) override;
   void agree_max(torch::Tensor& t) override { group_->allreduce_max(t); }
   void sum(torch::Tensor& t, int key) override;
+  int64_t last_payload_bytes() const override { return last_payload_; }
   void sum_committed(int key) override;
   bool update_fragment(torch::Tensor& w, const torch::Tensor& g, int64_t lo, int64_t hi, double lr, int64_t step,
                        bool skip) override;
@@ -155,6 +156,7 @@ class AllReduceUpdate : public train::UpdateRule {
   double flag_sum_ = 0;
   comm::Compression compression_;
   std::map<int, std::unique_ptr<comm::Compressor>> sum_encoders_;  // sum()'s, by key
+  int64_t last_payload_ = -1;  // of the last apply() or sum() (last_payload_bytes)
 
   train::StepResult apply_shard(train::StepContext& ctx, double global_loss);
   double own_shard_sum() const;

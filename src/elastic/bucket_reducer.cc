@@ -118,6 +118,7 @@ void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share,
   flag_ = std::move(flag);
   finished_ = callback_queued_ = grad_after_finish_ = false;
   deferred_ = nullptr;
+  payload_bytes_ = 0;
   group_ = std::move(group);
   share_ = share;
   loss_ = loss;
@@ -223,6 +224,10 @@ void BucketReducer::set_shards(const std::vector<int64_t>& bounds) {
 }
 
 void BucketReducer::run(size_t op) {
+  if (op < buckets_.size())
+    payload_bytes_ += compression_ != comm::Compression::None
+                          ? static_cast<int64_t>(wire_[op].nbytes())
+                          : 4 * (std::min(buckets_[op].end, flat_.numel()) - buckets_[op].begin);
   if (comm::is_16bit(compression_) && op < buckets_.size()) {
     group_->allreduce_sum_16(wire_[op]);
     return;

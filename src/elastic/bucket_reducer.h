@@ -65,6 +65,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <functional>
@@ -146,6 +147,10 @@ class BucketReducer {
   bool finite() const { return finite_; }
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
+  // The bytes of this member's gradient buckets the last finish() handed to
+  // the collectives, as they went (codes and scales, or 16 or 32 bits a
+  // value; the tail of buffers and scalars not counted).
+  int64_t last_payload_bytes() const { return payload_bytes_; }
   bool overlapped() const { return overlap_; }
   const ReducerStats& stats() const { return stats_; }
   // Testing aid: in its Nth step (counting begin() calls from 1) this
@@ -164,6 +169,7 @@ class BucketReducer {
 
   optim::FlatParams& flat_;
   std::vector<Bucket> buckets_;
+  std::atomic<int64_t> payload_bytes_{0};  // since begin() (see last_payload_bytes)
   std::vector<int> bucket_of_;  // parameter -> bucket
   std::vector<int> expected_;   // parameters with a gradient accumulator, per bucket
   bool overlap_;

@@ -32,53 +32,99 @@ EventRelay::EventRelay(std::shared_ptr<LocalBeats> table, std::function<std::sha
                        std::chrono::milliseconds wait)
     : table_(std::move(table)), connect_(std::move(connect)), wait_(wait) {
   thread_ = std::thread([this] { loop(); });
+  checker_ = std::thread([this] { check_loop(); });
 }
 
 // Over a store with streams (etcd): the event log followed on one stream
 // held open, where waiting for each event would open a new watch (and a
-// new connection) every wait. The stream is reopened (from where it was)
-// only when it idles for five waits; the relay then marks itself current
-// (so the table says it may be up to that late: workers fall back to the
-// store after twice that), reads `elastic/done` (not in the log), and every
-// fifth time the round and abort keys too (a safety net). The state is
-// read once the stream runs; raising to the same values twice is harmless.
-// False when the store has no streams, or the stream broke (the caller
-// goes on without).
+// new connection) every wait; the stream is reopened (from where it was)
+// when it idles for five waits. Current means what the table holds is
+// true as of a read: a stream may deliver nothing while looking open (held
+// by an etcd member cut off from its cluster, or a proxy that buffers it),
+// so a checker on a connection of its own reads the log's count and
+// `elastic/done` every wait (verify()). A stream behind the count gets its
+// missing events relayed from point reads at once, and is reopened when it
+// is still behind at the next check. False when the store has no streams,
+// or the stream broke (the caller goes on without).
 bool EventRelay::follow(comm::KvStore& s) {
   const int64_t idle_ms = 5 * wait_.count();
   bool started = false;
-  int idle = 0;
-  auto last = monotonic_ns();
-  auto read_state = [&](bool all) {
-    int64_t round = 0, abort = 0;
-    if (all) {
-      round = to_int(s.try_get("elastic/round"));
-      abort = to_int(s.try_get("elastic/abort"));
-    }
-    const bool done = s.try_get("elastic/done").has_value();
-    table_->relay_events(round, abort, done, monotonic_ns(), idle_ms);
-  };
+  streamed_ = -1;  // the checker waits for the stream to open
   const bool ok = s.follow(
       "elastic/event/", std::chrono::milliseconds(idle_ms),
       [&] {
-        // Before the stream opens, after each answer, and when it idled.
-        if (!started) {
+        if (!started) {  // before the stream opens: the state it starts from
           started = true;
-          read_state(true);
-          last = monotonic_ns();
-        } else if (monotonic_ns() - last >= idle_ms * 1000000 * 9 / 10) {
-          read_state(++idle % 5 == 0);
-          last = monotonic_ns();
+          const int64_t n = to_int(s.try_get("elastic/events"));
+          const int64_t round = to_int(s.try_get("elastic/round"));
+          const int64_t abort = to_int(s.try_get("elastic/abort"));
+          const bool done = s.try_get("elastic/done").has_value();
+          table_->relay_events(round, abort, done, monotonic_ns(), wait_.count());
+          streamed_ = n;
         }
         return stop_.load();
       },
-      [&](const std::string&, const std::string& value) {
+      [&](const std::string& key, const std::string& value) {
         const auto [kind, k] = parse_event(value);
-        if (kind == "round") table_->relay_events(k, 0, false, monotonic_ns(), idle_ms);
-        else if (kind == "abort") table_->relay_events(0, k, false, monotonic_ns(), idle_ms);
-        last = monotonic_ns();
+        if (kind == "round") table_->relay_events(k, 0, false, monotonic_ns(), wait_.count());
+        else if (kind == "abort") table_->relay_events(0, k, false, monotonic_ns(), wait_.count());
+        const auto n = to_int(key.substr(key.rfind('/') + 1));
+        if (n > streamed_.load()) streamed_ = n;
       });
+  streamed_ = -1;
   return ok && started;
+}
+
+// The checker's look, every wait while a stream is followed: the table is
+// marked current only by a read that agrees with it.
+void EventRelay::verify(comm::KvStore& c, int64_t* behind_at) {
+  const int64_t streamed = streamed_.load();
+  if (streamed < 0) {  // no stream open (the loop's own waits mark the table)
+    *behind_at = -1;
+    return;
+  }
+  const int64_t count = to_int(c.try_get("elastic/events"));
+  const bool done = c.try_get("elastic/done").has_value();
+  if (count <= streamed) {
+    *behind_at = -1;
+    table_->relay_events(0, 0, done, monotonic_ns(), wait_.count());
+    return;
+  }
+  // Behind: the missing events from point reads, now (harmless should the
+  // stream bring them too).
+  for (int64_t n = streamed + 1; n <= count; ++n) {
+    const auto [kind, k] = parse_event(c.try_get("elastic/event/" + std::to_string(n)).value_or(""));
+    if (kind == "round") table_->relay_events(k, 0, done, monotonic_ns(), wait_.count());
+    else if (kind == "abort") table_->relay_events(0, k, done, monotonic_ns(), wait_.count());
+  }
+  if (*behind_at >= 0 && streamed < *behind_at) {
+    // Still behind what it lacked a wait ago: the stream delivers nothing.
+    log_warn("launch: the store's event stream delivered nothing for " + std::to_string(wait_.count()) +
+             " ms while events were written; opening it again");
+    std::lock_guard<std::mutex> lock(mu_);
+    if (current_) current_->interrupt_follow();
+    *behind_at = -1;
+    return;
+  }
+  *behind_at = count;
+}
+
+void EventRelay::check_loop() {
+  std::shared_ptr<comm::KvStore> c;
+  int64_t behind_at = -1;
+  while (!stop_) {
+    std::unique_lock<std::mutex> lock(check_mu_);
+    check_cv_.wait_for(lock, wait_, [&] { return stop_.load(); });
+    lock.unlock();
+    if (stop_) return;
+    if (streamed_.load() < 0) continue;
+    try {
+      if (!c) c = connect_();
+      verify(*c, &behind_at);
+    } catch (const std::exception&) {
+      c.reset();  // not marked: the table ages, and workers fall back to the store
+    }
+  }
 }
 
 void EventRelay::request_stop() {
@@ -89,7 +135,12 @@ void EventRelay::request_stop() {
 
 EventRelay::~EventRelay() {
   request_stop();
+  {
+    std::lock_guard<std::mutex> lock(check_mu_);
+    check_cv_.notify_all();
+  }
   if (thread_.joinable()) thread_.join();
+  if (checker_.joinable()) checker_.join();
 }
 
 
@@ -100,7 +151,6 @@ EventRelay::~EventRelay() {
 void EventRelay::loop() {
   std::shared_ptr<comm::KvStore> s;
   int64_t n = 0;
-  int quiet = 0;
   bool fresh = true;
   const int64_t wait_ms = wait_.count();
   while (!stop_) {
@@ -128,16 +178,13 @@ void EventRelay::loop() {
         else if (kind == "abort") table_->relay_events(0, k, false, monotonic_ns(), wait_ms);
         else log_warn("launch: ignored a malformed membership event '" + ev.value_or("") + "'");
         ++n;
-        quiet = 0;
       } else {
-        // Quiet: `elastic/done` (written by a member, not logged) every
-        // wait; the round and abort keys every fifth.
+        // Quiet: `elastic/done` (written by a member, not logged), the
+        // round and abort keys (a safety net should an event be missing),
+        // every wait: the table is current as of these reads.
         const bool done = s->try_get("elastic/done").has_value();
-        int64_t round = 0, abort = 0;
-        if (++quiet % 5 == 0) {
-          round = to_int(s->try_get("elastic/round"));
-          abort = to_int(s->try_get("elastic/abort"));
-        }
+        const int64_t round = to_int(s->try_get("elastic/round"));
+        const int64_t abort = to_int(s->try_get("elastic/abort"));
         table_->relay_events(round, abort, done, monotonic_ns(), wait_ms);
       }
     } catch (const std::exception& e) {

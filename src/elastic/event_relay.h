@@ -14,6 +14,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -27,11 +28,13 @@ namespace limbo::elastic {
 
 class EventRelay {
  public:
-  // `connect`: a store connection (made on the relay's thread; again after
-  // a failure). `wait`: the longest parked wait for the next event (an
-  // event ends it at once). After each quiet wait the relay reads
-  // `elastic/done`, and after every fifth the round and abort keys too (a
-  // safety net should an event ever be missing).
+  // `connect`: a store connection (made on the relay's thread, and on its
+  // checker's; again after a failure). `wait`: the longest parked wait for
+  // the next event (an event ends it at once). After each quiet wait the
+  // relay reads `elastic/done`, the round and the abort keys: the table is
+  // current as of that read. Following a stream (etcd), the checker reads
+  // the log's count every wait instead and reopens a stream that fell
+  // behind it.
   EventRelay(std::shared_ptr<LocalBeats> table, std::function<std::shared_ptr<comm::KvStore>()> connect,
              std::chrono::milliseconds wait);
   // Ends the relay's thread: at once while it follows a stream, else when
@@ -46,13 +49,18 @@ class EventRelay {
  private:
   void loop();
   bool follow(comm::KvStore& s);
+  void check_loop();
+  void verify(comm::KvStore& c, int64_t* behind_at);
   std::shared_ptr<LocalBeats> table_;
   std::function<std::shared_ptr<comm::KvStore>()> connect_;
   std::chrono::milliseconds wait_;
   std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::shared_ptr<comm::KvStore> current_;  // the thread's connection (interrupted on stop)
-  std::thread thread_;
+  std::atomic<int64_t> streamed_{-1};  // the newest event a stream delivered (-1: none followed)
+  std::mutex check_mu_;
+  std::condition_variable check_cv_;
+  std::thread thread_, checker_;
 };
 
 // "round 7" / "abort 7" -> (kind, 7); kind "" when malformed.

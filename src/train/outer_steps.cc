@@ -420,10 +420,18 @@ std::optional<OuterSteps::Committed> OuterSteps::finish(const std::function<void
   c.res.loss = g->loss_sum / static_cast<double>(g->total);
   c.settled = settle_outer(plan, g->consumed, opt_.samples);
   c.epoch = plan.epoch;
-  c.payload_bytes = payload_bytes_of(flat_.numel(), opt_.diloco.wire);
+  c.payload_bytes = measured_payload(flat_.numel());
   s_.state().owed = c.settled.owed;
   s_.commit(c.res, c.settled.cursor, buffers_before);
   return committed(std::move(c), sync_start);
+}
+
+// What this member's last all-reduce put on the wire for the pseudo-gradient
+// (UpdateRule::last_payload_bytes); with no group (one process), what it
+// would have sent.
+int64_t OuterSteps::measured_payload(int64_t n) const {
+  const int64_t sent = rule_->last_payload_bytes();
+  return sent >= 0 ? sent : payload_bytes_of(n, opt_.diloco.wire);
 }
 
 OuterSteps::Committed OuterSteps::committed(Committed c, Clock::time_point sync_start) {
@@ -473,7 +481,6 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   c.delta_norm = delta_.norm().item<double>();
   c.settled = settle_outer(plan, g->consumed, opt_.samples);
   c.epoch = plan.epoch;
-  c.payload_bytes = payload_bytes_of(hi - lo, opt_.diloco.wire);
   auto piece = delta_ * static_cast<float>(g->weight_total > 0 ? weight / g->weight_total : 0.0);
   // Overlap: the next unit's first inner steps run while the fragment's
   // all-reduce does; never across an epoch's end or an agreed change of
@@ -578,6 +585,7 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   s_.state().owed = c.settled.owed;
   s_.commit(c.res, c.settled.cursor, {});
   rule_->sum_committed(f);
+  c.payload_bytes = measured_payload(hi - lo);
   for (auto& n : since_sync_) n += consumed_;
   since_sync_[static_cast<size_t>(f)] = 0;
   auto done = committed(std::move(c), sync_start);

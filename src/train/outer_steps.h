@@ -172,6 +172,7 @@ class OuterSteps {
   bool streaming() const { return fragments_.size() > 1; }
   // The totals and the step's figures once it committed.
   Committed committed(Committed c, Clock::time_point sync_start);
+  int64_t measured_payload(int64_t n) const;
   // Streaming's sync of fragment f: nullopt when the group re-formed.
   std::optional<Committed> finish_fragment(const std::function<void(bool)>& before_all_reduce,
                                            const std::function<void(const Work&)>& run_ahead);

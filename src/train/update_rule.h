@@ -119,6 +119,11 @@ class UpdateRule {
   // the old one). Identity for one process.
   virtual void sum(torch::Tensor& t, int key) {}
   virtual void sum_committed(int key) {}
+  // The bytes of this member's part of the gradient that its last apply()
+  // or sum() handed to the collectives (as encoded: codes and scales, 16 or
+  // 32 bits a value), the tail of buffers and scalars not counted; -1: the
+  // rule sends nothing (one process).
+  virtual int64_t last_payload_bytes() const { return -1; }
   // Streaming DiLoCo's outer update of the global fragment [lo, hi) of the
   // weights (`w`, its hi - lo values, updated in place) by the summed
   // pseudo-gradient `g`, where the rule shards the optimizer state: each
