@@ -10,6 +10,10 @@ its membership rounds beyond the first and its failed formations, and the
 connections the flood opened a second.
 
     bench/connect_flood.py [--limbo build/src/cli/limbo] [--rate 4000] [--open 2000] [--repeats 3]
+
+A third kind of job takes the same flood aimed at a sink (a process that
+accepts and closes, off the job): what the flood costs the 2-core machine
+by itself, apart from what it costs the store.
 """
 import argparse
 import collections
@@ -88,7 +92,17 @@ class Flood:
             s.close()
 
 
-def job(limbo, token, flood_rate, flood_open):
+SINK = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 0)); s.listen(4096)
+print(s.getsockname()[1], flush=True)
+while True:
+    c, _ = s.accept(); c.close()
+"""
+
+
+def job(limbo, token, flood_rate, flood_open, sink=False):
     with tempfile.TemporaryDirectory(prefix="limbo-flood-") as d:
         run, log = f"{d}/run", f"{d}/launch.log"
         with open(log, "w") as f:
@@ -96,9 +110,13 @@ def job(limbo, token, flood_rate, flood_open):
                                   "--", "--run-dir", run] + TRAIN, stdout=f, stderr=subprocess.STDOUT,
                                  start_new_session=True)
         flood, t0 = None, time.time()
+        sink_proc = None
         if flood_rate > 0:
             text = wait_for(log, "store at 127.0.0.1:", 60)
             port = int(re.search(r"store at 127\.0\.0\.1:(\d+)", text).group(1))
+            if sink:
+                sink_proc = subprocess.Popen(["/usr/bin/python3", "-c", SINK], stdout=subprocess.PIPE, text=True)
+                port = int(sink_proc.stdout.readline())
             if not wait_for(f"{run}/metrics.jsonl", '"kind":"train"', 120):
                 p.kill()
                 raise SystemExit("the job never started training:\n" + open(log).read())
@@ -109,6 +127,9 @@ def job(limbo, token, flood_rate, flood_open):
         if flood:
             flood.close()
             opened_rate = flood.opened / max(1e-9, time.time() - t0)
+        if sink_proc:
+            sink_proc.kill()
+            sink_proc.wait()
         text = open(log).read()
         s = json.load(open(f"{run}/summary.json")) if os.path.exists(f"{run}/summary.json") else {}
         return {"code": code, "samples_per_second": s.get("samples_per_second", 0.0),
@@ -126,11 +147,12 @@ def main():
     with tempfile.NamedTemporaryFile("w", prefix="limbo-token-", delete=False) as t:
         t.write("a-secret-of-this-bench-0123456789abcdef\n")
     os.chmod(t.name, 0o600)
-    rows = {"without": [], "with": []}
+    rows = {"without": [], "with": [], "at a sink": []}
     try:
         for r in range(a.repeats):
-            for kind in ("without", "with"):
-                rows[kind].append(job(a.limbo, t.name, a.rate if kind == "with" else 0, a.open))
+            for kind in rows:
+                rows[kind].append(job(a.limbo, t.name, 0 if kind == "without" else a.rate, a.open,
+                                      sink=kind == "at a sink"))
                 print(f"  repeat {r + 1}, {kind} the flood: {rows[kind][-1]}", flush=True)
     finally:
         os.unlink(t.name)
@@ -143,7 +165,8 @@ def main():
               f"({min(sps):,.0f}-{max(sps):,.0f}) | {max(j['rounds'] for j in js)} | "
               f"{max(j['failed'] for j in js)} | {statistics.median(j['flood_per_second'] for j in js):,.0f} |")
     med = {k: statistics.median(j["samples_per_second"] for j in v) for k, v in rows.items()}
-    print(f"\nwith the flood / without: {med['with'] / med['without']:.2f}")
+    print(f"\nwith the flood at the store / without: {med['with'] / med['without']:.2f}; "
+          f"at a sink / without: {med['at a sink'] / med['without']:.2f}")
 
 
 if __name__ == "__main__":
