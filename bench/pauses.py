@@ -26,24 +26,13 @@ import subprocess
 import tempfile
 import time
 
+from chaos import wait_for  # (bench/chaos.py: a file's text waited for)
+
 TRAIN = ["--set", "model.name=mlp", "--set", "model.width=64", "--set", "data.train_limit=3000",
          "--set", "data.test_limit=300", "--set", "data.batch_size=8", "--set", "train.epochs=4",
          "--set", "train.threads=1", "--set", "train.progress=false", "--set", "elastic.collective_timeout=10",
          # paced (10 ms a step, 500 steps): training lasts well past a 3 s pause
          "--set", "train.slow_step_ms=10"]
-
-
-def wait_for(path, needle, timeout):
-    end = time.time() + timeout
-    while time.time() < end:
-        try:
-            with open(path) as f:
-                if needle in f.read():
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.02)
-    return False
 
 
 def job(limbo, target, pause):
