@@ -175,10 +175,12 @@ TEST(UserState, ABatchNormModelThroughTheParameterServerEvaluatesLikeASingleProc
   ASSERT_EQ(ev.exit_code, 0) << ev.output;
   const double a1 = summary(d.file("one"))["test_accuracy"];
   const double a2 = json::parse(ev.output.substr(ev.output.find('{')))["test_accuracy"];
-  // Alone the parameter-server run lands at 0.823-0.828 against 0.831; in
-  // a loaded suite it once landed at 0.794, so the margin is 0.05.
-  EXPECT_GT(a2, 0.78);
-  EXPECT_NEAR(a1, a2, 0.05) << "single " << a1 << ", parameter server " << a2;
+  // Alone the parameter-server run lands at 0.815-0.828 against 0.831; in
+  // loaded suites it landed at 0.794 and 0.792 (against 0.843). The same
+  // checkpoint with its BatchNorm statistics reset to their initial values
+  // evaluates at 0.33, so a margin of 0.10 still tells the two apart.
+  EXPECT_GT(a2, 0.70);
+  EXPECT_NEAR(a1, a2, 0.10) << "single " << a1 << ", parameter server " << a2;
 }
 
 // Three training samples are NaN. The batches that hold them give gradients
