@@ -234,6 +234,7 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
     oo.samples = dataset_size_;
     oo.order = data::parse_order(get<std::string>(o, "order", "shuffle"));
     oo.seed = get<uint64_t>(o, "seed", 1);
+    oo.max_steps = max_steps_;
     outer_steps_ = std::make_unique<train::OuterSteps>(*session_, *flat_, rule, outer_, oo);
   }
   if (!rdzv.empty() && !elastic) static_rank_ = rank;

@@ -37,19 +37,15 @@ void Core::begin_step() {
   if (!(plan_.begin == state_.cursor) && plan_.begin.position != 0)
     throw Error("internal: the batch does not start at the committed cursor");
   check_model();
-  if (outer_steps_) {  // an inner step: no batch policy, nothing to restore
-    in_step_ = true;
-    step_start_ = Clock::now();
-    backward_started_ = false;
-    backwards_ = 0;
-    return;
-  }
   in_step_ = true;
   step_start_ = Clock::now();
   backward_started_ = false;
   backwards_ = 0;
+  // The buffers as before the forward: a step (an inner step too) whose
+  // gradient is not finite leaves them so.
   buffers_before_.clear();
   if (!flat_->buffer_entries().empty()) buffers_before_ = flat_->save_buffers();
+  if (outer_steps_) return;  // an inner step: no batch policy
   policy_step_ = policy_->step(state_.step, batch_size_ * world());
   if (own_) {
     // Limbo's optimizer: the momentum at a batch change (elastic.momentum)
@@ -108,6 +104,8 @@ int Core::step(double loss, double lr) {
     if (finite) {
       py::gil_scoped_release no_gil;  // the user's optimizer takes the GIL back
       opt_->apply(flat_->data(), flat_->grad(), own_ ? lr_ : 1.0);
+    } else if (!buffers_before_.empty()) {
+      flat_->restore_buffers(buffers_before_);
     }
     outer_steps_->inner_step_done(static_cast<int64_t>(plan_.ids.size()), loss, finite, seconds_since(step_start_));
     return 2;

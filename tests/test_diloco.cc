@@ -522,3 +522,35 @@ TEST(StreamingDiloco, ShardedOuterStateEqualsTheReplicatedOneAndSurvivesALostMem
   EXPECT_EQ(final_fingerprint(lost_sh), final_fingerprint(lost_rep));
   EXPECT_FALSE(final_fingerprint(lost_sh).empty());
 }
+
+// Streaming with sharded outer state, 3 members: rank 1 dies with its
+// shard's copy as the checkpoint after unit 15 is gathered (between units),
+// so the survivors fall back to the checkpoint of unit 10. Their local
+// weights, the inner steps they ran ahead and their samples since each
+// fragment's sync grew from unit 15: all are forgotten, the checkpoint's
+// inner optimizer state (taken before any inner step run ahead) is kept,
+// and the run ends bit for bit where a run stopped at unit 10 and resumed
+// by 2 members ends.
+TEST(StreamingDiloco, AFallBackToTheCheckpointStartsTheLocalWeightsAgainFromIt) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  auto base = streaming_args();
+  base.insert(base.end(), {"--set", "optim.shard_state=true", "--set", "train.checkpoint_every_steps=5"});
+  auto lost = base;
+  lost.insert(lost.end(), {"--set", "train.testing_die_at_step=15", "--set", "train.testing_die_in_gather=true",
+                           "--set", "train.testing_die_without_home=true"});
+  const auto fell = run_job(d, "fell", 3, 1, lost);
+  const std::string log = slurp(fell + "/metrics.jsonl");
+  EXPECT_NE(log.find("fell back to the newest checkpoint"), std::string::npos);
+  limbo::testing::expect_identical_finals(fell, 2);
+  auto first = base;
+  first.insert(first.end(), {"--set", "train.max_steps=10"});
+  const auto resumed = run_job(d, "resumed", 3, 1, first);
+  EXPECT_EQ(summary(resumed)["steps"].get<int64_t>(), 10);
+  auto second = base;
+  second.insert(second.end(), {"--resume", "--set", "train.max_steps=0"});
+  run_job(d, "resumed", 2, 1, second);
+  limbo::testing::expect_same_checkpoint(fell, resumed);
+  EXPECT_EQ(summary(fell)["steps"].get<int64_t>(), summary(resumed)["steps"].get<int64_t>());
+  EXPECT_GE(summary(fell)["inner_steps_undone"].get<int64_t>(), 1);
+}

@@ -114,14 +114,11 @@ OuterSteps::OuterSteps(Session& session, optim::FlatParams& flat, std::shared_pt
 
 bool OuterSteps::agree_on_redo() {
   const bool pending = inner_done_ && plan_step_ == s_.state().step;
+  // Streaming's local weights hold work on top of committed step
+  // local_step_; a state that fell back to a checkpoint (or moved on
+  // without this member) is not the one they grew from.
+  if (streaming() && !pending && s_.state().step != local_step_) forget_local();
   if (!pending) {  // none, or stale: its step committed elsewhere, or the state fell back
-    if (inner_done_ && streaming()) {
-      // Its local weights hold work the group committed without it: they
-      // start again from the global ones.
-      if (ahead_) undo_ahead();
-      local_ = torch::Tensor();
-      since_sync_.assign(fragments_.size(), 0);
-    }
     inner_done_ = false;
     plan_step_ = -1;
   }
@@ -148,8 +145,22 @@ void OuterSteps::plan_new() {
   global_ = flat_.data().clone();
 }
 
+void OuterSteps::forget_local() {
+  if (ahead_) {
+    ahead_undone += ahead_->inner_steps;
+    ahead_.reset();
+  }
+  local_ = torch::Tensor();
+  since_sync_.assign(fragments_.size(), 0);
+  local_step_ = s_.state().step;
+}
+
 void OuterSteps::start_work(int plan_rank, bool done) {
   plan_step_ = s_.state().step;
+  // The committed buffers (as every member holds them before its inner
+  // steps): where a plain outer step that is skipped leaves them.
+  unit_buffers_.clear();
+  if (!streaming() && !flat_.buffer_entries().empty()) unit_buffers_ = flat_.save_buffers();
   plan_rank_ = plan_rank;
   inner_done_ = done;
   consumed_ = 0;
@@ -422,7 +433,9 @@ std::optional<OuterSteps::Committed> OuterSteps::finish(const std::function<void
   c.epoch = plan.epoch;
   c.payload_bytes = measured_payload(flat_.numel());
   s_.state().owed = c.settled.owed;
-  s_.commit(c.res, c.settled.cursor, buffers_before);
+  // A skipped outer step leaves the buffers as committed before it (as
+  // every member held them), not each member's own after its inner steps.
+  s_.commit(c.res, c.settled.cursor, unit_buffers_.empty() ? buffers_before : unit_buffers_);
   return committed(std::move(c), sync_start);
 }
 
@@ -446,6 +459,7 @@ OuterSteps::Committed OuterSteps::committed(Committed c, Clock::time_point sync_
   payload_bytes += c.payload_bytes;
   plan_step_ = -1;
   inner_done_ = false;
+  local_step_ = s_.state().step;
   return c;
 }
 
@@ -483,11 +497,13 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   c.epoch = plan.epoch;
   auto piece = delta_ * static_cast<float>(g->weight_total > 0 ? weight / g->weight_total : 0.0);
   // Overlap: the next unit's first inner steps run while the fragment's
-  // all-reduce does; never across an epoch's end or an agreed change of
-  // the group (its plan would differ), nor without a share in this one.
+  // all-reduce does; never across an epoch's end, after the run's last
+  // unit (train.max_steps) or an agreed change of the group (its plan
+  // would differ), nor without a share in this one.
   const int64_t tau = opt_.diloco.overlap_steps;
+  const bool last_unit = opt_.max_steps > 0 && st.step + 1 >= opt_.max_steps;
   const bool overlap = tau > 0 && run_ahead && inner_opt_ && g->flag == 0 && !c.settled.last_in_epoch &&
-                       plan_rank_ >= 0 && local_.defined();
+                       !last_unit && plan_rank_ >= 0 && local_.defined();
   std::exception_ptr failed;
   // The sum, and where the rule shards the outer state, the sharded update
   // of the global fragment (a copy of it: the weights hold the local ones

@@ -93,6 +93,7 @@ class OuterSteps {
     int64_t samples = 0;  // an epoch's samples
     data::Order order = data::Order::Shuffle;
     uint64_t seed = 1;
+    int64_t max_steps = 0;  // the run stops after this outer step (train.max_steps; 0: none)
   };
   // `outer`: the outer optimizer (the one the rule applies), which
   // streaming updates a fragment at a time.
@@ -144,6 +145,10 @@ class OuterSteps {
   void set_inner(optim::Optimizer* inner) { inner_opt_ = inner; }
   // The fragments [lo, hi) of the flat parameters (one: the whole).
   const std::vector<std::pair<int64_t, int64_t>>& fragments() const { return fragments_; }
+  // The inner optimizer's state as of the last commit: inner steps run
+  // ahead of it are not committed, so a checkpoint keeps the state before
+  // them (null: none ran ahead; the optimizer's own state is it).
+  const optim::Optimizer::Snapshot* inner_before_ahead() const { return ahead_ ? &ahead_->inner_before : nullptr; }
 
   const std::vector<int64_t>& epoch_order(int64_t epoch) { return sampler_.epoch_order(epoch); }
   // The metrics record of a committed outer step (kind "outer"), at
@@ -195,6 +200,12 @@ class OuterSteps {
   // Inner steps run ahead of a sync that are not to count: the local
   // weights and the inner optimizer back as before them.
   void undo_ahead();
+  // The committed state is no longer the one the local weights grew from
+  // (a fallback to a checkpoint, or a newer state taken from the group):
+  // local weights, inner steps run ahead and samples since each
+  // fragment's sync are forgotten, nothing restored over what the state
+  // sync or the checkpoint put in.
+  void forget_local();
 
   Session& s_;
   optim::FlatParams& flat_;
@@ -204,6 +215,7 @@ class OuterSteps {
   std::vector<std::pair<int64_t, int64_t>> fragments_;
   std::vector<int64_t> since_sync_;  // this member's samples since each fragment's last sync
   torch::Tensor local_;              // streaming: this member's local weights (undefined: the global ones)
+  int64_t local_step_ = -1;          // the committed step they (and since_sync_, ahead_) follow
   // Overlap: the unit planned ahead and its inner steps already run (as
   // plan rank ahead_rank_ of ahead_plan_), and the state to undo them to.
   struct Ahead {
@@ -231,6 +243,7 @@ class OuterSteps {
   int plan_rank_ = -1;
   OuterPlan plan_;
   torch::Tensor global_;  // the committed global weights the inner steps began from
+  std::vector<torch::Tensor> unit_buffers_;  // plain: the committed buffers the inner steps began from
   torch::Tensor delta_;   // this member's pseudo-gradient, global - local (kept for a redo)
   std::vector<torch::Tensor> local_buffers_;  // the buffers after its inner steps (kept for a redo)
   std::vector<torch::Tensor> agreed_buffers_;  // streaming: the buffers this member's row carried

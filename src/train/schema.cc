@@ -327,6 +327,9 @@ std::shared_ptr<const Schema> train_schema() {
              "testing aid: the worker of train.testing_die_at_step first kills (SIGKILL) every other process "
              "of its network namespace, its launcher included: a whole host lost at once (refused outside a "
              "network namespace of its own)"));
+    s->add(B("train.testing_die_in_gather", false,
+             "testing aid: the worker of train.testing_die_at_step dies after that step committed, as the "
+             "gather of the periodic checkpoint after it starts (between steps), instead of as the step starts"));
     s->add(B("train.testing_die_by_freezing", false,
              "testing aid: the worker of train.testing_die_at_step (and the writer of train.testing_writer_dies_at) "
              "stops itself (SIGSTOP) instead of dying: it stays frozen, its connections open (with "
@@ -472,6 +475,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.train.die_with_host = c.get_bool("train.testing_die_with_host");
   t.train.die_by_freezing = c.get_bool("train.testing_die_by_freezing");
   t.train.die_in_outer = c.get_bool("train.testing_die_in_outer");
+  t.train.die_in_gather = c.get_bool("train.testing_die_in_gather");
   t.sync = c.get_string("elastic.sync");
   t.diloco.inner_steps = c.get_int("diloco.inner_steps");
   t.diloco.outer_lr = c.get_float("diloco.outer_lr");

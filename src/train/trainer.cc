@@ -199,8 +199,8 @@ void Trainer::eval_now(Run& r) {
 // re-formed: the step did not commit and is redone.
 bool Trainer::train_step(Run& r) {
   const auto step_start = Clock::now();
-  if (r.t.die_at_step > 0 && state_.step == r.t.die_at_step && r.s.rank() == r.t.die_rank && r.s.world() > 1 &&
-      r.s.membership_changes() == r.t.die_after_changes) {
+  if (r.t.die_at_step > 0 && !r.t.die_in_gather && state_.step == r.t.die_at_step && r.s.rank() == r.t.die_rank &&
+      r.s.world() > 1 && r.s.membership_changes() == r.t.die_after_changes) {
     const int sig = r.t.die_by_freezing ? SIGSTOP : SIGKILL;
     std::fprintf(stderr, "testing: rank %d %s starting step %ld\n", r.s.rank(), r.t.die_by_freezing ? "freezes" : "dies",
                  static_cast<long>(state_.step + 1));
@@ -355,6 +355,14 @@ void Trainer::after_epoch_and_step(Run& r) {
     r.window.reset();
   }
   if (t.checkpoint_every_steps > 0 && state_.step % t.checkpoint_every_steps == 0) {
+    if (t.die_in_gather && t.die_at_step == state_.step && r.s.rank() == t.die_rank && r.s.world() > 1 &&
+        r.s.membership_changes() == t.die_after_changes) {
+      std::fprintf(stderr, "testing: rank %d dies as the checkpoint after step %ld is gathered\n", r.s.rank(),
+                   static_cast<long>(state_.step));
+      std::fflush(stderr);
+      if (t.die_without_home) rule_->testing_drop_kept_state();
+      ::kill(::getpid(), SIGKILL);
+    }
     r.s.checkpoint_now("step " + std::to_string(state_.step));
   }
   if (r.s.after_step(r.epoch_now(state_.cursor), state_.step % 10 == 0 || last_in_epoch)) {
@@ -471,6 +479,7 @@ nlohmann::json Trainer::run() {
     oo.samples = r.n;
     oo.order = cfg_.loader.order;
     oo.seed = cfg_.train.seed;
+    oo.max_steps = t.max_steps;
     outer_steps_ = std::make_unique<OuterSteps>(session, *flat_, rule_, outer_, oo);
     outer_steps_->set_inner(&opt_->optimizer());
   }

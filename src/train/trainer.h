@@ -102,6 +102,10 @@ struct TrainOptions {
   // after the outer step's agreement, as the others enter the outer
   // all-reduce, instead of halfway through its inner steps.
   bool die_in_outer = false;
+  // Testing aid: with die_at_step, the member dies after that step
+  // committed, as the gather of its periodic checkpoint starts (between
+  // steps), instead of as the step starts.
+  bool die_in_gather = false;
 };
 
 struct TrainerConfig {

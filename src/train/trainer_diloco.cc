@@ -31,12 +31,16 @@ void die_for_test(const char* where, int rank, int64_t step, bool freeze, bool w
 void Trainer::diloco_state_hooks(SessionParts& parts) {
   // The inner optimizer is each member's own: checkpoints keep the
   // writer's, and a resumed run gives it to every member; state sync does
-  // not move it (a joiner's starts afresh).
+  // not move it (a joiner's starts afresh). Inner steps run ahead of the
+  // last commit (streaming's overlap) are not committed: the checkpoint
+  // keeps the state before them, as a resumed run starts that unit afresh.
   parts.save_local = [this](std::map<std::string, torch::Tensor>& extra) {
     auto& inner = opt_->optimizer();
-    extra["diloco_inner/steps"] = torch::tensor({inner.steps()}, torch::kInt64);
+    const auto* ahead = outer_steps_ ? outer_steps_->inner_before_ahead() : nullptr;
+    const auto& state = ahead ? ahead->tensors : inner.state();
+    extra["diloco_inner/steps"] = torch::tensor({ahead ? ahead->steps : inner.steps()}, torch::kInt64);
     const auto names = inner.state_names();
-    for (size_t i = 0; inner.has_state() && i < names.size(); ++i) extra["diloco_inner/" + names[i]] = inner.state()[i];
+    for (size_t i = 0; i < state.size() && i < names.size(); ++i) extra["diloco_inner/" + names[i]] = state[i];
   };
   parts.load_local = [this](const std::map<std::string, torch::Tensor>& extra) {
     auto& inner = opt_->optimizer();
@@ -60,7 +64,7 @@ bool Trainer::outer_step(Run& r) {
   const auto& t = r.t;
   auto work = o.begin();
   if (!work) return false;  // re-formed while agreeing
-  const bool dies = t.die_at_step > 0 && state_.step == t.die_at_step && r.s.rank() == t.die_rank &&
+  const bool dies = t.die_at_step > 0 && !t.die_in_gather && state_.step == t.die_at_step && r.s.rank() == t.die_rank &&
                     r.s.world() > 1 && r.s.membership_changes() == t.die_after_changes;
   auto& inner = *opt_;
   // Inner steps on a unit's batches (this one's, or the next one's first,
@@ -74,11 +78,16 @@ bool Trainer::outer_step(Run& r) {
       const auto& ids = w.batches[i];
       auto batch = data::make_train_batch(splits_->train, norm_, ids, w.epoch, cfg_.loader.augment);
       r.lr = schedule_->lr(o.inner_epoch(w.first + i), o.inner_iteration(w.first + i));
+      // A step whose gradient is not finite leaves the buffers (BatchNorm's
+      // statistics, which its forward moved) as before it.
+      std::vector<torch::Tensor> buffers_before;
+      if (!flat_->buffer_entries().empty()) buffers_before = flat_->save_buffers();
       const auto t0 = Clock::now();
       const double loss = step_->gradient(batch);
       const double compute = seconds_since(t0);  // forward and backward: the compute utilisation's numerator
       const bool finite = finite_step(flat_->grad(), loss);
       if (finite) inner.apply(flat_->data(), flat_->grad(), r.lr);
+      else if (!buffers_before.empty()) flat_->restore_buffers(buffers_before);
       o.inner_step_done(static_cast<int64_t>(ids.size()), loss, finite, compute);
     }
   };

@@ -258,6 +258,31 @@ def test_what_the_loop_changes_after_a_step_that_did_not_commit_is_put_back(run_
     assert "tried=%s" % f[0] in f, f
 
 
+def test_a_diloco_inner_step_that_is_not_finite_leaves_the_buffers_as_before_it(run_dir):
+    """sync="diloco": an inner step whose loss is not finite (a NaN sample)
+    is skipped, and the running statistics its forward moved go back to
+    what they were before it; they used to stay NaN and were averaged into
+    the outer step."""
+    import torch.nn as nn
+    torch.manual_seed(0)
+    xs = torch.randn(64, 4)
+    xs[9] = float("nan")
+    data = [(xs[i], int(i % 2)) for i in range(64)]
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    job = limbo.Job(model, opt, dataset=data, batch_size=4, epochs=2, sync="diloco", inner_steps=4,
+                    run_dir=run_dir)
+    for x, y in job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler)):
+        job.backward(torch.nn.functional.cross_entropy(model(x), y))
+        job.step()
+    job.finish()
+    s = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert s["inner_steps_skipped"] == 2, s  # the batch that holds sample 9, once an epoch
+    for name, b in model.named_buffers():
+        assert torch.isfinite(b).all(), (name, b)
+    assert int(model[1].num_batches_tracked) == 30  # 16 inner steps an epoch, less the skipped one
+
+
 def test_schedulers_per_step_per_epoch_and_on_a_metric(run_dir):
     """A scheduler made over the optimizer but not given to the job is
     refused at once; one the job steps and the loop steps too is refused at
