@@ -421,6 +421,17 @@ nlohmann::json Trainer::summary(Run& r) {
   return s;
 }
 
+namespace {
+// FNV-1a over a tensor's bytes (contiguous, on the CPU), from `h`.
+uint64_t bytes_hash(const torch::Tensor& t, uint64_t h = 1469598103934665603ULL) {
+  const auto c = t.contiguous();
+  const auto* p = static_cast<const unsigned char*>(c.data_ptr());
+  const size_t n = static_cast<size_t>(c.numel()) * c.element_size();
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ULL;
+  return h;
+}
+}  // namespace
+
 double Trainer::buffer_fingerprint() const {
   double sum = 0;
   for (const auto& b : flat_->buffer_entries()) sum += b.tensor.to(torch::kFloat64).sum().item<double>();
@@ -540,10 +551,17 @@ nlohmann::json Trainer::run() {
   }
   if (t.sample_log && !cfg_.run_dir.empty()) {
     // Testing aid: every member records a fingerprint of its final weights.
+    // The bits of the weights, the buffers and the optimizer state (a
+    // hash of their bytes), then readable sums to full precision.
+    uint64_t bits = bytes_hash(flat_->data());
+    for (const auto& b : flat_->buffer_entries()) bits = bytes_hash(b.tensor, bits);
+    for (const auto& st : rule_optimizer()->optimizer().state()) bits = bytes_hash(st, bits);
+    char line[160];
+    std::snprintf(line, sizeof line, "%ld %016llx %.17g %.17g %.17g ", static_cast<long>(state_.step),
+                  static_cast<unsigned long long>(bits), flat_->data().sum().item<double>(),
+                  flat_->data().pow(2).sum().item<double>(), buffer_fingerprint());
     std::ofstream(cfg_.run_dir + "/final-" + std::to_string(::getpid()) + ".txt")
-        << state_.step << " " << flat_->data().sum().item<double>() << " "
-        << flat_->data().pow(2).sum().item<double>() << " "
-        << buffer_fingerprint() << " " << optimizer_fingerprint() << "\n";
+        << line << optimizer_fingerprint() << "\n";
   }
   writer_dies_at("eval");
   if (r.last_eval_step != state_.step) eval_now(r);
