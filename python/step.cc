@@ -107,7 +107,7 @@ int Core::step(double loss, double lr) {
     } else if (!buffers_before_.empty()) {
       flat_->restore_buffers(buffers_before_);
     }
-    outer_steps_->inner_step_done(static_cast<int64_t>(plan_.ids.size()), loss, finite, seconds_since(step_start_));
+    outer_steps_->inner_step_done(plan_.ids, loss, finite, seconds_since(step_start_));
     return 2;
   }
   // The user's own loss.backward() (no job.backward()): the loss is not

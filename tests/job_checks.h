@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -52,6 +53,39 @@ inline void expect_exactly_once(const std::vector<std::string>& dirs, int epochs
   for (const auto& [k, c] : count) dup += c != 1;
   EXPECT_EQ(dup, 0) << "samples used more than once";
   EXPECT_EQ(steps.rbegin()->first, static_cast<int64_t>(steps.size())) << "a step is missing";
+  // DiLoCo's members also log what their inner steps really trained for
+  // each outer step they committed (trained-PID.txt): together, exactly
+  // the step's committed samples (a sample trained twice, or dealt and
+  // never trained, shows here, where the plan's log cannot show it).
+  std::map<int64_t, std::vector<int64_t>> trained;
+  bool any = false;
+  for (const auto& dir : dirs)
+    for (const auto& f : std::filesystem::directory_iterator(dir)) {
+      if (f.path().filename().string().rfind("trained-", 0) != 0) continue;
+      any = true;
+      std::string text = slurp(f.path());
+      text.erase(text.find_last_of('\n') == std::string::npos ? 0 : text.find_last_of('\n') + 1);
+      std::istringstream in(text);
+      for (std::string line; std::getline(in, line);) {
+        std::istringstream ls(line);
+        int64_t step, epoch, id;
+        ls >> step >> epoch;
+        auto& ids = trained[step];
+        while (ls >> id) ids.push_back(id);
+      }
+    }
+  if (!any) return;
+  for (const auto& [step, rest] : steps) {
+    std::istringstream ls(rest);
+    int64_t e, id;
+    ls >> e;
+    std::vector<int64_t> committed;
+    while (ls >> id) committed.push_back(id);
+    std::sort(committed.begin(), committed.end());
+    auto got = trained[step];
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, committed) << "step " << step << ": the samples its members trained are not the ones it committed";
+  }
 }
 
 inline void expect_exactly_once(const std::string& dir, int epochs, int n) {

@@ -164,6 +164,7 @@ void OuterSteps::start_work(int plan_rank, bool done) {
   plan_rank_ = plan_rank;
   inner_done_ = done;
   consumed_ = 0;
+  trained_.clear();
   loss_sum_ = 0;
   inner_steps_ = 0;
   inner_compute_ = inner_wall_ = 0;
@@ -237,6 +238,7 @@ std::optional<OuterSteps::Work> OuterSteps::begin() {
     if (a.step == s_.state().step && a.rank == plan_rank_ && a.plan.world == plan_.world &&
         a.plan.positions == plan_.positions && a.plan.offsets == plan_.offsets) {
       consumed_ = a.consumed;
+      trained_ = a.ids;
       loss_sum_ = a.loss_sum;
       inner_steps_ = a.inner_steps;
       inner_skipped += a.skipped;
@@ -306,9 +308,11 @@ int64_t OuterSteps::inner_iteration(int64_t i) const {
   return (s_.state().step + (running_ahead_ ? 1 : 0)) * opt_.diloco.unit_steps() + i;
 }
 
-void OuterSteps::inner_step_done(int64_t samples, double loss, bool applied, double compute) {
+void OuterSteps::inner_step_done(const std::vector<int64_t>& ids, double loss, bool applied, double compute) {
+  const auto samples = static_cast<int64_t>(ids.size());
   if (running_ahead_) {  // the next unit's, counted when it begins as planned
     Ahead& a = *ahead_;
+    a.ids.insert(a.ids.end(), ids.begin(), ids.end());
     if (applied) a.loss_sum += loss * static_cast<double>(samples);
     else a.skipped += 1;
     a.consumed += samples;
@@ -322,6 +326,7 @@ void OuterSteps::inner_step_done(int64_t samples, double loss, bool applied, dou
   if (applied) loss_sum_ += loss * static_cast<double>(samples);
   else inner_skipped += 1;  // the samples count as seen (as a skipped step's)
   consumed_ += samples;
+  trained_.insert(trained_.end(), ids.begin(), ids.end());
   inner_steps_ += 1;
   inner_compute_ += compute;
 }
@@ -450,6 +455,8 @@ int64_t OuterSteps::measured_payload(int64_t n) const {
 OuterSteps::Committed OuterSteps::committed(Committed c, Clock::time_point sync_start) {
   c.sync_seconds = seconds_since(sync_start);
   c.inner_steps = inner_steps_;
+  c.trained = std::move(trained_);
+  trained_.clear();
   c.compute_seconds = inner_compute_;
   c.wall_seconds = seconds_since(began_);
   inner_steps_total += inner_steps_;

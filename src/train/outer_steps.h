@@ -118,10 +118,10 @@ class OuterSteps {
   // by the samples the whole group has dealt so far, and the iteration.
   double inner_epoch(int64_t i) const;
   int64_t inner_iteration(int64_t i) const;
-  // After an inner step: its samples, its loss, whether its update was
+  // After an inner step: its sample ids, its loss, whether its update was
   // applied (false: its gradient or loss was not finite), and the seconds
   // its forward and backward took.
-  void inner_step_done(int64_t samples, double loss, bool applied, double compute_seconds);
+  void inner_step_done(const std::vector<int64_t>& ids, double loss, bool applied, double compute_seconds);
 
   struct Committed {
     StepResult res;              // the group's mean inner loss and the samples committed
@@ -134,6 +134,9 @@ class OuterSteps {
     double wall_seconds = 0;     // the outer step's wall time on this member
     int fragment = 0;            // the fragment it synced (streaming; 0 otherwise)
     int64_t payload_bytes = 0;   // pseudo-gradient bytes this member sent into its all-reduce
+    // The sample ids this member's inner steps that count in it trained
+    // (those run ahead of the last sync and kept included), in order.
+    std::vector<int64_t> trained;
   };
   // Step 3. nullopt: the group re-formed (call begin() again).
   // `before_all_reduce` (may be empty) runs after the agreement (a testing
@@ -226,6 +229,7 @@ class OuterSteps {
     int64_t consumed = 0, inner_steps = 0;
     double loss_sum = 0, compute = 0, wall = 0;
     int64_t skipped = 0;
+    std::vector<int64_t> ids;              // the samples they trained
     int64_t cursor_position = 0;           // the cursor it was planned from
     torch::Tensor local_before;            // local weights before them (the synced fragment mixed in)
     std::vector<torch::Tensor> buffers_before;  // the module's buffers before them (the average put in)
@@ -250,6 +254,7 @@ class OuterSteps {
   bool inner_done_ = false;
   bool redo_ = false;
   int64_t consumed_ = 0;  // samples of its share processed
+  std::vector<int64_t> trained_;  // their ids
   double loss_sum_ = 0;   // their losses, each times its batch
   int64_t inner_steps_ = 0;
   double inner_compute_ = 0;  // forward and backward of this outer step's inner steps

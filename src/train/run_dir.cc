@@ -94,10 +94,20 @@ void log_committed_batch(const std::string& run_dir, int64_t step, const data::B
   std::ofstream(run_dir + "/slices-" + pid + ".txt", std::ios::app) << mine << "\n";
 }
 
-void log_committed_ids(const std::string& run_dir, int64_t step, int64_t epoch, const std::vector<int64_t>& ids) {
+namespace {
+void log_ids(const std::string& path, int64_t step, int64_t epoch, const std::vector<int64_t>& ids) {
   std::string line = std::to_string(step) + " " + std::to_string(epoch);
   for (int64_t id : ids) line += " " + std::to_string(id);
-  std::ofstream(run_dir + "/samples-" + std::to_string(::getpid()) + ".txt", std::ios::app) << line << "\n";
+  std::ofstream(path, std::ios::app) << line << "\n";
+}
+}  // namespace
+
+void log_committed_ids(const std::string& run_dir, int64_t step, int64_t epoch, const std::vector<int64_t>& ids) {
+  log_ids(run_dir + "/samples-" + std::to_string(::getpid()) + ".txt", step, epoch, ids);
+}
+
+void log_trained_ids(const std::string& run_dir, int64_t step, int64_t epoch, const std::vector<int64_t>& ids) {
+  log_ids(run_dir + "/trained-" + std::to_string(::getpid()) + ".txt", step, epoch, ids);
 }
 
 }  // namespace limbo::train

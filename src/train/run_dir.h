@@ -32,6 +32,9 @@ void log_committed_batch(const std::string& run_dir, int64_t step, const data::B
 // The same for DiLoCo's outer step: the sample ids it committed (in plan
 // order) to samples-PID.txt as "step epoch id id ...".
 void log_committed_ids(const std::string& run_dir, int64_t step, int64_t epoch, const std::vector<int64_t>& ids);
+// And the ids this member's inner steps trained for that outer step (those
+// run ahead and kept included) to trained-PID.txt, in the same form.
+void log_trained_ids(const std::string& run_dir, int64_t step, int64_t epoch, const std::vector<int64_t>& ids);
 
 class RunDir {
  public:

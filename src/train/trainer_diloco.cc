@@ -88,7 +88,7 @@ bool Trainer::outer_step(Run& r) {
       const bool finite = finite_step(flat_->grad(), loss);
       if (finite) inner.apply(flat_->data(), flat_->grad(), r.lr);
       else if (!buffers_before.empty()) flat_->restore_buffers(buffers_before);
-      o.inner_step_done(static_cast<int64_t>(ids.size()), loss, finite, compute);
+      o.inner_step_done(ids, loss, finite, compute);
     }
   };
   run_inner(*work, false);
@@ -112,6 +112,9 @@ bool Trainer::outer_step(Run& r) {
     const auto& order = o.epoch_order(c->epoch);
     for (int64_t pos : c->settled.committed) ids.push_back(order[pos]);
     log_committed_ids(cfg_.run_dir, state_.step, c->epoch, ids);
+    // What this member's inner steps really trained for it (a testing
+    // aid: the committed ids above come from the plan).
+    log_trained_ids(cfg_.run_dir, state_.step, c->epoch, c->trained);
   }
   r.run_dir.append_metrics(o.record(*c, r.epoch_now(state_.cursor), r.s.world()));
   r.samples_this_run += r.res.global_batch;
