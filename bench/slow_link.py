@@ -9,8 +9,13 @@ not available here, so no latency is added). One `limbo launch` runs in each
 host. For each sync mode the same job (same seed, data, inner optimizer and
 schedule) trains the same number of samples, and the script prints per mode:
 
-  util     compute utilisation: the share of a member's training time spent
-           in its own forward and backward (summary.json, the writer's);
+  util     utilisation: the job's samples a second over the samples a
+           second of the same members with no communication at all (mode
+           "alone": one `limbo train` a host, side by side on the same
+           shaped hosts, each training its share of the budget), run in the
+           same round as the mode;
+  fb       the share of the writer's training time in its own forward and
+           backward (summary.json's compute_share), for reference;
   wait     DiLoCo: the share of a member's training time spent in outer
            syncs (their agreement, all-reduce and update; inner steps run
            during an overlapped sync are not counted);
@@ -29,11 +34,15 @@ float32), diloco50-int8 / diloco500-int8, diloco50-int4; streaming DiLoCo
 stream50 / stream50-int8 / stream50-int4 (H = 50 in 5 fragments, one
 synced every 10 inner steps and overlapping the next 5, mixing 0.5).
 
+Each round runs "alone" and then every mode; --rounds R repeats the round
+(interleaved: alone, A, B, ..., alone, A, B, ...) and prints each figure's
+median with its range.
+
 Usage (root, iproute2 with tc):
   bench/slow_link.py [--limbo build/src/cli/limbo] [--model gpt|mlp10m]
                      [--hosts 2] [--rates 100mbit,1gbit] [--samples 64000]
                      [--modes step,step-bf16,diloco50,diloco50-int8,diloco500,diloco500-int8]
-                     [--evals 8] [--json OUT]
+                     [--rounds 1] [--evals 8] [--json OUT]
 The GPT needs its data first: examples/gpt/setup.sh.
 """
 import argparse
@@ -142,6 +151,33 @@ def rate_bits(rate):
     return int(rate)
 
 
+def run_alone(limbo, hosts, model, samples):
+    """The same members with no communication: one `limbo train` in each
+    host at once, each on its share of the budget (the same model, batch,
+    optimizer and threads). Their samples a second, summed."""
+    margs, batch, train_size = model_args(model)
+    n = len(hosts.ns)
+    steps = max(1, samples // (batch * n))
+    runs = [tempfile.mkdtemp(prefix="limbo-alone-") for _ in range(n)]
+    args = margs + ["--set", "data.batch_size=%d" % batch, "--set", "train.max_steps=%d" % steps,
+                    "--set", "train.epochs=100", "--set", "optim.cosine_epochs=%g" % (samples / train_size),
+                    "--set", "train.threads=1", "--set", "train.progress=false",
+                    "--set", "train.eval_every_steps=0", "--set", "train.eval_every_epochs=0",
+                    "--set", "train.checkpoint_every_epochs=0"]
+    procs = [subprocess.Popen(["ip", "netns", "exec", hosts.ns[h], limbo, "train", "--run-dir", runs[h]] + args,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in range(n)]
+    errs = [p.communicate(timeout=7200)[1] for p in procs]
+    rate = 0.0
+    for h, p in enumerate(procs):
+        if p.returncode:
+            raise RuntimeError("alone: limbo train exited %d:\n%s" % (p.returncode, errs[h][-3000:]))
+        with open(os.path.join(runs[h], "summary.json")) as f:
+            s = json.load(f)
+        rate += s["samples"] / s["train_seconds"]
+        shutil.rmtree(runs[h], ignore_errors=True)
+    return rate
+
+
 def run_mode(limbo, hosts, model, mode, samples, evals):
     margs, batch, train_size = model_args(model)
     n = len(hosts.ns)
@@ -189,10 +225,19 @@ def run_mode(limbo, hosts, model, mode, samples, evals):
                 curve.append((r["train_seconds"], r["test_loss"], r["step"]))
     shutil.rmtree(run, ignore_errors=True)
     return {"mode": mode, "samples": s["samples"], "train_seconds": s["train_seconds"], "wall_seconds": wall,
-            "samples_per_second": s["samples"] / s["train_seconds"], "utilisation": s.get("compute_utilisation"),
+            "samples_per_second": s["samples"] / s["train_seconds"], "compute_share": s.get("compute_share"),
             "sync_share": s["outer_sync_seconds"] / s["train_seconds"] if "outer_sync_seconds" in s else None,
             "wire_bytes": wire, "bytes_per_sample": wire / max(s["samples"], 1), "test_loss": s["test_loss"],
             "curve": curve}
+
+
+def spread(xs, fmt):
+    """The median of xs, with its range when there are several."""
+    xs = sorted(xs)
+    med = xs[len(xs) // 2] if len(xs) % 2 else 0.5 * (xs[len(xs) // 2 - 1] + xs[len(xs) // 2])
+    if len(xs) == 1:
+        return fmt % med
+    return (fmt + " [" + fmt + "-" + fmt + "]") % (med, xs[0], xs[-1])
 
 
 def loss_at(curve, t):
@@ -215,6 +260,7 @@ def main():
     ap.add_argument("--samples", type=int, default=64000)
     ap.add_argument("--modes", default="step,step-bf16,diloco50,diloco50-int8,diloco500,diloco500-int8")
     ap.add_argument("--evals", type=int, default=8, help="evaluations a run (about)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of alone + every mode, interleaved")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -228,29 +274,47 @@ def main():
     out = []
     for rate in args.rates.split(","):
         hosts = Hosts(args.hosts, rate)
+        rounds = []  # each: {"alone": samples/s, mode: result}
         try:
-            results = []
-            for m in modes:
-                r = run_mode(args.limbo, hosts, args.model, m, args.samples, args.evals)
-                results.append(r)
-                print("  %s %s: %.0f samples/s, util %.3f, loss %.4f (%.0f s)" %
-                      (rate, m, r["samples_per_second"], r["utilisation"] or 0, r["test_loss"], r["wall_seconds"]),
-                      file=sys.stderr, flush=True)
+            for k in range(args.rounds):
+                alone = run_alone(args.limbo, hosts, args.model, args.samples)
+                print("  %s round %d alone: %.0f samples/s" % (rate, k + 1, alone), file=sys.stderr, flush=True)
+                got = {}
+                for m in modes:
+                    r = run_mode(args.limbo, hosts, args.model, m, args.samples, args.evals)
+                    r["utilisation"] = r["samples_per_second"] / alone
+                    r["alone_samples_per_second"] = alone
+                    got[m] = r
+                    print("  %s round %d %s: %.0f samples/s, utilisation %.3f, loss %.4f (%.0f s)" %
+                          (rate, k + 1, m, r["samples_per_second"], r["utilisation"], r["test_loss"],
+                           r["wall_seconds"]), file=sys.stderr, flush=True)
+                rounds.append({"alone": alone, "modes": got})
         finally:
             hosts.close()
+        results = [rounds[-1]["modes"][m] for m in modes]  # curves: the last round's
         t_eq = min(r["train_seconds"] for r in results)
-        print("\n%s, %d hosts x 1 worker (1 thread each, %d cores here), links %s each way, %d samples a run" %
-              (args.model, args.hosts, os.cpu_count(), rate, args.samples))
-        print("%-15s %6s %6s %8s %10s %8s %8s" % ("mode", "util", "wait", "samp/s", "B/samp", "loss@S", "loss@T"))
+        alones = [rd["alone"] for rd in rounds]
+        print("\n%s, %d hosts x 1 worker (1 thread each, %d cores here), links %s each way, %d samples a run, "
+              "%d round(s)" % (args.model, args.hosts, os.cpu_count(), rate, args.samples, args.rounds))
+        print("alone (no communication): %s samples/s" % spread(alones, "%.0f"))
+        print("%-15s %-19s %6s %6s %-17s %10s %8s %8s" % ("mode", "util", "fb", "wait", "samp/s", "B/samp",
+                                                         "loss@S", "loss@T"))
         for r in results:
             lt = loss_at(r["curve"], t_eq)
             r["loss_at_equal_time"] = lt
             r["equal_time_seconds"] = t_eq
-            print("%-15s %6.3f %6s %8.0f %10.0f %8.4f %8s" % (
-                r["mode"], r["utilisation"] or 0, "-" if r["sync_share"] is None else "%.3f" % r["sync_share"],
-                r["samples_per_second"], r["bytes_per_sample"], r["test_loss"], "-" if lt is None else "%.4f" % lt))
-        print("(equal wall time T = %.1f s of training, the fastest mode's)" % t_eq)
-        out.append({"rate": rate, "hosts": args.hosts, "model": args.model, "results": results})
+            per = [rd["modes"][r["mode"]] for rd in rounds]
+            r["rounds"] = [{"utilisation": x["utilisation"], "samples_per_second": x["samples_per_second"],
+                            "alone_samples_per_second": x["alone_samples_per_second"]} for x in per]
+            print("%-15s %-19s %6.3f %6s %-17s %10.0f %8.4f %8s" % (
+                r["mode"], spread([x["utilisation"] for x in per], "%.3f"), r["compute_share"] or 0,
+                "-" if r["sync_share"] is None else "%.3f" % r["sync_share"],
+                spread([x["samples_per_second"] for x in per], "%.0f"), r["bytes_per_sample"], r["test_loss"],
+                "-" if lt is None else "%.4f" % lt))
+        print("(equal wall time T = %.1f s of training, the fastest mode's; util, samp/s: median [range] over rounds)"
+              % t_eq)
+        out.append({"rate": rate, "hosts": args.hosts, "model": args.model, "alone_samples_per_second": alones,
+                    "results": results})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

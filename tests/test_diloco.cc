@@ -215,7 +215,7 @@ TEST(Diloco, TwoMembersTrainAndEndIdentical) {
   for (const auto& o : outer) {
     EXPECT_GT(o["pseudo_gradient_norm"].get<double>(), 0);
     EXPECT_EQ(o["owed"].get<int64_t>(), 0);
-    const double u = o["compute_utilisation"].get<double>();  // a fraction of the unit's wall time
+    const double u = o["compute_share"].get<double>();  // a fraction of the unit's wall time
     EXPECT_GT(u, 0);
     EXPECT_LE(u, 1);
   }

@@ -211,23 +211,23 @@ TEST(StatusBoard, TokenJobsShowTheirPerplexity) {
 }
 
 // DiLoCo's outer records (docs/diloco.md): outer steps, the pseudo-gradient
-// norm, the compute utilisation and the bytes on the wire, in the snapshot's
+// norm, the compute share and the bytes on the wire, in the snapshot's
 // series and as Prometheus metrics; absent from other jobs.
 TEST(StatusBoard, DilocoOuterStepsShowTheirNormUtilisationAndBytes) {
   Board b("elastic");
   b.member_event(2, "start", "joined 1,2");
   b.add_record({{"kind", "outer"}, {"step", 1}, {"epoch", 0.1}, {"samples", 640}, {"loss", 2.5}, {"owed", 0},
-                {"pseudo_gradient_norm", 3.0}, {"compute_utilisation", 0.9}, {"wall_seconds", 2.0},
+                {"pseudo_gradient_norm", 3.0}, {"compute_share", 0.9}, {"wall_seconds", 2.0},
                 {"payload_bytes", 1000}, {"workers", 2}});
   b.add_record({{"kind", "outer"}, {"step", 2}, {"epoch", 0.2}, {"samples", 320}, {"loss", 2.0}, {"owed", 320},
-                {"pseudo_gradient_norm", 2.0}, {"compute_utilisation", 0.95}, {"wall_seconds", 1.0},
+                {"pseudo_gradient_norm", 2.0}, {"compute_share", 0.95}, {"wall_seconds", 1.0},
                 {"payload_bytes", 1000}, {"workers", 1}});
   json s = b.snapshot();
   ASSERT_FALSE(s["diloco"].is_null());
   EXPECT_EQ(s["diloco"]["outer_steps"], 2);
   EXPECT_EQ(s["diloco"]["pseudo_gradient_bytes_total"], 2000);
   EXPECT_EQ(s["diloco"]["owed_samples"], 320);
-  EXPECT_DOUBLE_EQ(s["diloco"]["compute_utilisation"].get<double>(), 0.95);
+  EXPECT_DOUBLE_EQ(s["diloco"]["compute_share"].get<double>(), 0.95);
   EXPECT_EQ(s["samples_total"], 960);
   EXPECT_DOUBLE_EQ(s["loss"].get<double>(), 2.0);
   // A point for the start (no outer step yet), then one an outer step.
@@ -235,7 +235,7 @@ TEST(StatusBoard, DilocoOuterStepsShowTheirNormUtilisationAndBytes) {
   ASSERT_EQ(norms.size(), 3u);
   EXPECT_TRUE(norms[0].is_null());
   EXPECT_DOUBLE_EQ(norms[1].get<double>(), 3.0);
-  EXPECT_DOUBLE_EQ(s["series"]["compute_utilisation"][2].get<double>(), 0.95);
+  EXPECT_DOUBLE_EQ(s["series"]["compute_share"][2].get<double>(), 0.95);
   std::map<std::string, std::string> types;
   std::vector<Sample> samples;
   ASSERT_EQ(check_exposition(b.prometheus(), &types, &samples), "") << b.prometheus();

@@ -67,7 +67,7 @@ Board::Board(std::string job) : job_(std::move(job)), start_(std::chrono::steady
   series_ = {{"t", json::array()}, {"members", json::array()}, {"samples_per_second", json::array()},
              {"loss", json::array()}, {"lr", json::array()}, {"lr_multiplier", json::array()}, {"grad_norm", json::array()},
              {"batch_size", json::array()}, {"isgd_triggers", json::array()}, {"updates_per_second", json::array()},
-             {"pseudo_gradient_norm", json::array()}, {"compute_utilisation", json::array()}};
+             {"pseudo_gradient_norm", json::array()}, {"compute_share", json::array()}};
   accuracy_ = {{"t", json::array()}, {"test_accuracy", json::array()}, {"test_loss", json::array()},
                {"test_perplexity", json::array()}};
   if (job_ == "train") members_ = 1;
@@ -91,7 +91,7 @@ void Board::push_point() {
   for (const auto& [k, s] : shards_) ups += s.updates_per_second;
   append(series_["updates_per_second"], ps_ ? json(ups) : json());
   append(series_["pseudo_gradient_norm"], opt(pseudo_norm_));
-  append(series_["compute_utilisation"], opt(utilisation_));
+  append(series_["compute_share"], opt(compute_share_));
 }
 
 void Board::add_record(const json& r) {
@@ -144,7 +144,7 @@ void Board::add_record(const json& r) {
     owed_ = integer(r, "owed", owed_);
     if (auto v = number(r, "loss")) loss_ = v;
     if (auto v = number(r, "pseudo_gradient_norm")) pseudo_norm_ = v;
-    if (auto v = number(r, "compute_utilisation")) utilisation_ = v;
+    if (auto v = number(r, "compute_share")) compute_share_ = v;
     const double wall = real(r, "wall_seconds", 0);
     if (wall > 0) samples_per_second_ = static_cast<double>(integer(r, "samples", 0)) / wall;
     push_point();
@@ -231,7 +231,7 @@ json Board::snapshot() const {
             {"events", json(std::vector<json>(events_.begin(), events_.end()))}};
   if (diloco_)
     s["diloco"] = {{"outer_steps", outer_steps_}, {"pseudo_gradient_norm", opt(pseudo_norm_)},
-                   {"compute_utilisation", opt(utilisation_)}, {"pseudo_gradient_bytes_total", payload_total_},
+                   {"compute_share", opt(compute_share_)}, {"pseudo_gradient_bytes_total", payload_total_},
                    {"owed_samples", owed_}};
   else s["diloco"] = nullptr;
   if (isgd_) s["isgd"] = {{"triggers_total", isgd_triggers_}, {"extra_iterations_total", isgd_extra_}};
@@ -298,7 +298,7 @@ std::string Board::prometheus() const {
     single("limbo_diloco_outer_steps_total", "counter", d["outer_steps"], "DiLoCo outer steps committed.");
     single("limbo_diloco_pseudo_gradient_norm", "gauge", d["pseudo_gradient_norm"],
            "L2 norm of the writer's pseudo-gradient (global - local) at the last outer step.");
-    single("limbo_diloco_compute_utilisation", "gauge", d["compute_utilisation"],
+    single("limbo_diloco_compute_share", "gauge", d["compute_share"],
            "Share of the writer's last outer step spent in its own forward and backward.");
     single("limbo_diloco_pseudo_gradient_bytes_total", "counter", d["pseudo_gradient_bytes_total"],
            "Pseudo-gradient bytes the writer contributed to outer all-reduces (as encoded on the wire).");

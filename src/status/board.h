@@ -60,7 +60,7 @@ class Board {
   // DiLoCo (outer records)
   bool diloco_ = false;
   int64_t outer_steps_ = 0, payload_total_ = 0, owed_ = 0;
-  std::optional<double> pseudo_norm_, utilisation_;
+  std::optional<double> pseudo_norm_, compute_share_;
   // ISGD
   bool isgd_ = false;
   int64_t isgd_triggers_ = 0, isgd_extra_ = 0;

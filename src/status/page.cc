@@ -37,7 +37,7 @@ const std::string& page_html() {
  <div class="fact ps"><b id="dropped">–</b><span>dropped / refused</span></div>
  <div class="fact isgd"><b id="triggers">–</b><span>ISGD triggers</span></div>
  <div class="fact diloco"><b id="outer">–</b><span>outer steps</span></div>
- <div class="fact diloco"><b id="util">–</b><span>compute utilisation</span></div>
+ <div class="fact diloco"><b id="util">–</b><span>compute share</span></div>
 </div>
 <div id="grid">
  <div class="card"><canvas id="c_members"></canvas></div>
@@ -131,10 +131,10 @@ function render(s) {
   }
   if (s.diloco !== null) {
     document.getElementById("outer").textContent = s.diloco.outer_steps;
-    document.getElementById("util").textContent = s.diloco.compute_utilisation === null ? "–" : (100 * s.diloco.compute_utilisation).toFixed(1) + "%";
-    c = chart("c_diloco", "line", [line("pseudo-gradient norm", "#c52", [], {yAxisID: "y"}), line("compute utilisation", "#27c", [], {yAxisID: "y1"})],
-        {title: "DiLoCo: pseudo-gradient norm and compute utilisation", scales: {x: {type: "linear"}, y: {position: "left"}, y1: {position: "right", min: 0, max: 1, grid: {drawOnChartArea: false}}}});
-    c.data.datasets[0].data = xy(t, S.pseudo_gradient_norm); c.data.datasets[1].data = xy(t, S.compute_utilisation); c.update("none");
+    document.getElementById("util").textContent = s.diloco.compute_share === null ? "–" : (100 * s.diloco.compute_share).toFixed(1) + "%";
+    c = chart("c_diloco", "line", [line("pseudo-gradient norm", "#c52", [], {yAxisID: "y"}), line("compute share", "#27c", [], {yAxisID: "y1"})],
+        {title: "DiLoCo: pseudo-gradient norm and compute share", scales: {x: {type: "linear"}, y: {position: "left"}, y1: {position: "right", min: 0, max: 1, grid: {drawOnChartArea: false}}}});
+    c.data.datasets[0].data = xy(t, S.pseudo_gradient_norm); c.data.datasets[1].data = xy(t, S.compute_share); c.update("none");
   }
   if (s.isgd !== null) {
     document.getElementById("triggers").textContent = s.isgd.triggers_total;

@@ -184,7 +184,7 @@ nlohmann::json OuterSteps::record(const Committed& c, double epoch, int workers)
           {"compute_seconds", c.compute_seconds},
           {"wall_seconds", c.wall_seconds},
           {"sync_seconds", c.sync_seconds},
-          {"compute_utilisation", c.wall_seconds > 0 ? c.compute_seconds / c.wall_seconds : 0.0},
+          {"compute_share", c.wall_seconds > 0 ? c.compute_seconds / c.wall_seconds : 0.0},
           {"payload_bytes", c.payload_bytes},
           {"fragment", c.fragment},
           {"workers", workers}};
@@ -196,7 +196,7 @@ nlohmann::json OuterSteps::summary() const {
           {"inner_steps_skipped", inner_skipped},
           {"outer_steps_redone", outer_redone},
           {"outer_steps_stopped_early", stopped_early},
-          {"compute_utilisation", wall_seconds > 0 ? compute_seconds / wall_seconds : 0.0},
+          {"compute_share", wall_seconds > 0 ? compute_seconds / wall_seconds : 0.0},
           {"compute_seconds", compute_seconds},
           {"outer_sync_seconds", sync_seconds},
           {"pseudo_gradient_bytes", payload_bytes},

@@ -409,7 +409,7 @@ nlohmann::json Trainer::summary(Run& r) {
   s["sync"] = cfg_.sync;
   if (!outer_steps_) {
     s["compute_seconds"] = r.compute_seconds;
-    s["compute_utilisation"] = r.train_seconds > 0 ? r.compute_seconds / r.train_seconds : 0.0;
+    s["compute_share"] = r.train_seconds > 0 ? r.compute_seconds / r.train_seconds : 0.0;
   }
   if (outer_steps_) s.update(outer_steps_->summary());
   if (auto rs = rule_->summary(); !rs.empty()) s["communication"] = rs;

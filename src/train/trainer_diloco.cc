@@ -84,7 +84,7 @@ bool Trainer::outer_step(Run& r) {
       if (!flat_->buffer_entries().empty()) buffers_before = flat_->save_buffers();
       const auto t0 = Clock::now();
       const double loss = step_->gradient(batch);
-      const double compute = seconds_since(t0);  // forward and backward: the compute utilisation's numerator
+      const double compute = seconds_since(t0);  // forward and backward: the compute share's numerator
       const bool finite = finite_step(flat_->grad(), loss);
       if (finite) inner.apply(flat_->data(), flat_->grad(), r.lr);
       else if (!buffers_before.empty()) flat_->restore_buffers(buffers_before);

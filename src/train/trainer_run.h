@@ -40,7 +40,7 @@ struct Trainer::Run {
   int64_t last_eval_step = -1, samples_this_run = 0;
   double train_seconds = 0, last_loss = NAN;
   // Forward and backward (with elastic.overlap, the bucket all-reduces run
-  // meanwhile on the communication thread): the compute utilisation's
+  // meanwhile on the communication thread): the compute share's
   // numerator, against train_seconds.
   double compute_seconds = 0;
   MetricsWindow window;
