@@ -298,6 +298,21 @@ TEST(ElasticSim, StreamingDilocoWithBatchNormIsARealTwoWorkerJob) {
   EXPECT_NEAR(s["test_loss"].get<double>(), real["test_loss"].get<double>(), 1e-4);
 }
 
+// Plain DiLoCo with BatchNorm (ResNet-20): each virtual member starts its
+// inner steps from the global statistics and the outer step averages them
+// by samples (counts from the first member), as the real members' all-reduce
+// does; they used to pass from one virtual member to the next.
+TEST(ElasticSim, PlainDilocoWithBatchNormIsARealTwoWorkerJob) {
+  if (!file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")) GTEST_SKIP() << "no Fashion-MNIST";
+  auto plain = kDiloco;
+  plain.insert(plain.end(), {"model.name=resnet20", "data.train_limit=1600"});
+  auto s = elastic("0:2", plain);
+  const auto real = real_two_worker_job(plain);
+  ASSERT_FALSE(real.is_null());
+  EXPECT_EQ(s["steps"], real["steps"]);
+  EXPECT_NEAR(s["test_loss"].get<double>(), real["test_loss"].get<double>(), 1e-4);
+}
+
 TEST(ElasticSim, DilocoMembersFollowTheSchedule) {
   testing::TempDir d;
   auto s = elastic("0:1,0.5:3", kDiloco, d.file("run"));

@@ -206,6 +206,38 @@ TEST(UserState, ANonFiniteInnerStepOfDilocoLeavesTheBatchNormStatisticsAsBeforeI
     EXPECT_TRUE(std::isfinite(b["sum"].get<double>())) << name;
 }
 
+// DiLoCo with 8- and 4-bit pseudo-gradients on a model with blocks that
+// stop moving (a 7,840-value weight whose gradient is exactly zero after 40
+// inner steps): their error-feedback residual shrinks by at least 14x an
+// outer step, and once a block's largest value fell below what a scale can
+// divide (about 1e-36) the quantizer made NaN; the int8 run stopped as
+// diverged at outer step 32 (seen with the fix taken out). Both now train
+// to the end, every outer step applied, and the block keeps what it learnt.
+TEST(UserState, DilocoWithIntegerPseudoGradientsTrainsOnWhenABlockStopsMoving) {
+  NEED_FIXTURES();
+  TempDir d;
+  for (const std::string wire : {"int8", "int4"}) {
+    SCOPED_TRACE(wire);
+    const std::string run = d.file(wire);
+    auto r = run_in_mode("data-parallel", run,
+                         user_job(fx, "stops_moving.pt", "fmnist_npy",
+                                  {"train.epochs=4", "train.threads=1", "train.sample_log=true",
+                                   "elastic.sync=\"diloco\"", "diloco.inner_steps=5", "optim.lr=0.01",
+                                   "optim.momentum=0", "diloco.max_wait=0",
+                                   "comm.compression=\"" + wire + "\""}));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    auto s = summary(run);
+    // 6000 samples in outer steps of 2 x 5 x 32 = 320: 19 an epoch, the
+    // block still after the 5th.
+    EXPECT_EQ(s["outer_steps"].get<int64_t>(), 76) << s.dump();
+    EXPECT_EQ(s["skipped_steps"].get<int64_t>(), 0) << s.dump();
+    EXPECT_GT(s["test_accuracy"].get<double>(), 0.6) << s.dump();
+    expect_members_agree(run, 2);
+    const json state = exported_state(run);
+    EXPECT_NE(state["parameters"]["late"]["sum"].get<double>(), 0.0) << state["parameters"].dump();
+  }
+}
+
 // Three training samples are NaN. The batches that hold them give gradients
 // that are not finite: alone and on two members, those steps are skipped
 // (on both members alike: the same final weights and buffers), counted in

@@ -51,9 +51,14 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
   // fragment's all-reduce is on the wire; never across an epoch's end or a
   // change of the schedule. Module buffers: each member's own, averaged at
   // every unit (weighted by its samples in the unit; counts their maximum).
+  // Plain DiLoCo: each member starts its inner steps from the committed
+  // buffers, and the outer step averages them as the real all-reduce does
+  // (float32 and narrower ones weighted by the members' shares, integer and
+  // float64 ones the first member's); a skipped outer step leaves the
+  // committed ones.
   const int64_t F = cfg.diloco.fragments, b = cfg.loader.batch_size, H = cfg.diloco.unit_steps();
   const int64_t tau = F > 1 ? cfg.diloco.overlap_steps : 0;
-  const bool buffers = F > 1 && !flat.buffer_entries().empty();
+  const bool buffers = !flat.buffer_entries().empty();
   const auto fragments = train::cut_fragments(flat, F);
   std::vector<torch::Tensor> local;                   // per virtual member (undefined: the global weights)
   std::vector<std::vector<torch::Tensor>> bufs;       // per member: its buffers (empty: the global ones)
@@ -128,6 +133,7 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
     const int64_t total = static_cast<int64_t>(plan.positions.size());
     std::vector<int64_t> consumed;
     std::vector<torch::Tensor> rows;                  // buffers: each member's row
+    std::vector<double> row_weights;                  // and its samples in the unit
     std::vector<std::vector<torch::Tensor>> agreed;   // and its buffers then
     auto g0 = Clock::now();
     for (int k = 0; k < r; ++k) {
@@ -144,7 +150,8 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
       else gsum.add_(global - flat.data(), static_cast<double>(hi - lo) / static_cast<double>(total));
       if (buffers) {
         rows.push_back(train::buffer_row(flat));
-        agreed.push_back(bufs[k]);
+        row_weights.push_back(static_cast<double>(hi - lo));
+        if (F > 1) agreed.push_back(bufs[k]);
       }
     }
     std::fill(ahead.begin(), ahead.end(), 0);
@@ -201,7 +208,25 @@ json run_diloco_sim(train::Trainer& t, const train::TrainerConfig& cfg, const El
       }
     } else {
       flat.data().copy_(global);
-      if (train::finite_step(gsum, loss_sum)) outer.apply(flat.data(), gsum, cfg.diloco.outer_lr);
+      const bool finite = train::finite_step(gsum, loss_sum);
+      if (finite) outer.apply(flat.data(), gsum, cfg.diloco.outer_lr);
+      if (buffers) {
+        if (finite && !rows.empty()) {
+          const auto all = torch::stack(rows);
+          gbufs = train::average_buffers(flat, all, row_weights);
+          // Integer and float64 buffers (BatchNorm's count): the first
+          // member's, as the all-reduce takes them from member 0.
+          int64_t at = 0;
+          const auto& e = flat.buffer_entries();
+          for (size_t i = 0; i < e.size(); ++i) {
+            const int64_t m = e[i].tensor.numel();
+            if (!e[i].tensor.is_floating_point() || e[i].tensor.scalar_type() == torch::kFloat64)
+              gbufs[i] = all[0].narrow(0, at, m).reshape(e[i].tensor.sizes()).to(e[i].tensor.scalar_type());
+            at += m;
+          }
+        }
+        flat.restore_buffers(gbufs);  // the next unit's members start from these; an evaluation reads them
+      }
     }
     grad_seconds += seconds_since(g0);
     global.copy_(flat.data());

@@ -16,6 +16,7 @@ OUT_DIR/
   regress.pt           two-layer regression net (traced), for model.loss = mse
   five_classes.pt      a classifier with only 5 outputs (labels go to 9)
   tagger.pt            per-token classifier: [B, T, 6] -> scores [B, 4, T]
+  stops_moving.pt      a classifier with a block that trains only in its first 40 calls
 """
 import argparse
 import gzip
@@ -105,6 +106,32 @@ class Buffers(nn.Module):
             self.calls += 1
             self.active.copy_(m > m.median())
         return self.head(torch.flatten(torch.max_pool2d(h, 2), 1))
+
+
+class StopsMoving(nn.Module):
+    """A linear classifier with a second weight matrix, `late` (7,840
+    values: whole quantisation blocks), that trains only in its first 40
+    forward calls in training (counted by an int64 buffer) and gets an
+    exactly zero gradient after: under DiLoCo its pseudo-gradient stops
+    moving, as a dead unit's rows or the embeddings of tokens no longer seen
+    do."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(28 * 28, 10)
+        self.late = nn.Parameter(torch.zeros(28 * 28, 10))
+        self.register_buffer("calls", torch.zeros(1, dtype=torch.int64))
+
+    def forward(self, x):
+        x = torch.flatten(x, 1)
+        out = self.body(x)
+        if self.training:
+            self.calls += 1
+            if int(self.calls.item()) <= 40:
+                out = out + x @ self.late
+        else:
+            out = out + x @ self.late
+        return out
 
 
 class GruRows(nn.Module):
@@ -254,6 +281,7 @@ def main():
     torch.jit.save(torch.jit.script(CnnBn(5)), f"{a.out}/five_classes.pt")
     torch.jit.save(torch.jit.script(FrozenBackbone()), f"{a.out}/frozen_backbone.pt")
     torch.jit.save(torch.jit.script(Buffers()), f"{a.out}/buffers.pt")
+    torch.jit.save(torch.jit.script(StopsMoving()), f"{a.out}/stops_moving.pt")
 
     # The same Fashion-MNIST split into shards of uneven sizes, as published
     # data sets arrive: 16 safetensors shards of train (test in 3), and the
