@@ -7,6 +7,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 cd build
+# A fresh build has no record of how long each test takes, so ctest would
+# run them in the order they are declared and end on a long tail of slow
+# ones: seed its scheduler with the times of a recent run (longest first).
+if [ ! -f Testing/Temporary/CTestCostData.txt ]; then
+  mkdir -p Testing/Temporary
+  cp ../tests/ctest_costs.txt Testing/Temporary/CTestCostData.txt
+fi
 status=0
 ctest --output-on-failure -j "${LIMBO_JOBS:-2}" --timeout 900 2>&1 | tee logs/ctest.log || status=$?
 strict=()
