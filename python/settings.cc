@@ -4,6 +4,7 @@
 #include "comm/auth.h"
 #include "comm/compression.h"
 #include "common/config.h"
+#include "common/memory.h"
 #include "common/files.h"
 #include "train/schema.h"
 
@@ -62,6 +63,9 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
            py::function step)
     : pack_(std::move(pack)), unpack_(std::move(unpack)), step_(std::move(step)) {
   check_ranges(o);
+  // The heap settings of `limbo train` (common/memory.h), for a loop run
+  // without `limbo launch` too (which sets them in its workers' environment).
+  keep_freed_memory();
   batch_size_ = get<int64_t>(o, "batch_size", 0);
   dataset_size_ = get<int64_t>(o, "dataset_size", 0);
   epochs_ = get<int64_t>(o, "epochs", 1);

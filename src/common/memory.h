@@ -10,6 +10,8 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
+#include <vector>
 
 namespace limbo {
 
@@ -18,5 +20,12 @@ namespace limbo {
 // `trim_threshold` bytes are free at its top. Honours MALLOC_MMAP_THRESHOLD_ /
 // MALLOC_TRIM_THRESHOLD_ when the user set them (then does nothing).
 void keep_freed_memory(std::size_t mmap_threshold = 64u << 20, std::size_t trim_threshold = 512u << 20);
+
+// The same settings for a program `limbo launch` starts (a user's Python
+// loop): MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ as glibc reads
+// them at the program's start, each only where this process's environment
+// does not set it already.
+std::vector<std::string> keep_freed_memory_env(std::size_t mmap_threshold = 64u << 20,
+                                               std::size_t trim_threshold = 512u << 20);
 
 }  // namespace limbo

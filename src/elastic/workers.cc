@@ -10,6 +10,7 @@
 #include "common/error.h"
 #include "common/files.h"
 #include "common/log.h"
+#include "common/memory.h"
 
 namespace limbo::elastic {
 
@@ -79,6 +80,9 @@ pid_t spawn_program_worker(Supervisor& sup, const LaunchOptions& opt, int rank, 
   if (resume) env.push_back("LIMBO_RESUME=1");
   if (threads > 0) env.push_back("LIMBO_THREADS=" + std::to_string(threads));
   if (rank > 0) env.push_back("LIMBO_PROGRESS=0");
+  // The heap settings `limbo train` makes for itself (common/memory.h):
+  // freed activations stay in the heap instead of being unmapped each step.
+  for (auto& v : keep_freed_memory_env()) env.push_back(std::move(v));
 #ifndef LIMBO_PYTHON_DIR
 #define LIMBO_PYTHON_DIR ""
 #endif

@@ -283,6 +283,26 @@ def test_a_diloco_inner_step_that_is_not_finite_leaves_the_buffers_as_before_it(
     assert int(model[1].num_batches_tracked) == 30  # 16 inner steps an epoch, less the skipped one
 
 
+def test_launched_programs_get_the_heap_settings_of_limbo_train(tmp_path):
+    """`limbo launch` starts a user's program with the heap settings `limbo
+    train` makes for itself (freed activations stay in the heap: a Python
+    LeNet loop ran at 0.37x `limbo train` without them and 0.95x with, on
+    this machine); settings the user made are kept."""
+    probe = ["/usr/bin/python3", "-c",
+             "import os; print('mmap=%s trim=%s' % (os.environ.get('MALLOC_MMAP_THRESHOLD_'), "
+             "os.environ.get('MALLOC_TRIM_THRESHOLD_')))"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    r = subprocess.run([LIMBO, "launch", "--nproc", "1", "--"] + probe, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "mmap=67108864 trim=536870912" in r.stdout, r.stdout + r.stderr
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    r = subprocess.run([LIMBO, "launch", "--nproc", "1", "--"] + probe, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "mmap=131072 trim=536870912" in r.stdout, r.stdout + r.stderr
+
+
 def test_schedulers_per_step_per_epoch_and_on_a_metric(run_dir):
     """A scheduler made over the optimizer but not given to the job is
     refused at once; one the job steps and the loop steps too is refused at
