@@ -231,7 +231,7 @@ TEST(UserState, DilocoWithIntegerPseudoGradientsTrainsOnWhenABlockStopsMoving) {
     // block still after the 5th.
     EXPECT_EQ(s["outer_steps"].get<int64_t>(), 76) << s.dump();
     EXPECT_EQ(s["skipped_steps"].get<int64_t>(), 0) << s.dump();
-    EXPECT_GT(s["test_accuracy"].get<double>(), 0.6) << s.dump();
+    EXPECT_GT(s["test_accuracy"].get<double>(), 0.6) << s.dump();  // 0.774 with int8 and int4
     expect_members_agree(run, 2);
     const json state = exported_state(run);
     EXPECT_NE(state["parameters"]["late"]["sum"].get<double>(), 0.0) << state["parameters"].dump();
