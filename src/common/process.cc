@@ -16,7 +16,7 @@
 namespace limbo {
 
 pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, int parent_death_signal,
-                    const std::vector<std::string>& env) {
+                    const std::vector<std::string>& env, bool own_group) {
   std::vector<std::string> all = {exe};
   all.insert(all.end(), args.begin(), args.end());
   // The child's environment, built before fork (nothing allocates after it).
@@ -39,6 +39,7 @@ pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args
   pid_t pid = ::fork();
   if (pid < 0) throw Error("fork failed: " + std::string(std::strerror(errno)));
   if (pid == 0) {
+    if (own_group) ::setpgid(0, 0);
     if (parent_death_signal != 0) {
       ::prctl(PR_SET_PDEATHSIG, parent_death_signal);
       if (::getppid() != parent) ::raise(parent_death_signal);  // the parent died before prctl
@@ -47,6 +48,7 @@ pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args
     std::fprintf(stderr, "launch: cannot exec %s: %s\n", exe.c_str(), std::strerror(errno));
     ::_exit(127);
   }
+  if (own_group) ::setpgid(pid, pid);  // also here: no signal to the group may come before the child's own call
   return pid;
 }
 
@@ -90,13 +92,13 @@ Supervisor::Supervisor() {
 }
 
 Supervisor::~Supervisor() {
-  for (const auto& [pid, c] : children_) ::kill(pid, SIGKILL);
+  for (const auto& [pid, c] : children_) ::kill(-pid, SIGKILL);
   for (const auto& [pid, c] : children_) ::waitpid(pid, nullptr, 0);
 }
 
 pid_t Supervisor::start(const std::string& exe, const std::vector<std::string>& args, const std::string& role,
                         int index, const std::vector<std::string>& env) {
-  const pid_t pid = spawn_program(exe, args, SIGTERM, env);
+  const pid_t pid = spawn_program(exe, args, SIGTERM, env, true);
   children_[pid] = Child{role, index};
   return pid;
 }
@@ -105,13 +107,23 @@ std::optional<Supervisor::Exit> Supervisor::poll(pid_t only) {
   const auto now = std::chrono::steady_clock::now();
   for (auto& [pid, c] : children_) {
     if (c.stopping && now >= c.kill_at) {
-      ::kill(pid, SIGKILL);
+      ::kill(-pid, SIGKILL);
       c.kill_at = std::chrono::steady_clock::time_point::max();
     }
   }
   int status = 0;
   for (;;) {
-    const pid_t pid = ::waitpid(only, &status, WNOHANG);
+    // Seen before it is reaped: while the child is a zombie its process
+    // group cannot be a new process's, so what it started and left running
+    // (a DataLoader's workers, a helper holding the launcher's output open)
+    // is killed with no risk of hitting anything else.
+    siginfo_t info{};
+    if (::waitid(only < 0 ? P_ALL : P_PID, only < 0 ? 0 : static_cast<id_t>(only), &info,
+                 WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid == 0)
+      return std::nullopt;
+    const pid_t seen = info.si_pid;
+    if (children_.count(seen)) ::kill(-seen, SIGKILL);
+    const pid_t pid = ::waitpid(seen, &status, WNOHANG);
     if (pid <= 0) return std::nullopt;
     auto it = children_.find(pid);
     if (it == children_.end()) continue;  // not ours (or already forgotten)

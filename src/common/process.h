@@ -17,9 +17,11 @@ namespace limbo {
 // Throws limbo::Error when fork fails; a failed exec exits the child with 127.
 // With `parent_death_signal`, the child gets that signal when the parent
 // dies (PR_SET_PDEATHSIG), however it dies. `env`: "NAME=VALUE" entries
-// added to (or replacing those of) this process's environment.
+// added to (or replacing those of) this process's environment. With
+// `own_group`, the child leads a process group of its own (what it starts
+// can then be ended with it: kill(-pid, ...)).
 pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, int parent_death_signal = 0,
-                    const std::vector<std::string>& env = {});
+                    const std::vector<std::string>& env = {}, bool own_group = false);
 
 // A waitpid() status as a shell would report it: the exit code, or 128 + signal.
 int exit_code_of(int status);
@@ -31,7 +33,10 @@ std::string describe_status(int status);
 //
 // Signals: constructing a Supervisor installs handlers for SIGINT, SIGTERM
 // and SIGUSR1 that only record the signal (take_signal()); the launcher decides
-// what its children get. The destructor SIGKILLs and reaps every child still
+// what its children get. Each child leads its own process group: when it
+// ends, however it ends, what it started and left running is SIGKILLed with
+// it (poll()), and the SIGKILL at the end of a stop's grace period goes to
+// the whole group. The destructor SIGKILLs and reaps every child still
 // running, so no path out of a launcher leaves processes behind; and a
 // launcher that is itself killed leaves none either: its children get
 // SIGTERM from the kernel when it dies (a worker leaves the job cleanly).

@@ -303,6 +303,43 @@ def test_launched_programs_get_the_heap_settings_of_limbo_train(tmp_path):
     assert "mmap=131072 trim=536870912" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("how,code", [("exits", 0), ("killed", 137)])
+def test_a_launched_program_leaves_no_process_of_its_own_behind(tmp_path, how, code):
+    """What a worker started (a DataLoader's worker processes, a helper)
+    ends with it: `limbo launch` runs each worker in a process group of its
+    own and kills the group when the worker ends, however it ends. A child
+    left running kept the launcher's output open, so that a caller waiting
+    for it (a test, a pipe, a scheduler's step) waited for ever."""
+    pid_file = str(tmp_path / "grandchild")
+    prog = ("import os, signal, sys, time\n"
+            "if os.fork() == 0:\n"
+            "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "    open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid()))\n"
+            "    os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
+            "    time.sleep(600)\n"
+            "    os._exit(0)\n"
+            "while not os.path.exists(sys.argv[1]):\n"
+            "    time.sleep(0.01)\n"
+            "if sys.argv[2] == 'killed':\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = subprocess.run([LIMBO, "launch", "--nproc", "1", "--", "/usr/bin/python3", "-c", prog, pid_file, how],
+                       env=env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, r.stdout + r.stderr
+    grandchild = int(open(pid_file).read())
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        try:
+            state = open("/proc/%d/stat" % grandchild).read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(grandchild, signal.SIGKILL)
+        pytest.fail("the worker's child %d outlived the launcher" % grandchild)
+
+
 def test_schedulers_per_step_per_epoch_and_on_a_metric(run_dir):
     """A scheduler made over the optimizer but not given to the job is
     refused at once; one the job steps and the loop steps too is refused at
