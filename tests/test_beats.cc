@@ -6,7 +6,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <numeric>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -236,6 +238,63 @@ TEST(Beats, TheListenerForgetsSilentSendersOldestFirstAndStillRefusesReplays) {
   send("live", 45, 1);
   ASSERT_TRUE(eventually([&] { return listener.refused() == refused + 1; }, 1000ms));
   ::close(fd);
+}
+
+// Beyond some 30,000 members one thread could not take every host's
+// datagram. The listener now reads one port through several sockets
+// (SO_REUSEPORT), a thread each, with the senders spread over them by the
+// kernel: every sender's beats arrive and are acknowledged, each lane
+// refuses its senders' replays, and more than one lane takes senders.
+TEST(Beats, ListenerLanesShareOnePortAndEachRefusesItsSendersReplays) {
+  BeatListener listener("127.0.0.1", "127.0.0.1", kSecret, 4);
+  ASSERT_EQ(listener.lanes(), 4);
+  const std::string addr = listener.address();
+  const std::string nonce = addr.substr(addr.find(' ') + 1);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(addr.find(':') + 1))));
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  constexpr int kSenders = 64;
+  std::vector<int> fds;
+  auto send = [&](int s, int64_t seq) {
+    const std::string msg = sealed("LB1 " + nonce + " s" + std::to_string(s) + " " + std::to_string(seq) + "\n" +
+                                   std::to_string(1000 + s) + " " + std::to_string(seq) + " 0", kSecret);
+    ::sendto(fds[s], msg.data(), msg.size(), 0, reinterpret_cast<sockaddr*>(&to), sizeof to);
+  };
+  for (int s = 0; s < kSenders; ++s) {
+    fds.push_back(::socket(AF_INET, SOCK_DGRAM, 0));  // a port of its own: a host's relay
+    ASSERT_GE(fds.back(), 0);
+    const timeval tv{2, 0};
+    ::setsockopt(fds.back(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  }
+  for (int64_t seq = 1; seq <= 3; ++seq)
+    for (int s = 0; s < kSenders; ++s) send(s, seq);
+  ASSERT_TRUE(eventually([&] {
+    const auto t = listener.table()->read();
+    for (int s = 0; s < kSenders; ++s)
+      if (!t.count(1000 + s) || t.at(1000 + s).counter != 3) return false;
+    return true;
+  }));
+  // Each sender has its three acknowledgements, from the one port.
+  for (int s = 0; s < kSenders; ++s)
+    for (int k = 0; k < 3; ++k) {
+      char buf[512];
+      sockaddr_in from{};
+      socklen_t flen = sizeof from;
+      const ssize_t n = ::recvfrom(fds[s], buf, sizeof buf, 0, reinterpret_cast<sockaddr*>(&from), &flen);
+      ASSERT_GT(n, 0) << "sender " << s << " acknowledgement " << k;
+      EXPECT_EQ(from.sin_port, to.sin_port);
+      EXPECT_EQ(std::string(buf, 4), "LA2 ");
+    }
+  const auto by_lane = listener.senders_by_lane();
+  EXPECT_EQ(std::accumulate(by_lane.begin(), by_lane.end(), size_t{0}), size_t{kSenders});
+  EXPECT_GE(std::count_if(by_lane.begin(), by_lane.end(), [](size_t n) { return n > 0; }), 2);
+  // A replay from each sender's own port is refused by its lane.
+  const int64_t refused = listener.refused();
+  for (int s = 0; s < kSenders; ++s) send(s, 2);
+  ASSERT_TRUE(eventually([&] { return listener.refused() == refused + kSenders; }, 2000ms));
+  EXPECT_EQ(listener.table()->read().at(1000).counter, 3);
+  for (int fd : fds) ::close(fd);
 }
 
 // Found: an acknowledgement counted whenever its number was not above the

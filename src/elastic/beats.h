@@ -28,8 +28,9 @@
 // or to a later coordinator. An acknowledgement names the listener too, and
 // a sender counts each number once: a recorded one replayed never keeps a
 // relay "acknowledged". A datagram that does not start with this
-// listener's nonce is dropped from a peek at its first bytes, before any
-// MAC is computed, so a flood from a sender without it costs little.
+// listener's nonce, or is longer than a beat datagram can be, is dropped
+// from its first bytes, before any MAC is computed, so a flood from a
+// sender without it costs little.
 //
 // A slot of the host's table is read under a sequence lock: a reader never
 // takes one worker's id with another's counter (a slot reused across a
@@ -158,6 +159,12 @@ class BeatTable {
       : forget_after_(forget_after) {}
   // Keeps the beat if its counter is higher than the one held.
   void note(int64_t id, int64_t counter, Time at);
+  struct Beat {
+    int64_t id = 0, counter = 0;
+    Time at{};
+  };
+  // note() for each, under one lock (a datagram's beats).
+  void note_all(const std::vector<Beat>& beats);
   // The workers whose beat advanced since the last call, each once with
   // its latest beat (the coordinator's poll).
   std::vector<std::pair<int64_t, Seen>> take_changes();
@@ -174,6 +181,7 @@ class BeatTable {
     bool changed = false;
     std::list<int64_t>::iterator pos;  // in order_
   };
+  void note_locked(int64_t id, int64_t counter, Time at, Time now);
   mutable std::mutex mu_;
   std::chrono::steady_clock::duration forget_after_;
   std::unordered_map<int64_t, Held> seen_;
@@ -182,12 +190,23 @@ class BeatTable {
   Time last_{};
 };
 
-// The coordinator's end: a UDP socket on `bind_host` (any port) and a
-// thread that takes datagrams into table().
+// The coordinator's end: UDP sockets on `bind_host` (one port, any), each
+// with a thread that takes datagrams into table().
+//
+// Beyond some 30,000 members one core cannot take every host's datagram
+// (an HMAC each, and its acknowledgement): the listener has `lanes`
+// sockets on the same port (SO_REUSEPORT), each read by a thread of its
+// own; the kernel spreads datagrams over them by sender (address and
+// port), so each lane keeps the replay numbers of its own senders and
+// shares nothing with the others but the table. A lane takes what is
+// queued a batch at a time (recvmmsg) and answers a batch at a time
+// (sendmmsg): two system calls for up to 32 datagrams, not three each.
 class BeatListener {
  public:
   // `advertise_host`: the address senders reach this machine by.
-  BeatListener(const std::string& bind_host, const std::string& advertise_host, std::string token);
+  // `lanes`: sockets and threads (0: one per core, at most 4).
+  BeatListener(const std::string& bind_host, const std::string& advertise_host, std::string token,
+               int lanes = 0);
   ~BeatListener();
   BeatListener(const BeatListener&) = delete;
   BeatListener& operator=(const BeatListener&) = delete;
@@ -197,38 +216,31 @@ class BeatListener {
   // Datagrams refused (bad MAC, another coordinator's nonce, a replayed or
   // malformed one) since the start.
   int64_t refused() const { return refused_.load(); }
-  // Senders whose last datagram number is held (for the replay check).
-  size_t senders() const { return senders_held_.load(); }
+  // Senders whose last datagram number is held (for the replay check), in
+  // all lanes.
+  size_t senders() const;
+  int lanes() const { return static_cast<int>(lanes_.size()); }
+  // The senders each lane holds.
+  std::vector<size_t> senders_by_lane() const;
   // Testing aid: forget senders silent for `after` once more than `cap`
-  // are held (default: a minute, 4096).
+  // are held in a lane (default: a minute, 4096).
   void testing_forget_senders(std::chrono::steady_clock::duration after, size_t cap) {
     forget_after_ = after;
     forget_cap_ = cap;
   }
 
  private:
-  void loop();
-  void take(const char* data, size_t len, const void* from, unsigned from_len);
-  int fd_ = -1;
+  struct Lane;
+  void loop(Lane& lane);
+  // The acknowledgement to send back, or "" (refused).
+  std::string take(Lane& lane, const char* data, size_t len);
   std::string token_, nonce_, address_;
   std::shared_ptr<BeatTable> table_ = std::make_shared<BeatTable>();
-  // Each sender's last datagram number and when it came, by nonce; the
-  // order of their last datagrams, the oldest first, so that pruning senders
-  // gone for forget_after_ looks only at the oldest (O(1) a datagram, not a
-  // scan of the map).
-  struct Sender {
-    int64_t seq = 0;
-    std::chrono::steady_clock::time_point at{};
-    std::list<std::string>::iterator pos;
-  };
-  std::unordered_map<std::string, Sender> senders_;
-  std::list<std::string> sender_order_;
-  std::atomic<size_t> senders_held_{0};
+  std::vector<std::unique_ptr<Lane>> lanes_;
   std::atomic<std::chrono::steady_clock::duration> forget_after_{std::chrono::minutes(1)};
   std::atomic<size_t> forget_cap_{4096};
   std::atomic<int64_t> refused_{0};
   std::atomic<bool> stop_{false};
-  std::thread thread_;
 };
 
 struct BeatSenderOptions {
