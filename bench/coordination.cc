@@ -1,5 +1,5 @@
 // Coordination at scale: the membership coordinator (elastic/coordinator.h)
-// against 1,000 to 10,000 members, on the embedded store and on etcd, with
+// against 1,000 to 50,000 members, on the embedded store and on etcd, with
 // the benchmark's own cost kept apart from what it measures.
 //
 // Processes (so that each one's CPU is its own):

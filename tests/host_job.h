@@ -99,6 +99,25 @@ struct HostJob {
       ASSERT_TRUE(limbo::testing::wait_for_text(log(0), "store at", 60)) << slurp(log(0));
     }
   }
+  // Waits (120 s at most) until host h's first `workers` workers have
+  // registered with the job: each logs "training ..." once it has its id.
+  // A host launched after that takes later ids, so later ranks (ranks
+  // follow ids); a fixed pause did not ensure it on a loaded machine, where
+  // a worker took 11 s to start (found in a suite run).
+  bool registered(int h, int workers = 1) {
+    const auto end = std::chrono::steady_clock::now() + 120s;
+    for (;;) {
+      const std::string text = slurp(log(h));
+      int n = 0;
+      for (size_t at = text.find("] training "); at != std::string::npos; at = text.find("] training ", at + 1)) ++n;
+      if (n >= workers) return true;
+      if (std::chrono::steady_clock::now() > end) {
+        ADD_FAILURE() << "host " << h << ": " << n << " of " << workers << " workers registered" << all_logs();
+        return false;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+  }
   // Host A (hosting, 2 workers) and host B (1 worker), training together
   // for a second; false (with a test failure) when they never did.
   bool start_two_hosts() {

@@ -44,7 +44,7 @@ class TwoByTwo : public ::testing::Test {
 bool start(HostJob& job, int min_workers) {
   job.launcher_extra.insert(job.launcher_extra.end(), {"--start-workers", "4"});
   job.launch(0, 2, min_workers);
-  std::this_thread::sleep_for(3s);
+  if (!job.registered(0, 2)) return false;
   job.launch(1, 2, min_workers);
   if (!job.training(4)) {
     ADD_FAILURE() << "four workers never trained together" << job.all_logs();
@@ -231,9 +231,9 @@ TEST(ShardedHosts, TwoHostsLostTogetherFallBackToTheNewestCheckpoint) {
   job.train_extra = {"--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002", "--set",
                      "optim.shard_state=true", "--set", "train.checkpoint_every_steps=10"};
   job.launch(0, 1, 1);
-  std::this_thread::sleep_for(3s);
+  ASSERT_TRUE(job.registered(0));
   job.launch(1, 1, 1);
-  std::this_thread::sleep_for(3s);
+  ASSERT_TRUE(job.registered(1));
   job.launch(2, 1, 1);
   ASSERT_TRUE(job.training(3)) << job.all_logs();
   for (int i = 0; i < 600 && !std::filesystem::exists(job.run + "/checkpoint.pt"); ++i)
@@ -290,9 +290,9 @@ TEST(ShardedHosts, TheCopiesFollowElasticMomentumThroughALaterHostLoss) {
                                  "--set", "train.testing_die_after_changes=1"};
       job.host_train_extra[2] = {"--set", "train.testing_die_at_step=15", "--set", "train.testing_die_rank=2"};
       job.launch(0, 1, 1);
-      std::this_thread::sleep_for(2s);
+      ASSERT_TRUE(job.registered(0));
       job.launch(1, 1, 1);
-      std::this_thread::sleep_for(2s);
+      ASSERT_TRUE(job.registered(1));
       job.launch(2, 1, 1);
       job.wait_all();
       const std::string logs = job.all_logs();

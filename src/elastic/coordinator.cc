@@ -86,6 +86,7 @@ void Coordinator::read_members() {
     dead_keys_.clear();
     wanted_.clear();
   }
+  if (ch.full) everyone_next_ = true;
   for (const auto& [key, value] : ch.written) note_key(key, &value);
   for (const auto& key : ch.erased) note_key(key, nullptr);
   revision_ = ch.revision;
@@ -100,9 +101,15 @@ void Coordinator::note_key(const std::string& key, const std::string* value) {
     if (tail.empty() || tail.size() > 18 || tail.find_first_not_of("0123456789") != std::string::npos)
       return;  // not a member's key
     const int64_t id = std::stoll(tail);
-    std::set<int64_t>& ids = kind == 0 ? joined_ : kind == 1 ? left_keys_ : kind == 2 ? dead_keys_ : wanted_;
+    if (kind == 3) {
+      if (value) wanted_.insert(id);
+      else wanted_.erase(id);
+      return;
+    }
+    auto& ids = kind == 0 ? joined_ : kind == 1 ? left_keys_ : dead_keys_;
     if (value) ids.insert(id);
     else ids.erase(id);
+    pending_.push_back(id);
     return;
   }
 }
@@ -141,71 +148,125 @@ Coordinator::Result Coordinator::poll() {
 // some member's heartbeat advances (within half a timeout); when beats
 // come again after everyone was quiet that long, every member starts a
 // fresh timeout.
+//
+// A poll costs what changed, not the members there are: it looks at the
+// members whose beat or keys changed and those whose deadline (last beat
+// + timeout) passed; at 50,000 members a walk over all of them twice a
+// poll was most of the coordinator's time.
 Coordinator::Liveness Coordinator::liveness(Time now, bool ending) {
-  Liveness l;
+  Looked at;
+  at.now = now;
+  at.real_now = std::chrono::steady_clock::now();
+  at.ending = ending;
+  bool advanced = false;
   for (const auto& [id, beat] : beats_->take_changes()) {
     auto& s = seen_[id];
-    if (beat.counter > s.counter) s = beat;  // (a worker the table forgot and heard again: only newer counts)
+    if (beat.counter <= s.counter) continue;  // (a worker the table forgot and heard again: only newer counts)
+    s = beat;
+    pending_.push_back(id);
+    auto h = heartbeats_.find(id);
+    advanced = advanced || (h != heartbeats_.end() && h->second.counter != beat.counter && joined_.count(id));
   }
-  const auto& seen = seen_;
-  const auto real_now = std::chrono::steady_clock::now();
-  auto beat_of = [&](int64_t id) {
-    auto it = seen.find(id);
-    return it == seen.end() ? int64_t{0} : it->second.counter;
-  };
-  // When member `id` made its last beat, on this coordinator's clock
-  // (`now`, less the beat's age).
-  auto made_at = [&](int64_t id) {
-    auto it = seen.find(id);
-    if (it == seen.end()) return now;
-    return now - std::max<std::chrono::steady_clock::duration>(std::chrono::steady_clock::duration::zero(),
-                                                               real_now - it->second.at);
-  };
-  bool advanced = false;
-  for (int64_t id : joined_) {
-    auto it = heartbeats_.find(id);
-    advanced = advanced || (it != heartbeats_.end() && it->second.first != beat_of(id));
-  }
-  const bool everyone_quiet = last_any_beat_ != Time{} && now - last_any_beat_ > opt_.heartbeat_timeout / 2;
-  const bool gap = (failed_ && now - last_poll_ > opt_.heartbeat_timeout / 2) || (advanced && everyone_quiet);
+  at.everyone_quiet = last_any_beat_ != Time{} && now - last_any_beat_ > opt_.heartbeat_timeout / 2;
+  at.gap = (failed_ && now - last_poll_ > opt_.heartbeat_timeout / 2) || (advanced && at.everyone_quiet);
   if (advanced || last_any_beat_ == Time{}) last_any_beat_ = now;
-  for (int64_t id : joined_) {
-    if (dead_.count(id) || dead_keys_.count(id)) continue;
-    if (left_keys_.count(id) && !ending) {
-      l.left.insert(id);
-      continue;
+  const bool grace = resumed_at_ != Time{} && now - resumed_at_ < kTakeOverGraceTimeouts * opt_.heartbeat_timeout;
+  const bool everyone = everyone_next_ || look_at_everyone_ || at.gap || at.everyone_quiet != last_quiet_ ||
+                        ending != last_ending_ || grace || last_grace_;
+  everyone_next_ = false;
+  last_quiet_ = at.everyone_quiet;
+  last_ending_ = ending;
+  last_grace_ = grace;
+  if (everyone) {
+    due_ = {};
+    for (auto& [id, h] : heartbeats_) h.due = Time{};
+    pending_.assign(joined_.begin(), joined_.end());
+    for (const auto& [id, s] : state_)
+      if (!joined_.count(id)) pending_.push_back(id);
+  } else if (!at.everyone_quiet) {  // (while everyone is quiet, no one falls silent)
+    while (!due_.empty() && due_.top().first < now) {
+      const auto [t, id] = due_.top();
+      due_.pop();
+      auto h = heartbeats_.find(id);
+      if (h == heartbeats_.end() || h->second.due != t) continue;
+      h->second.due = Time{};
+      pending_.push_back(id);
     }
-    const int64_t beat = beat_of(id);
-    auto it = heartbeats_.find(id);
-    if (it != heartbeats_.end() && it->second.first != beat) beat_since_resume_.insert(id);
-    if (it == heartbeats_.end() || gap) {
-      heartbeats_[id] = {beat, now};
-    } else if (it->second.first != beat) {
-      it->second = {beat, std::max(it->second.second, made_at(id))};
-    }
-    // After a take-over, a member's relay finds the new coordinator's
-    // address a few intervals late (it asks again only once acknowledgements
-    // stop): one not yet heard from since is given three timeouts, not one,
-    // so that a take-over evicts no live host (a bounded wait).
-    const bool finding_us = resumed_at_ != Time{} && !beat_since_resume_.count(id) &&
-                            now - resumed_at_ < kTakeOverGraceTimeouts * opt_.heartbeat_timeout;
-    if (now - heartbeats_[id].second > opt_.heartbeat_timeout && !everyone_quiet && !finding_us) {
-      l.silent.insert(id);
-      continue;  // silent for too long (crashed, stopped or cut off) while others beat
-    }
-    if (left_keys_.count(id)) {
-      l.left.insert(id);  // (ending) left, and still beating
-      continue;
-    }
-    l.alive.push_back(id);
   }
+  for (int64_t id : pending_) {
+    const State s = look_at(id, at);
+    set_state(id, s);
+    if (s == State::Alive || (s == State::Left && ending)) {
+      Heard& h = heartbeats_[id];
+      if (h.due == Time{}) {
+        h.due = h.date + opt_.heartbeat_timeout;
+        due_.emplace(h.due, id);
+      }
+    }
+  }
+  pending_.clear();
+  Liveness l;
+  if (alive_changed_) {
+    alive_list_.assign(alive_.begin(), alive_.end());
+    alive_changed_ = false;
+  }
+  l.alive = alive_list_;
+  l.left = left_;
+  l.silent = silent_;
   return l;
+}
+
+// Where member `id` stands at `at.now`, its beat dated on the way.
+Coordinator::State Coordinator::look_at(int64_t id, const Looked& at) {
+  if (!joined_.count(id) || dead_.count(id) || dead_keys_.count(id)) return State::Out;
+  if (left_keys_.count(id) && !at.ending) return State::Left;
+  const auto seen = seen_.find(id);
+  const int64_t beat = seen == seen_.end() ? 0 : seen->second.counter;
+  auto [it, first] = heartbeats_.try_emplace(id);
+  Heard& h = it->second;
+  if (!first && h.counter != beat) beat_since_resume_.insert(id);
+  if (first || at.gap) {
+    h.counter = beat;
+    h.date = at.now;
+  } else if (h.counter != beat) {
+    // When the member made its last beat, on this coordinator's clock
+    // (`now`, less the beat's age).
+    const auto made = at.now - std::max<std::chrono::steady_clock::duration>(
+                                   std::chrono::steady_clock::duration::zero(), at.real_now - seen->second.at);
+    h.counter = beat;
+    h.date = std::max(h.date, made);
+  }
+  // After a take-over, a member's relay finds the new coordinator's
+  // address a few intervals late (it asks again only once acknowledgements
+  // stop): one not yet heard from since is given three timeouts, not one,
+  // so that a take-over evicts no live host (a bounded wait).
+  const bool finding_us = resumed_at_ != Time{} && !beat_since_resume_.count(id) &&
+                          at.now - resumed_at_ < kTakeOverGraceTimeouts * opt_.heartbeat_timeout;
+  if (at.now - h.date > opt_.heartbeat_timeout && !at.everyone_quiet && !finding_us)
+    return State::Silent;  // silent for too long (crashed, stopped or cut off) while others beat
+  if (left_keys_.count(id)) return State::Left;  // (ending) left, and still beating
+  return State::Alive;
+}
+
+void Coordinator::set_state(int64_t id, State s) {
+  auto it = state_.find(id);
+  const State was = it == state_.end() ? State::Out : it->second;
+  if (was == s) return;
+  auto set_of = [&](State x) -> std::set<int64_t>* {
+    return x == State::Alive ? &alive_ : x == State::Left ? &left_ : x == State::Silent ? &silent_ : nullptr;
+  };
+  if (auto* from = set_of(was)) from->erase(id);
+  if (auto* to = set_of(s)) to->insert(id);
+  alive_changed_ = alive_changed_ || was == State::Alive || s == State::Alive;
+  if (s == State::Out) state_.erase(id);
+  else state_[id] = s;
 }
 
 // A member of the current round that went silent without leaving may
 // still hold its connections open (a stopped process): the others would
 // wait in their collective until its timeout. Tell them to abort it.
 void Coordinator::abort_silent(const Liveness& l, Result& r) {
+  if (l.alive == current_.members || aborted_round_ >= current_.number) return;
   std::vector<int64_t> silent;
   for (auto id : current_.members)
     if (!l.left.count(id) && !std::binary_search(l.alive.begin(), l.alive.end(), id)) silent.push_back(id);

@@ -38,9 +38,11 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <queue>
 #include <set>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "comm/kv_store.h"
@@ -99,8 +101,14 @@ class Coordinator {
   // its storage takes over; the mark of one that beats again is erased.
   void poll_ending();
   // The launcher saw worker `id`'s process exit.
-  void mark_dead(int64_t id) { dead_.insert(id); }
+  void mark_dead(int64_t id) {
+    dead_.insert(id);
+    pending_.push_back(id);
+  }
   const Round& current() const { return current_; }
+  // Testing aid: every poll looks at every member, as polls did before
+  // silence was found by deadline (the two must agree).
+  void testing_look_at_everyone(bool on) { look_at_everyone_ = on; }
 
  private:
   using Time = std::chrono::steady_clock::time_point;
@@ -115,6 +123,13 @@ class Coordinator {
   void note_key(const std::string& key, const std::string* value);
   // `ending`: members that left are watched for silence too.
   Liveness liveness(Time now, bool ending = false);
+  enum class State : uint8_t { Out, Left, Silent, Alive };
+  struct Looked {
+    Time now{}, real_now{};
+    bool ending = false, gap = false, everyone_quiet = false;
+  };
+  State look_at(int64_t id, const Looked& at);
+  void set_state(int64_t id, State s);
   void abort_silent(const Liveness& l, Result& r);
   void mark_silent(const Liveness& l);
   bool below_minimum(size_t alive, Time now, Result& r);
@@ -128,14 +143,32 @@ class Coordinator {
   // The member keys as the last poll left them (read_members), and the
   // store revision they are at.
   int64_t revision_ = 0;
-  std::set<int64_t> joined_, left_keys_, dead_keys_;
+  std::unordered_set<int64_t> joined_, left_keys_, dead_keys_;
   std::set<int64_t> wanted_;  // rounds with a `want/<k>` key
   std::shared_ptr<BeatTable> beats_;
   // Each worker's latest beat in the table, kept up from its changes at
   // each poll (BeatTable::take_changes: no copy of the whole table).
   std::unordered_map<int64_t, BeatTable::Seen> seen_;
-  // Each member's last beat as this coordinator dated it: counter, time.
-  std::map<int64_t, std::pair<int64_t, std::chrono::steady_clock::time_point>> heartbeats_;
+  // Each member's last beat as this coordinator dated it, and when it
+  // falls silent unless it beats again (its entry in due_; Time{}: none).
+  struct Heard {
+    int64_t counter = 0;
+    Time date{}, due{};
+  };
+  std::unordered_map<int64_t, Heard> heartbeats_;
+  // Silence by deadline: a poll looks only at the members whose beat or
+  // keys changed since the last (pending_) and those whose deadline passed
+  // (due_, the earliest first; an entry whose member beat since is looked
+  // at and queued again for its new deadline). Everyone is looked at only
+  // when something changes for all (a gap, the ending, a take-over).
+  std::vector<int64_t> pending_;
+  std::priority_queue<std::pair<Time, int64_t>, std::vector<std::pair<Time, int64_t>>, std::greater<>> due_;
+  std::unordered_map<int64_t, State> state_;  // members not Out
+  std::set<int64_t> alive_, left_, silent_;
+  std::vector<int64_t> alive_list_;  // alive_, sorted, rebuilt when it changed
+  bool alive_changed_ = false;
+  bool look_at_everyone_ = false, everyone_next_ = true;
+  bool last_quiet_ = false, last_ending_ = false, last_grace_ = false;
   std::set<int64_t> marked_silent_;  // `silent/<id>` written
   std::set<int64_t> dead_;
   int64_t aborted_round_ = 0;
@@ -145,7 +178,7 @@ class Coordinator {
   bool failed_ = false;  // a poll failed since the last one that went through
   bool resumed_ = false;  // took over a running job; settling (see poll)
   std::chrono::steady_clock::time_point resumed_at_{};
-  std::set<int64_t> beat_since_resume_;
+  std::unordered_set<int64_t> beat_since_resume_;
   std::chrono::steady_clock::time_point last_poll_{};
   // When any member's heartbeat last advanced (0: none yet).
   std::chrono::steady_clock::time_point last_any_beat_{};
