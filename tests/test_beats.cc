@@ -205,6 +205,17 @@ TEST(Beats, TheTableForgetsWorkersSilentForItsForgetTime) {
   EXPECT_EQ(c.size(), 2u);
 }
 
+// Where a listener on 127.0.0.1 takes datagrams, and its nonce.
+sockaddr_in loopback_address_of(const BeatListener& listener, std::string* nonce) {
+  const std::string addr = listener.address();
+  *nonce = addr.substr(addr.find(' ') + 1);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(addr.find(':') + 1))));
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  return to;
+}
+
 // Found in review: beyond 4,096 senders the listener rescanned all of them
 // on every datagram (O(n) a datagram at 10,000 members). Senders gone for
 // the forget time are now dropped the oldest first; the replay check holds
@@ -212,12 +223,8 @@ TEST(Beats, TheTableForgetsWorkersSilentForItsForgetTime) {
 TEST(Beats, TheListenerForgetsSilentSendersOldestFirstAndStillRefusesReplays) {
   BeatListener listener("127.0.0.1", "127.0.0.1", kSecret);
   listener.testing_forget_senders(200ms, 8);
-  const std::string addr = listener.address();
-  const std::string nonce = addr.substr(addr.find(' ') + 1);
-  sockaddr_in to{};
-  to.sin_family = AF_INET;
-  to.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(addr.find(':') + 1))));
-  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string nonce;
+  sockaddr_in to = loopback_address_of(listener, &nonce);
   const int fd = ::socket(AF_INET, SOCK_DGRAM, 0);
   ASSERT_GE(fd, 0);
   auto send = [&](const std::string& sender, int64_t seq, int64_t id) {
@@ -248,12 +255,8 @@ TEST(Beats, TheListenerForgetsSilentSendersOldestFirstAndStillRefusesReplays) {
 TEST(Beats, ListenerLanesShareOnePortAndEachRefusesItsSendersReplays) {
   BeatListener listener("127.0.0.1", "127.0.0.1", kSecret, 4);
   ASSERT_EQ(listener.lanes(), 4);
-  const std::string addr = listener.address();
-  const std::string nonce = addr.substr(addr.find(' ') + 1);
-  sockaddr_in to{};
-  to.sin_family = AF_INET;
-  to.sin_port = htons(static_cast<uint16_t>(std::stoi(addr.substr(addr.find(':') + 1))));
-  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string nonce;
+  sockaddr_in to = loopback_address_of(listener, &nonce);
   constexpr int kSenders = 64;
   std::vector<int> fds;
   auto send = [&](int s, int64_t seq) {
