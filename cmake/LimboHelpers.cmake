@@ -67,7 +67,9 @@ endfunction()
 
 # limbo_add_test(<name> SOURCES ... LIBS ... [SERIAL]): one GoogleTest
 # executable per test file, registered with CTest test by test. SERIAL tests
-# run alone (they compare timings of real processes with a model).
+# run alone (they compare timings of real processes with a model). A test
+# takes two ctest slots (one core; tests/cores.cmake gives those that mostly
+# wait one).
 function(limbo_add_test name)
   cmake_parse_arguments(T "SERIAL" "TIMEOUT" "SOURCES;LIBS" ${ARGN})
   add_executable(${name} ${T_SOURCES})
@@ -92,6 +94,6 @@ function(limbo_add_test name)
   # A GTEST_SKIP counts as skipped, not passed: scripts/run-tests.sh lists
   # every skip with its reason (and fails CI on one CI could have run).
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60
-                       PROPERTIES TIMEOUT ${T_TIMEOUT} RUN_SERIAL ${serial}
+                       PROPERTIES TIMEOUT ${T_TIMEOUT} RUN_SERIAL ${serial} PROCESSORS 2
                                   SKIP_REGULAR_EXPRESSION "\\[  SKIPPED \\]")
 endfunction()

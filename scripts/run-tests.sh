@@ -14,8 +14,11 @@ if [ ! -f Testing/Temporary/CTestCostData.txt ]; then
   mkdir -p Testing/Temporary
   cp ../tests/ctest_costs.txt Testing/Temporary/CTestCostData.txt
 fi
+# Two ctest slots a core: a test that keeps a core busy takes two, one that
+# mostly waits takes one (tests/cores.cmake), so waiting tests run beside
+# the others.
 status=0
-ctest --output-on-failure -j "${LIMBO_JOBS:-2}" --timeout 900 2>&1 | tee logs/ctest.log || status=$?
+ctest --output-on-failure -j "$((2 * ${LIMBO_JOBS:-2}))" --timeout 900 2>&1 | tee logs/ctest.log || status=$?
 strict=()
 if [ "${CI:-}" = true ]; then strict=(--strict); fi
 echo
