@@ -47,6 +47,7 @@ WORKER = os.path.join(HERE, "python_loop_worker.py")
 PY = "/usr/bin/python3"
 VETH = None
 PER_HOST = 1
+EXTRA = []  # worker options every contender gets (--loader-workers, --clip)
 
 
 def last_json(out):
@@ -77,7 +78,7 @@ def ddp(model, batch, steps, data="loader"):
             env["GLOO_SOCKET_IFNAME"] = VETH.dev[host]
         procs.append(subprocess.Popen((VETH.prefix(host) if VETH else []) +
                                       [PY, WORKER, "--mode", "ddp", "--model", model, "--batch", str(batch),
-                                       "--steps", str(steps), "--data", data],
+                                       "--steps", str(steps), "--data", data] + EXTRA,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
     out = procs[0].communicate(timeout=900)[0]
     for p in procs[1:]:
@@ -112,7 +113,7 @@ def python(limbo, model, batch, steps, data="loader", optimizer="torch"):
     d = tempfile.mkdtemp(prefix="limbo-pyloop-")
     try:
         out = launchers(limbo, [PY, WORKER, "--mode", "limbo", "--model", model, "--batch", str(batch),
-                                "--steps", str(steps), "--data", data, "--optimizer", optimizer],
+                                "--steps", str(steps), "--data", data, "--optimizer", optimizer] + EXTRA,
                         os.path.join(d, "r"))
         return last_json(out)["samples_per_second"]
     finally:
@@ -151,7 +152,9 @@ def alone(limbo, models, batch, steps, repeats):
     print("%-7s %-7s" % ("model", "") + "".join("%12s" % n for n in names) + "%14s%14s" % ("py/plain", "own/cli"))
 
     def worker(model, *extra):
-        r = subprocess.run([PY, WORKER, "--model", model, "--batch", str(batch), "--steps", str(steps)] + list(extra),
+        b = 0 if model.startswith("charlm") else batch
+        r = subprocess.run([PY, WORKER, "--model", model, "--batch", str(b), "--steps", str(steps)] + list(extra)
+                           + EXTRA,
                            env=env, capture_output=True, text=True, timeout=900)
         return last_json(r.stdout)["samples_per_second"]
 
@@ -176,7 +179,7 @@ def alone(limbo, models, batch, steps, repeats):
             runs["plain"].append(worker(model, "--mode", "plain"))
             runs["limbo-py"].append(worker(model, "--mode", "limbo", "--data", "indexed"))
             runs["limbo-own"].append(worker(model, "--mode", "limbo", "--data", "indexed", "--optimizer", "limbo"))
-            if model != "gpt":
+            if model in CLI_MODELS:
                 runs["cli"].append(cli_alone(model))
         med = {k: statistics.median(v) if v else float("nan") for k, v in runs.items()}
         ratio = lambda a, b: statistics.median([x / y for x, y in zip(runs[a], runs[b])]) \
@@ -185,6 +188,9 @@ def alone(limbo, models, batch, steps, repeats):
               "%13.3fx%13.3fx" % (ratio("limbo-py", "plain"), ratio("limbo-own", "cli")))
         print("%-7s %-7s" % ("", "range") + "".join(
             "%12s" % ("%.0f-%.0f" % (min(runs[n]), max(runs[n])) if runs[n] else "-") for n in names), flush=True)
+
+
+CLI_MODELS = ("mlp", "lenet", "mlp10m")  # the built-in models `limbo train` runs too
 
 
 def main():
@@ -198,7 +204,10 @@ def main():
     ap.add_argument("--hosts", action="store_true", help="2 hosts x 2 workers in network namespaces")
     ap.add_argument("--alone", action="store_true",
                     help="one process: a plain PyTorch loop, the loop with the limbo module, limbo train")
+    ap.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes in every loop")
+    ap.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ by hand in every loop (0: off)")
     args = ap.parse_args()
+    EXTRA.extend(["--loader-workers", str(args.loader_workers), "--clip", str(args.clip)])
     limbo = os.path.abspath(args.limbo)
     if args.alone:
         alone(limbo, args.models.split(","), args.batch, args.steps, args.repeats)
@@ -218,9 +227,9 @@ def main():
                           ("ddp-idx", lambda *a: ddp(*a, data="indexed")),
                           ("python-idx", lambda *a: python(limbo, *a, data="indexed")),
                           ("py-own", lambda *a: python(limbo, *a, data="indexed", optimizer="limbo"))]
-            if model != "gpt":
+            if model in CLI_MODELS:
                 contenders.append(("cli", lambda *a: cli(limbo, *a)))
-            batch = 32 if model == "gpt" else args.batch
+            batch = 32 if model == "gpt" else 0 if model.startswith("charlm") else args.batch
             for _ in range(args.repeats):
                 for name, f in contenders:
                     runs[name].append(f(model, batch, args.steps))

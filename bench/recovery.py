@@ -59,6 +59,17 @@ from limbo_run import Veth  # noqa: E402
 
 
 EXTRA = []  # --shard: optim.shard_state for the sharded trials
+PYTHON = None  # --python: the user's loop (charlm-s) with this many DataLoader workers
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "python_loop_worker.py")
+
+
+def job_args(run_dir):
+    """What `limbo launch` takes after its own options: the CLI's job, or
+    (--python) the run directory and the user's PyTorch loop."""
+    if PYTHON is None:
+        return ["--"] + train_args(run_dir)
+    return ["--run-dir", run_dir, "--", "/usr/bin/python3", WORKER, "--mode", "limbo", "--model", "charlm-s",
+            "--steps", "1000000", "--loader-workers", str(PYTHON), "--clip", "1.0"]
 
 
 def train_args(run_dir):
@@ -94,8 +105,8 @@ def trial(limbo, kind, etcd=None):
     log = open(os.path.join(d, "launch.log"), "w")
     nproc = 2 if kind == "join" else 3
     rdzv = ["--rdzv", f"etcd://{etcd}/recovery-{os.getpid()}-{time.time_ns()}"] if etcd else []
-    launcher = subprocess.Popen([limbo, "launch", "--nproc", str(nproc), "--min-workers", "1"] + rdzv + ["--"]
-                                + train_args(run), stdout=log, stderr=subprocess.STDOUT)
+    launcher = subprocess.Popen([limbo, "launch", "--nproc", str(nproc), "--min-workers", "1"] + rdzv
+                                + job_args(run), stdout=log, stderr=subprocess.STDOUT)
     victim = joiner = None
     try:
         if not wait_for(os.path.join(run, "metrics.jsonl"), '"kind":"train"', 60):
@@ -422,6 +433,30 @@ def shard_main(limbo, trials):
     print(f"sharded - replicated, median to re-formed: {d:+.3f} s (target within 0.1 s)")
 
 
+def python_main(limbo, trials, loader_workers):
+    """SIGKILL and SIGSTOP of one of 3 members of the user's loop, for each
+    number of DataLoader workers, interleaved (kill, stop; then the next).
+    recovery_seconds is the record's first_step_seconds: from the failure
+    found to the next committed step (what the CLI's records hold too)."""
+    global PYTHON
+    got = {}
+    for _ in range(trials):
+        for w in loader_workers:
+            PYTHON = w
+            for kind in ("kill", "stop"):
+                got.setdefault((w, kind), []).append(trial(limbo, kind))
+    PYTHON = None
+    print("a PyTorch loop (charlm-s, DataLoader) under `limbo launch --nproc 3`; medians over %d trials (s)" % trials)
+    for (w, kind), rs in sorted(got.items()):
+        what = {"kill": "SIGKILL", "stop": "SIGSTOP"}[kind]
+        rec = [r["first_step_seconds"] for r in rs]
+        re_ = [r["to_reformed"] for r in rs]
+        st = [r["to_step"] for r in rs]
+        print(f"  {w} loader workers, {what:7s}: recovery_seconds {statistics.median(rec):.3f} "
+              f"(max {max(rec):.3f}); event -> group re-formed {statistics.median(re_):.3f}, "
+              f"-> next step {statistics.median(st):.3f} (max {max(st):.3f})")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limbo", default="build/src/cli/limbo")
@@ -429,6 +464,9 @@ def main():
     ap.add_argument("--hogs", type=int, default=6, help="busy processes for the contention run")
     ap.add_argument("--hosts", action="store_true", help="cross-host recovery in network namespaces (root)")
     ap.add_argument("--etcd", action="store_true", help="embedded store vs etcd, side by side")
+    ap.add_argument("--python", default=None, metavar="W,W,...",
+                    help="the trials on a user's PyTorch loop (bench/charlm.py's charlm-s, clipping, AdamW, "
+                         "LambdaLR) with each of these numbers of DataLoader workers, interleaved")
     ap.add_argument("--shard", action="store_true",
                     help="SIGKILL trials with optim.shard_state = true against the replicated path, interleaved")
     args = ap.parse_args()
@@ -440,6 +478,9 @@ def main():
         return
     if args.hosts:
         hosts_main(args.limbo, args.trials)
+        return
+    if args.python:
+        python_main(args.limbo, args.trials, [int(w) for w in args.python.split(",")])
         return
     parts = ["detection_seconds", "rendezvous_seconds", "group_seconds", "sync_seconds",
              "first_step_seconds"]

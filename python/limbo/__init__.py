@@ -389,6 +389,8 @@ class Job:
         if not self._started:
             return
         core = self._core
+        if fetch is None:
+            loader = self._keeping_workers(loader)
         while not core.complete():
             generation = core.generation
             core.clear_plans()
@@ -417,6 +419,24 @@ class Job:
         self._ended = core.end_training()
         if self._ended:
             _unfinished.add(self)  # finish() at exit if the program does not call it
+
+    @staticmethod
+    def _keeping_workers(loader):
+        """The DataLoader, with worker processes that outlive a re-formation:
+        after a failed step or a membership change the loader starts again
+        from the committed position, and a loader whose workers are not
+        persistent would fork them all again before the next step (0.1 s and
+        more a worker, with torch loaded). The same loader with
+        persistent_workers=True keeps them and hands them the new plan; the
+        batches they had fetched ahead for the old one are dropped."""
+        if loader.num_workers == 0 or loader.persistent_workers:
+            return loader
+        return torch.utils.data.DataLoader(
+            loader.dataset, batch_sampler=loader.batch_sampler, num_workers=loader.num_workers,
+            collate_fn=loader.collate_fn, pin_memory=loader.pin_memory, timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+            generator=loader.generator, prefetch_factor=loader.prefetch_factor, persistent_workers=True,
+            pin_memory_device=loader.pin_memory_device)
 
     def _check_model(self):
         for m, n, p, trainable in self._param_refs:

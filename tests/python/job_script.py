@@ -186,7 +186,16 @@ def main():
             log.write("%d %d %s\n" % (job.step_count, epoch, " ".join(map(str, ids))))
             log.flush()
             logged[0] = job.step_count
-    loader = DataLoader(train, batch_sampler=job.sampler, num_workers=args.loader_workers)
+    run_dir_ = job.run_dir or os.environ.get("LIMBO_RUN_DIR", "")
+
+    def worker_started(_):
+        # Each loader worker process that starts, under its member's pid: a
+        # member's loader keeps its workers across re-formations.
+        if run_dir_:
+            with open(os.path.join(run_dir_, "loader-%d.txt" % os.getppid()), "a") as f:
+                f.write("%d\n" % os.getpid())
+    loader = DataLoader(train, batch_sampler=job.sampler, num_workers=args.loader_workers,
+                        worker_init_fn=worker_started)
     per_epoch = len(loader)  # as a schedule over epochs * len(loader) would take it: the same on every member
     if args.fetch:
         loader = lambda ids: {"features": x[ids], "label": y[ids], "index": torch.tensor(ids)}  # noqa: E731
