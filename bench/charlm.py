@@ -9,7 +9,9 @@ Sizes (width, blocks, heads, context, batch a member):
   charlm-m  192, 3, 6, 64, 16
   charlm-l  384, 4, 8, 64,  8
 """
+import shutil
 import subprocess
+import sys
 
 import torch
 from torch import nn
@@ -92,6 +94,9 @@ def param_groups(model, weight_decay=0.1):
 
 def data_and_model(name):
     width, blocks, heads, context, batch = SIZES[name]
+    if shutil.which("bible") is None:
+        sys.exit("charlm: the corpus is Debian's King James Bible: apt-get install bible-kjv-text "
+                 "(examples/gpt/setup.sh installs it too)")
     text = subprocess.run(["bible", "Gen1:1-Rev22:21"], check=True, capture_output=True).stdout.decode("latin-1")
     tok = Tokeniser(text)
     torch.manual_seed(1)

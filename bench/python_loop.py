@@ -8,7 +8,11 @@ a DataLoader, SGD with momentum, or AdamW for the GPT) runs as
            (gradient_as_bucket_view, channels-last for LeNet), gloo;
   python   `limbo launch -- python3 worker.py` with the `limbo` module;
   cli      `limbo train` on the same model (built in: mlp, lenet, mlp10m),
-           under the same launcher (not for the GPT).
+           under the same launcher (not for the GPT);
+  bound    the bound: the same members each running a plain loop (indexed
+           batches) at once, with no communication; samples/s added up.
+The charlm-s/m/l models (bench/charlm.py, a character transformer) read
+Debian's King James Bible (apt-get install bible-kjv-text).
 Contenders run interleaved, --repeats times; each reports global samples/s
 over the steps after the first 20 (`cli`: its metrics windows after the
 first). Each loop reads its data through a DataLoader (`ddp`, `python`:
@@ -83,7 +87,32 @@ def ddp(model, batch, steps, data="loader"):
     out = procs[0].communicate(timeout=900)[0]
     for p in procs[1:]:
         p.wait(timeout=120)
-    return last_json(out)["samples_per_second"]
+    return rate_of(out, "ddp" + ("-idx" if data == "indexed" else ""), model)
+
+
+def rate_of(out, contender, model):
+    """Rank 0's samples/s; with --phases its per-phase medians are printed."""
+    j = last_json(out)
+    if "phases_ms" in j:
+        print("  phases %-14s %-9s %s" % (contender, model, " ".join("%s %.2f" % kv for kv in j["phases_ms"].items())),
+              flush=True)
+    return j["samples_per_second"]
+
+
+def bound(model, batch, steps):
+    """The same members computing with no communication: a plain loop (indexed
+    batches, torch.optim) in each member's place, all at once (in the hosts'
+    namespaces with --hosts); their samples/s added up. No data-parallel loop
+    of these members can beat it."""
+    world = 2 * PER_HOST if VETH else 2
+    env = dict(os.environ, THREADS="1")
+    env.update(HEAP)
+    procs = [subprocess.Popen((VETH.prefix(r // PER_HOST) if VETH else []) +
+                              [PY, WORKER, "--mode", "plain", "--model", model, "--batch", str(batch),
+                               "--steps", str(steps)] + EXTRA,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for r in range(world)]
+    return sum(last_json(p.communicate(timeout=900)[0])["samples_per_second"] for p in procs)
 
 
 def launchers(limbo, after_dashes, run_dir):
@@ -115,7 +144,8 @@ def python(limbo, model, batch, steps, data="loader", optimizer="torch"):
         out = launchers(limbo, [PY, WORKER, "--mode", "limbo", "--model", model, "--batch", str(batch),
                                 "--steps", str(steps), "--data", data, "--optimizer", optimizer] + EXTRA,
                         os.path.join(d, "r"))
-        return last_json(out)["samples_per_second"]
+        return rate_of(out, "python" + ("-idx" if data == "indexed" else "") +
+                       ("-own" if optimizer == "limbo" else ""), model)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -206,8 +236,13 @@ def main():
                     help="one process: a plain PyTorch loop, the loop with the limbo module, limbo train")
     ap.add_argument("--loader-workers", type=int, default=0, help="DataLoader worker processes in every loop")
     ap.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm_ by hand in every loop (0: off)")
+    ap.add_argument("--phases", action="store_true",
+                    help="print each run's median ms a step in data, forward, backward, clip and step "
+                         "(DDP and the module; the module's data includes the previous step's end)")
     args = ap.parse_args()
     EXTRA.extend(["--loader-workers", str(args.loader_workers), "--clip", str(args.clip)])
+    if args.phases:
+        EXTRA.append("--phases")
     limbo = os.path.abspath(args.limbo)
     if args.alone:
         alone(limbo, args.models.split(","), args.batch, args.steps, args.repeats)
@@ -216,11 +251,12 @@ def main():
         VETH, PER_HOST = Veth(), 2
     try:
         where = "2 hosts x 2 workers (veth)" if VETH else "2 workers on one host"
-        print("%s, batch %d per worker, %d steps, %d repeats, interleaved" % (where, args.batch, args.steps,
-                                                                            args.repeats))
-        names = ["ddp", "python", "ddp-idx", "python-idx", "py-own", "cli"]
+        print("%s, batch %d per worker (GPT 32, charlm its own), %d steps, %d repeats, interleaved"
+              % (where, args.batch, args.steps, args.repeats))
+        names = ["ddp", "python", "ddp-idx", "python-idx", "py-own", "cli", "bound"]
         print("%-7s %-7s" % ("model", "") + "".join("%12s" % n for n in names) +
-              "%10s%16s%13s" % ("py/ddp", "py-idx/ddp-idx", "py-own/cli"))
+              "%10s%16s%13s%14s%14s" % ("py/ddp", "py-idx/ddp-idx", "py-own/cli", "py-idx/bound",
+                                        "ddp-idx/bound"))
         for model in args.models.split(","):
             runs = {n: [] for n in names}
             contenders = [("ddp", ddp), ("python", lambda *a: python(limbo, *a)),
@@ -229,6 +265,7 @@ def main():
                           ("py-own", lambda *a: python(limbo, *a, data="indexed", optimizer="limbo"))]
             if model in CLI_MODELS:
                 contenders.append(("cli", lambda *a: cli(limbo, *a)))
+            contenders.append(("bound", bound))
             batch = 32 if model == "gpt" else 0 if model.startswith("charlm") else args.batch
             for _ in range(args.repeats):
                 for name, f in contenders:
@@ -236,10 +273,13 @@ def main():
             med = {k: statistics.median(v) if v else float("nan") for k, v in runs.items()}
             ratio = lambda a, b: statistics.median([x / y for x, y in zip(runs[a], runs[b])]) \
                 if runs[b] else float("nan")  # noqa: E731
-            spread = lambda k: "%.0f-%.0f" % (min(runs[k]), max(runs[k])) if runs[k] else "-"  # noqa: E731
-            print("%-7s %-7s" % (model, "median") + "".join("%12.0f" % med[n] for n in names) +
-                  "%9.3fx%15.3fx%12.3fx" % (ratio("python", "ddp"), ratio("python-idx", "ddp-idx"),
-                                            ratio("py-own", "cli")))
+            spread = lambda k: ("%.0f-%.0f" if min(runs[k]) >= 100 else "%.1f-%.1f") % (  # noqa: E731
+                min(runs[k]), max(runs[k])) if runs[k] else "-"
+            fmt = lambda x: "%12.0f" % x if x >= 100 or x != x else "%12.1f" % x  # noqa: E731
+            print("%-7s %-7s" % (model, "median") + "".join(fmt(med[n]) for n in names) +
+                  "%9.3fx%15.3fx%12.3fx%13.3fx%13.3fx" % (ratio("python", "ddp"), ratio("python-idx", "ddp-idx"),
+                                                        ratio("py-own", "cli"), ratio("python-idx", "bound"),
+                                                        ratio("ddp-idx", "bound")))
             print("%-7s %-7s" % ("", "range") + "".join("%12s" % spread(n) for n in names), flush=True)
     finally:
         if VETH:
