@@ -114,8 +114,9 @@ def main():
         opt = opt_of(model.parameters())
         sched = scheduler_of(opt) if scheduler_of else None
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(1))
+        per = len(data) // args.batch  # full batches an epoch: steps past it start again
         for s in range(args.steps):
-            i = perm[s * args.batch:][:args.batch]
+            i = perm[(s % per) * args.batch:][:args.batch]
             opt.zero_grad(set_to_none=True)
             batch = indexed(i)
             mark("data")

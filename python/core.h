@@ -217,6 +217,10 @@ class Core {
   double train_seconds_ = 0, last_loss_ = NAN;
   bool drop_last_ = false, resume_ = false, in_step_ = false, backward_started_ = false, left_ = false;
   bool own_ = false, shard_state_ = false;  // Limbo's optimizer (limbo.Optimizer), its state sharded
+  // One process (no group), the user's optimizer, no clipping by Limbo:
+  // nothing reads the flat gradient, so autograd's tensors stay the
+  // parameters' `.grad` (no copy), as in a plain loop.
+  bool grads_in_place_ = false;
   double lr_ = 0;                           // Limbo's optimizer: this step's scheduled rate
   int64_t accumulate_ = 1, backwards_ = 0;  // micro-batches a step, and this step's so far
   double loss_sum_ = 0;

@@ -167,6 +167,7 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   std::unique_ptr<train::Membership> membership;
   if (rdzv.empty()) {
     rule = std::make_shared<train::LocalUpdate>(rule_opt);
+    grads_in_place_ = !own_ && !outer_ && opt_->clip_norm() <= 0;
   } else {
     elastic::JoinOptions jo;
     jo.rdzv = rdzv;

@@ -69,8 +69,9 @@ void Core::backward_starts(double loss, double lr) {
                        "the job takes " + std::to_string(accumulate_) + " (limbo.Job(accumulate=K) for K "
                        "micro-batches a step)");
   if (backwards_ == 0) {
-    flat_->attach_grads(/*keep=*/false);
-    flat_->zero_grad();
+    // Autograd's gradients land in fresh tensors; the reducer's hook (as
+    // each is ready) or the step copies them into the flat gradient.
+    flat_->release_grads();
     loss_sum_ = 0;
   }
   backwards_ += 1;
@@ -99,7 +100,7 @@ int Core::step(double loss, double lr) {
                        std::to_string(accumulate_) + ")");
   in_step_ = false;
   if (outer_steps_) {
-    flat_->attach_grads(/*keep=*/backwards_ == 0);
+    flat_->attach_grads(/*keep=*/true);
     const bool finite = train::finite_step(flat_->grad(), loss);
     if (finite) {
       py::gil_scoped_release no_gil;  // the user's optimizer takes the GIL back
@@ -117,8 +118,9 @@ int Core::step(double loss, double lr) {
   // A gradient autograd put elsewhere (zero_grad(set_to_none=True), with
   // no reduction in backward: alone, or not armed) is taken from there; a
   // reduction finished in backward already left every `.grad` the view.
-  flat_->attach_grads(/*keep=*/true);
+  if (!grads_in_place_) flat_->attach_grads(/*keep=*/true);
   if (!backward_started_) ctx_ = std::make_unique<train::StepContext>(context(loss));
+  if (grads_in_place_) ctx_->grad_finite = [this] { return flat_->grads_finite(); };
   ctx_->lr = rate();  // armed before forward: this step's rate is known now
   std::optional<train::StepResult> res;
   {
@@ -171,7 +173,7 @@ void Core::need_step(const char* what) const {
 
 train::StepContext Core::context(double loss) {
   return {flat_->data(), flat_->grad(), flat_->grad_with_slot(), loss, plan_.samples(), plan_.global_size,
-          rate(), state_.step, {}};
+          rate(), state_.step, {}, {}};
 }
 
 void Core::log_step() {

@@ -107,6 +107,19 @@ void FlatParams::attach_grads(bool keep) {
   for (size_t i = 0; i < params_.size(); ++i) attach_grad(i, keep);
 }
 
+bool FlatParams::grads_finite() const {
+  torch::NoGradGuard no_grad;
+  for (const auto& p : params_) {
+    const auto& g = p.grad();
+    if (g.defined() && g.numel() > 0 && !std::isfinite(g.sum().item<float>())) return false;
+  }
+  return true;
+}
+
+void FlatParams::release_grads() {
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+}
+
 void FlatParams::buffers_to_flat() {
   torch::NoGradGuard no_grad;
   for (auto& b : buffer_entries_) {

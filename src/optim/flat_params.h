@@ -98,6 +98,14 @@ class FlatParams {
   // is the view.
   void attach_grad(size_t i, bool keep);
   void attach_grads(bool keep);
+  // Every `.grad` undefined: the next backward's gradients land in tensors
+  // of autograd's own, with no zeroing of grad() and no read of it, and
+  // attach_grad(i, true) copies each into its view (one pass, as against
+  // zero_grad()'s pass and the in-place sum's two).
+  void release_grads();
+  // Whether every parameter's `.grad`, wherever it is, holds only finite
+  // values (undefined ones: no gradient, nothing to check).
+  bool grads_finite() const;
 
   enum class Carry { InPlace, Float, Float64, Integer };
   struct BufferEntry {

@@ -34,6 +34,9 @@ struct StepContext {
   // workers average), before the weights change. ISGD decides here, so every
   // worker decides alike and an anchor can be taken before the update.
   std::function<void(double loss)> before_update;
+  // Where the gradient stays in the parameters' own `.grad` rather than in
+  // `grad` (one process, the front end's optimizer): whether it is finite.
+  std::function<bool()> grad_finite;
 };
 
 struct StepResult {
@@ -172,7 +175,8 @@ class LocalUpdate : public UpdateRule {
  public:
   explicit LocalUpdate(std::shared_ptr<OptimizerStep> opt) : opt_(std::move(opt)) {}
   StepResult apply(StepContext& ctx) override {
-    if (!finite_step(ctx.grad, ctx.loss)) return {ctx.loss, ctx.batch_size, /*skipped=*/true};
+    const bool finite = ctx.grad_finite ? std::isfinite(ctx.loss) && ctx.grad_finite() : finite_step(ctx.grad, ctx.loss);
+    if (!finite) return {ctx.loss, ctx.batch_size, /*skipped=*/true};
     if (ctx.before_update) ctx.before_update(ctx.loss);
     opt_->apply(ctx.weights, ctx.grad, ctx.lr);
     return {ctx.loss, ctx.batch_size};

@@ -868,6 +868,50 @@ def test_accumulation_over_micro_batches_equals_the_whole_batch():
         job.step()
 
 
+def test_one_process_steps_as_a_plain_loop_and_skips_a_gradient_that_is_not_finite():
+    """Alone with the user's optimizer, autograd's gradients stay where it put
+    them (no flat copy): the weights are a plain PyTorch loop's over the same
+    batches, bit for bit, and a step whose loss is finite but whose gradient
+    is not (0 x the slope of sqrt at 0) is still skipped, its BatchNorm
+    statistics put back."""
+    import copy
+    import torch.nn as nn
+    import torch.nn.functional as F
+    torch.manual_seed(5)
+    x, y = torch.randn(96, 8), torch.randint(0, 3, (96,))
+    data = torch.utils.data.TensorDataset(torch.arange(96), x, y)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+    twin = copy.deepcopy(net)
+
+    def loss_of(model, ids, xb, yb):
+        loss = F.cross_entropy(model(xb), yb)
+        if 9 in ids.tolist():  # finite, with a NaN gradient
+            w = model[0].weight
+            loss = loss + 0.0 * torch.sqrt(w - w.detach()).sum()
+        return loss
+
+    job = limbo.Job(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), dataset=data, batch_size=16,
+                    epochs=2)
+    dealt = []
+    for ids, xb, yb in job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler)):
+        loss = loss_of(net, ids, xb, yb)
+        assert torch.isfinite(loss)
+        job.backward(loss)
+        assert job.step()
+        dealt.append(ids)
+    s = job.finish()
+    assert s["skipped_steps"] == 2, s  # the batch of sample 9, once an epoch
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+    for ids in dealt:
+        opt.zero_grad(set_to_none=True)
+        if 9 in ids.tolist():
+            continue  # skipped: no update, and the statistics as before its forward
+        loss_of(twin, ids, x[ids], y[ids]).backward()
+        opt.step()
+    for (n, a), b in zip(net.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
 def weights_of(final):
     """A final fingerprint's step count, weights and buffers (DiLoCo's inner
     optimizer state is each member's own)."""
