@@ -2,10 +2,14 @@
 // background batch loader.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <set>
+#include <thread>
 
 #include "common/error.h"
 #include "data/loader.h"
+#include "data/pace_shares.h"
 #include "data/sampler.h"
 #include "data/synthetic.h"
 
@@ -152,6 +156,109 @@ TEST(Sampler, ResumeFromCursorContinuesTheSameSequence) {
     EXPECT_EQ(p.ids, full[i]) << "batch " << i;
     r = p.end;
   }
+}
+
+// Shares by pace: slices in proportion to the weights, at least one sample
+// each, the global batch and the cursor as with equal slices.
+TEST(Sampler, WeightedSlicesFollowTheWeightsAndCoverTheEpochOnce) {
+  EXPECT_EQ(slice_bounds(10, 3), (std::vector<int64_t>{0, 3, 6, 10}));
+  EXPECT_EQ(slice_bounds(10, 3, {1, 1, 1}), slice_bounds(10, 3));
+  EXPECT_EQ(slice_bounds(96, 2, {2, 1}), (std::vector<int64_t>{0, 64, 96}));
+  EXPECT_EQ(slice_bounds(7, 3, {1000000, 1, 1}), (std::vector<int64_t>{0, 5, 6, 7}));  // one each at least
+  EXPECT_EQ(slice_bounds(7, 3, {1, 1, 1000000}), (std::vector<int64_t>{0, 1, 2, 7}));
+  EXPECT_THROW(slice_bounds(7, 3, {1, 1}), limbo::Error);
+  Sampler s(1003, Order::Shuffle, 5);
+  const std::vector<int64_t> w{5, 3, 1};
+  std::multiset<int64_t> seen;
+  Cursor c{0, 0};
+  int64_t batches = 0;
+  while (c.epoch == 0) {
+    BatchPlan p0;
+    for (int r = 0; r < 3; ++r) {
+      auto p = plan_batch(s, c, 16, 3, r, false, w);
+      if (r == 0) p0 = p;
+      EXPECT_EQ(p.end, p0.end);
+      EXPECT_EQ(p.global_size, p0.global_size);
+      if (p0.global_size == 48) EXPECT_EQ(p.ids.size(), (std::vector<size_t>{26, 16, 6})[r]);
+      seen.insert(p.ids.begin(), p.ids.end());
+    }
+    c = p0.end;
+    ++batches;
+  }
+  EXPECT_EQ(batches, batches_per_epoch(1003, 48, false, 3));
+  EXPECT_EQ(seen.size(), 1003u);
+  for (int64_t i = 0; i < 1003; ++i) ASSERT_EQ(seen.count(i), 1u) << i;
+}
+
+// Two members fed the same publications compute the same weights; shares
+// move towards the paces by bounded steps, stay above the floor, and hold
+// only from `lag` steps after their publication.
+TEST(PaceShares, AgreedPacesMoveTheSharesAlikeWithinTheirBounds) {
+  PaceShares::Options o;
+  o.period = 4;
+  o.lag = 6;
+  o.alpha = 0.5;
+  o.max_move = 0.1;
+  o.floor = 0.2;
+  PaceShares a(o), b(o);
+  a.reset(2, 10);
+  b.reset(2, 10);
+  EXPECT_EQ(*a.weights_for(10), (std::vector<int64_t>{PaceShares::kScale / 2, PaceShares::kScale / 2}));
+  EXPECT_FALSE(a.publishes(10));
+  EXPECT_TRUE(a.publishes(14));
+  EXPECT_FALSE(a.publishes(15));
+  // Steps before the first publication's effect are known; after it, not yet.
+  EXPECT_TRUE(a.weights_for(19).has_value());
+  EXPECT_FALSE(a.weights_for(20).has_value());
+  a.record(64, 1.0);  // member 0: 64 samples/s
+  b.record(16, 1.0);  // member 1: 16 samples/s
+  auto pa = a.publication(0), pb = b.publication(1);
+  std::vector<float> sum{pa[0] + pb[0], pa[1] + pb[1]};
+  EXPECT_EQ(sum, (std::vector<float>{64.0f, 16.0f}));
+  a.agreed(14, sum);
+  b.agreed(14, sum);
+  EXPECT_EQ(*a.weights_for(19), *b.weights_for(19));
+  EXPECT_EQ((*a.weights_for(19))[0], PaceShares::kScale / 2);  // not yet in force
+  auto w = *a.weights_for(20);
+  EXPECT_EQ(w, *b.weights_for(20));
+  EXPECT_NEAR(static_cast<double>(w[0]) / (w[0] + w[1]), 0.6, 1e-4);  // moved max_move towards 0.8
+  EXPECT_FALSE(a.weights_for(24).has_value());  // the publication of step 18 is not agreed
+  for (int64_t p = 18; p <= 60; p += 4) a.agreed(p, sum);
+  const auto s = a.shares_at(66);
+  EXPECT_NEAR(s[0], 0.8, 0.01);
+  EXPECT_NEAR(s[1], 0.2, 0.01);
+  // A member at a tiny pace keeps the floor (0.2 of the equal share).
+  for (int64_t p = 64; p <= 120; p += 4) a.agreed(p, {1000.0f, 0.001f});
+  EXPECT_NEAR(a.shares_at(126)[1], 0.1, 0.01);
+  // A member that measured nothing: the shares stay.
+  const auto before = a.shares_at(126);
+  a.agreed(124, {0.0f, 5.0f});
+  EXPECT_EQ(a.shares_at(130), before);
+  // A new group starts equal.
+  a.reset(3, 200);
+  EXPECT_EQ(a.shares_at(200).size(), 3u);
+  EXPECT_NEAR(a.shares_at(200)[2], 1.0 / 3, 1e-4);
+  EXPECT_TRUE(a.last_paces().empty());
+}
+
+// A loader thread waits for the shares of a step ahead until they are agreed.
+TEST(PaceShares, ALoaderWaitsForSharesNotYetAgreed) {
+  PaceShares::Options o;
+  o.period = 2;
+  o.lag = 3;
+  PaceShares s(o);
+  s.reset(2, 0);
+  std::atomic<bool> got{false};
+  std::thread t([&] {
+    auto w = s.wait_weights_for(5, nullptr);
+    got = !w.empty();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(120));
+  EXPECT_FALSE(got.load());
+  s.agreed(2, {1.0f, 1.0f});
+  t.join();
+  EXPECT_TRUE(got.load());
+  EXPECT_TRUE(s.wait_weights_for(7, [] { return true; }).empty());  // given up: equal shares
 }
 
 TEST(Sampler, RejectsBadArguments) {

@@ -1,5 +1,6 @@
 #include "data/sampler.h"
 
+#include <algorithm>
 #include <numeric>
 #include <random>
 
@@ -65,8 +66,34 @@ const std::vector<int64_t>& Sampler::epoch_order(int64_t epoch) {
   return cache_;
 }
 
+std::vector<int64_t> slice_bounds(int64_t global, int world, const std::vector<int64_t>& weights) {
+  std::vector<int64_t> b(static_cast<size_t>(world) + 1);
+  if (weights.empty()) {
+    for (int r = 0; r <= world; ++r) b[static_cast<size_t>(r)] = global * r / world;
+    return b;
+  }
+  if (static_cast<int>(weights.size()) != world)
+    throw Error("internal: " + std::to_string(weights.size()) + " shares for a group of " + std::to_string(world));
+  int64_t total = 0;
+  for (int64_t w : weights) {
+    if (w < 1) throw Error("internal: a share of weight " + std::to_string(w));
+    total += w;
+  }
+  int64_t cum = 0;
+  for (int r = 0; r < world; ++r) {
+    b[static_cast<size_t>(r)] = global * cum / total;
+    cum += weights[static_cast<size_t>(r)];
+  }
+  b[static_cast<size_t>(world)] = global;
+  if (global < world) return b;
+  // At least one sample each: up from the front, then down from the back.
+  for (int r = 1; r < world; ++r) b[r] = std::max(b[r], b[r - 1] + 1);
+  for (int r = world - 1; r > 0; --r) b[r] = std::min(b[r], b[r + 1] - 1);
+  return b;
+}
+
 BatchPlan plan_batch(Sampler& sampler, Cursor at, int64_t per_worker, int world, int rank,
-                     bool drop_last) {
+                     bool drop_last, const std::vector<int64_t>& weights) {
   if (per_worker <= 0 || world <= 0 || rank < 0 || rank >= world)
     throw InvalidInput("plan_batch: bad batch " + std::to_string(per_worker) + ", world " +
                        std::to_string(world) + ", rank " + std::to_string(rank));
@@ -83,8 +110,9 @@ BatchPlan plan_batch(Sampler& sampler, Cursor at, int64_t per_worker, int world,
   plan.global_size = std::min(want, n - at.position);
   if (!drop_last && n - at.position - plan.global_size < world) plan.global_size = n - at.position;
   const auto& order = sampler.epoch_order(at.epoch);
-  int64_t lo = at.position + plan.global_size * rank / world;
-  int64_t hi = at.position + plan.global_size * (rank + 1) / world;
+  const auto bounds = slice_bounds(plan.global_size, world, weights);
+  const int64_t lo = at.position + bounds[static_cast<size_t>(rank)];
+  const int64_t hi = at.position + bounds[static_cast<size_t>(rank) + 1];
   plan.ids.assign(order.begin() + lo, order.begin() + hi);
   if (plan.ids.empty()) {
     plan.padded = true;

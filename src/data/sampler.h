@@ -58,9 +58,18 @@ struct BatchPlan {
   int64_t samples() const { return padded ? 0 : static_cast<int64_t>(ids.size()); }
 };
 
+// Member r's slice of a global batch of `global` samples is [bounds[r],
+// bounds[r + 1]) of the result (world + 1 offsets). `weights` (integers, one
+// a member; empty: equal) share it out: slices in proportion, every member
+// at least one sample when global >= world. Equal weights: slices differ by
+// at most one sample.
+std::vector<int64_t> slice_bounds(int64_t global, int world, const std::vector<int64_t>& weights = {});
+
 // Cuts the next global batch of up to per_worker * world samples at `at`.
 // The final batch of an epoch is smaller unless drop_last (then the remainder
-// is skipped and the next epoch starts). Slices differ by at most one sample.
+// is skipped and the next epoch starts). Slices follow `weights` (see
+// slice_bounds; empty: equal, differing by at most one sample); the global
+// batch does not depend on them.
 // A remainder of fewer samples than members would leave a member without a
 // sample: it joins the batch before (at most world - 1 samples more), so an
 // epoch's last batch is never split into empty slices. Only a group larger
@@ -69,7 +78,7 @@ struct BatchPlan {
 // worker's slice empty: it is padded with one sample of another slice, of
 // weight 0 (BatchPlan::padded), so that every member runs the same step.
 BatchPlan plan_batch(Sampler& sampler, Cursor at, int64_t per_worker, int world, int rank,
-                     bool drop_last);
+                     bool drop_last, const std::vector<int64_t>& weights = {});
 
 // Number of global batches per epoch for this configuration (`world`
 // members: a remainder of fewer samples joins the batch before).
