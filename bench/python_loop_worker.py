@@ -59,8 +59,29 @@ def main():
                     help="also report each phase's median ms a step: data, forward, backward, clip, step")
     ap.add_argument("--clip", type=float, default=0.0,
                     help="clip_grad_norm_ by hand between backward and the step (0: off)")
+    ap.add_argument("--shares", choices=["equal", "pace"], default="equal",
+                    help="limbo: slices of the global batch equal, or by each member's pace")
+    ap.add_argument("--cpu-limit", default="",
+                    help="RANK:FRACTION[:PERIOD_US]: the member of that rank holds itself to FRACTION of a core "
+                         "(cgroup v1 cpu controller, scripts/cpu_limit.py) once its group has formed")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("LIMBO_THREADS", os.environ.get("THREADS", "1"))))
+    limited = []
+
+    def hold(rank):  # a real slow member: a cgroup cpu quota, not a sleep
+        if not args.cpu_limit or limited:
+            return
+        parts = args.cpu_limit.split(":")
+        if rank != int(parts[0]):
+            return
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+        import atexit
+        import cpu_limit
+        name = "limbo-bench-%d" % os.getpid()
+        cpu_limit.limit(name, float(parts[1]), int(parts[2]) if len(parts) > 2 else 100000)
+        cpu_limit.add(name, os.getpid())
+        atexit.register(cpu_limit.remove, name)
+        limited.append(name)
     data, model, model_batch = data_and_model(args.model)
     args.batch = args.batch or model_batch or 64
     channels_last = args.model == "lenet"
@@ -111,6 +132,7 @@ def main():
         last[0] = now
     if args.mode == "plain":
         rank, world = 0, 1
+        hold(0)
         opt = opt_of(model.parameters())
         sched = scheduler_of(opt) if scheduler_of else None
         perm = torch.randperm(len(data), generator=torch.Generator().manual_seed(1))
@@ -136,6 +158,7 @@ def main():
         import torch.distributed as dist
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
+        hold(rank)
         net = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
         opt = opt_of(net.parameters())
         sched = scheduler_of(opt) if scheduler_of else None
@@ -182,11 +205,12 @@ def main():
             opt = opt_of(model.parameters())
         sched = scheduler_of(opt) if scheduler_of and args.optimizer == "torch" else None
         job = limbo.Job(model, opt, dataset=data, batch_size=args.batch, epochs=100, scheduler=sched,
-                        max_steps=args.steps, batch_policy="none", checkpoint_every_epochs=0)
+                        max_steps=args.steps, batch_policy="none", checkpoint_every_epochs=0, shares=args.shares)
         loader = DataLoader(data, batch_sampler=job.sampler, num_workers=args.loader_workers)
         if args.data == "indexed":
             loader = indexed
         for batch in job.batches(loader):
+            hold(job.rank)
             mark("data")
             loss = loss_of(model, batch)
             mark("forward")

@@ -221,6 +221,8 @@ class Core {
   // nothing reads the flat gradient, so autograd's tensors stay the
   // parameters' `.grad` (no copy), as in a plain loop.
   bool grads_in_place_ = false;
+  // Shares of the batch by pace (shares="pace"; none: equal slices).
+  std::shared_ptr<data::PaceShares> paces_;
   double lr_ = 0;                           // Limbo's optimizer: this step's scheduled rate
   int64_t accumulate_ = 1, backwards_ = 0;  // micro-batches a step, and this step's so far
   double loss_sum_ = 0;

@@ -165,6 +165,9 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   const int world = get<int>(o, "world", 1), rank = get<int>(o, "rank", 0);
   std::shared_ptr<train::UpdateRule> rule;
   std::unique_ptr<train::Membership> membership;
+  const std::string shares = get<std::string>(o, "shares", "equal");
+  if (shares != "equal" && shares != "pace")
+    throw InvalidInput("shares must be \"equal\" or \"pace\", got '" + shares + "'");
   if (rdzv.empty()) {
     rule = std::make_shared<train::LocalUpdate>(rule_opt);
     grads_in_place_ = !own_ && !outer_ && opt_->clip_norm() <= 0;
@@ -185,6 +188,7 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
     // `.grad` is the group's when the user's backward returns, as with
     // DDP: clipping or reading it by hand sees the reduced gradient.
     jo.reduce.finish_in_backward = true;
+    if (shares == "pace" && !outer_) jo.reduce.paces = paces_ = std::make_shared<data::PaceShares>(data::PaceShares::Options{});
     if (elastic) {
       py::gil_scoped_release no_gil;
       auto joined = elastic::join_elastic(jo, rule_opt, *flat_,
@@ -227,6 +231,7 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   parts.run_dir = dir;
   session_ = std::make_unique<train::Session>(std::move(parts), rule, std::move(membership), resume_,
                                               rdzv.empty() || elastic ? 1 : world, rdzv.empty() || elastic ? 0 : rank);
+  session_->set_paces(paces_);
   session_->set_on_reform([this](const train::Membership::Established&) {
     generation_ += 1;
     plans_.clear();

@@ -22,7 +22,17 @@ bool Core::start() {
 py::object Core::plan(int64_t epoch, int64_t position, int64_t first_step, int64_t steps_ahead) {
   if (outer_steps_) return plan_inner(epoch, position, steps_ahead);
   if (epoch >= epochs_ || (max_steps_ > 0 && first_step + steps_ahead >= max_steps_)) return py::none();
-  auto p = data::plan_batch(*sampler_, {epoch, position}, batch_size_, world(), rank(), drop_last_);
+  std::vector<int64_t> weights;
+  if (paces_ && world() > 1) {
+    auto w = paces_->weights_for(first_step + steps_ahead);
+    if (!w)
+      throw InvalidInput("the loader asked for the batch " + std::to_string(steps_ahead) + " steps ahead; with "
+                         "shares=\"pace\" a batch's share is known " +
+                         std::to_string(paces_->options().lag) + " steps ahead: read fewer batches ahead "
+                         "(a DataLoader's num_workers x prefetch_factor), or shares=\"equal\"");
+    weights = std::move(*w);
+  }
+  auto p = data::plan_batch(*sampler_, {epoch, position}, batch_size_, world(), rank(), drop_last_, weights);
   py::list ids;
   for (int64_t id : p.ids) ids.append(id);
   plans_.push_back(std::move(p));
@@ -120,6 +130,11 @@ int Core::step(double loss, double lr) {
   // reduction finished in backward already left every `.grad` the view.
   if (!grads_in_place_) flat_->attach_grads(/*keep=*/true);
   if (!backward_started_) ctx_ = std::make_unique<train::StepContext>(context(loss));
+  if (paces_ && plan_.samples() > 0) {  // this member's pace: its forward and backward, not its waits
+    auto end = rule().backward_ended();
+    if (!end || *end < step_start_) end = Clock::now();
+    paces_->record(plan_.samples(), std::chrono::duration<double>(*end - step_start_).count());
+  }
   if (grads_in_place_) ctx_->grad_finite = [this] { return flat_->grads_finite(); };
   ctx_->lr = rate();  // armed before forward: this step's rate is known now
   std::optional<train::StepResult> res;
@@ -188,6 +203,7 @@ void Core::log_step() {
   rec.workers = world();
   if (opt_->clip_norm() > 0 && !std::isnan(opt_->last_norm())) rec.grad_norm = opt_->last_norm();
   auto j = train::step_record(rec, window_);
+  session_->add_pace_fields(j, state_.step);
   for (const auto& [k, v] : user_) j[k] = v;
   session_->run_dir().append_metrics(j);
   window_.reset();

@@ -9,6 +9,7 @@
 #include <signal.h>
 
 #include <regex>
+#include <sstream>
 
 #include "common/files.h"
 #include "models/net.h"
@@ -27,10 +28,10 @@ bool have_fmnist() {
   return file_exists("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz");
 }
 
-torch::Tensor mlp_weights(const std::string& ckpt) {
+torch::Tensor mlp_weights(const std::string& ckpt, int width = 64) {
   models::ModelOptions mo;
   mo.name = "mlp";
-  mo.width = 64;
+  mo.width = width;
   auto net = models::make_model(mo, {1, 28, 28, 10});
   optim::FlatParams flat(*net);
   train::load_checkpoint(ckpt, *net, nullptr);
@@ -159,6 +160,59 @@ TEST(Launch, AKilledWorkerStopsTheJobWithAnError) {
   // survivors are stopped (by SIGTERM, or by their own PeerFailure first).
   EXPECT_EQ(r.exit_code, 128 + SIGKILL) << r.output;
   EXPECT_NE(r.output.find("worker rank 1"), std::string::npos) << r.output;
+}
+
+// elastic.shares = "pace": the worker of rank 1 held to a fifth of a core by a
+// cgroup cpu quota (a real slow member, not a sleep) is dealt a smaller slice
+// of every batch once the paces are agreed; the weights are still those of
+// one process at the global batch (each member weighs by its samples).
+TEST(Launch, SharesByPaceFollowAWorkerHeldToAFractionOfACore) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  ASSERT_TRUE(limbo::testing::CpuLimit::available()) << "the cgroup v1 cpu controller (root) makes the slow member";
+  TempDir single, multi;
+  // Steps long enough (a wider MLP, 96 samples a member) that compute, not
+  // the step's overhead, sets their time.
+  const std::vector<std::string> heavier = {"--set", "train.epochs=4", "--set", "model.width=256",
+                                            "--set", "data.train_limit=3000"};
+  auto args = job(single.path(), 192);
+  args.insert(args.begin(), "train");
+  args.insert(args.end(), heavier.begin(), heavier.end());
+  auto r1 = run_limbo(args);
+  ASSERT_EQ(r1.exit_code, 0) << r1.output;
+  std::vector<std::string> la = {"launch", "--nproc", "2", "--"};
+  auto j = job(multi.file("run"), 96);
+  j.insert(j.end(), heavier.begin(), heavier.end());
+  j.insert(j.end(), {"--set", "elastic.shares=pace", "--set", "train.log_every=10"});
+  la.insert(la.end(), j.begin(), j.end());
+  const std::string log = multi.file("log.txt");
+  pid_t launcher = limbo::testing::spawn_limbo(la, log);
+  limbo::testing::KillOnExit guard{{launcher}};
+  ASSERT_TRUE(limbo::testing::wait_for_text(log, "worker rank 1 pid", 30)) << slurp(log);
+  std::smatch m;
+  const std::string text = slurp(log);
+  ASSERT_TRUE(std::regex_search(text, m, std::regex("worker rank 1 pid ([0-9]+)")));
+  limbo::testing::CpuLimit slow("limbo-test-" + std::to_string(::getpid()), 0.2, 10000);
+  slow.add(std::stoi(m[1]));
+  auto r = limbo::testing::wait_child(launcher, log);
+  guard.pids.clear();
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Float rounding of other sums over 60 steps (1.2e-5 seen); members
+  // weighted by anything but their samples would be off by far more.
+  auto a = mlp_weights(single.file("checkpoint.pt"), 256), c = mlp_weights(multi.file("run/checkpoint.pt"), 256);
+  EXPECT_TRUE(torch::allclose(a, c, 1e-3, 1e-4)) << (a - c).abs().max().item<float>();
+  std::vector<nlohmann::json> train;
+  std::istringstream in(slurp(multi.file("run/metrics.jsonl")));
+  for (std::string line; std::getline(in, line);) {
+    auto rec = nlohmann::json::parse(line);
+    if (rec["kind"] == "train") train.push_back(rec);
+  }
+  ASSERT_GT(train.size(), 2u);
+  EXPECT_EQ(train.front()["step"], 10);
+  EXPECT_EQ(train.front()["shares"], nlohmann::json({0.5, 0.5}));  // before any pace is agreed
+  const auto& last = train.back();
+  ASSERT_EQ(last["shares"].size(), 2u);
+  EXPECT_LT(last["shares"][1].get<double>(), 0.4) << last.dump();
+  EXPECT_LT(last["paces"][1].get<double>(), last["paces"][0].get<double>()) << last.dump();
 }
 
 // Found: `limbo launch --run-dir D` (before --) was taken by the

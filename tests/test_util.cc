@@ -5,12 +5,15 @@
 #include <sched.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <vector>
 #include <cstdlib>
 #include <filesystem>
@@ -57,6 +60,45 @@ std::string slurp(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
+}
+
+namespace {
+const char* const kCpuRoot = "/sys/fs/cgroup/cpu";
+
+void write_sys(const std::string& path, const std::string& value) {
+  std::ofstream out(path);
+  out << value;
+  out.flush();
+  if (!out) throw std::runtime_error("cannot write '" + value + "' to " + path);
+}
+}  // namespace
+
+bool CpuLimit::available() {
+  return ::access((std::string(kCpuRoot) + "/cgroup.procs").c_str(), W_OK) == 0;
+}
+
+CpuLimit::CpuLimit(const std::string& name, double fraction, int period_us)
+    : dir_(std::string(kCpuRoot) + "/" + name), period_us_(period_us) {
+  ::mkdir(dir_.c_str(), 0755);
+  write_sys(dir_ + "/cpu.cfs_quota_us", "-1");  // the period changes only while unlimited
+  write_sys(dir_ + "/cpu.cfs_period_us", std::to_string(period_us));
+  set(fraction);
+}
+
+void CpuLimit::set(double fraction) {
+  const long quota = fraction >= 1 ? -1 : std::max(1000L, std::lround(fraction * period_us_));
+  write_sys(dir_ + "/cpu.cfs_quota_us", std::to_string(quota));
+}
+
+void CpuLimit::add(pid_t pid) { write_sys(dir_ + "/cgroup.procs", std::to_string(pid)); }
+
+CpuLimit::~CpuLimit() {
+  std::ifstream in(dir_ + "/cgroup.procs");
+  for (std::string pid; std::getline(in, pid);) {
+    std::ofstream root(std::string(kCpuRoot) + "/cgroup.procs");
+    root << pid;  // it may have exited meanwhile
+  }
+  ::rmdir(dir_.c_str());
 }
 
 bool have_python_torch() {

@@ -68,6 +68,24 @@ struct KillOnExit {
 
 std::string slurp(const std::string& path);
 
+// A cgroup v1 cpu group (root) holding its processes to `fraction` of one
+// core: how a slow member is made in tests, rather than with sleeps. The
+// group is removed (its processes moved back) when it goes out of scope.
+class CpuLimit {
+ public:
+  static bool available();
+  CpuLimit(const std::string& name, double fraction, int period_us = 100000);
+  ~CpuLimit();
+  CpuLimit(const CpuLimit&) = delete;
+  CpuLimit& operator=(const CpuLimit&) = delete;
+  void add(pid_t pid);
+  void set(double fraction);
+
+ private:
+  std::string dir_;
+  int period_us_;
+};
+
 // PyTorch for Python as an oracle: whether /usr/bin/python3 imports torch,
 // and a run of one of tests/python/*.py with arguments (stdout and stderr in
 // *out; returns the exit status).

@@ -149,6 +149,12 @@ class Job:
     collective_timeout, round_timeout
                 communication, as the CLI's keys of the same names
                 (compression also takes "int8" and "int4" for DiLoCo).
+    shares      "equal" (every member an equal slice of the global batch) or
+                "pace" (slices by each member's pace, as elastic.shares:
+                members of unequal speed do not wait for the slowest;
+                job.batch_ids() is this member's slice, and train records
+                carry "shares" and "paces"). With "pace" a loader may read
+                at most 15 batches ahead.
     sync        "step" (every step's gradient reduced across the group) or
                 "diloco" (docs/diloco.md): the optimizer becomes the inner
                 one, stepped by job.step() on this member alone, for the
@@ -171,7 +177,7 @@ class Job:
                  batch_policy="dynamic", lr_scaling="auto", reference_batch=0, ramp_steps=200,
                  accumulate=1, checkpoint_every_epochs=1, checkpoint_every_steps=0, log_every=50,
                  overlap=True, bucket_mb=4.0, compression="none", shared_memory=True,
-                 hierarchical=True, collective_timeout=10.0, round_timeout=120.0,
+                 hierarchical=True, collective_timeout=10.0, round_timeout=120.0, shares="equal",
                  max_nonfinite_steps=10, sync="step", inner_steps=500, outer_lr=0.7, outer_momentum=0.9,
                  nesterov=True, max_wait=1.0, fragments=1, mixing=0.0, scheduler_every=None):
         if not isinstance(model, torch.nn.Module):
@@ -251,7 +257,7 @@ class Job:
             clip_grad_norm=float(clip_grad_norm), batch_policy=batch_policy, lr_scaling=lr_scaling,
             reference_batch=int(reference_batch), ramp_steps=int(ramp_steps), log_every=self._log_every,
             checkpoint_every_epochs=self._checkpoint_epochs, checkpoint_every_steps=self._checkpoint_steps,
-            overlap=bool(overlap), bucket_mb=float(bucket_mb), compression=compression,
+            overlap=bool(overlap), bucket_mb=float(bucket_mb), compression=compression, shares=shares,
             shared_memory=bool(shared_memory), hierarchical=bool(hierarchical),
             collective_timeout=float(collective_timeout), round_timeout=float(round_timeout),
             max_nonfinite_steps=int(max_nonfinite_steps), accumulate=int(accumulate),
@@ -738,7 +744,7 @@ class Job:
         lines = ["# a Python training loop (limbo.Job)", "[job]"]
         for key in ("batch_size", "dataset_size", "epochs", "max_steps", "seed", "order", "drop_last",
                     "clip_grad_norm", "batch_policy", "lr_scaling", "reference_batch", "ramp_steps",
-                    "overlap", "bucket_mb", "compression"):
+                    "overlap", "bucket_mb", "compression", "shares"):
             v = options[key]
             if isinstance(v, bool):
                 v = "true" if v else "false"

@@ -93,6 +93,12 @@ int run_train(const TrainArgs& a) {
   reduce_options.bucket_bytes = static_cast<int64_t>(cfg.get_float("elastic.bucket_mb") * (1 << 20));
   reduce_options.testing_die_in_bucket = cfg.get_int("train.testing_die_in_bucket");
   reduce_options.shard_state = cfg.get_bool("optim.shard_state");
+  // DiLoCo's inner steps are each member's own: shares by pace are for
+  // synchronous steps.
+  if (cfg.get_string("elastic.shares") == "pace" && !trainer.diloco() && (distributed || a.elastic)) {
+    reduce_options.paces = std::make_shared<data::PaceShares>(data::PaceShares::Options{});
+    trainer.set_paces(reduce_options.paces);
+  }
   if (reduce_options.shard_state && cfg.get_string("optim.algorithm") == "isgd")
     throw InvalidInput("optim.shard_state = true does not run with optim.algorithm = \"isgd\" (its extra "
                        "updates step the whole model on every worker); use sgd, adam or adamw");

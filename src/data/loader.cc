@@ -136,6 +136,7 @@ BatchLoader::~BatchLoader() { stop_thread(); }
 
 void BatchLoader::start_thread(Cursor from) {
   stop_ = false;
+  stopping_ = false;
   error_ = nullptr;
   queue_.clear();
   next_cursor_ = from;
@@ -146,37 +147,54 @@ void BatchLoader::stop_thread() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    stopping_ = true;
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
 }
 
-void BatchLoader::restart(Cursor from, int world, int rank) {
+void BatchLoader::restart(Cursor from, int world, int rank, int64_t step) {
   stop_thread();
   opt_.world = world;
   opt_.rank = rank;
+  next_step_ = step;
   start_thread(from);
+}
+
+void BatchLoader::set_paces(std::shared_ptr<const PaceShares> paces) {
+  std::lock_guard<std::mutex> lock(mu_);
+  paces_ = std::move(paces);
 }
 
 void BatchLoader::run() {
   try {
     for (;;) {
       Cursor at;
+      int64_t step;
+      std::shared_ptr<const PaceShares> paces;
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [&] { return stop_ || static_cast<int>(queue_.size()) < opt_.prefetch; });
         if (stop_) return;
         at = next_cursor_;
+        step = next_step_;
+        paces = paces_;
       }
       // Planning and gathering run without the lock: the consumer keeps going.
+      std::vector<int64_t> weights;
+      if (paces && step >= 0) {
+        weights = paces->wait_weights_for(step, [this] { return stopping_.load(); });
+        if (stopping_) return;
+      }
       BatchPlan plan = plan_batch(sampler_, at, opt_.batch_size, opt_.world, opt_.rank,
-                                  opt_.drop_last);
+                                  opt_.drop_last, weights);
       Batch b = make_train_batch(*dataset_, norm_, plan.ids, plan.begin.epoch, opt_.augment);
       b.plan = std::move(plan);
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (stop_) return;
         next_cursor_ = b.plan.end;
+        if (next_step_ >= 0) next_step_ += 1;
         queue_.push_back(std::move(b));
       }
       cv_.notify_all();

@@ -12,6 +12,7 @@
 
 #include <torch/torch.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -21,6 +22,7 @@
 
 #include "data/augment.h"
 #include "data/dataset.h"
+#include "data/pace_shares.h"
 #include "data/sampler.h"
 
 namespace limbo::data {
@@ -60,7 +62,12 @@ class BatchLoader {
   BatchLoader& operator=(const BatchLoader&) = delete;
 
   Batch next();
-  void restart(Cursor from, int world, int rank);
+  // From `from` in a group of `world`; `step`: the steps committed before
+  // `from` (>= 0: with shares by pace, each batch is cut with the shares of
+  // its step, waiting for them to be agreed; -1: equal shares).
+  void restart(Cursor from, int world, int rank, int64_t step = -1);
+  // Shares by pace (elastic.shares = "pace"); none: equal slices.
+  void set_paces(std::shared_ptr<const PaceShares> paces);
   const LoaderOptions& options() const { return opt_; }
 
  private:
@@ -78,7 +85,10 @@ class BatchLoader {
   std::deque<Batch> queue_;
   std::exception_ptr error_;
   bool stop_ = false;
+  std::atomic<bool> stopping_{false};  // stop_, read without the lock while waiting for shares
   Cursor next_cursor_;
+  int64_t next_step_ = -1;
+  std::shared_ptr<const PaceShares> paces_;
   std::thread thread_;
 };
 

@@ -22,6 +22,7 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
       shard_(opt.shard_state),
       home_prefix_(opt.home_prefix),
       stats_(torch::zeros({2}, torch::kFloat32)) {
+  paces_ = opt.paces;
   reducer_.set_testing_death(opt.testing_die_in_bucket);
   if (opt.finish_in_backward) {
     reducer_.set_finish_in_backward(true);
@@ -366,6 +367,7 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   const int64_t n = buf.numel() - optim::FlatParams::kSlots;
   const double global_loss = buf[n].item<double>();
   flag_sum_ = buf[n + 1].item<double>();
+  publish_paces(ctx.iteration);
   if (shard_) {
     // The gradient's sum came from every member: each finished the state
     // sync before this step, so the homes kept for a retried sync can go.
@@ -379,6 +381,14 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   update_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   updates_ += 1;
   return {global_loss, ctx.global_batch};
+}
+
+void AllReduceUpdate::publish_paces(int64_t step) {
+  if (!paces_ || !group_ || !paces_->publishes(step)) return;
+  auto mine = paces_->publication(group_->rank());
+  auto sum = torch::from_blob(mine.data(), {static_cast<int64_t>(mine.size())}, torch::kFloat32);
+  group_->allreduce_sum(sum);
+  paces_->agreed(step, mine);
 }
 
 // The update of the shard of home `h` (this member's, or a copy) from

@@ -34,6 +34,7 @@
 
 #include "comm/collective.h"
 #include "comm/compression.h"
+#include "data/pace_shares.h"
 #include "elastic/bucket_reducer.h"
 #include "elastic/shards.h"
 #include "train/update_rule.h"
@@ -54,6 +55,10 @@ struct ReduceOptions {
   // (a member's are <prefix>m<member id>-r<round>); empty: in this
   // process's memory (a crash loses the shard).
   std::string home_prefix;
+  // Shares of the batch by pace (elastic.shares = "pace"): the members'
+  // paces are all-reduced in the steps that publish them, after the
+  // gradient's reduction and before the update (data/pace_shares.h).
+  std::shared_ptr<data::PaceShares> paces;
 };
 
 class AllReduceUpdate : public train::UpdateRule {
@@ -144,8 +149,14 @@ class AllReduceUpdate : public train::UpdateRule {
   void set_flag_source(std::function<double()> f) { flag_source_ = std::move(f); }
   double last_flag_sum() const { return flag_sum_; }
   const BucketReducer& reducer() const { return reducer_; }
+  std::optional<std::chrono::steady_clock::time_point> backward_ended() const override {
+    return reducer_.finish_started();
+  }
 
  private:
+  // The step's publication of paces, if it has one (a collective).
+  void publish_paces(int64_t step);
+  std::shared_ptr<data::PaceShares> paces_;
   std::shared_ptr<comm::Collective> group_;
   std::shared_ptr<train::OptimizerStep> opt_;
   optim::FlatParams& flat_;

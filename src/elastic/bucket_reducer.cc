@@ -117,6 +117,7 @@ void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share,
   begun_ += 1;
   flag_ = std::move(flag);
   finished_ = callback_queued_ = grad_after_finish_ = false;
+  finish_started_.reset();
   deferred_ = nullptr;
   payload_bytes_ = 0;
   group_ = std::move(group);
@@ -276,6 +277,7 @@ void BucketReducer::comm_loop() {
 void BucketReducer::finish(double flag) {
   if (!armed_) throw Error("internal: finishing a gradient reduction that did not begin");
   const auto t0 = Clock::now();
+  finish_started_ = t0;
   std::exception_ptr err;
   // Backward is over: the tail can be written. The float buffers become
   // their share of the weighted mean; the loss and the flag ride behind.

@@ -71,6 +71,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -141,6 +142,10 @@ class BucketReducer {
   // (the step failed; residuals unchanged). The module's buffers get the
   // reduced values (FlatParams::flat_to_buffers).
   void finish(double flag);
+  // When finish() was entered for the step begun last (the end of this
+  // member's backward: what comes after is the wait for the others); none
+  // before it.
+  std::optional<std::chrono::steady_clock::time_point> finish_started() const { return finish_started_; }
   // Whether the last finish() summed to finite values everywhere (the
   // gradient and the loss). When not, no residual moved and the caller
   // skips the update, as every member does.
@@ -194,6 +199,7 @@ class BucketReducer {
   std::function<double()> flag_;
   std::function<void()> after_finish_;
   bool finish_in_backward_ = false, no_sync_ = false, finished_ = false, callback_queued_ = false;
+  std::optional<std::chrono::steady_clock::time_point> finish_started_;
   bool grad_after_finish_ = false;
   std::exception_ptr deferred_;  // a failure of finish() in a callback
   std::vector<int> pending_;

@@ -197,6 +197,10 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(B("elastic.overlap", true,
              "all-reduce gradient buckets while backward still runs (on a communication "
              "thread; false: after backward, on the training thread)"));
+    s->add(S("elastic.shares", "equal", {"equal", "pace"},
+             "how a synchronous step's global batch is shared out: equal slices, or slices by each member's "
+             "pace (samples a second of its own forward and backward, agreed every 8 steps, in force 16 "
+             "steps later), so that members of unequal speed do not wait for the slowest"));
     s->add(F("elastic.bucket_mb", 4.0, 0.0, 4096.0,
              "gradient bucket size in MiB: buckets end on parameter boundaries, in backward "
              "order; 0 = the whole gradient in one bucket"));

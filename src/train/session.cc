@@ -1,5 +1,7 @@
 #include "train/session.h"
 
+#include <cmath>
+
 #include "common/error.h"
 #include "common/files.h"
 #include "common/log.h"
@@ -84,8 +86,23 @@ void Session::checkpoint_now(const std::string& why) {
 }
 
 void Session::start() {
-  if (membership_) reform("start", Clock::now(), 0.0);
-  else rule_->start(p_.flat.data(), p_.flat.buffers());
+  if (membership_) {
+    reform("start", Clock::now(), 0.0);
+    return;
+  }
+  rule_->start(p_.flat.data(), p_.flat.buffers());
+  if (paces_) paces_->reset(world_, p_.state.step);
+}
+
+void Session::add_pace_fields(nlohmann::json& record, int64_t step) const {
+  if (!paces_ || world_ < 2) return;
+  auto rounded = [](std::vector<double> v, double unit) {
+    for (double& x : v) x = std::round(x / unit) * unit;
+    return v;
+  };
+  record["shares"] = rounded(paces_->shares_at(step), 1e-4);
+  const auto paces = paces_->last_paces();  // samples a second of each member's forward and backward
+  if (!paces.empty()) record["paces"] = rounded(paces, 0.1);
 }
 
 void Session::reform(const std::string& reason, Clock::time_point detected, double detection) {
@@ -140,6 +157,7 @@ void Session::reform(const std::string& reason, Clock::time_point detected, doub
   pending_event_ = est.event;
   pending_event_["detection_seconds"] = detection;
   pending_since_ = detected;
+  if (paces_) paces_->reset(world_, st.step);
   if (on_reform_) on_reform_(est);
   std::string shards;
   if (est.event.contains("shard_bytes_received"))

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "common/timing.h"
+#include "data/pace_shares.h"
 #include "data/sampler.h"
 #include "optim/batch_policy.h"
 #include "optim/flat_params.h"
@@ -103,6 +104,14 @@ class Session {
   // moves its data to the new world, rank and cursor.
   void set_on_reform(std::function<void(const Membership::Established&)> f) { on_reform_ = std::move(f); }
 
+  // Shares of the batch by pace: reset to equal shares for every group
+  // formed (its world, the steps committed when it formed).
+  void set_paces(std::shared_ptr<data::PaceShares> paces) { paces_ = std::move(paces); }
+  const std::shared_ptr<data::PaceShares>& paces() const { return paces_; }
+  // Adds each member's last agreed pace and the shares of step `step` to a
+  // record (nothing without shares by pace).
+  void add_pace_fields(nlohmann::json& record, int64_t step) const;
+
   // Loads the run directory's checkpoint (InvalidInput when there is none).
   void resume();
   // Writes the checkpoint where this member writes (nothing elsewhere).
@@ -161,6 +170,7 @@ class Session {
   RunDir run_dir_;
   std::string checkpoint_path_;
   std::function<void(const Membership::Established&)> on_reform_;
+  std::shared_ptr<data::PaceShares> paces_;
   int world_ = 1, rank_ = 0;
   bool writer_ = true, took_over_ = false;
   int64_t storage_ = 0, changes_ = 0;

@@ -168,7 +168,7 @@ void Trainer::reformed(Run& r, const Membership::Established& est) {
                                      (cfg_.train.slow_rank < 0 || est.rank == cfg_.train.slow_rank)
                                  ? cfg_.train.slow_step
                                  : std::chrono::milliseconds(0));
-  if (r.loader) r.loader->restart(state_.cursor, est.world, est.rank);
+  if (r.loader) r.loader->restart(state_.cursor, est.world, est.rank, paces_ ? state_.step : -1);
   if (outer_steps_) outer_steps_->reformed();
   if (isgd_)  // the control window holds one epoch of the new global batches
     isgd_->set_batches_per_epoch(data::batches_per_epoch(
@@ -238,7 +238,9 @@ bool Trainer::train_step(Run& r) {
     ctx.loss = loss;
     rule_->backward_starts(ctx);
   });
-  r.compute_seconds += seconds_since(compute_start);
+  const double compute = seconds_since(compute_start);
+  r.compute_seconds += compute;
+  if (paces_) paces_->record(batch.plan.samples(), compute);
   optim::IsgdController::Decision decision;
   torch::Tensor anchor;
   if (isgd_) {
@@ -315,7 +317,9 @@ void Trainer::log_step(Run& r) {
     rec.batch_size = r.res.global_batch;
     rec.skipped_steps = state_.skipped_steps;
     if (r.norm_n > 0) rec.grad_norm = r.norm_sum / static_cast<double>(r.norm_n);
-    r.run_dir.append_metrics(step_record(rec, r.window));
+    auto j = step_record(rec, r.window);
+    r.s.add_pace_fields(j, state_.step);
+    r.run_dir.append_metrics(j);
     r.window.reset();
     r.norm_sum = 0;
     r.norm_n = 0;
@@ -483,6 +487,10 @@ nlohmann::json Trainer::run() {
   r.total_steps = t.epochs * per_epoch;
   if (t.max_steps > 0) r.total_steps = std::min(r.total_steps, t.max_steps);
   session.set_on_reform([this, &r](const Membership::Established& est) { reformed(r, est); });
+  if (paces_ && !outer_) {
+    session.set_paces(paces_);
+    r.loader->set_paces(paces_);
+  }
   if (outer_) {
     OuterSteps::Options oo;
     oo.diloco = cfg_.diloco;
@@ -514,6 +522,9 @@ nlohmann::json Trainer::run() {
     return {{"left", true}, {"completed_elsewhere", true}, {"steps", state_.step}};
   }
   r.run_dir.write_config(cfg_.config_toml);
+  // A fixed group: the loader cuts its batches by the group's shares from
+  // the first step (an elastic one restarts it at every formation).
+  if (paces_ && !outer_ && !elastic) r.loader->restart(state_.cursor, session.world(), session.rank(), state_.step);
   r.log_sampler = std::make_unique<data::Sampler>(r.n, loader_opt.order, loader_opt.seed);
   r.progress = std::make_unique<Progress>("train", r.total_steps, stderr);
   model_->train();

@@ -162,6 +162,9 @@ class Trainer {
   void set_update_rule(std::shared_ptr<UpdateRule> rule) { rule_ = std::move(rule); }
   // Elastic training: the rule must be the membership's all-reduce rule.
   void set_membership(std::unique_ptr<Membership> m) { membership_ = std::move(m); }
+  // Shares of the batch by pace (elastic.shares = "pace"): the same object
+  // as the rule's (elastic::ReduceOptions::paces).
+  void set_paces(std::shared_ptr<data::PaceShares> paces) { paces_ = std::move(paces); }
 
  private:
   struct Run;  // the state of one run() (trainer.cc)
@@ -189,6 +192,7 @@ class Trainer {
   std::shared_ptr<OptimizerStep> opt_;
   std::unique_ptr<optim::LrSchedule> schedule_;
   std::shared_ptr<UpdateRule> rule_;
+  std::shared_ptr<data::PaceShares> paces_;
   std::unique_ptr<optim::IsgdController> isgd_;
   std::unique_ptr<optim::BatchSizePolicy> batch_policy_;
   std::unique_ptr<Membership> membership_;  // handed to the session at run()

@@ -12,9 +12,11 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "optim/clip.h"
 #include "optim/optimizer.h"
@@ -101,6 +103,9 @@ class UpdateRule {
   // The step's loss, when it became known after backward_starts() (a
   // front end that arms the reduction before forward).
   virtual void set_step_loss(double loss) {}
+  // When this step's backward ended, where the rule saw it end (a reduction
+  // finished at the end of backward); none: the front end's own clock.
+  virtual std::optional<std::chrono::steady_clock::time_point> backward_ended() const { return std::nullopt; }
   // While on, backward passes add to this member's gradient without
   // reducing it (the user's micro-batches by hand); a backward after it is
   // turned off reduces the sum.

@@ -34,12 +34,18 @@ import os
 import signal
 import time
 
+import atexit
+import sys
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import limbo
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+import cpu_limit  # noqa: E402
 
 
 def make_data(n, seed):
@@ -88,15 +94,20 @@ class DictNet(nn.Module):
 
 
 class Plain(nn.Module):
-    """No batch statistics: a step of 2 x 16 is a step of 32, up to float rounding."""
+    """No batch statistics: a step of 2 x 16 is a step of 32, up to float
+    rounding. `width` and `depth` make its steps as long as a test needs."""
 
-    def __init__(self):
+    def __init__(self, width=32, depth=1):
         super().__init__()
-        self.hidden = nn.Linear(16, 32)
-        self.out = nn.Linear(32, 4)
+        self.hidden = nn.Linear(16, width)
+        self.more = nn.ModuleList(nn.Linear(width, width) for _ in range(depth - 1))
+        self.out = nn.Linear(width, 4)
 
     def forward(self, batch):
-        return self.out(F.relu(self.hidden(batch["features"])))
+        h = F.relu(self.hidden(batch["features"]))
+        for layer in self.more:
+            h = F.relu(layer(h))
+        return self.out(h)
 
 
 def fingerprint(job, model, opt, limbo_state=None, sched=None):
@@ -123,6 +134,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--optimizer", choices=["sgd", "adamw", "limbo-adamw", "limbo-adamw-sharded"], default="sgd")
     p.add_argument("--model", choices=["dict", "plain"], default="dict")
+    p.add_argument("--width", type=int, default=32, help="the plain model's hidden width")
+    p.add_argument("--depth", type=int, default=1, help="the plain model's hidden layers")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=16)
@@ -143,6 +156,10 @@ def main():
     p.add_argument("--evaluate", type=int, default=0,
                    help="at each epoch's end, job.evaluate() over a validation set of this many samples; each "
                         "member writes its result to eval-PID.txt (DIE_WHERE=in_eval dies inside it)")
+    p.add_argument("--shares", choices=["equal", "pace"], default="equal")
+    p.add_argument("--cpu-limit", default="",
+                   help="RANK:FRACTION[:PERIOD_US]: the member of that rank at the first step holds itself to "
+                        "FRACTION of a core (cgroup v1 cpu controller; its name in cgroup.txt of the run directory)")
     p.add_argument("--always", action="store_true",
                    help="after job.step(), whatever it returned: state['tried'] += 1 and the scheduler's step "
                         "(scheduler_every='manual'); both must equal the committed steps at the next batch")
@@ -151,7 +168,7 @@ def main():
     torch.manual_seed(7)
     x, y = make_data(args.samples, 3)
     train = Rows(x, y)
-    model = DictNet() if args.model == "dict" else Plain()
+    model = DictNet() if args.model == "dict" else Plain(args.width, args.depth)
     if args.unseeded_frozen:
         with torch.no_grad():
             model.frozen.weight.copy_(torch.randn(4, 4, generator=torch.Generator().manual_seed(os.getpid())))
@@ -175,7 +192,7 @@ def main():
                     state=state, run_dir=args.run_dir, checkpoint_every_steps=args.checkpoint_every_steps,
                     log_every=10, sync=args.sync, inner_steps=args.inner_steps, compression=args.compression,
                     max_wait=0, fragments=args.fragments, mixing=0.5 if args.fragments > 1 else 0.0,
-                    bucket_mb=args.bucket_mb, **schedule)
+                    bucket_mb=args.bucket_mb, shares=args.shares, **schedule)
     diloco = args.sync == "diloco"
     logged = [0]
 
@@ -220,10 +237,29 @@ def main():
         os.close(fd)
         os.kill(os.getpid(), how)
 
+    def maybe_limit():
+        # Once a job: the member of the given rank at its first batch.
+        if not args.cpu_limit or job.world < 2:
+            return
+        parts = args.cpu_limit.split(":")
+        if job.rank != int(parts[0]):
+            return
+        try:
+            fd = os.open(os.path.join(run_dir, "cgroup.txt"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        name = "limbo-test-%d" % os.getpid()
+        os.write(fd, name.encode() + b"\n")
+        os.close(fd)
+        cpu_limit.limit(name, float(parts[1]), int(parts[2]) if len(parts) > 2 else 100000)
+        cpu_limit.add(name, os.getpid())
+        atexit.register(cpu_limit.remove, name)
+
     log = open(os.path.join(run_dir, "samples-%d.txt" % os.getpid()), "a") if run_dir else None
     limbo_state = None
     for batch in job.batches(loader):
         log_outer()
+        maybe_limit()
         maybe_die("before_forward")
         if pace and (pace_until == 0 or job.world < pace_until):
             time.sleep(pace)

@@ -27,8 +27,10 @@ SCRIPT = os.path.join(HERE, "job_script.py")
 PY = sys.executable
 
 sys.path.insert(0, PYDIR)
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import torch  # noqa: E402
 import limbo  # noqa: E402
+import cpu_limit  # noqa: E402
 
 
 def env(**extra):
@@ -158,6 +160,41 @@ def test_two_workers_train_what_one_process_trains(run_dir):
     for x, y in zip(a[1:3], b[1:3]):  # sum and sum of squares of the weights
         assert abs(float(x) - float(y)) <= 1e-4 * max(1.0, abs(float(x))), (a, b)
     assert summary(two)["workers"] == 2
+
+
+def test_shares_by_pace_follow_a_member_held_to_a_fraction_of_a_core(run_dir):
+    """shares="pace", 2 members, the second held to a fifth of a core by a
+    cgroup cpu quota (a real slow member, not a sleep): its share of the batch
+    falls well below half; every sample once an epoch; the members end
+    identical, with the weights one process trains on the same global batches
+    (the reduction weights each member by its samples, whatever the shares)."""
+    assert cpu_limit.available(), "the cgroup v1 cpu controller (root) makes the slow member here"
+    # Wide enough that a step's compute, not the loop's overhead, sets its time.
+    common = ["--model", "plain", "--width", "768", "--depth", "2", "--loader-workers", "0", "--epochs", "3"]
+    alone = os.path.join(run_dir, "alone")
+    r = subprocess.run([PY, SCRIPT, "--run-dir", alone, "--batch-size", "32"] + common, env=env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    two = os.path.join(run_dir, "two")
+    try:
+        r = launch(two, 2, common + ["--shares", "pace", "--cpu-limit", "1:0.2:10000"])
+    finally:
+        if os.path.exists(os.path.join(two, "cgroup.txt")):
+            cpu_limit.remove(open(os.path.join(two, "cgroup.txt")).read().strip())
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.exists(os.path.join(two, "cgroup.txt")), "no member was held"
+    check_exactly_once(two, 1024, 3)
+    a, b = check_identical(alone, 1), check_identical(two, 2)
+    assert steps_logged(alone) == steps_logged(two)
+    assert a[0] == b[0]  # steps
+    for x, y in zip(a[1:3], b[1:3]):  # sum and sum of squares of the weights
+        assert abs(float(x) - float(y)) <= 1e-4 * max(1.0, abs(float(x))), (a, b)
+    records = [json.loads(line) for line in open(os.path.join(two, "metrics.jsonl"))]
+    train = [x for x in records if x["kind"] == "train"]
+    assert all(len(x["shares"]) == 2 and abs(sum(x["shares"]) - 1) < 1e-3 for x in train), train
+    assert train[0]["shares"] == [0.5, 0.5]  # the first steps, before any pace is agreed
+    assert train[-1]["shares"][1] < 0.4, [x["shares"] for x in train]
+    assert len(train[-1]["paces"]) == 2 and train[-1]["paces"][1] < train[-1]["paces"][0], train[-1]
 
 
 @pytest.mark.parametrize("how,where,optimizer", [
