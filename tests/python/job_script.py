@@ -160,6 +160,9 @@ def main():
     p.add_argument("--cpu-limit", default="",
                    help="RANK:FRACTION[:PERIOD_US]: the member of that rank at the first step holds itself to "
                         "FRACTION of a core (cgroup v1 cpu controller; its name in cgroup.txt of the run directory)")
+    p.add_argument("--read-ahead", type=int, default=0,
+                   help="at the first batch, ask the job's sampler for this many batches ahead (a loader that "
+                        "prefetches that far); exit 3 with the job's message if it refuses")
     p.add_argument("--always", action="store_true",
                    help="after job.step(), whatever it returned: state['tried'] += 1 and the scheduler's step "
                         "(scheduler_every='manual'); both must equal the committed steps at the next batch")
@@ -260,6 +263,16 @@ def main():
     for batch in job.batches(loader):
         log_outer()
         maybe_limit()
+        if args.read_ahead:
+            try:
+                ahead = iter(job.sampler)
+                for _ in range(args.read_ahead):
+                    next(ahead)
+            except limbo.InvalidInput as e:
+                print("refused: %s" % e, file=sys.stderr, flush=True)
+                os._exit(3)
+            print("read %d batches ahead" % args.read_ahead, file=sys.stderr, flush=True)
+            os._exit(0)
         maybe_die("before_forward")
         if pace and (pace_until == 0 or job.world < pace_until):
             time.sleep(pace)

@@ -197,6 +197,18 @@ def test_shares_by_pace_follow_a_member_held_to_a_fraction_of_a_core(run_dir):
     assert len(train[-1]["paces"]) == 2 and train[-1]["paces"][1] < train[-1]["paces"][0], train[-1]
 
 
+def test_shares_by_pace_refuse_a_loader_that_reads_further_ahead_than_agreed(run_dir):
+    """shares="pace": a batch's share is agreed 16 steps ahead, so a loader
+    that asks for more batches ahead than that is refused, naming the fix;
+    with equal shares it gets them."""
+    args = ["--model", "plain", "--loader-workers", "0", "--read-ahead", "40"]
+    r = launch(os.path.join(run_dir, "pace"), 2, args + ["--shares", "pace"])
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "refused:" in r.stderr and "shares=\"equal\"" in r.stderr and "ahead" in r.stderr, r.stderr
+    r = launch(os.path.join(run_dir, "equal"), 2, args)
+    assert "read 40 batches ahead" in r.stderr, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("how,where,optimizer", [
     ("kill", "before_step", "sgd"),
     ("kill", "before_backward", "adamw"),
