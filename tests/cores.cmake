@@ -25,7 +25,8 @@ endforeach()
 # Tests that hold a member to a fraction of a core (a cgroup cpu quota) and
 # check its pace against another's: nothing else may take the cores then.
 foreach(name Launch.SharesByPaceFollowAWorkerHeldToAFractionOfACore
-             Python.Job.shares_by_pace_follow_a_member_held_to_a_fraction_of_a_core)
+             Python.Job.shares_by_pace_follow_a_member_held_to_a_fraction_of_a_core
+             Python.Job.shares_by_pace_keep_every_sample_once_across_a_loss_and_a_join)
   if(NOT LIMBO_CONFIGURING)
     set_tests_properties("${name}" PROPERTIES RUN_SERIAL TRUE)
   elseif(TEST "${name}")

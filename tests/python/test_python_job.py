@@ -209,6 +209,38 @@ def test_shares_by_pace_refuse_a_loader_that_reads_further_ahead_than_agreed(run
     assert "read 40 batches ahead" in r.stderr, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("how", ["kill", "stop", "join"])
+def test_shares_by_pace_keep_every_sample_once_across_a_loss_and_a_join(run_dir, how):
+    """shares="pace" with one member held to 30 % of a core, so slices are
+    unequal when the group changes: a member SIGKILLed or frozen after the
+    shares moved, or one joining; the group re-forms (equal shares again,
+    then by pace), every sample is used exactly once an epoch, and the
+    members end identical."""
+    assert cpu_limit.available(), "the cgroup v1 cpu controller (root) makes the slow member here"
+    args = ["--model", "plain", "--width", "768", "--depth", "2", "--loader-workers", "0", "--epochs", "4",
+            "--shares", "pace", "--cpu-limit", "0:0.3:10000"]
+    try:
+        if how == "join":
+            # Paced at 0.1 s a step while alone, so the joiner gets in.
+            r = launch(run_dir, 1, args, ["--min-workers", "1", "--elastic-schedule", "0:1,0.25:2"],
+                       PACE=0.1, PACE_UNTIL=2)
+        else:
+            r = launch(run_dir, 3, args, ["--min-workers", "1"], DIE_AT_STEP=40, DIE_RANK=1, DIE_HOW=how,
+                       DIE_WHERE="before_step")
+    finally:
+        if os.path.exists(os.path.join(run_dir, "cgroup.txt")):
+            cpu_limit.remove(open(os.path.join(run_dir, "cgroup.txt")).read().strip())
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_exactly_once(run_dir, 1024, 4)
+    check_identical(run_dir, 2)
+    s = summary(run_dir)
+    assert s["membership_changes"] >= 1 and s["workers"] == 2, s
+    train = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))
+             if json.loads(line)["kind"] == "train"]
+    unequal = [x["shares"] for x in train if "shares" in x and max(x["shares"]) - min(x["shares"]) > 0.1]
+    assert unequal, [x.get("shares") for x in train]  # the group changed while shares were unequal, or after
+
+
 @pytest.mark.parametrize("how,where,optimizer", [
     ("kill", "before_step", "sgd"),
     ("kill", "before_backward", "adamw"),
