@@ -162,7 +162,7 @@ TEST(Launch, AKilledWorkerStopsTheJobWithAnError) {
   EXPECT_NE(r.output.find("worker rank 1"), std::string::npos) << r.output;
 }
 
-// elastic.shares = "pace": the worker of rank 1 held to a fifth of a core by a
+// elastic.shares = "pace": the worker of rank 1 held to a tenth of a core by a
 // cgroup cpu quota (a real slow member, not a sleep) is dealt a smaller slice
 // of every batch once the paces are agreed; the weights are still those of
 // one process at the global batch (each member weighs by its samples).
@@ -191,7 +191,10 @@ TEST(Launch, SharesByPaceFollowAWorkerHeldToAFractionOfACore) {
   std::smatch m;
   const std::string text = slurp(log);
   ASSERT_TRUE(std::regex_search(text, m, std::regex("worker rank 1 pid ([0-9]+)")));
-  limbo::testing::CpuLimit slow("limbo-test-" + std::to_string(::getpid()), 0.2, 10000);
+  // A tenth of a core: a member that waits for the other part of each step
+  // uses less than its quota then, so it measures faster than the quota
+  // alone says (at a fifth, shares settled near 0.37 against 0.5 equal).
+  limbo::testing::CpuLimit slow("limbo-test-" + std::to_string(::getpid()), 0.1, 10000);
   slow.add(std::stoi(m[1]));
   auto r = limbo::testing::wait_child(launcher, log);
   guard.pids.clear();
@@ -212,6 +215,7 @@ TEST(Launch, SharesByPaceFollowAWorkerHeldToAFractionOfACore) {
   const auto& last = train.back();
   ASSERT_EQ(last["shares"].size(), 2u);
   EXPECT_LT(last["shares"][1].get<double>(), 0.4) << last.dump();
+  std::printf("the held worker's last share: %.4f\n", last["shares"][1].get<double>());
   EXPECT_LT(last["paces"][1].get<double>(), last["paces"][0].get<double>()) << last.dump();
 }
 
