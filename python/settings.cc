@@ -89,6 +89,11 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   for (const auto& [name, t] : buffers)
     if (!t.device().is_cpu())
       throw InvalidInput("buffer '" + name + "' is on " + t.device().str() + "; Limbo trains on the CPU");
+  // Frozen float32 parameters in the flat buffers (limbo.Job(frozen="may_train"),
+  // the user's torch.optim, sync="step"): a loop that unfreezes a layer
+  // later has its gradient reduced like the others' (docs/python.md).
+  const bool frozen_in_flat = get<bool>(o, "frozen_in_flat", false) && !o.contains("limbo_optimizer") &&
+                              get<std::string>(o, "sync", "step") == "step";
   model_ = module_tree(params, buffers);
   // A model moved to channels-last (model.to(memory_format=torch.channels_last),
   // as PyTorch's CPU convolutions run fastest) keeps that layout in the flat
@@ -96,11 +101,12 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   // every forward and backward (measured: LeNet's forward 1.9x slower).
   bool channels_last = false;
   for (const auto& [name, t] : params)
-    if (t.requires_grad() && t.dim() == 4 && !t.is_contiguous() &&
+    if ((t.requires_grad() || frozen_in_flat) && t.dim() == 4 && !t.is_contiguous() &&
         t.is_contiguous(at::MemoryFormat::ChannelsLast))
       channels_last = true;
-  flat_ = std::make_unique<optim::FlatParams>(*model_, channels_last);
-  if (flat_->numel() == 0) throw InvalidInput("the model has no trainable parameters");
+  flat_ = std::make_unique<optim::FlatParams>(*model_, channels_last, frozen_in_flat);
+  if (std::none_of(params.begin(), params.end(), [](const auto& p) { return p.second.requires_grad(); }))
+    throw InvalidInput("the model has no trainable parameters");
   // The user's torch.optim (called back at the update), or one of Limbo's
   // optimizers (limbo.Optimizer: its state lives in Limbo, sharded with
   // shard_state, and moves natively in state sync and checkpoints).

@@ -115,7 +115,12 @@ class Job:
     model       any torch.nn.Module (float32 parameters on the CPU); its
                 parameters and buffers become views of Limbo's flat buffers.
                 Build it completely first; frozen parameters (requires_grad
-                False) are left alone, buffers are kept in step as the CLI does.
+                False) are left alone while frozen, buffers are kept in step
+                as the CLI does.
+    frozen      "may_train" (default): the loop may unfreeze or freeze layers
+                and add parameter groups at any step (frozen float32
+                parameters are reduced as zeros meanwhile); "fixed": frozen
+                parameters stay off the wire and such changes are refused.
     optimizer   any torch.optim optimizer over the model's parameters: Limbo
                 calls its step() with the reduced gradient; its state_dict is
                 handed to joiners, taken from the newest member after a failed
@@ -179,7 +184,8 @@ class Job:
                  overlap=True, bucket_mb=4.0, compression="none", shared_memory=True,
                  hierarchical=True, collective_timeout=10.0, round_timeout=120.0, shares="equal",
                  max_nonfinite_steps=10, sync="step", inner_steps=500, outer_lr=0.7, outer_momentum=0.9,
-                 nesterov=True, max_wait=1.0, fragments=1, mixing=0.0, scheduler_every=None):
+                 nesterov=True, max_wait=1.0, fragments=1, mixing=0.0, scheduler_every=None,
+                 frozen="may_train"):
         if not isinstance(model, torch.nn.Module):
             raise InvalidInput("model must be a torch.nn.Module, got %s" % type(model).__name__)
         own = isinstance(optimizer, Optimizer)
@@ -228,6 +234,8 @@ class Job:
         if not isinstance(size, int) or isinstance(size, bool):
             raise InvalidInput("dataset must be a map-style data set (with len()) or its size, got %r"
                                % type(dataset).__name__)
+        if frozen not in ("may_train", "fixed"):
+            raise InvalidInput("frozen must be \"may_train\" or \"fixed\", got %r" % (frozen,))
         if state is not None and not isinstance(state, dict):
             raise InvalidInput("state must be a dict, got %s" % type(state).__name__)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -275,6 +283,13 @@ class Job:
         self._inner_steps = int(inner_steps) // max(int(fragments), 1)
         if own:
             options["limbo_optimizer"] = optimizer.options
+        # Frozen float32 parameters in Limbo's flat buffers, their gradient
+        # reduced (zeros while frozen), so that the loop may unfreeze them
+        # (and freeze others) later; with Limbo's optimizer, whose state
+        # spans the flat buffer, or DiLoCo's outer step, they stay out.
+        self._may_train = frozen == "may_train" and not own and sync == "step"
+        self._sync = sync
+        options["frozen_in_flat"] = self._may_train
         options["config_toml"] = self._describe(options)
         params = list(model.named_parameters())
         buffers = [(n, b) for n, b in model.named_buffers() if b is not None]
@@ -286,9 +301,17 @@ class Job:
                             for n, p in m._parameters.items() if p is not None]
         self._buffer_refs = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
         self._groups = None if own else len(optimizer.param_groups)
-        # Frozen float parameters travel with the state (the values of the
-        # member everyone takes), as DDP broadcasts them when it starts.
-        self._frozen = [(n, p) for n, p in params if not p.requires_grad and p.is_floating_point()]
+        self._names = {id(p): n for n, p in params}
+        # The parameters in Limbo's flat buffers: whether each is trainable
+        # travels with the state (a joiner's loop may never run the line
+        # that unfroze a layer).
+        self._in_flat = [(n, p) for n, p in params
+                         if p.requires_grad or (self._may_train and p.dtype == torch.float32)]
+        # Frozen float parameters outside them travel with the state too (the
+        # values of the member everyone takes), as DDP broadcasts them when
+        # it starts.
+        flat_ids = {id(p) for _, p in self._in_flat}
+        self._frozen = [(n, p) for n, p in params if id(p) not in flat_ids and p.is_floating_point()]
         # The core calls back through a weak reference: a Job the program
         # drops is freed with its core (its threads, sockets and handlers),
         # not kept alive by a cycle through C++ that Python cannot collect.
@@ -454,13 +477,18 @@ class Job:
                 raise InvalidInput("parameter %r of %s became %s after limbo.Job took the model (model.half() or "
                                    ".to(dtype)?); Limbo trains float32 parameters: keep the model in float32 and "
                                    "compute in bf16 under torch.autocast" % (n, type(m).__name__, p.dtype))
-            if p.requires_grad != trainable:
+            if p.requires_grad != trainable and not (self._may_train and p.dtype == torch.float32):
+                why = ("it is not float32" if p.dtype != torch.float32
+                       else "the job was made with limbo.Optimizer" if self._own
+                       else "the job runs sync=\"diloco\"" if self._sync != "step"
+                       else "the job was made with frozen=\"fixed\"")
                 raise UsageError(
-                    "parameter %r of %s was %s after limbo.Job took the model; the job reduces, steps and hands "
-                    "to joiners the parameters that were trainable when it was made. Keep it trainable from the "
-                    "start and give its parameter group lr=0 until it should train (then raise the group's lr: "
-                    "the optimizer's groups travel with its state)"
-                    % (n, type(m).__name__, "unfrozen" if p.requires_grad else "frozen"))
+                    "parameter %r of %s was %s after limbo.Job took the model, and %s: then the job reduces, "
+                    "steps and hands to joiners only the parameters that were trainable when it was made. Keep "
+                    "it trainable from the start (a torch.optim parameter group at lr=0 until it should train), "
+                    "or use a torch.optim optimizer with sync=\"step\" and frozen=\"may_train\" (the "
+                    "default), under which a layer may be unfrozen or frozen at any step"
+                    % (n, type(m).__name__, "unfrozen" if p.requires_grad else "frozen", why))
         for m, n, b in self._buffer_refs:
             if m._buffers.get(n) is not b:
                 raise UsageError("buffer %r of %s was reassigned (self.%s = ...) after limbo.Job took the model; "
@@ -468,9 +496,20 @@ class Job:
                                  "place (self.%s.mul_(0.9).add_(...), or self.%s.copy_(...))"
                                  % (n, type(m).__name__, n, n, n))
         if self._groups is not None and len(self.optimizer.param_groups) != self._groups:
-            raise UsageError("a parameter group was added to the optimizer after limbo.Job was made; a joiner's "
-                             "optimizer could not take the group's state: make every group before the job "
-                             "(lr=0 until it should train)")
+            # A group added later (the layer just unfrozen, at a rate of its
+            # own): its parameters must be the model's, in Limbo's buffers;
+            # the groups travel with the state by parameter name.
+            for g in self.optimizer.param_groups[self._groups:]:
+                for q in g["params"]:
+                    if id(q) not in self._names:
+                        raise UsageError("a parameter group added to the optimizer holds a tensor that is not a "
+                                         "parameter of the model limbo.Job took; add the model's own parameters")
+                    if not self._may_train and not any(q is p for _, p in self._in_flat):
+                        raise UsageError("a parameter group added to the optimizer holds %r, which was frozen "
+                                         "when limbo.Job was made; with limbo.Job(frozen=\"fixed\") or "
+                                         "sync=\"diloco\" it is not trained: make it trainable before the job"
+                                         % self._names[id(q)])
+            self._groups = len(self.optimizer.param_groups)
 
     def _end_of_batch(self):
         self._check_model()
@@ -679,6 +718,9 @@ class Job:
         buf = io.BytesIO()
         scheds = [sc.state_dict() for sc in self._schedulers]
         torch.save({"optimizer": None if self._own else self.optimizer.state_dict(),
+                    "groups": None if self._own else [[self._names[id(p)] for p in g["params"]]
+                                                      for g in self.optimizer.param_groups],
+                    "trainable": [n for n, p in self._in_flat if p.requires_grad],
                     "scheduler": scheds[0] if len(scheds) == 1 else (scheds or None),
                     "state": self.state, "frozen": {n: p.detach() for n, p in self._frozen},
                     "first_world": self._first_world}, buf)
@@ -693,7 +735,19 @@ class Job:
 
     def _unpack(self, data):
         saved = torch.load(io.BytesIO(data))
+        if saved.get("trainable") is not None and self._may_train:
+            trainable = set(saved["trainable"])
+            for n, p in self._in_flat:
+                p.requires_grad_(n in trainable)
         if not self._own:
+            groups = saved.get("groups") or []
+            if len(groups) > len(self.optimizer.param_groups):  # groups the loop added later
+                by_name = {n: p for p, n in ((p, self._names[id(p)]) for p in self.model.parameters())}
+                for names, g in zip(groups[len(self.optimizer.param_groups):],
+                                    saved["optimizer"]["param_groups"][len(self.optimizer.param_groups):]):
+                    self.optimizer.add_param_group(
+                        dict({k: v for k, v in g.items() if k != "params"}, params=[by_name[n] for n in names]))
+                self._groups = len(self.optimizer.param_groups)
             self.optimizer.load_state_dict(saved["optimizer"])
         self._load_schedulers(saved.get("scheduler"))
         self.state.clear()

@@ -81,10 +81,18 @@ void BucketReducer::set_finish_in_backward(bool on) {
 
 void BucketReducer::install_hooks() {
   const auto& params = flat_.parameters();
+  hooked_.assign(params.size(), 0);
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!params[i].requires_grad()) continue;
-    auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+    // A parameter frozen now (FlatParams' include_frozen) gets its hook too,
+    // on the accumulator it will use once unfrozen: autograd keeps a leaf's
+    // accumulator while someone holds it, and this reducer does.
+    torch::Tensor p = params[i];
+    const bool frozen = !p.requires_grad();
+    if (frozen) p.set_requires_grad(true);
+    auto acc = torch::autograd::impl::grad_accumulator(p);
+    if (frozen) p.set_requires_grad(false);
     if (!acc) continue;
+    hooked_[i] = 1;
     const int index = static_cast<int>(i);
     const uintptr_t key = acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
         [this, index](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
@@ -160,6 +168,9 @@ void BucketReducer::on_parameter_ready(int param) {
     if (!callback_queued_) {
       callback_queued_ = true;
       torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_from_backward(); });
+      // The loop may have frozen or unfrozen parameters since begin(): the
+      // buckets wait for the gradients that backward will produce now.
+      if (threaded_) count_pending();
     }
   }
   if (!threaded_) return;  // no overlap this step
@@ -167,6 +178,20 @@ void BucketReducer::on_parameter_ready(int param) {
   if (--pending_[b] != 0) return;
   prepare(b);
   mark_ready(op_of(b));
+}
+
+void BucketReducer::count_pending() {
+  const auto& params = flat_.parameters();
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    int n = 0;
+    for (int p : buckets_[b].params)
+      if (hooked_[static_cast<size_t>(p)] && params[static_cast<size_t>(p)].requires_grad()) ++n;
+    pending_[b] = n;
+    if (n == 0 && !prepared_[b]) {  // frozen, all of it: zeros
+      prepare(b);
+      mark_ready(op_of(b));
+    }
+  }
 }
 
 void BucketReducer::finish_from_backward() {
@@ -199,6 +224,12 @@ void BucketReducer::prepare(size_t b) {
   const int64_t g = flat_.numel();
   const Bucket& bk = buckets_[b];
   auto grad = flat_.grad_with_slot().narrow(0, bk.begin, std::min(bk.end, g) - bk.begin);
+  if (finish_in_backward_)  // parameters frozen now send zeros (FlatParams' include_frozen)
+    for (int p : bk.params)
+      if (!flat_.parameters()[static_cast<size_t>(p)].requires_grad()) {
+        const auto& e = flat_.entries()[static_cast<size_t>(p)];
+        flat_.grad().narrow(0, e.offset, e.numel).zero_();
+      }
   grad.mul_(share_);
   if (compression_ != comm::Compression::None) wire_[b] = compressors_[b]->encode(grad);
   if (comm::is_quantized(compression_)) {
@@ -298,9 +329,7 @@ void BucketReducer::finish(double flag) {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     if (prepared_[b]) continue;
     if (finish_in_backward_)
-      for (int p : buckets_[b].params)
-        if (flat_.parameters()[static_cast<size_t>(p)].requires_grad())
-          flat_.attach_grad(static_cast<size_t>(p), /*keep=*/true);
+      for (int p : buckets_[b].params) flat_.attach_grad(static_cast<size_t>(p), /*keep=*/true);
     prepare(b);
     if (threaded_) mark_ready(op_of(b));
   }

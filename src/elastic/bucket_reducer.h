@@ -165,6 +165,9 @@ class BucketReducer {
  private:
   void install_hooks();  // a post-hook on every trainable parameter's gradient accumulator
   void on_parameter_ready(int param);
+  // pending_ from the parameters that require a gradient now (the Python
+  // front end: a loop may freeze or unfreeze one between steps).
+  void count_pending();
   void finish_from_backward();
   void prepare(size_t bucket);  // scale (and encode) on the training thread
   void mark_ready(size_t op);
@@ -177,6 +180,7 @@ class BucketReducer {
   std::atomic<int64_t> payload_bytes_{0};  // since begin() (see last_payload_bytes)
   std::vector<int> bucket_of_;  // parameter -> bucket
   std::vector<int> expected_;   // parameters with a gradient accumulator, per bucket
+  std::vector<char> hooked_;    // per parameter: its accumulator has this reducer's hook
   bool overlap_;
   comm::Compression compression_;
   std::vector<std::unique_ptr<comm::Compressor>> compressors_;  // per bucket

@@ -39,12 +39,13 @@ constexpr int64_t kPiece = int64_t{1} << 24;  // a float32 holds every integer b
 
 }  // namespace
 
-FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
+FlatParams::FlatParams(torch::nn::Module& module, bool channels_last, bool include_frozen) {
   auto named = module.named_parameters(/*recurse=*/true);
   int64_t total = 0;
   std::vector<torch::Tensor> trainable;
   for (const auto& p : named) {
-    if (!p.value().requires_grad()) {  // frozen: the module keeps it as it is
+    const bool in_flat = include_frozen && p.value().scalar_type() == torch::kFloat32;
+    if (!p.value().requires_grad() && !in_flat) {  // frozen: the module keeps it as it is
       frozen_ += p.value().numel();
       frozen_params_.push_back(p.value());
       continue;
@@ -85,7 +86,7 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
     view.copy_(trainable[i]);
     trainable[i].set_data(view);
     grad_views_.push_back(shaped_view(grad_, e.offset, e.shape, channels_last));
-    trainable[i].mutable_grad() = grad_views_.back();
+    if (trainable[i].requires_grad()) trainable[i].mutable_grad() = grad_views_.back();
     params_.push_back(trainable[i]);
   }
 }
@@ -93,6 +94,14 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last) {
 void FlatParams::attach_grad(size_t i, bool keep) {
   const auto& view = grad_views_[i];
   auto& g = params_[i].mutable_grad();
+  if (!params_[i].requires_grad()) {  // frozen now (include_frozen): no gradient, zeros on the wire
+    g = torch::Tensor();
+    if (keep) {
+      torch::NoGradGuard no_grad;
+      view.zero_();
+    }
+    return;
+  }
   if (g.defined() && g.data_ptr() == view.data_ptr() && g.sizes() == view.sizes() && g.strides() == view.strides())
     return;
   torch::NoGradGuard no_grad;

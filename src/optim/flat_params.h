@@ -14,6 +14,11 @@
 // Frozen parameters (requires_grad = false, e.g. a user's pre-trained
 // backbone) are not in the flat buffers: they get no gradient, no bucket, no
 // update and no place on the wire, and stay the module's own tensors.
+// With include_frozen (the Python front end, where a loop may unfreeze a
+// layer later), frozen float32 parameters are in the flat buffers too, with
+// their requires_grad as it is: while one is frozen its `.grad` stays
+// undefined (attach_grad) and its part of the gradient is zeros, so the
+// user's optimizer leaves it alone; once unfrozen it trains like the others.
 //
 // Buffers of every dtype travel in one float32 region right after the
 // gradient, grad_with_slot() = [gradient | buffers | slots]:
@@ -48,7 +53,7 @@ namespace limbo::optim {
 
 class FlatParams {
  public:
-  explicit FlatParams(torch::nn::Module& module, bool channels_last = false);
+  explicit FlatParams(torch::nn::Module& module, bool channels_last = false, bool include_frozen = false);
 
   torch::Tensor& data() { return data_; }
   torch::Tensor& grad() { return grad_; }
@@ -95,7 +100,8 @@ class FlatParams {
   // Parameter i's `.grad` back to its view of grad(): a gradient autograd or
   // the user put elsewhere (zero_grad(set_to_none=True), an assignment) is
   // copied in when `keep` (none: zeros), else dropped. A no-op while `.grad`
-  // is the view.
+  // is the view. A parameter frozen now (include_frozen): `.grad` undefined
+  // (an optimizer skips it) and, when `keep`, its view zeros.
   void attach_grad(size_t i, bool keep);
   void attach_grads(bool keep);
   // Every `.grad` undefined: the next backward's gradients land in tensors

@@ -163,6 +163,15 @@ def main():
     p.add_argument("--read-ahead", type=int, default=0,
                    help="at the first batch, ask the job's sampler for this many batches ahead (a loader that "
                         "prefetches that far); exit 3 with the job's message if it refuses")
+    p.add_argument("--unfreeze-at", type=int, default=0,
+                   help="the plain model's first layer is frozen when the job is made and unfrozen at the batch "
+                        "after this many committed steps (once: a joiner never runs it)")
+    p.add_argument("--unfreeze-group", action="store_true",
+                   help="the optimizer starts without the frozen layer, which joins it as a parameter group "
+                        "added when it is unfrozen")
+    p.add_argument("--refreeze-at", type=int, default=0,
+                   help="the plain model's output layer is frozen at the batch after this many committed steps "
+                        "(once); it must not move after that")
     p.add_argument("--always", action="store_true",
                    help="after job.step(), whatever it returned: state['tried'] += 1 and the scheduler's step "
                         "(scheduler_every='manual'); both must equal the committed steps at the next batch")
@@ -175,14 +184,21 @@ def main():
     if args.unseeded_frozen:
         with torch.no_grad():
             model.frozen.weight.copy_(torch.randn(4, 4, generator=torch.Generator().manual_seed(os.getpid())))
+    if args.unfreeze_at:
+        model.hidden.requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad or not args.unfreeze_group]
     if args.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(trained, lr=0.05, momentum=0.9)
     else:
-        opt = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if "out" in n], "lr": 3e-3},
-                                 {"params": [p for n, p in model.named_parameters() if "out" not in n]}],
+        ids = {id(p) for p in trained}
+        opt = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if "out" in n and id(p) in ids],
+                                  "lr": 3e-3},
+                                 {"params": [p for n, p in model.named_parameters() if "out" not in n and id(p) in ids]}],
                                 lr=1e-3, weight_decay=0.01)
     warmup = lambda s: min(1.0, (s + 1) / 10)  # noqa: E731
     state = {"committed": 0}
+    if args.unfreeze_at:
+        hidden_at_start = float(model.hidden.weight.double().sum())
     if args.optimizer.startswith("limbo-"):  # Limbo's own AdamW, its state sharded or not
         opt = limbo.Optimizer("adamw", lr=3e-3, weight_decay=0.01, shard_state=args.optimizer.endswith("sharded"))
         schedule = dict(lr_schedule=warmup)
@@ -273,6 +289,15 @@ def main():
                 os._exit(3)
             print("read %d batches ahead" % args.read_ahead, file=sys.stderr, flush=True)
             os._exit(0)
+        if args.unfreeze_at and job.step_count == args.unfreeze_at:  # the fine-tuning schedule
+            model.hidden.requires_grad_(True)
+            if args.unfreeze_group and not any(q is model.hidden.weight for g in opt.param_groups for q in g["params"]):
+                opt.add_param_group({"params": list(model.hidden.parameters()), "lr": 0.02})
+        if args.refreeze_at and job.step_count == args.refreeze_at:
+            model.out.requires_grad_(False)
+            state["out_at_freeze"] = float(model.out.weight.double().sum())
+        if "out_at_freeze" in state and float(model.out.weight.double().sum()) != state["out_at_freeze"]:
+            raise SystemExit("the output layer moved after it was frozen, at step %d" % job.step_count)
         maybe_die("before_forward")
         if pace and (pace_until == 0 or job.world < pace_until):
             time.sleep(pace)
@@ -348,6 +373,8 @@ def main():
         model.eval()
         tx, ty = make_data(512, 4)
         acc = float((model({"features": tx}).argmax(1) == ty).float().mean())
+    if args.unfreeze_at:
+        job.state["hidden_moved"] = int(float(model.hidden.weight.double().sum()) != hidden_at_start)
     summary = job.finish(test_accuracy=acc)
     if run_dir and job.step_count > 0 and not job.left:
         with open(os.path.join(run_dir, "final-%d.txt" % os.getpid()), "w") as f:

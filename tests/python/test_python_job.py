@@ -339,6 +339,38 @@ def test_a_habit_of_ddp_scripts_keeps_every_guarantee(run_dir, habit):
         assert norms, "job.log() of the step after job.step() is on its line"
 
 
+@pytest.mark.parametrize("how", ["kill", "join"])
+def test_a_layer_unfrozen_later_trains_on_every_member_and_one_frozen_later_stays(run_dir, how):
+    """The fine-tuning schedule: the first layer frozen when the job is made
+    and unfrozen after 15 committed steps (once, by the loop: a joiner never
+    runs that line), then the output layer frozen after 40. With a member
+    SIGKILLed after the unfreezing (the new layer's gradient reduced, in
+    2 KB buckets, by the survivors), and with a member joining after it (the
+    layer's trainability travels with the state): exit 0, every sample once
+    an epoch, the members identical, the unfrozen layer trained, the frozen
+    one unmoved from the step it was frozen at (checked by the loop), and
+    it learns. Kill: SGD with momentum over every layer; join: AdamW in two
+    groups over the trainable layers, the first layer added as a third
+    group when unfrozen (a joiner's optimizer gets that group from the
+    state)."""
+    args = ["--model", "plain", "--width", "64", "--unfreeze-at", "15", "--refreeze-at", "40", "--bucket-mb", "0.002"]
+    if how == "kill":
+        r = launch(run_dir, 3, args, ["--min-workers", "1"], DIE_AT_STEP=25, DIE_RANK=1,
+                   DIE_HOW="kill", DIE_WHERE="before_step", PACE=0.01)
+        assert r.returncode == 0 and os.path.exists(os.path.join(run_dir, "died")), r.stdout + r.stderr
+    else:
+        # Paced at 0.2 s a step while alone: the joiner gets in near step 32, after the unfreezing.
+        r = launch(run_dir, 1, args + ["--optimizer", "adamw", "--unfreeze-group"], ["--min-workers", "1", "--elastic-schedule",
+                                                                  "0:1,0.5:2"], PACE=0.2, PACE_UNTIL=2)
+    assert r.returncode == 0, r.stdout + r.stderr
+    check_exactly_once(run_dir, 1024, 2)
+    final = check_identical(run_dir, 2)
+    assert "hidden_moved=1" in final and any(x.startswith("out_at_freeze=") for x in final), final
+    s = summary(run_dir)
+    assert s["membership_changes"] >= 1 and s["workers"] == 2, s
+    assert s["skipped_steps"] == 0 and s["test_accuracy"] > 0.45, s
+
+
 def test_what_the_loop_changes_after_a_step_that_did_not_commit_is_put_back(run_dir):
     """A loop that ignores what job.step() returned: it updates `state` and
     steps its scheduler (scheduler_every="manual") after every step. After
@@ -501,8 +533,10 @@ def test_frozen_parameters_are_the_same_on_every_member(run_dir, elastic):
 def test_a_model_changed_in_the_loop_is_refused_naming_the_fix():
     """What would leave the job's view of the model behind the user's is
     refused at the batch it happens in, with the way to do it: a parameter
-    unfrozen or frozen, a buffer reassigned, a parameter group added, the
-    model turned to half precision."""
+    unfrozen or frozen under frozen="fixed", a buffer reassigned, a
+    parameter group of a tensor that is not the model's (or, under
+    frozen="fixed", of a layer frozen when the job was made), the model
+    turned to half precision."""
     import torch.nn as nn
     data = [(torch.randn(4), 0)] * 16
 
@@ -515,12 +549,12 @@ def test_a_model_changed_in_the_loop_is_refused_naming_the_fix():
         def forward(self, x):
             return self.b(torch.relu(self.a(x)))
 
-    def loop(change, error=limbo.UsageError, match=None, frozen=False):
+    def loop(change, error=limbo.UsageError, match=None, frozen=False, frozen_mode="may_train"):
         model = Net()
         if frozen:
             model.a.requires_grad_(False)
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        job = limbo.Job(model, opt, dataset=data, batch_size=4)
+        job = limbo.Job(model, opt, dataset=data, batch_size=4, frozen=frozen_mode)
         with pytest.raises(error, match=match):
             for i, (x, y) in enumerate(job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler))):
                 job.backward(torch.nn.functional.cross_entropy(model(x), y))
@@ -528,10 +562,13 @@ def test_a_model_changed_in_the_loop_is_refused_naming_the_fix():
                 if i == 1:
                     change(model, opt)
 
-    loop(lambda m, o: m.a.requires_grad_(True), match="unfrozen.*lr=0", frozen=True)
-    loop(lambda m, o: m.a.requires_grad_(False), match="frozen")
+    loop(lambda m, o: m.a.requires_grad_(True), match="unfrozen.*fixed.*lr=0.*may_train", frozen=True,
+         frozen_mode="fixed")
+    loop(lambda m, o: m.a.requires_grad_(False), match="frozen.*fixed", frozen_mode="fixed")
     loop(lambda m, o: setattr(m, "ema", m.ema * 0.9 + 1), match="reassigned.*mul_")
-    loop(lambda m, o: o.add_param_group({"params": [nn.Parameter(torch.zeros(1))]}), match="group was added")
+    loop(lambda m, o: o.add_param_group({"params": [nn.Parameter(torch.zeros(1))]}), match="not a parameter")
+    loop(lambda m, o: o.add_param_group({"params": list(m.a.parameters())}),
+         match="frozen when limbo.Job was made", frozen=True, frozen_mode="fixed")
     loop(lambda m, o: m.half(), error=limbo.InvalidInput, match="float32")
 
 
