@@ -64,6 +64,11 @@ def main():
     ap.add_argument("--cpu-limit", default="",
                     help="RANK:FRACTION[:PERIOD_US]: the member of that rank holds itself to FRACTION of a core "
                          "(cgroup v1 cpu controller, scripts/cpu_limit.py) once its group has formed")
+    ap.add_argument("--freeze-hidden", action="store_true",
+                    help="the MLP's hidden layers frozen (requires_grad False): only its output layer trains")
+    ap.add_argument("--frozen", choices=["may_train", "fixed"], default="may_train",
+                    help="limbo: limbo.Job(frozen=...): frozen layers reduced as zeros (may be unfrozen), or off "
+                         "the wire")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("LIMBO_THREADS", os.environ.get("THREADS", "1"))))
     limited = []
@@ -83,6 +88,9 @@ def main():
         atexit.register(cpu_limit.remove, name)
         limited.append(name)
     data, model, model_batch = data_and_model(args.model)
+    if args.freeze_hidden:  # a frozen backbone: only the output layer trains
+        for layer in model.hidden:
+            layer.requires_grad_(False)
     args.batch = args.batch or model_batch or 64
     channels_last = args.model == "lenet"
     if channels_last:
@@ -205,7 +213,8 @@ def main():
             opt = opt_of(model.parameters())
         sched = scheduler_of(opt) if scheduler_of and args.optimizer == "torch" else None
         job = limbo.Job(model, opt, dataset=data, batch_size=args.batch, epochs=100, scheduler=sched,
-                        max_steps=args.steps, batch_policy="none", checkpoint_every_epochs=0, shares=args.shares)
+                        max_steps=args.steps, batch_policy="none", checkpoint_every_epochs=0, shares=args.shares,
+                        frozen=args.frozen)
         loader = DataLoader(data, batch_sampler=job.sampler, num_workers=args.loader_workers)
         if args.data == "indexed":
             loader = indexed

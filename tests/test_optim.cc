@@ -370,6 +370,43 @@ TEST(FlatParams, FrozenParametersAreLeftOut) {
   EXPECT_TRUE(torch::equal(frozen_w, frozen_before));
 }
 
+// With include_frozen (the Python front end), a frozen float32 parameter
+// sits in the flat buffers as a view, with no gradient while frozen
+// (attach_grad leaves `.grad` undefined and its view zeros, so an
+// optimizer skips it); unfrozen later, its gradient lands in its view.
+TEST(FlatParams, FrozenParametersIncludedMayBeUnfrozenLater) {
+  torch::manual_seed(3);
+  torch::nn::Sequential net(torch::nn::Linear(4, 3), torch::nn::ReLU(), torch::nn::Linear(3, 2));
+  auto frozen_w = net->named_parameters()["0.weight"];
+  frozen_w.requires_grad_(false);
+  const auto before = frozen_w.detach().clone();
+  FlatParams flat(*net, /*channels_last=*/false, /*include_frozen=*/true);
+  EXPECT_EQ(flat.numel(), 12 + 3 + 6 + 2);
+  EXPECT_EQ(flat.frozen_numel(), 0);
+  ASSERT_EQ(flat.parameters().size(), 4u);
+  EXPECT_EQ(flat.entries()[0].name, "0.weight");
+  EXPECT_TRUE(torch::equal(frozen_w, before));
+  EXPECT_EQ(frozen_w.data_ptr<float>(), flat.data().data_ptr<float>());
+  EXPECT_FALSE(frozen_w.requires_grad());
+  EXPECT_FALSE(frozen_w.grad().defined());
+  auto x = torch::randn({5, 4});
+  flat.grad().fill_(7.0f);  // what a view may hold from before
+  flat.release_grads();
+  net->forward(x).sum().backward();
+  flat.attach_grads(/*keep=*/true);
+  EXPECT_FALSE(frozen_w.grad().defined()) << "frozen: no gradient for an optimizer to step with";
+  EXPECT_EQ(flat.grad().narrow(0, 0, 12).abs().sum().item<float>(), 0.0f) << "frozen: zeros on the wire";
+  EXPECT_GT(flat.grad().narrow(0, 12, 11).abs().sum().item<double>(), 0);
+  // Unfrozen: the same backward now gives it a gradient, in its view.
+  frozen_w.requires_grad_(true);
+  flat.release_grads();
+  net->forward(x).sum().backward();
+  flat.attach_grads(/*keep=*/true);
+  ASSERT_TRUE(frozen_w.grad().defined());
+  EXPECT_EQ(frozen_w.grad().data_ptr<float>(), flat.grad().data_ptr<float>());
+  EXPECT_GT(flat.grad().narrow(0, 0, 12).abs().sum().item<double>(), 0);
+}
+
 // Buffers of every dtype travel through the float32 region and come back
 // exactly: float16/bfloat16 as float32, float64 as three 24-bit pieces of
 // its bits (any value: found by a review, values beyond float32's range came
