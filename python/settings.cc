@@ -227,6 +227,11 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
     py::gil_scoped_acquire gil;
     unpack_(py::bytes(reinterpret_cast<const char*>(t.data_ptr<uint8_t>()), static_cast<size_t>(t.numel())));
   };
+  // sync="step": every member that took part in each committed step holds
+  // the same optimizer, scheduler and `state`; a re-formation moves them
+  // only to a member that is behind or new. (DiLoCo's inner optimizers
+  // differ by design: a re-formed group takes the state member's.)
+  parts.extra_only_when_behind = !outer_;
   resume_ = get<bool>(o, "resume", false);
   const std::string run_dir = get<std::string>(o, "run_dir", "");
   if (membership == nullptr && rank == 0 && !run_dir.empty() && !resume_ && file_exists(run_dir + "/checkpoint.pt"))

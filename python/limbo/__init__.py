@@ -316,6 +316,15 @@ class Job:
         # drops is freed with its core (its threads, sockets and handlers),
         # not kept alive by a cycle through C++ that Python cannot collect.
         me = weakref.ref(self)
+        # A buffer reassigned in forward goes back in place before backward
+        # (and so before the reduction averages the buffers).
+        self._forward_hook = None
+        if self._buffer_refs:
+            def after_forward(module, inputs, output):
+                job = me()
+                if job is not None:
+                    job._reseat_buffers()
+            self._forward_hook = model.register_forward_hook(after_forward)
         self._core = _core.Core(params, buffers, options, lambda: me()._pack(), lambda b: me()._unpack(b),
                                 lambda m: me()._optimizer_step(m))
         self.sampler = _Sampler(self)
@@ -445,6 +454,9 @@ class Job:
             # an outer step being redone); the outer step follows.
             if core.diloco and core.generation == generation and core.outer_finish():
                 self._after_commit()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
         self._ended = core.end_training()
         if self._ended:
             _unfinished.add(self)  # finish() at exit if the program does not call it
@@ -489,12 +501,7 @@ class Job:
                     "or use a torch.optim optimizer with sync=\"step\" and frozen=\"may_train\" (the "
                     "default), under which a layer may be unfrozen or frozen at any step"
                     % (n, type(m).__name__, "unfrozen" if p.requires_grad else "frozen", why))
-        for m, n, b in self._buffer_refs:
-            if m._buffers.get(n) is not b:
-                raise UsageError("buffer %r of %s was reassigned (self.%s = ...) after limbo.Job took the model; "
-                                 "the job averages, saves and hands to joiners the buffer it took: update it in "
-                                 "place (self.%s.mul_(0.9).add_(...), or self.%s.copy_(...))"
-                                 % (n, type(m).__name__, n, n, n))
+        self._reseat_buffers()
         if self._groups is not None and len(self.optimizer.param_groups) != self._groups:
             # A group added later (the layer just unfrozen, at a rate of its
             # own): its parameters must be the model's, in Limbo's buffers;
@@ -510,6 +517,29 @@ class Job:
                                          "sync=\"diloco\" it is not trained: make it trainable before the job"
                                          % self._names[id(q)])
             self._groups = len(self.optimizer.param_groups)
+
+    def _reseat_buffers(self):
+        """A buffer the model reassigned (self.ema = 0.9 * self.ema + ...,
+        in forward or anywhere in the loop): its new values go into the
+        buffer the job took, which goes back in its place, so the job
+        averages, saves and hands to joiners what the model holds. Run
+        after every forward of the model (a forward hook: before the
+        reduction averages the buffers) and at the end of each batch."""
+        for m, n, b in self._buffer_refs:
+            now = m._buffers.get(n)
+            if now is b:
+                continue
+            if now is None or not torch.is_tensor(now) or now.shape != b.shape or now.dtype != b.dtype:
+                raise UsageError(
+                    "buffer %r of %s was reassigned after limbo.Job took the model with %s where it held %s %s; "
+                    "the job keeps a buffer's shape and dtype (it averages, saves and hands it to joiners): "
+                    "assign values of the same shape and dtype, or register the buffer as it will be before "
+                    "the job" % (n, type(m).__name__, "None" if now is None else "%s %s" % (
+                        getattr(now, "dtype", type(now).__name__), tuple(getattr(now, "shape", ()))),
+                        b.dtype, tuple(b.shape)))
+            with torch.no_grad():
+                b.copy_(now)
+            m._buffers[n] = b
 
     def _end_of_batch(self):
         self._check_model()

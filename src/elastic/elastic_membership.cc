@@ -103,12 +103,27 @@ void sync_small_state(comm::Collective& g, train::SyncTargets& s, int source, co
     s.isgd->load_state(st);
   }
   if (s.pack_extra || s.unpack_extra) {  // the front end's own state (every member runs the same front end)
+    if (s.extra_current) {
+      // Moved only when some member needs it (one small agreement).
+      const int64_t newest = meta[0].item<int64_t>();
+      const bool need = !*s.extra_current || s.state.step != newest || newest <= 0;
+      auto any = torch::tensor({need ? 1.0 : 0.0}, torch::kFloat64);
+      g.allreduce_max(any);
+      *s.extra_current = false;  // until this sync is done
+      s.extra_moved = false;
+      if (any.item<double>() == 0) {
+        *s.extra_current = true;
+        return;
+      }
+    }
     torch::Tensor blob = g.rank() == source && s.pack_extra ? s.pack_extra().contiguous() : torch::Tensor();
     auto n = torch::tensor({blob.defined() ? blob.numel() : int64_t{0}}, torch::kInt64);
     g.broadcast(n, source);
     if (g.rank() != source || !blob.defined()) blob = torch::empty({n.item<int64_t>()}, torch::kUInt8);
     if (blob.numel() > 0) g.broadcast(blob, source);
     if (g.rank() != source && s.unpack_extra) s.unpack_extra(blob);
+    if (s.extra_current) *s.extra_current = true;
+    s.extra_moved = true;
   }
 }
 
@@ -403,6 +418,7 @@ train::Membership::Established ElasticMembership::establish(train::SyncTargets& 
                  {"group_seconds", form},
                  {"sync_seconds", since(t2)},
                  {"attempts", attempt + 1}};
+      if (s.pack_extra) e.event["front_end_state_moved"] = s.extra_moved;
       if (rule_->sharded()) {
         e.event["shard_bytes_sent"] = shards.bytes_sent;
         e.event["shard_bytes_received"] = shards.bytes_received;

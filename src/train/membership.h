@@ -41,6 +41,13 @@ struct SyncTargets {
   // none.
   std::function<torch::Tensor()> pack_extra;
   std::function<void(const torch::Tensor&)> unpack_extra;
+  // Non-null (SessionParts::extra_only_when_behind): whether this member's
+  // front-end state is the group's as of its committed step. The bytes then
+  // move only when some member is behind the newest step, new, or at step
+  // 0; every member's flag is set once its group has synced.
+  bool* extra_current = nullptr;
+  // Set by the sync: whether the front end's bytes moved.
+  bool extra_moved = false;
 };
 
 // Training completed on other members while this member's step failed or

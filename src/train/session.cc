@@ -31,6 +31,7 @@ Session::Session(SessionParts parts, std::shared_ptr<UpdateRule> rule, std::uniq
 Session::~Session() = default;
 
 void Session::resume() {
+  extra_current_ = false;  // the state comes from a checkpoint
   auto& st = p_.state;
   if (checkpoint_path_.empty() || !file_exists(checkpoint_path_))
     throw InvalidInput("--resume: no checkpoint at '" + checkpoint_path_ + "'");
@@ -112,6 +113,7 @@ void Session::reform(const std::string& reason, Clock::time_point detected, doub
                       [this] { return run_dir_.record_count(); }};
   targets.pack_extra = p_.pack_extra;
   targets.unpack_extra = p_.unpack_extra;
+  if (p_.extra_only_when_behind) targets.extra_current = &extra_current_;
   p_.flat.buffers_to_flat();  // the module's buffers travel in the state sync
   Membership::Established est;
   std::string why = reason, lost_what;

@@ -65,6 +65,12 @@ struct SessionParts {
   // everywhere else. Both empty: none.
   std::function<torch::Tensor()> pack_extra;
   std::function<void(const torch::Tensor&)> unpack_extra;
+  // The front end's state is the same on members that took part in every
+  // committed step since they last synced (a Python loop with sync="step"):
+  // a re-formation then moves it only when some member is behind or new
+  // (pickling and sending a large optimizer's state on every re-formation
+  // lengthened recovery).
+  bool extra_only_when_behind = false;
   // State of this member's own that checkpoints keep (the writer's) but
   // state sync does not move (DiLoCo's inner optimizer): added to the
   // checkpoint's state/extra, and read back on --resume and on a fallback
@@ -171,6 +177,10 @@ class Session {
   std::string checkpoint_path_;
   std::function<void(const Membership::Established&)> on_reform_;
   std::shared_ptr<data::PaceShares> paces_;
+  // This member's front-end state is the group's as of its committed step
+  // (SyncTargets::extra_current): set by a state sync, cleared when the
+  // state comes from elsewhere (a checkpoint).
+  bool extra_current_ = false;
   int world_ = 1, rank_ = 0;
   bool writer_ = true, took_over_ = false;
   int64_t storage_ = 0, changes_ = 0;

@@ -25,6 +25,9 @@ Habits (--habit), the ways DDP scripts are written:
   plain-clip      loss.backward(), then clip_grad_norm_ by hand and a look at the norm
   no-sync         two micro-batches by hand: the first under `with job.no_sync()`
   aux             an auxiliary loss's backward under job.no_sync(), then the loss's
+  reassign        the model reassigns a buffer in forward (self.ema = 0.9 * self.ema + ...)
+  plateau         ReduceLROnPlateau, stepped by the loop on the group's loss after each committed step
+  epoch-scheduler a StepLR the job steps after each step that ends an epoch (scheduler_every="epoch")
 State: state["committed"] counts committed steps, updated after job.step()
 returns True; every checkpoint and every member must agree with
 job.step_count (checked here, and by the tests in the checkpoints).
@@ -84,12 +87,15 @@ class DictNet(nn.Module):
         self.out = nn.Linear(32, 4)
         self.frozen = nn.Linear(4, 4)
         self.frozen.requires_grad_(False)
+        self.reassign = False  # --habit reassign: an average of the hidden features, reassigned in forward
 
     def forward(self, batch):
         x = batch["features"]
         h = gated(F.relu(self.inp(x)), self.gate(x))
         for i, block in enumerate(self.blocks):
             h = h + F.relu(block(h)) if i % 2 == 0 else F.relu(block(h))
+        if self.reassign and self.training:
+            self.ema = 0.9 * self.ema + 0.1 * h.detach().mean(0)
         return self.frozen(self.out(self.norm(h)))
 
 
@@ -147,7 +153,8 @@ def main():
     p.add_argument("--compression", default="none")
     p.add_argument("--fragments", type=int, default=1)
     p.add_argument("--habit", choices=["job-backward", "plain-backward", "set-to-none", "clip", "plain-clip",
-                                       "no-sync", "aux"], default="job-backward")
+                                       "no-sync", "aux", "reassign", "plateau", "epoch-scheduler"],
+                   default="job-backward")
     p.add_argument("--fetch", action="store_true", help="a function of the ids in place of the DataLoader")
     p.add_argument("--bucket-mb", type=float, default=4.0)
     p.add_argument("--clip-max", type=float, default=0.5, help="the norm of --habit clip and plain-clip")
@@ -181,6 +188,9 @@ def main():
     x, y = make_data(args.samples, 3)
     train = Rows(x, y)
     model = DictNet() if args.model == "dict" else Plain(args.width, args.depth)
+    if args.habit == "reassign":
+        model.reassign = True
+        model.register_buffer("ema", torch.zeros(32))
     if args.unseeded_frozen:
         with torch.no_grad():
             model.frozen.weight.copy_(torch.randn(4, 4, generator=torch.Generator().manual_seed(os.getpid())))
@@ -202,6 +212,11 @@ def main():
     if args.optimizer.startswith("limbo-"):  # Limbo's own AdamW, its state sharded or not
         opt = limbo.Optimizer("adamw", lr=3e-3, weight_decay=0.01, shard_state=args.optimizer.endswith("sharded"))
         schedule = dict(lr_schedule=warmup)
+    elif args.habit == "plateau":  # stepped by the loop on a metric every member has: the group's loss
+        schedule = dict(scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=10, factor=0.8))
+    elif args.habit == "epoch-scheduler":
+        schedule = dict(scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+                        scheduler_every="epoch")
     else:
         schedule = dict(scheduler=torch.optim.lr_scheduler.LambdaLR(opt, warmup))
         if args.always:
@@ -331,7 +346,7 @@ def main():
                 with job.no_sync():
                     (0.1 * out.pow(2).mean()).backward(retain_graph=True)
                 loss.backward()
-            elif habit in ("job-backward", "clip"):
+            elif habit in ("job-backward", "clip", "reassign", "plateau", "epoch-scheduler"):
                 job.backward(loss)
             else:
                 loss.backward()
@@ -359,6 +374,8 @@ def main():
             with open(os.path.join(run_dir, "eval-%d.txt" % os.getpid()), "a") as f:
                 f.write("%d %d %d %.17g %d\n" % (job.step_count, got["count"], got["correct"], got["loss"],
                                                  got["idsum"]))
+        if ok and habit == "plateau":
+            schedule["scheduler"].step(job.loss)
         if ok and not diloco:  # DiLoCo: job.step() is an inner step; outer steps commit in job.batches()
             state["committed"] += 1
             job.log(my_metric=float(loss), lr0=opt.lr if isinstance(opt, limbo.Optimizer) else opt.param_groups[0]["lr"])

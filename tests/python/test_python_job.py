@@ -265,6 +265,13 @@ def test_a_member_lost_between_two_lines_leaves_the_others_identical(run_dir, ho
     s = summary(run_dir)
     assert s["membership_changes"] >= 1 and s["workers"] == 2, s
     assert "restarting the job" not in r.stderr
+    # The survivors took part in every committed step: their optimizer,
+    # scheduler and state were not pickled and sent again.
+    rounds = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))
+              if json.loads(x).get("kind") == "membership"]
+    later = [x for x in rounds if x["step"] > 0]
+    assert later and rounds[0]["front_end_state_moved"], rounds
+    assert not any(x["front_end_state_moved"] for x in later), later
     # The survivors' DataLoader workers (2 a member) outlived the
     # re-formation: none was forked again (that cost 0.6-0.9 s a recovery).
     started = {f: open(f).read().split() for f in glob.glob(os.path.join(run_dir, "loader-*.txt"))}
@@ -284,6 +291,9 @@ def test_a_joiner_gets_the_state_and_its_share(run_dir):
     check_identical(run_dir, 2)
     s = summary(run_dir)
     assert s["workers"] == 2 and s["membership_changes"] >= 1, s
+    rounds = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl"))
+              if json.loads(x).get("kind") == "membership"]
+    assert rounds[-1]["world"] == 2 and rounds[-1]["front_end_state_moved"], rounds  # to the joiner
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 128 + signal.SIGINT),
@@ -314,15 +324,18 @@ def test_a_signal_at_the_launcher_stops_after_a_checkpoint_and_resume_goes_on(ru
     check_close(resumed, uninterrupted(2, ["--epochs", "4"], ["--min-workers", "1"]))
 
 
-@pytest.mark.parametrize("habit", ["plain-backward", "set-to-none", "clip", "plain-clip", "no-sync", "aux"])
+@pytest.mark.parametrize("habit", ["plain-backward", "set-to-none", "clip", "plain-clip", "no-sync", "aux",
+                                   "reassign", "plateau", "epoch-scheduler"])
 def test_a_habit_of_ddp_scripts_keeps_every_guarantee(run_dir, habit):
     """The loop written the way DDP scripts are: loss.backward() without
     job.backward(), zero_grad(set_to_none=True), clipping `.grad` by hand
     between backward and the step (buckets of 2 KB: the reduction runs on
     the communication thread while backward goes on), micro-batches and an
-    auxiliary loss under job.no_sync(). Three members, one SIGKILLed before
-    its step: exit 0, every sample once an epoch, the survivors identical
-    (weights, buffers, the momentum, the user's state), and it learns."""
+    auxiliary loss under job.no_sync(), a buffer reassigned in forward,
+    ReduceLROnPlateau stepped by the loop on the group's loss, a scheduler
+    stepped per epoch. Three members, one SIGKILLed before its step: exit 0,
+    every sample once an epoch, the survivors identical (weights, buffers,
+    the momentum, the scheduler, the user's state), and it learns."""
     r = launch(run_dir, 3, ["--habit", habit, "--bucket-mb", "0.002"],
                ["--min-workers", "1"], DIE_AT_STEP=20, DIE_RANK=1, DIE_HOW="kill", DIE_WHERE="before_step",
                PACE=0.01)
@@ -533,7 +546,8 @@ def test_frozen_parameters_are_the_same_on_every_member(run_dir, elastic):
 def test_a_model_changed_in_the_loop_is_refused_naming_the_fix():
     """What would leave the job's view of the model behind the user's is
     refused at the batch it happens in, with the way to do it: a parameter
-    unfrozen or frozen under frozen="fixed", a buffer reassigned, a
+    unfrozen or frozen under frozen="fixed", a buffer reassigned with
+    another shape or None (with the same shape it works: below), a
     parameter group of a tensor that is not the model's (or, under
     frozen="fixed", of a layer frozen when the job was made), the model
     turned to half precision."""
@@ -565,11 +579,25 @@ def test_a_model_changed_in_the_loop_is_refused_naming_the_fix():
     loop(lambda m, o: m.a.requires_grad_(True), match="unfrozen.*fixed.*lr=0.*may_train", frozen=True,
          frozen_mode="fixed")
     loop(lambda m, o: m.a.requires_grad_(False), match="frozen.*fixed", frozen_mode="fixed")
-    loop(lambda m, o: setattr(m, "ema", m.ema * 0.9 + 1), match="reassigned.*mul_")
+    loop(lambda m, o: setattr(m, "ema", torch.zeros(3)), match="reassigned.*shape")
+    loop(lambda m, o: setattr(m, "ema", None), match="reassigned.*None")
     loop(lambda m, o: o.add_param_group({"params": [nn.Parameter(torch.zeros(1))]}), match="not a parameter")
     loop(lambda m, o: o.add_param_group({"params": list(m.a.parameters())}),
          match="frozen when limbo.Job was made", frozen=True, frozen_mode="fixed")
     loop(lambda m, o: m.half(), error=limbo.InvalidInput, match="float32")
+
+    # A buffer reassigned with values of its shape: they go into the job's
+    # buffer, which goes back in its place (what the job averages, saves
+    # and hands to joiners is what the model holds).
+    model = Net()
+    taken = model.ema
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    job = limbo.Job(model, opt, dataset=data, batch_size=4)
+    for i, (x, y) in enumerate(job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.sampler))):
+        job.backward(torch.nn.functional.cross_entropy(model(x), y))
+        job.step()
+        model.ema = model.ema * 0.5 + 1
+    assert model.ema is taken and torch.allclose(taken, torch.full((2,), 1.875)), taken
 
 
 def test_clipping_by_hand_with_sharded_state_is_refused(run_dir):
