@@ -504,3 +504,91 @@ int main(int argc, char** argv) {
   at::set_num_threads(1);
   return RUN_ALL_TESTS();
 }
+
+// The Python front end keeps frozen parameters in the flat buffers
+// (FlatParams' include_frozen) so that a loop may unfreeze them. A bucket
+// that every member had frozen at the group's previous step stays off the
+// wire; a layer unfrozen at step s is still off it at s (its gradient of
+// that step dropped alike on every member: zeros, `.grad` undefined) and
+// is reduced from s + 1. The group's first step reduces every bucket.
+TEST(Overlap, ABucketFrozenOnEveryMemberStaysOffTheWireUntilAStepAfterItIsUnfrozen) {
+  const int world = 2, steps = 5, unfreeze_at = 2;
+  struct Frozen {
+    std::shared_ptr<ScaledMlp> net = std::make_shared<ScaledMlp>();
+    std::unique_ptr<optim::FlatParams> flat;
+    std::shared_ptr<train::OptimizerStep> sgd = sgd_with_momentum(0.9);
+    std::vector<torch::Tensor> xs, ys;
+  };
+  torch::manual_seed(5);
+  std::vector<std::unique_ptr<Frozen>> ms;
+  for (int r = 0; r < world; ++r) {
+    auto m = std::make_unique<Frozen>();
+    m->net->fc1->weight.requires_grad_(false);
+    m->net->fc1->bias.requires_grad_(false);
+    m->flat = std::make_unique<optim::FlatParams>(*m->net, false, /*include_frozen=*/true);
+    for (int s = 0; s < steps; ++s) {
+      m->xs.push_back(torch::randn({8, 64}));
+      m->ys.push_back(torch::randint(0, 10, {8}));
+    }
+    ms.push_back(std::move(m));
+  }
+  comm::StoreServer store("127.0.0.1", 0);
+  std::vector<std::vector<int64_t>> payload(world);
+  std::vector<std::vector<torch::Tensor>> fc1(world);  // fc1.weight after each step
+  std::vector<std::vector<bool>> fc1_grad(world);     // whether fc1.weight had a gradient at the update
+  std::vector<torch::Tensor> final_weights(world);
+  std::vector<std::string> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        Frozen& m = *ms[r];
+        comm::GroupOptions go;
+        go.store_port = store.port();
+        go.prefix = "frozen";
+        go.timeout = std::chrono::milliseconds(20000);
+        std::shared_ptr<comm::Collective> group = comm::make_gloo_group(go, r, world);
+        elastic::ReduceOptions ro;
+        ro.bucket_bytes = 4 << 10;  // fc1 (24 KB) is a bucket of its own
+        ro.overlap = true;
+        ro.finish_in_backward = true;
+        elastic::AllReduceUpdate rule(group, m.sgd, *m.flat, ro);
+        rule.start(m.flat->data(), m.flat->buffers());
+        for (int s = 0; s < steps; ++s) {
+          if (s == unfreeze_at) m.net->fc1->weight.requires_grad_(true), m.net->fc1->bias.requires_grad_(true);
+          train::StepContext ctx{m.flat->data(), m.flat->grad(), m.flat->grad_with_slot(), 0.0, 8, 16, 0.05, s, {}, {}};
+          m.flat->release_grads();
+          rule.backward_starts(ctx);
+          auto loss = torch::nn::functional::cross_entropy(m.net->forward(m.xs[s]), m.ys[s]);
+          ctx.loss = loss.item<double>();
+          loss.backward();
+          fc1_grad[r].push_back(m.net->fc1->weight.grad().defined());
+          rule.apply(ctx);
+          payload[r].push_back(rule.reducer().last_payload_bytes());
+          fc1[r].push_back(m.net->fc1->weight.detach().clone());
+        }
+        final_weights[r] = m.flat->data().clone();
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) ASSERT_EQ(errors[r], "") << "member " << r;
+  const int64_t fc1_bytes = 4 * (96 * 64 + 96);
+  const auto& p = payload[0];
+  for (int s = 0; s < steps; ++s) std::cerr << "step " << s << ": " << p[s] << " bytes on the wire\n";
+  EXPECT_EQ(p[1], p[0] - fc1_bytes) << "a bucket frozen on every member went on the wire";
+  EXPECT_EQ(p[2], p[1]) << "the step that unfroze it still has it off the wire";
+  EXPECT_EQ(p[3], p[0]) << "reduced from the next step";
+  EXPECT_EQ(p[4], p[0]);
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(payload[r], p);
+    EXPECT_FALSE(fc1_grad[r][1]);
+    EXPECT_FALSE(fc1_grad[r][unfreeze_at]) << "the unfreezing step's gradient is dropped when backward returns";
+    EXPECT_TRUE(fc1_grad[r][unfreeze_at + 1]);
+    EXPECT_TRUE(torch::equal(fc1[r][unfreeze_at], fc1[r][0])) << "fc1 moved before it was reduced";
+    EXPECT_FALSE(torch::equal(fc1[r][unfreeze_at + 1], fc1[r][unfreeze_at])) << "fc1 did not train once reduced";
+    EXPECT_TRUE(torch::equal(final_weights[r], final_weights[0])) << "members disagree";
+  }
+}

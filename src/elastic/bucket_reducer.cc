@@ -58,6 +58,9 @@ BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool
     for (int p : buckets_[b].params) bucket_of_[p] = static_cast<int>(b);
   expected_.assign(nb, 0);
   prepared_.assign(nb, 0);
+  skip_.assign(nb, 0);
+  counting_ = flat.trainable_counts().numel() > 0 && compression_ == comm::Compression::None && !sharded_ &&
+              tail_separate_;
   wire_.resize(nb);
   gathered_.resize(nb);
   if (compression_ != comm::Compression::None)
@@ -136,6 +139,7 @@ void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share,
   threaded_ = overlap_ && buckets_.size() > 1 && group_ && group_->size() > 1;
   pending_ = expected_;
   std::fill(prepared_.begin(), prepared_.end(), 0);
+  plan_skips();
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::fill(ready_.begin(), ready_.end(), 0);
@@ -149,7 +153,7 @@ void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share,
   if (threaded_) {
     if (!thread_.joinable()) thread_ = std::thread([this] { comm_loop(); });
     for (size_t b = 0; b < buckets_.size(); ++b)
-      if (expected_[b] == 0) {  // no parameter of it gets a gradient
+      if (expected_[b] == 0 || skip_[b]) {  // no parameter of it gets a gradient, or none goes on the wire
         prepare(b);
         mark_ready(op_of(b));
       }
@@ -180,6 +184,33 @@ void BucketReducer::on_parameter_ready(int param) {
   mark_ready(op_of(b));
 }
 
+void BucketReducer::plan_skips() {
+  std::fill(skip_.begin(), skip_.end(), 0);
+  if (!counting_ || !group_ || counted_group_.lock() != group_) return;  // a new group: every bucket
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    bool all = !buckets_[b].params.empty();
+    for (int p : buckets_[b].params) all = all && frozen_everywhere_[static_cast<size_t>(p)];
+    skip_[b] = all;
+  }
+}
+
+void BucketReducer::take_counts(std::weak_ptr<comm::Collective> group) {
+  if (!counting_) return;
+  const auto* c = flat_.trainable_counts().data_ptr<float>();
+  frozen_everywhere_.assign(flat_.parameters().size(), 0);
+  for (size_t p = 0; p < frozen_everywhere_.size(); ++p) frozen_everywhere_[p] = c[p] == 0.0f;
+  counted_group_ = std::move(group);
+}
+
+void BucketReducer::drop_skipped() {
+  torch::NoGradGuard no_grad;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    if (!skip_[b]) continue;
+    for (int p : buckets_[b].params)  // unfrozen since the counts: this step's gradient goes
+      if (flat_.parameters()[static_cast<size_t>(p)].requires_grad()) flat_.drop_grad(static_cast<size_t>(p));
+  }
+}
+
 void BucketReducer::count_pending() {
   const auto& params = flat_.parameters();
   for (size_t b = 0; b < buckets_.size(); ++b) {
@@ -187,7 +218,7 @@ void BucketReducer::count_pending() {
     for (int p : buckets_[b].params)
       if (hooked_[static_cast<size_t>(p)] && params[static_cast<size_t>(p)].requires_grad()) ++n;
     pending_[b] = n;
-    if (n == 0 && !prepared_[b]) {  // frozen, all of it: zeros
+    if ((n == 0 || skip_[b]) && !prepared_[b]) {  // frozen, all of it: zeros (or off the wire)
       prepare(b);
       mark_ready(op_of(b));
     }
@@ -220,16 +251,14 @@ void BucketReducer::take_finished() {
 void BucketReducer::prepare(size_t b) {
   if (prepared_[b]) return;
   prepared_[b] = 1;
+  if (skip_[b]) return;  // off the wire this step
   torch::NoGradGuard no_grad;
   const int64_t g = flat_.numel();
   const Bucket& bk = buckets_[b];
   auto grad = flat_.grad_with_slot().narrow(0, bk.begin, std::min(bk.end, g) - bk.begin);
   if (finish_in_backward_)  // parameters frozen now send zeros (FlatParams' include_frozen)
     for (int p : bk.params)
-      if (!flat_.parameters()[static_cast<size_t>(p)].requires_grad()) {
-        const auto& e = flat_.entries()[static_cast<size_t>(p)];
-        flat_.grad().narrow(0, e.offset, e.numel).zero_();
-      }
+      if (!flat_.parameters()[static_cast<size_t>(p)].requires_grad()) flat_.attach_grad(static_cast<size_t>(p), true);
   grad.mul_(share_);
   if (compression_ != comm::Compression::None) wire_[b] = compressors_[b]->encode(grad);
   if (comm::is_quantized(compression_)) {
@@ -256,6 +285,7 @@ void BucketReducer::set_shards(const std::vector<int64_t>& bounds) {
 }
 
 void BucketReducer::run(size_t op) {
+  if (op < buckets_.size() && skip_[op]) return;  // every member skips it alike
   if (op < buckets_.size())
     payload_bytes_ += compression_ != comm::Compression::None
                           ? static_cast<int64_t>(wire_[op].nbytes())
@@ -323,6 +353,11 @@ void BucketReducer::finish(double flag) {
     if (group_ && group_->rank() != 0) buf.narrow(0, g + avg, n - g - avg).zero_();
     buf[n].fill_(loss_ * share_);
     buf[n + 1].fill_(flag);
+    if (counting_) {  // this member's trainable parameters, counted across the group
+      auto* c = flat_.trainable_counts().data_ptr<float>();
+      const auto& params = flat_.parameters();
+      for (size_t p = 0; p < params.size(); ++p) c[p] = params[p].requires_grad() ? 1.0f : 0.0f;
+    }
   }
   // Buckets that backward did not complete (no overlap, or a parameter it
   // never reached) are prepared here, in order.
@@ -350,6 +385,7 @@ void BucketReducer::finish(double flag) {
     }
   }
   armed_ = false;
+  const std::weak_ptr<comm::Collective> step_group = group_;
   group_.reset();
   stats_.steps += 1;
   stats_.buckets += static_cast<int64_t>(buckets_.size());
@@ -357,6 +393,10 @@ void BucketReducer::finish(double flag) {
   if (err) std::rethrow_exception(err);  // the step failed; residuals stay as they were
   torch::NoGradGuard no_grad;
   flat_.flat_to_buffers();
+  if (counting_) {
+    drop_skipped();  // before anything reads the gradient: the same zeros on every member
+    take_counts(step_group);
+  }
   // A non-finite sum (a 16-bit overflow, a user's loss gone to inf) is the
   // same on every member: the step is skipped everywhere, and no residual
   // moves (one that took in an infinity would spoil every later step).

@@ -58,6 +58,18 @@
 // micro-batches by hand) the hooks do nothing: gradients accumulate locally
 // until a backward outside it.
 //
+// Buckets frozen on every member (FlatParams' include_frozen: the Python
+// front end keeps frozen parameters in the flat buffers so that a loop may
+// unfreeze them): each step's tail also counts, per parameter, the members
+// that train it (FlatParams::trainable_counts). A bucket whose parameters
+// every member had frozen at the group's previous step stays off the wire
+// (a frozen backbone costs what it costs DDP); the decision comes from sums
+// every member holds, so all skip alike. A layer unfrozen at step s is in
+// such a bucket at s: its gradient of that step is dropped (zeros, `.grad`
+// None) on every member, and it is reduced from step s + 1. The first step
+// of a new group reduces every bucket. Not with compression or a single
+// bucket (the tail rides in it).
+//
 // Threads: one communication thread per member, which does nothing but the
 // collectives (the network and gloo's summing loop; no torch operations, so
 // it never starts an intra-op thread pool of its own).
@@ -168,6 +180,11 @@ class BucketReducer {
   // pending_ from the parameters that require a gradient now (the Python
   // front end: a loop may freeze or unfreeze one between steps).
   void count_pending();
+  // Which buckets this step leaves off the wire (from the last step's
+  // counts in this group), and what a skipped bucket's parameters got.
+  void plan_skips();
+  void drop_skipped();
+  void take_counts(std::weak_ptr<comm::Collective> group);
   void finish_from_backward();
   void prepare(size_t bucket);  // scale (and encode) on the training thread
   void mark_ready(size_t op);
@@ -181,6 +198,10 @@ class BucketReducer {
   std::vector<int> bucket_of_;  // parameter -> bucket
   std::vector<int> expected_;   // parameters with a gradient accumulator, per bucket
   std::vector<char> hooked_;    // per parameter: its accumulator has this reducer's hook
+  bool counting_ = false;               // trainable counts ride in the tail (see above)
+  std::vector<char> frozen_everywhere_;  // per parameter, at the last step's sums
+  std::weak_ptr<comm::Collective> counted_group_;  // the group those sums came from
+  std::vector<char> skip_;                // per bucket, this step
   bool overlap_;
   comm::Compression compression_;
   std::vector<std::unique_ptr<comm::Compressor>> compressors_;  // per bucket

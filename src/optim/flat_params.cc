@@ -1,5 +1,7 @@
 #include "optim/flat_params.h"
 
+#include <algorithm>
+
 #include "common/error.h"
 
 namespace limbo::optim {
@@ -69,9 +71,11 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last, bool inclu
     }
   }
   data_ = torch::empty({total}, torch::kFloat32);
-  grad_slot_ = torch::zeros({total + buffer_total + kSlots}, torch::kFloat32);
+  const int64_t counts = include_frozen ? static_cast<int64_t>(trainable.size()) : 0;
+  grad_slot_ = torch::zeros({total + buffer_total + counts + kSlots}, torch::kFloat32);
   grad_ = grad_slot_.narrow(0, 0, total);
   buffers_ = grad_slot_.narrow(0, total, buffer_total);
+  counts_ = grad_slot_.narrow(0, total + buffer_total, counts);
   torch::NoGradGuard no_grad;
   for (auto& b : buffer_entries_) {
     if (b.carry != Carry::InPlace) continue;
@@ -89,19 +93,35 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last, bool inclu
     if (trainable[i].requires_grad()) trainable[i].mutable_grad() = grad_views_.back();
     params_.push_back(trainable[i]);
   }
+  dropped_.assign(params_.size(), 0);
+  zeros_.assign(params_.size(), 1);
+}
+
+void FlatParams::drop_grad(size_t i) {
+  torch::NoGradGuard no_grad;
+  grad_views_[i].zero_();
+  params_[i].mutable_grad() = torch::Tensor();
+  dropped_[i] = 1;
+  zeros_[i] = 1;
 }
 
 void FlatParams::attach_grad(size_t i, bool keep) {
   const auto& view = grad_views_[i];
   auto& g = params_[i].mutable_grad();
+  if (dropped_[i]) {
+    if (!g.defined()) return;  // dropped this step: stays so
+    dropped_[i] = 0;
+  }
   if (!params_[i].requires_grad()) {  // frozen now (include_frozen): no gradient, zeros on the wire
     g = torch::Tensor();
-    if (keep) {
+    if (keep && !zeros_[i]) {  // once after it was frozen: a frozen backbone costs no pass a step
       torch::NoGradGuard no_grad;
       view.zero_();
+      zeros_[i] = 1;
     }
     return;
   }
+  zeros_[i] = 0;
   if (g.defined() && g.data_ptr() == view.data_ptr() && g.sizes() == view.sizes() && g.strides() == view.strides())
     return;
   torch::NoGradGuard no_grad;
@@ -126,6 +146,7 @@ bool FlatParams::grads_finite() const {
 }
 
 void FlatParams::release_grads() {
+  std::fill(dropped_.begin(), dropped_.end(), 0);
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
 }
 

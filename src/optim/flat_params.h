@@ -69,6 +69,12 @@ class FlatParams {
   // (float64 and integer pieces) is taken from member 0.
   int64_t averaged_numel() const { return averaged_; }
   int64_t numel() const { return data_.numel(); }
+  // With include_frozen: one float per parameter between the buffers and
+  // the slots, [gradient | buffers | trainable | slots], where a reduction
+  // can count the members that train each parameter (elastic::BucketReducer
+  // leaves a bucket that every member had frozen off the wire). Empty
+  // otherwise.
+  torch::Tensor& trainable_counts() { return counts_; }
   // Elements of frozen parameters (not in the flat buffers).
   int64_t frozen_numel() const { return frozen_; }
   // The frozen parameters themselves (the module's tensors).
@@ -104,6 +110,10 @@ class FlatParams {
   // (an optimizer skips it) and, when `keep`, its view zeros.
   void attach_grad(size_t i, bool keep);
   void attach_grads(bool keep);
+  // Parameter i's gradient of this step dropped (its view zeros, `.grad`
+  // undefined, and kept so by attach_grad until autograd or the user gives
+  // it a new one, or release_grads()): a bucket that stayed off the wire.
+  void drop_grad(size_t i);
   // Every `.grad` undefined: the next backward's gradients land in tensors
   // of autograd's own, with no zeroing of grad() and no read of it, and
   // attach_grad(i, true) copies each into its view (one pass, as against
@@ -123,9 +133,11 @@ class FlatParams {
   const std::vector<BufferEntry>& buffer_entries() const { return buffer_entries_; }
 
  private:
-  torch::Tensor data_, grad_, grad_slot_, buffers_;
+  torch::Tensor data_, grad_, grad_slot_, buffers_, counts_;
   std::vector<Entry> entries_;
   std::vector<torch::Tensor> params_, grad_views_;
+  std::vector<char> dropped_;
+  std::vector<char> zeros_;  // per parameter: its view is known to hold zeros (frozen: not zeroed again)
   std::vector<BufferEntry> buffer_entries_;
   int64_t averaged_ = 0, frozen_ = 0;
   std::vector<torch::Tensor> frozen_params_;
