@@ -24,7 +24,18 @@ std::vector<Bucket> plan_buckets(const optim::FlatParams& flat, int64_t bucket_b
   std::vector<Bucket> out;
   Bucket cur;
   cur.end = grad_n;
+  const auto& params = flat.parameters();
   for (int i = static_cast<int>(entries.size()) - 1; i >= 0; --i) {
+    // A frozen parameter (FlatParams' include_frozen) never shares a bucket
+    // with a trainable one: a frozen backbone's buckets can stay off the
+    // wire (BucketReducer's counts).
+    if (bucket_bytes > 0 && !cur.params.empty() &&
+        params[static_cast<size_t>(i)].requires_grad() != params[static_cast<size_t>(cur.params.back())].requires_grad()) {
+      cur.begin = entries[static_cast<size_t>(cur.params.back())].offset;
+      out.push_back(std::move(cur));
+      cur = Bucket{};
+      cur.end = entries[i].offset + entries[i].numel;
+    }
     cur.params.push_back(i);
     cur.begin = entries[i].offset;
     const int64_t bytes = (cur.end - cur.begin) * static_cast<int64_t>(sizeof(float));
@@ -407,6 +418,12 @@ void BucketReducer::finish(double flag) {
     if (comm::is_16bit(compression_) && finite_)
       for (size_t b = 0; b < buckets_.size(); ++b)
         finite_ = finite_ && std::isfinite(wire_[b].sum(torch::kFloat32).item<float>());
+    else if (finite_ && !sharded_ && std::find(skip_.begin(), skip_.end(), 1) != skip_.end())
+      for (size_t b = 0; b < buckets_.size() && finite_; ++b) {  // a frozen backbone's zeros are not read
+        if (skip_[b]) continue;
+        const int64_t end = std::min(buckets_[b].end, flat_.numel());
+        finite_ = std::isfinite(flat_.grad().narrow(0, buckets_[b].begin, end - buckets_[b].begin).sum().item<float>());
+      }
     else if (finite_ && !sharded_)
       finite_ = std::isfinite(flat_.grad().sum().item<float>());
   }

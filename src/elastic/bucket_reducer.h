@@ -6,7 +6,9 @@
 // because backward produces the last layers' gradients first. Bucket 0 is
 // the one backward finishes first; a bucket closes once it holds at least
 // elastic.bucket_mb (a larger parameter makes a bucket of its own; 0 = one
-// bucket for everything).
+// bucket for everything). A parameter frozen when the buckets are planned
+// (the Python front end keeps them in the flat buffers) starts a new bucket
+// where it follows a trainable one, and the other way round.
 //
 // With overlap, a post-hook on every parameter's gradient accumulator counts
 // the parameters of its bucket; when the last one has its gradient, the
