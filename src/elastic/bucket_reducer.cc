@@ -147,10 +147,13 @@ void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share,
   loss_ = loss;
   // One bucket is ready only when backward ends: nothing to overlap, and
   // the hand-off to the communication thread would only cost.
-  threaded_ = overlap_ && buckets_.size() > 1 && group_ && group_->size() > 1;
+  plan_skips();
+  // Fewer than two buckets go on the wire (a frozen backbone's stay off):
+  // nothing to overlap either.
+  const auto on_wire = buckets_.size() - static_cast<size_t>(std::count(skip_.begin(), skip_.end(), 1));
+  threaded_ = overlap_ && on_wire > 1 && group_ && group_->size() > 1;
   pending_ = expected_;
   std::fill(prepared_.begin(), prepared_.end(), 0);
-  plan_skips();
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::fill(ready_.begin(), ready_.end(), 0);
