@@ -5,9 +5,10 @@ same script (bench/python_loop_worker.py,
 indexed batches) run as
 
   may_train  the limbo module, limbo.Job(frozen="may_train") (the default):
-             frozen layers in the flat buffers, reduced as zeros, so the loop
-             may unfreeze them at any step;
-  fixed      limbo.Job(frozen="fixed"): frozen layers off the wire, as DDP;
+             frozen layers in Limbo's flat buffers, in buckets of their own
+             that stay off the wire while every member has them frozen, so
+             the loop may unfreeze them at any step;
+  fixed      limbo.Job(frozen="fixed"): frozen layers out of the buffers;
   ddp        torch.distributed + DistributedDataParallel at its best, gloo
              (it leaves parameters frozen at its making out of its buckets).
 

@@ -67,8 +67,8 @@ def main():
     ap.add_argument("--freeze-hidden", action="store_true",
                     help="the MLP's hidden layers frozen (requires_grad False): only its output layer trains")
     ap.add_argument("--frozen", choices=["may_train", "fixed"], default="may_train",
-                    help="limbo: limbo.Job(frozen=...): frozen layers reduced as zeros (may be unfrozen), or off "
-                         "the wire")
+                    help="limbo: limbo.Job(frozen=...): frozen layers in Limbo's buffers (may be unfrozen), or "
+                         "out of them")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ.get("LIMBO_THREADS", os.environ.get("THREADS", "1"))))
     limited = []

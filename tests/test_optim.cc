@@ -390,21 +390,36 @@ TEST(FlatParams, FrozenParametersIncludedMayBeUnfrozenLater) {
   EXPECT_FALSE(frozen_w.requires_grad());
   EXPECT_FALSE(frozen_w.grad().defined());
   auto x = torch::randn({5, 4});
-  flat.grad().fill_(7.0f);  // what a view may hold from before
-  flat.release_grads();
-  net->forward(x).sum().backward();
-  flat.attach_grads(/*keep=*/true);
+  auto step = [&] {
+    flat.release_grads();
+    net->forward(x).sum().backward();
+    flat.attach_grads(/*keep=*/true);
+  };
+  step();
   EXPECT_FALSE(frozen_w.grad().defined()) << "frozen: no gradient for an optimizer to step with";
   EXPECT_EQ(flat.grad().narrow(0, 0, 12).abs().sum().item<float>(), 0.0f) << "frozen: zeros on the wire";
   EXPECT_GT(flat.grad().narrow(0, 12, 11).abs().sum().item<double>(), 0);
   // Unfrozen: the same backward now gives it a gradient, in its view.
   frozen_w.requires_grad_(true);
-  flat.release_grads();
-  net->forward(x).sum().backward();
-  flat.attach_grads(/*keep=*/true);
+  step();
   ASSERT_TRUE(frozen_w.grad().defined());
   EXPECT_EQ(frozen_w.grad().data_ptr<float>(), flat.grad().data_ptr<float>());
   EXPECT_GT(flat.grad().narrow(0, 0, 12).abs().sum().item<double>(), 0);
+  // Frozen again: its last gradient leaves the view (zeroed once).
+  frozen_w.requires_grad_(false);
+  step();
+  EXPECT_FALSE(frozen_w.grad().defined());
+  EXPECT_EQ(flat.grad().narrow(0, 0, 12).abs().sum().item<float>(), 0.0f) << "a frozen parameter's old gradient";
+  // A dropped gradient (a bucket that stayed off the wire) stays dropped
+  // until autograd gives it a new one.
+  frozen_w.requires_grad_(true);
+  step();
+  flat.drop_grad(0);
+  flat.attach_grads(/*keep=*/true);
+  EXPECT_FALSE(frozen_w.grad().defined());
+  EXPECT_EQ(flat.grad().narrow(0, 0, 12).abs().sum().item<float>(), 0.0f);
+  step();
+  EXPECT_TRUE(frozen_w.grad().defined());
 }
 
 // Buffers of every dtype travel through the float32 region and come back

@@ -119,8 +119,10 @@ class Job:
                 as the CLI does.
     frozen      "may_train" (default): the loop may unfreeze or freeze layers
                 and add parameter groups at any step (frozen float32
-                parameters are reduced as zeros meanwhile); "fixed": frozen
-                parameters stay off the wire and such changes are refused.
+                parameters sit in Limbo's buffers, off the wire while every
+                member has them frozen; an unfrozen layer trains from the
+                step after); "fixed": frozen parameters stay out and such
+                changes are refused.
     optimizer   any torch.optim optimizer over the model's parameters: Limbo
                 calls its step() with the reduced gradient; its state_dict is
                 handed to joiners, taken from the newest member after a failed
@@ -283,8 +285,8 @@ class Job:
         self._inner_steps = int(inner_steps) // max(int(fragments), 1)
         if own:
             options["limbo_optimizer"] = optimizer.options
-        # Frozen float32 parameters in Limbo's flat buffers, their gradient
-        # reduced (zeros while frozen), so that the loop may unfreeze them
+        # Frozen float32 parameters in Limbo's flat buffers (off the wire
+        # while frozen on every member), so that the loop may unfreeze them
         # (and freeze others) later; with Limbo's optimizer, whose state
         # spans the flat buffer, or DiLoCo's outer step, they stay out.
         self._may_train = frozen == "may_train" and not own and sync == "step"
