@@ -327,6 +327,7 @@ class Job:
                 if job is not None:
                     job._reseat_buffers()
             self._forward_hook = model.register_forward_hook(after_forward)
+            weakref.finalize(self, self._forward_hook.remove)  # a dropped job leaves no hook behind
         self._core = _core.Core(params, buffers, options, lambda: me()._pack(), lambda b: me()._unpack(b),
                                 lambda m: me()._optimizer_step(m))
         self.sampler = _Sampler(self)

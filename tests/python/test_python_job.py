@@ -783,6 +783,15 @@ def test_a_job_the_program_drops_is_freed():
         del job
         gc.collect()
     assert all(r() is None for r in refs)
+    # A model with buffers gets a forward hook (a reassigned buffer goes
+    # back in place); a job dropped before it trained takes it away.
+    model = nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2))
+    job = limbo.Job(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset=data, batch_size=4)
+    assert len(model._forward_hooks) == 1
+    ref = weakref.ref(job)
+    del job
+    gc.collect()
+    assert ref() is None and not model._forward_hooks
 
 
 def test_misuse_is_a_clear_exception():
