@@ -210,6 +210,25 @@ TEST(StatusBoard, TokenJobsShowTheirPerplexity) {
   EXPECT_TRUE(std::isnan(value_of(none, "limbo_test_perplexity")));
 }
 
+// Shares of the batch by pace (elastic.shares = "pace"): the newest train
+// record's shares and paces by rank are in the snapshot, null in a job
+// without them, and a record without them keeps the last ones.
+TEST(StatusBoard, SharesAndPacesByRankFollowTheTrainRecords) {
+  auto none = elastic_board();
+  EXPECT_TRUE(none->snapshot()["shares"].is_null());
+  EXPECT_TRUE(none->snapshot()["paces"].is_null());
+  Board b("elastic");
+  b.add_record({{"kind", "train"}, {"step", 8}, {"shares", {0.5, 0.5}}});
+  b.add_record({{"kind", "train"}, {"step", 40}, {"shares", {0.7, 0.3}}, {"paces", {40500.0, 17250.5}}});
+  b.add_record({{"kind", "train"}, {"step", 50}});
+  json s = b.snapshot();
+  ASSERT_EQ(s["shares"].size(), 2u);
+  EXPECT_DOUBLE_EQ(s["shares"][1].get<double>(), 0.3);
+  EXPECT_DOUBLE_EQ(s["paces"][0].get<double>(), 40500.0);
+  b.add_record({{"kind", "train"}, {"step", 60}, {"shares", "not a list"}});
+  EXPECT_DOUBLE_EQ(b.snapshot()["shares"][0].get<double>(), 0.7);
+}
+
 // DiLoCo's outer records (docs/diloco.md): outer steps, the pseudo-gradient
 // norm, the compute share and the bytes on the wire, in the snapshot's
 // series and as Prometheus metrics; absent from other jobs.

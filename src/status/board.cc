@@ -113,6 +113,8 @@ void Board::add_record(const json& r) {
     if (auto v = number(r, "lr_multiplier")) lr_multiplier_ = v;
     if (auto v = number(r, "grad_norm")) grad_norm_ = v;
     if (auto v = number(r, "samples_per_second")) samples_per_second_ = v;
+    if (r.contains("shares") && r["shares"].is_array()) shares_ = r["shares"];
+    if (r.contains("paces") && r["paces"].is_array()) paces_ = r["paces"];
     skipped_steps_ = std::max(skipped_steps_, integer(r, "skipped_steps", 0));
     push_point();
   } else if (kind == "eval") {
@@ -221,6 +223,8 @@ json Board::snapshot() const {
             {"lr", opt(lr_)},
             {"lr_multiplier", opt(lr_multiplier_)},
             {"grad_norm", opt(grad_norm_)},
+            {"shares", shares_.is_array() ? shares_ : json()},
+            {"paces", paces_.is_array() ? paces_ : json()},
             {"batch_size", batch_size_ ? json(*batch_size_) : json()},
             {"test_accuracy", opt(test_accuracy_)},
             {"test_loss", opt(test_loss_)},

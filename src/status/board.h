@@ -52,6 +52,10 @@ class Board {
   double epoch_ = 0;
   std::optional<double> samples_per_second_, loss_, lr_, lr_multiplier_, test_accuracy_, test_loss_, test_perplexity_,
       grad_norm_;
+  // Shares of the batch by pace (elastic.shares = "pace"): each member's
+  // share of the global batch and its pace (samples/s of its own forward
+  // and backward), by rank, from the newest train record that has them.
+  nlohmann::json shares_, paces_;
   std::optional<int64_t> batch_size_;
   std::map<std::string, int64_t> changes_;  // membership changes by kind
   nlohmann::json series_;                   // {"t": [...], "members": [...], ...}

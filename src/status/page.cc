@@ -20,6 +20,7 @@ const std::string& page_html() {
  .hidden{display:none}
  #events{font-size:12px;max-height:120px;overflow:auto;background:#fff;border:1px solid #ddd;border-radius:6px;padding:6px;margin-top:12px}
  #error{color:#b00}
+ #pace{font-size:12px;background:#fff;border:1px solid #ddd;border-radius:6px;padding:6px;margin-top:12px}
 </style></head>
 <body data-updates="0" data-charts="0">
 <h1>Limbo: <span id="job">…</span> job <small id="error"></small></h1>
@@ -53,6 +54,7 @@ const std::string& page_html() {
  <div class="card isgd"><canvas id="c_isgd"></canvas></div>
  <div class="card diloco"><canvas id="c_diloco"></canvas></div>
 </div>
+<div id="pace" class="hidden"></div>
 <div id="events"></div>
 <script src="/chart.js"></script>
 <script>
@@ -91,6 +93,12 @@ function render(s) {
   show("diloco", s.diloco !== null);
   show("gnorm", s.grad_norm !== null);
   show("ppl", s.test_perplexity !== null);
+  const pace = document.getElementById("pace");
+  pace.classList.toggle("hidden", !s.shares);
+  if (s.shares)
+    pace.innerHTML = "<b>shares of the batch by pace</b> " + s.shares.map((x, r) => "rank " + r + ": " +
+        (100 * x).toFixed(1) + "%" + (s.paces && s.paces[r] !== undefined ? " at " + Math.round(s.paces[r]) +
+        " samples/s" : "")).join(" &middot; ");
   document.getElementById("ppl").textContent = fmt(s.test_perplexity, 3);
   const ev = s.events.map(e => ({x: e.t, y: e.members, kind: e.kind}));
   let c = chart("c_members", "line", [line("members", "#333", [], {stepped: true}),

@@ -6,7 +6,8 @@ Prometheus's own parser.
 
 1. An elastic job of 3 workers serves its page (limbo launch's default).
    Headless Chromium loads it (--dump-dom after a virtual-time budget): the
-   charts rendered, with points, and the page shows 3 members.
+   charts rendered, with points, and the page shows 3 members and each
+   one's share of the batch (elastic.shares = "pace").
 2. One worker is SIGKILLed; the page then shows 2 members and a crash event.
 3. /metrics parses with prometheus_client's parser: limbo_members (gauge),
    limbo_samples_total (counter); a parameter-server job adds the
@@ -29,7 +30,8 @@ import urllib.request
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 JOB = ["--set", "model.name=lenet", "--set", "data.train_limit=20000", "--set", "data.test_limit=500",
        "--set", "train.epochs=60", "--set", "train.progress=false", "--set", "train.log_every=10",
-       "--set", "optim.clip_grad_norm=5"]  # clipping on: the gradient-norm chart is drawn too
+       "--set", "optim.clip_grad_norm=5",  # clipping on: the gradient-norm chart is drawn too
+       "--set", "elastic.shares=pace"]  # shares of the batch by pace: each member's share and pace listed
 
 
 def chromium(args, timeout=60):
@@ -109,15 +111,17 @@ def main():
     try:
         url = wait_until("status.url", lambda: open(os.path.join(run, "status.url")).read().strip(), 120)
         print("page:", url)
-        wait_until("3 members and a few points",
-                   lambda: (lambda s: s["members"] == 3 and len(s["series"]["t"]) >= 3)(
-                       json.loads(get(url + "status.json"))), 120)
+        wait_until("3 members, a few points and the members' shares",
+                   lambda: (lambda s: s["members"] == 3 and len(s["series"]["t"]) >= 3 and s["shares"]
+                            and len(s["shares"]) == 3)(json.loads(get(url + "status.json"))), 120)
         attrs, html = dump(url)
         print("browser, before:", {k: attrs[k] for k in ("updates", "charts", "members", "points", "canvases")})
         assert int(attrs["updates"]) >= 1, "the page never drew its data"
         assert int(attrs["charts"]) >= 6, f"only {attrs['charts']} charts rendered (with the gradient norm's)"
         assert int(attrs["points"]) >= 3, "the charts have no points"
         assert attrs["members"] == "3", f"the page shows {attrs['members']} members, expected 3"
+        assert "shares of the batch by pace" in html and "rank 2: " in html and 'id="pace" class="hidden"' not in html, \
+            re.search(r'<div id="pace".{0,300}', html)
 
         text = open(log.name).read()
         victim = int(re.search(r"worker rank 1 pid (\d+)", text).group(1))
