@@ -46,6 +46,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from limbo_run import Veth  # noqa: E402
+from cpu_sampler import CpuSampler  # noqa: E402
 
 WORKER = os.path.join(HERE, "python_loop_worker.py")
 PY = "/usr/bin/python3"
@@ -239,6 +240,11 @@ def main():
     ap.add_argument("--phases", action="store_true",
                     help="print each run's median ms a step in data, forward, backward, clip and step "
                          "(DDP and the module; the module's data includes the previous step's end)")
+    ap.add_argument("--contenders", default="ddp,python,ddp-idx,python-idx,py-own,cli,bound",
+                    help="which contenders run (the ratios of those left out print nan)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="print each run's cores busy by process kind (launcher, member, loader, other) and "
+                         "its busiest threads, over the middle of the run (bench/cpu_sampler.py)")
     args = ap.parse_args()
     EXTRA.extend(["--loader-workers", str(args.loader_workers), "--clip", str(args.clip)])
     if args.phases:
@@ -266,13 +272,19 @@ def main():
             if model in CLI_MODELS:
                 contenders.append(("cli", lambda *a: cli(limbo, *a)))
             contenders.append(("bound", bound))
+            contenders = [c for c in contenders if c[0] in args.contenders.split(",")]
             batch = 32 if model == "gpt" else 0 if model.startswith("charlm") else args.batch
             for _ in range(args.repeats):
                 for name, f in contenders:
-                    runs[name].append(f(model, batch, args.steps))
+                    if not args.cpu:
+                        runs[name].append(f(model, batch, args.steps))
+                        continue
+                    with CpuSampler(os.path.basename(WORKER)) as s:
+                        runs[name].append(f(model, batch, args.steps))
+                    print("  %-10s %-9s %s" % (name, model, s.report()), flush=True)
             med = {k: statistics.median(v) if v else float("nan") for k, v in runs.items()}
             ratio = lambda a, b: statistics.median([x / y for x, y in zip(runs[a], runs[b])]) \
-                if runs[b] else float("nan")  # noqa: E731
+                if runs[a] and runs[b] else float("nan")  # noqa: E731
             spread = lambda k: ("%.0f-%.0f" if min(runs[k]) >= 100 else "%.1f-%.1f") % (  # noqa: E731
                 min(runs[k]), max(runs[k])) if runs[k] else "-"
             fmt = lambda x: "%12.0f" % x if x >= 100 or x != x else "%12.1f" % x  # noqa: E731

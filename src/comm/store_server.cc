@@ -23,6 +23,7 @@
 #include "comm/auth.h"
 #include "common/error.h"
 #include "common/log.h"
+#include "common/process.h"
 #include "common/throttled_log.h"
 
 #include "comm/store_wire.h"
@@ -130,6 +131,7 @@ struct StoreServer::Impl {
   // number of connections), serve them, expire deadlines, close, and
   // update the events of the connections this turn touched.
   void run() {
+    name_this_thread("limbo-store");
     std::vector<epoll_event> evs(1024);
     while (!stop) {
       const auto now = SteadyClock::now();

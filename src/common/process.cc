@@ -1,5 +1,6 @@
 #include "common/process.h"
 
+#include <pthread.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -195,6 +196,12 @@ std::map<pid_t, int> Supervisor::children(const std::string& role) const {
   for (const auto& [pid, c] : children_)
     if (role.empty() || c.role == role) out[pid] = c.index;
   return out;
+}
+
+void name_this_thread(const char* name) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "%s", name);
+  ::pthread_setname_np(::pthread_self(), buf);
 }
 
 }  // namespace limbo

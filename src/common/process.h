@@ -23,6 +23,10 @@ namespace limbo {
 pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args, int parent_death_signal = 0,
                     const std::vector<std::string>& env = {}, bool own_group = false);
 
+// Names the calling thread (at most 15 characters shown) for top -H, gdb,
+// /proc/PID/task/TID/comm and the benches' CPU accounting.
+void name_this_thread(const char* name);
+
 // A waitpid() status as a shell would report it: the exit code, or 128 + signal.
 int exit_code_of(int status);
 // "exit code N" or "killed by signal N".

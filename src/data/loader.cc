@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "common/process.h"
 
 namespace limbo::data {
 
@@ -167,6 +168,7 @@ void BatchLoader::set_paces(std::shared_ptr<const PaceShares> paces) {
 }
 
 void BatchLoader::run() {
+  name_this_thread("limbo-loader");
   try {
     for (;;) {
       Cursor at;

@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "comm/auth.h"
+#include "common/process.h"
 #include "elastic/beat_wire.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -137,6 +138,7 @@ std::vector<size_t> BeatListener::senders_by_lane() const {
 }
 
 void BeatListener::loop(Lane& lane) {
+  name_this_thread("limbo-beat-in");
   // What every datagram for this listener starts with. Anything else (a
   // flood from a sender without the address's nonce), or anything longer
   // than a beat datagram can be, is refused from its first bytes, with no

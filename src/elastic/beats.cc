@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "comm/auth.h"
+#include "common/process.h"
 #include "elastic/beat_wire.h"
 #include "common/error.h"
 #include "common/log.h"
@@ -347,6 +348,7 @@ BeatSender::~BeatSender() {
 
 // Reads the listener's address whenever the send thread asks.
 void BeatSender::resolve_loop() {
+  name_this_thread("limbo-resolve");
   while (true) {
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -447,6 +449,7 @@ void BeatSender::receive_acks(std::chrono::milliseconds wait) {
 }
 
 void BeatSender::loop() {
+  name_this_thread("limbo-beat-out");
   const int64_t interval = std::chrono::nanoseconds(opt_.interval).count();
   int64_t next = monotonic_ns();
   while (!stop_) {

@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "common/process.h"
 #include "common/timing.h"
 
 namespace limbo::elastic {
@@ -322,6 +323,7 @@ void BucketReducer::run(size_t op) {
 }
 
 void BucketReducer::comm_loop() {
+  name_this_thread("limbo-reduce");
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     cv_.wait(lock, [&] { return stop_ || (step_threaded_ && next_ < ops_ && ready_[next_]); });

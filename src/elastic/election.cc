@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "common/log.h"
+#include "common/process.h"
 
 namespace limbo::elastic {
 namespace {
@@ -45,6 +46,7 @@ Election::~Election() {
 }
 
 void Election::loop() {
+  name_this_thread("limbo-election");
   while (!stop_) {
     {
       std::lock_guard<std::mutex> lock(mu_);

@@ -1,6 +1,7 @@
 #include "elastic/event_relay.h"
 
 #include "common/log.h"
+#include "common/process.h"
 
 namespace limbo::elastic {
 
@@ -110,6 +111,7 @@ void EventRelay::verify(comm::KvStore& c, int64_t* behind_at) {
 }
 
 void EventRelay::check_loop() {
+  name_this_thread("limbo-ev-check");
   std::shared_ptr<comm::KvStore> c;
   int64_t behind_at = -1;
   while (!stop_) {
@@ -149,6 +151,7 @@ EventRelay::~EventRelay() {
 // abort there. From a fresh start (or after a store failure) the round,
 // abort and done keys give the state the log's earlier events left.
 void EventRelay::loop() {
+  name_this_thread("limbo-events");
   std::shared_ptr<comm::KvStore> s;
   int64_t n = 0;
   bool fresh = true;

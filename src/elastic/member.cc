@@ -12,6 +12,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "common/process.h"
 #include "train/membership.h"
 
 namespace limbo::elastic {
@@ -113,6 +114,7 @@ void Member::sleep_while_running(std::chrono::milliseconds d) {
 // makes no store call: a store that answers slowly (an etcd member stopped)
 // must not hold up a beat.
 void Member::beat_loop() {
+  name_this_thread("limbo-heartbeat");
   auto next = Clock::now();
   const int64_t interval = std::chrono::nanoseconds(opt_.heartbeat_interval).count();
   while (!stop_) {
@@ -138,6 +140,7 @@ void Member::beat_loop() {
 // The progress and the queued status records, once a heartbeat interval, on
 // their own store connection.
 void Member::publish_loop(std::shared_ptr<comm::KvStore> s) {
+  name_this_thread("limbo-publish");
   while (!stop_) {
     try {
       const double progress = progress_.load();
@@ -189,6 +192,7 @@ void Member::check_cut_off() {
 // an event it also reads the current round and abort, a safety net should
 // an event ever be missing.
 void Member::watch_loop(std::shared_ptr<comm::KvStore> s, int64_t seen) {
+  name_this_thread("limbo-watch");
   int64_t n = seen;
   int quiet = 0;
   bool relayed = false;
