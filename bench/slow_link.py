@@ -42,8 +42,14 @@ Usage (root, iproute2 with tc):
   bench/slow_link.py [--limbo build/src/cli/limbo] [--model gpt|mlp10m]
                      [--hosts 2] [--rates 100mbit,1gbit] [--samples 64000]
                      [--modes step,step-bf16,diloco50,diloco50-int8,diloco500,diloco500-int8]
-                     [--rounds 1] [--evals 8] [--json OUT]
-The GPT needs its data first: examples/gpt/setup.sh.
+                     [--rounds 1] [--evals 8] [--json OUT] [--held 1:0.5]
+The GPT needs its data first: examples/gpt/setup.sh. --held holds a host
+(its launcher and worker, and its `limbo train` in the alone runs) to a
+fraction of a core with a cgroup v1 cpu quota (scripts/cpu_limit.py): a
+member of unequal speed, for the modes diloco50-int8 (no bound: everyone
+waits), diloco50-int8-wait (the bounded wait, max_wait 1),
+diloco50-int8-pace (shares of each outer step by pace) and
+diloco50-int8-pace-wait (both).
 """
 import argparse
 import json
@@ -66,6 +72,15 @@ MODES = {
     "diloco500-int8": ["elastic.sync=\"diloco\"", "diloco.inner_steps=500", "comm.compression=\"int8\""],
     # Streaming: 5 fragments, one synced every 10 inner steps, each sync
     # overlapping the next 5 inner steps, mixed half and half.
+    # A member of unequal speed (--held): the bounded wait (max_wait 1, the
+    # default) and shares of each outer step by pace, with int8 pseudo-gradients.
+    "diloco50-int8-wait": ["elastic.sync=\"diloco\"", "diloco.inner_steps=50", "comm.compression=\"int8\"",
+                           "diloco.max_wait=1"],
+    "diloco50-int8-pace": ["elastic.sync=\"diloco\"", "diloco.inner_steps=50", "comm.compression=\"int8\"",
+                           "elastic.shares=\"pace\""],
+    "diloco50-int8-pace-wait": ["elastic.sync=\"diloco\"", "diloco.inner_steps=50", "comm.compression=\"int8\"",
+                                "elastic.shares=\"pace\"", "diloco.max_wait=1"],
+    "step-pace": ["elastic.shares=\"pace\""],
     "stream50": ["elastic.sync=\"diloco\"", "diloco.inner_steps=50", "diloco.fragments=5",
                  "diloco.overlap_steps=5", "diloco.mixing=0.5"],
     "stream50-int8": ["elastic.sync=\"diloco\"", "diloco.inner_steps=50", "diloco.fragments=5",
@@ -86,6 +101,18 @@ def model_args(model):
         return ["--set", "model.name=\"mlp\"", "--set", "model.width=2048", "--set", "model.depth=3",
                 "--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.001", "--set", "data.test_limit=2000"], 64, 60000
     sys.exit("unknown --model " + model)
+
+
+HELD = {}  # host index: the cgroup v1 cpu group (scripts/cpu_limit.py) its processes run in (--held)
+
+
+def held(h, argv):
+    """argv in host h's cpu group from its first instruction (as it is, for a host not held)."""
+    if h not in HELD:
+        return argv
+    import cpu_limit
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"',
+            os.path.join(cpu_limit.path(HELD[h]), "cgroup.procs")] + argv
 
 
 def sh(cmd, check=True):
@@ -164,7 +191,7 @@ def run_alone(limbo, hosts, model, samples):
                     "--set", "train.threads=1", "--set", "train.progress=false",
                     "--set", "train.eval_every_steps=0", "--set", "train.eval_every_epochs=0",
                     "--set", "train.checkpoint_every_epochs=0"]
-    procs = [subprocess.Popen(["ip", "netns", "exec", hosts.ns[h], limbo, "train", "--run-dir", runs[h]] + args,
+    procs = [subprocess.Popen(held(h, ["ip", "netns", "exec", hosts.ns[h], limbo, "train", "--run-dir", runs[h]] + args),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in range(n)]
     errs = [p.communicate(timeout=7200)[1] for p in procs]
     rate = 0.0
@@ -206,8 +233,9 @@ def run_mode(limbo, hosts, model, mode, samples, evals):
     t0 = time.time()
     procs = []
     for h in range(n):
-        procs.append(subprocess.Popen(["ip", "netns", "exec", hosts.ns[h], limbo, "launch", "--nproc", "1",
-                                       "--min-workers", str(n), "--rdzv", rdzv, "--run-dir", run, "--"] + args,
+        procs.append(subprocess.Popen(held(h, ["ip", "netns", "exec", hosts.ns[h], limbo, "launch", "--nproc", "1",
+                                               "--min-workers", str(n), "--rdzv", rdzv, "--run-dir", run, "--"] +
+                                              args),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         time.sleep(0.5)
     errs = [p.communicate(timeout=7200)[1] for p in procs]
@@ -262,7 +290,16 @@ def main():
     ap.add_argument("--evals", type=int, default=8, help="evaluations a run (about)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of alone + every mode, interleaved")
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--held", default="", help="HOST:FRACTION[,...]: that host's launcher and worker held to "
+                    "FRACTION of a core by a cgroup v1 cpu quota (the same in the alone runs)")
     args = ap.parse_args()
+    if args.held:
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
+        import cpu_limit
+        for item in args.held.split(","):
+            h, f = item.split(":")
+            HELD[int(h)] = "limbo-slow-held%s-%d" % (h, os.getpid())
+            cpu_limit.limit(HELD[int(h)], float(f))
     if os.geteuid() != 0:
         sys.exit("needs root (network namespaces and tc)")
     if not shutil.which("tc"):
@@ -318,6 +355,10 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    if HELD:
+        import cpu_limit
+        for g in HELD.values():
+            cpu_limit.remove(g)
 
 
 if __name__ == "__main__":

@@ -174,6 +174,7 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   const std::string shares = get<std::string>(o, "shares", "equal");
   if (shares != "equal" && shares != "pace")
     throw InvalidInput("shares must be \"equal\" or \"pace\", got '" + shares + "'");
+  diloco_.pace = shares == "pace";  // an outer step's shares by pace (sync="diloco")
   if (rdzv.empty()) {
     rule = std::make_shared<train::LocalUpdate>(rule_opt);
     grads_in_place_ = !own_ && !outer_ && opt_->clip_norm() <= 0;

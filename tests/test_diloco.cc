@@ -146,6 +146,47 @@ TEST(DilocoPlan, SettlingOwesWhatNoMemberProcessed) {
   EXPECT_EQ(t.cursor.position, 0);
 }
 
+// Shares by pace: weights cut the same samples in proportion, and what a
+// member did not process is owed as with equal shares.
+TEST(DilocoPlan, WeightsCutTheSameSamplesInProportion) {
+  const OuterPlan eq = plan_outer({0, 100}, {{10, 13}}, 1000, 4, 3);
+  const OuterPlan p = plan_outer({0, 100}, {{10, 13}}, 1000, 4, 3, {1, 2, 1});
+  EXPECT_EQ(p.positions, eq.positions);
+  EXPECT_EQ(p.fresh_end, eq.fresh_end);
+  EXPECT_EQ(p.offsets, (std::vector<int64_t>{0, 3, 9, 12}));
+  auto s = settle_outer(p, {3, 2, 3}, 1000);
+  // Member 1 processed 2 of its 6 (positions 101, 102); 103..106 are owed.
+  EXPECT_EQ(s.committed, (std::vector<int64_t>{10, 11, 12, 100, 101, 106, 107, 108}));
+  EXPECT_EQ(s.owed, (PositionRanges{{102, 106}}));
+  // Weights of 0 and 1: the first member gets nothing.
+  EXPECT_EQ(plan_outer({0, 0}, {}, 1000, 4, 2, {0, 1}).offsets, (std::vector<int64_t>{0, 0, 8}));
+}
+
+// Each share moves half the way to its pace's share, at most max_move a
+// step, not below floor x the equal share; a member that measured nothing
+// leaves the shares as they were; every member computes the same.
+TEST(DilocoPlan, PaceSharesMoveHalfWayToThePacesShareWithinTheirBounds) {
+  using limbo::train::pace_shares;
+  using limbo::train::share_weights;
+  auto s = pace_shares({}, {1.0, 2.0});  // paces 1 and 0.5: targets 2/3 and 1/3
+  ASSERT_EQ(s.size(), 2u);
+  EXPECT_NEAR(s[0], 0.5 + (2.0 / 3 - 0.5) / 2, 1e-12);
+  EXPECT_NEAR(s[0] + s[1], 1.0, 1e-12);
+  s = pace_shares(s, {1.0, 2.0});
+  EXPECT_NEAR(s[1], 1.0 / 3 + (5.0 / 12 - 1.0 / 3) / 2, 1e-12);
+  // A member 100x slower: the move is capped at max_move, then the floor
+  // (a tenth of the equal share, before the shares are normalised) holds it.
+  auto f = pace_shares({}, {1.0, 100.0}, 0.1, 0.1);
+  EXPECT_NEAR(f[1], 0.4, 1e-12);
+  for (int i = 0; i < 20; ++i) f = pace_shares(f, {1.0, 100.0}, 0.1, 0.1);
+  EXPECT_GT(f[1], 0.045);
+  EXPECT_LT(f[1], 0.06);
+  EXPECT_EQ(pace_shares(f, {1.0, 0.0}), f);  // not measured
+  EXPECT_EQ(pace_shares({0.3, 0.7}, {2.0, 0.5}), pace_shares({0.3, 0.7}, {2.0, 0.5}));
+  const auto w = share_weights({0.25, 0.75});
+  EXPECT_EQ(w, (std::vector<int64_t>{16384, 49152}));
+}
+
 // The owed ranges are part of the committed state: a checkpoint keeps them.
 TEST(DilocoPlan, CheckpointsKeepTheOwedSamples) {
   TempDir d;
@@ -308,6 +349,48 @@ TEST(DilocoWait, ASlowMemberStopsAtTheBoundAndItsRestIsDealtAgain) {
   EXPECT_GE(owed, 40);
   EXPECT_GE(short_steps, 5);
   EXPECT_GT(summary(run)["outer_steps"].get<int64_t>(), 19);
+}
+
+// Shares by pace (elastic.shares = pace): a slow member's share of an
+// outer step shrinks to what it gets through while the others get through
+// theirs; a member lost in its inner steps or in the outer all-reduce is
+// dropped and the step redone by the survivors with the shares it was
+// dealt by; every sample once an epoch, the survivors identical.
+TEST(DilocoPace, ASlowMembersShareShrinksAndALostMembersStepIsRedoneWithItsShares) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  const std::vector<std::string> pace = {"--set", "elastic.shares=\"pace\"", "--set", "train.slow_step_ms=15",
+                                         "--set", "train.testing_slow_rank=2"};
+  const auto full = run_job(d, "full", 3, 1, pace);
+  limbo::testing::expect_exactly_once(full, 1, kSamples);
+  limbo::testing::expect_identical_finals(full, 3);
+  const auto rec = records(full, "outer");
+  ASSERT_GE(rec.size(), 6u);
+  EXPECT_EQ(rec[0]["shares"], json({0.3333, 0.3333, 0.3333}));
+  double slow = 1;
+  for (size_t i = 3; i < rec.size(); ++i) {
+    ASSERT_EQ(rec[i]["shares"].size(), 3u);
+    slow = std::min(slow, rec[i]["shares"][2].get<double>());
+    EXPECT_GT(rec[i]["paces"][0].get<double>(), rec[i]["paces"][2].get<double>());
+  }
+  EXPECT_LT(slow, 0.2);
+  auto die = pace;
+  die.insert(die.end(), {"--set", "train.testing_die_at_step=5"});
+  auto outer = die;
+  outer.insert(outer.end(), {"--set", "train.testing_die_in_outer=true"});
+  for (const auto& run : {run_job(d, "inner", 3, 2, die), run_job(d, "outer", 3, 2, outer)}) {
+    SCOPED_TRACE(run);
+    limbo::testing::expect_exactly_once(run, 2, kSamples);
+    limbo::testing::expect_identical_finals(run, 2);
+    EXPECT_GE(summary(run)["outer_steps_redone"].get<int64_t>(), 1);
+    // The step redone committed the survivors' shares of the paced plan.
+    const auto r = records(run, "outer");
+    ASSERT_GE(r.size(), 7u);
+    EXPECT_EQ(r[5]["step"].get<int64_t>(), 6);
+    EXPECT_GT(r[5]["owed"].get<int64_t>(), 0);
+    EXPECT_EQ(r[5]["shares"].size(), 3u);
+    EXPECT_EQ(r[6]["shares"], json({0.5, 0.5}));  // a new group starts from equal shares
+  }
 }
 
 // 8- and 4-bit pseudo-gradients (comm.compression = int8 | int4) between two

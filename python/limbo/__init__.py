@@ -161,7 +161,9 @@ class Job:
                 members of unequal speed do not wait for the slowest;
                 job.batch_ids() is this member's slice, and train records
                 carry "shares" and "paces"). With "pace" a loader may read
-                at most 15 batches ahead.
+                at most 15 batches ahead. With sync="diloco", each
+                member's share of an outer step follows its pace in the
+                previous one (outer records carry "shares" and "paces").
     sync        "step" (every step's gradient reduced across the group) or
                 "diloco" (docs/diloco.md): the optimizer becomes the inner
                 one, stepped by job.step() on this member alone, for the

@@ -1,6 +1,7 @@
 #include "train/diloco.h"
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "common/error.h"
@@ -32,7 +33,8 @@ int64_t range_total(const PositionRanges& r) {
   return t;
 }
 
-OuterPlan plan_outer(data::Cursor cursor, const PositionRanges& owed, int64_t n, int64_t per_member, int world) {
+OuterPlan plan_outer(data::Cursor cursor, const PositionRanges& owed, int64_t n, int64_t per_member, int world,
+                     const std::vector<int64_t>& weights) {
   if (per_member <= 0 || world <= 0 || n <= 0)
     throw Error("internal: plan_outer(per_member " + std::to_string(per_member) + ", world " +
                 std::to_string(world) + ", n " + std::to_string(n) + ")");
@@ -52,10 +54,56 @@ OuterPlan plan_outer(data::Cursor cursor, const PositionRanges& owed, int64_t n,
   p.fresh_end = cursor.position + fresh;
   const int64_t total = static_cast<int64_t>(p.positions.size());
   p.offsets.assign(static_cast<size_t>(world) + 1, 0);
+  if (!weights.empty()) {
+    if (static_cast<int>(weights.size()) != world)
+      throw Error("internal: plan_outer with " + std::to_string(weights.size()) + " weights for " +
+                  std::to_string(world) + " members");
+    __int128 sum = 0;
+    for (auto w : weights) {
+      if (w < 0) throw Error("internal: plan_outer with a negative weight");
+      sum += w;
+    }
+    if (sum > 0) {
+      __int128 upto = 0;
+      for (int r = 0; r < world; ++r) {
+        p.offsets[r] = static_cast<int64_t>(static_cast<__int128>(total) * upto / sum);
+        upto += weights[static_cast<size_t>(r)];
+      }
+      p.offsets[world] = total;
+      return p;
+    }
+  }
   // As data::plan_batch slices a global batch (the later ranks take the
   // extra samples), so that H = 1 deals as elastic.sync = "step" does.
   for (int r = 0; r <= world; ++r) p.offsets[r] = total * r / world;
   return p;
+}
+
+std::vector<double> pace_shares(const std::vector<double>& shares, const std::vector<double>& seconds_a_sample,
+                                double max_move, double floor) {
+  const size_t W = seconds_a_sample.size();
+  std::vector<double> old = shares.size() == W ? shares : std::vector<double>(W, 1.0 / static_cast<double>(W));
+  double total = 0;
+  for (double s : seconds_a_sample) {
+    if (!(s > 0) || !std::isfinite(s)) return old;  // a member measured nothing: as they were
+    total += 1.0 / s;
+  }
+  std::vector<double> out(W);
+  double sum = 0;
+  for (size_t m = 0; m < W; ++m) {
+    const double target = (1.0 / seconds_a_sample[m]) / total;
+    const double move = std::clamp(0.5 * (target - old[m]), -max_move, max_move);
+    out[m] = std::max(old[m] + move, floor / static_cast<double>(W));
+    sum += out[m];
+  }
+  for (double& s : out) s /= sum;
+  return out;
+}
+
+std::vector<int64_t> share_weights(const std::vector<double>& shares) {
+  std::vector<int64_t> w;
+  for (double s : shares) w.push_back(std::max<int64_t>(1, std::llround(s * 65536.0)));
+  return w;
 }
 
 OuterSettled settle_outer(const OuterPlan& plan, const std::vector<int64_t>& consumed, int64_t n) {

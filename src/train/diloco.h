@@ -39,6 +39,10 @@ struct DilocoOptions {
   // the previous outer step; the rest of its share is owed (dealt again).
   // 0: no bound (every member processes its whole share).
   double max_wait = 1.0;
+  // elastic.shares = "pace": each member's share of an outer step follows
+  // its pace in the previous one (pace_shares()), so that members of
+  // unequal speed end their inner steps together; false: equal shares.
+  bool pace = false;
   // comm.compression, for the records' payload bytes.
   std::string wire = "none";
   // Streaming DiLoCo: the model's parameters in F contiguous fragments (cut
@@ -81,8 +85,24 @@ struct OuterPlan {
 // The samples of the outer step after committed `cursor` with `owed`
 // (positions of epoch cursor.epoch), for `world` members of `per_member`
 // samples each (H x b), in an epoch of n samples. A cursor at the epoch's
-// end with nothing owed starts the next epoch.
-OuterPlan plan_outer(data::Cursor cursor, const PositionRanges& owed, int64_t n, int64_t per_member, int world);
+// end with nothing owed starts the next epoch. `weights` (`world` of them,
+// or empty: equal shares) cut the step's samples in proportion: member p
+// deals about total x weights[p] / (their sum); the step's samples do not
+// depend on them.
+OuterPlan plan_outer(data::Cursor cursor, const PositionRanges& owed, int64_t n, int64_t per_member, int world,
+                     const std::vector<int64_t>& weights = {});
+
+// Shares by pace (DilocoOptions::pace): from the shares (fractions) an
+// outer step was planned with (empty: equal) and each member's seconds a
+// sample in it, the next step's shares: each moves half the way to its
+// pace's share of the group's pace (1 / seconds a sample, normalised), at
+// most `max_move` of the whole a step, and not below `floor` x the equal
+// share. Every member computes them from the same agreed figures, so they
+// are identical everywhere.
+std::vector<double> pace_shares(const std::vector<double>& shares, const std::vector<double>& seconds_a_sample,
+                                double max_move = 0.25, double floor = 0.1);
+// Integer weights of shares for plan_outer (they add up to about 2^16).
+std::vector<int64_t> share_weights(const std::vector<double>& shares);
 
 struct OuterSettled {
   data::Cursor cursor;

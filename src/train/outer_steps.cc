@@ -11,6 +11,18 @@
 
 namespace limbo::train {
 
+namespace {
+
+// Each plan rank's fraction of the plan's samples.
+std::vector<double> fractions_of(const OuterPlan& p) {
+  std::vector<double> out;
+  const double total = static_cast<double>(std::max<int64_t>(1, p.offsets.back()));
+  for (int r = 0; r < p.world; ++r) out.push_back(std::round(1e4 * static_cast<double>(p.share(r)) / total) / 1e4);
+  return out;
+}
+
+}  // namespace
+
 OuterSteps::OuterSteps(Session& session, optim::FlatParams& flat, std::shared_ptr<UpdateRule> rule,
                        std::shared_ptr<OptimizerStep> outer, Options opt)
     : s_(session),
@@ -34,24 +46,54 @@ bool OuterSteps::agree_on_redo() {
     inner_done_ = false;
     plan_step_ = -1;
   }
-  auto any = torch::tensor({pending ? 1.0 : 0.0}, torch::kFloat64);
+  auto any = torch::tensor({pending ? 1.0 : 0.0, pending ? static_cast<double>(plan_.world) : 0.0},
+                          torch::kFloat64);
   rule_->agree_max(any);
+  redo_offsets_.clear();
+  if (opt_.diloco.pace && any[0].item<double>() > 0) {
+    // A redone step keeps the shares its planners dealt: they travel to
+    // every member (a joiner, one whose work was stale), which settle
+    // the step by them.
+    const auto world = static_cast<int64_t>(any[1].item<double>());
+    auto offsets = torch::full({world + 1}, -1.0, torch::kFloat64);
+    if (pending)
+      for (int64_t r = 0; r <= world; ++r) offsets[r] = static_cast<double>(plan_.offsets[static_cast<size_t>(r)]);
+    rule_->agree_max(offsets);
+    for (int64_t r = 0; r <= world; ++r) redo_offsets_.push_back(static_cast<int64_t>(offsets[r].item<double>()));
+  }
   if (pending) {
     outer_redone += 1;
     redo_ = true;
-  } else if (any.item<double>() > 0) {
+  } else if (any[0].item<double>() > 0) {
     // Others redo an outer step: this member takes part with no samples.
     start_work(-1, /*done=*/true);
     redo_ = true;
     delta_ = torch::Tensor();  // none: zeros of what is synced (finish)
     local_buffers_.clear();
   }
-  return any.item<double>() > 0;
+  return any[0].item<double>() > 0;
+}
+
+OuterPlan OuterSteps::plan_for(data::Cursor cursor, const PositionRanges& owed, int world, bool this_step) const {
+  const bool paced = opt_.diloco.pace && static_cast<int>(pace_shares_.size()) == world;
+  OuterPlan p = plan_outer(cursor, owed, opt_.samples, opt_.batch * opt_.diloco.unit_steps(), world,
+                           paced ? share_weights(pace_shares_) : std::vector<int64_t>{});
+  if (this_step && static_cast<int>(redo_offsets_.size()) == world + 1 &&
+      redo_offsets_.back() == static_cast<int64_t>(p.positions.size()))
+    p.offsets = redo_offsets_;
+  return p;
+}
+
+void OuterSteps::take_paces(const std::vector<double>& per_sample, int plan_world) {
+  if (!opt_.diloco.pace || plan_world != s_.world()) return;
+  per_sample_ = per_sample;
+  pace_shares_ = pace_shares(pace_shares_, per_sample);
 }
 
 void OuterSteps::plan_new() {
   const auto& st = s_.state();
-  plan_ = plan_outer(st.cursor, st.owed, opt_.samples, opt_.batch * opt_.diloco.unit_steps(), s_.world());
+  redo_offsets_.clear();
+  plan_ = plan_for(st.cursor, st.owed, s_.world(), /*this_step=*/false);
   start_work(s_.rank(), /*done=*/false);
   redo_ = false;
   global_ = flat_.data().clone();
@@ -84,22 +126,29 @@ void OuterSteps::start_work(int plan_rank, bool done) {
 }
 
 nlohmann::json OuterSteps::record(const Committed& c, double epoch, int workers) const {
-  return {{"kind", "outer"},
-          {"step", s_.state().step},
-          {"epoch", epoch},
-          {"samples", c.res.global_batch},
-          {"loss", c.res.loss},
-          {"skipped", c.res.skipped},
-          {"inner_steps", c.inner_steps},
-          {"owed", range_total(s_.state().owed)},
-          {"pseudo_gradient_norm", c.delta_norm},
-          {"compute_seconds", c.compute_seconds},
-          {"wall_seconds", c.wall_seconds},
-          {"sync_seconds", c.sync_seconds},
-          {"compute_share", c.wall_seconds > 0 ? c.compute_seconds / c.wall_seconds : 0.0},
-          {"payload_bytes", c.payload_bytes},
-          {"fragment", c.fragment},
-          {"workers", workers}};
+  nlohmann::json j = {{"kind", "outer"},
+                      {"step", s_.state().step},
+                      {"epoch", epoch},
+                      {"samples", c.res.global_batch},
+                      {"loss", c.res.loss},
+                      {"skipped", c.res.skipped},
+                      {"inner_steps", c.inner_steps},
+                      {"owed", range_total(s_.state().owed)},
+                      {"pseudo_gradient_norm", c.delta_norm},
+                      {"compute_seconds", c.compute_seconds},
+                      {"wall_seconds", c.wall_seconds},
+                      {"sync_seconds", c.sync_seconds},
+                      {"compute_share", c.wall_seconds > 0 ? c.compute_seconds / c.wall_seconds : 0.0},
+                      {"payload_bytes", c.payload_bytes},
+                      {"fragment", c.fragment},
+                      {"workers", workers}};
+  if (!c.shares.empty()) {
+    j["shares"] = c.shares;
+    nlohmann::json paces = nlohmann::json::array();  // samples a second, by group rank (0: not measured)
+    for (double s : per_sample_) paces.push_back(s > 0 ? std::round(10.0 / s) / 10.0 : 0.0);
+    j["paces"] = paces;
+  }
+  return j;
 }
 
 nlohmann::json OuterSteps::summary() const {
@@ -141,6 +190,17 @@ std::optional<OuterSteps::Work> OuterSteps::begin() {
                ? (1 + opt_.diloco.max_wait) * fastest_per_sample_ *
                      static_cast<double>(opt_.batch * opt_.diloco.unit_steps())
                : -1;
+  // With shares by pace every member is expected to end together: the
+  // wait is bounded from the earliest expected end (its share at its pace).
+  if (bound_ > 0 && static_cast<int>(per_sample_.size()) == plan_.world && plan_.world == s_.world() &&
+      static_cast<int>(pace_shares_.size()) == plan_.world) {
+    double earliest = -1;
+    for (int p = 0; p < plan_.world; ++p) {
+      const double t = per_sample_[static_cast<size_t>(p)] * static_cast<double>(plan_.share(p));
+      if (t > 0 && (earliest < 0 || t < earliest)) earliest = t;
+    }
+    if (earliest > 0) bound_ = (1 + opt_.diloco.max_wait) * earliest;
+  }
   inner_start_ = Clock::now();
   w = work_of(plan_, plan_rank_, 0);
   if (ahead_) {
@@ -292,6 +352,7 @@ std::optional<OuterSteps::Agreed> OuterSteps::agree(double weight) {
   }
   if (g.plan_world <= 0) throw Error("internal: an outer step that no member planned");
   if (fastest > kNone) fastest_per_sample_ = -fastest;
+  for (int m = 0; m < W; ++m) g.per_sample.push_back(a[m][4] > kNone ? -a[m][4] : 0.0);
   g.consumed.assign(static_cast<size_t>(g.plan_world), 0);
   for (int m = 0; m < W; ++m) {
     const int p = static_cast<int>(a[m][0]);
@@ -331,10 +392,11 @@ std::optional<OuterSteps::Committed> OuterSteps::finish(const std::function<void
   if (!g) return std::nullopt;
   // Every member deals the plan alike from the committed state (a joiner
   // too), with the plan's world.
-  const OuterPlan plan =
-      plan_outer(st.cursor, st.owed, opt_.samples, opt_.batch * opt_.diloco.unit_steps(), g->plan_world);
+  const OuterPlan plan = plan_for(st.cursor, st.owed, g->plan_world, /*this_step=*/true);
+  take_paces(g->per_sample, g->plan_world);
   if (before_all_reduce) before_all_reduce(redo_);
   Committed c;
+  if (opt_.diloco.pace) c.shares = fractions_of(plan);
   c.delta_norm = delta_.norm().item<double>();
   std::vector<torch::Tensor> buffers_before;
   if (!flat_.buffer_entries().empty()) buffers_before = flat_.save_buffers();
@@ -406,10 +468,11 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   const double weight = static_cast<double>(since_sync_[static_cast<size_t>(f)] + consumed_);
   const auto g = agree(weight);
   if (!g) return std::nullopt;
-  const OuterPlan plan =
-      plan_outer(st.cursor, st.owed, opt_.samples, opt_.batch * opt_.diloco.unit_steps(), g->plan_world);
+  const OuterPlan plan = plan_for(st.cursor, st.owed, g->plan_world, /*this_step=*/true);
+  take_paces(g->per_sample, g->plan_world);
   if (before_all_reduce) before_all_reduce(redo_);
   Committed c;
+  if (opt_.diloco.pace) c.shares = fractions_of(plan);
   c.fragment = f;
   c.delta_norm = delta_.norm().item<double>();
   c.settled = settle_outer(plan, g->consumed, opt_.samples);
@@ -438,8 +501,7 @@ std::optional<OuterSteps::Committed> OuterSteps::finish_fragment(const std::func
   };
   if (overlap) {
     Ahead a;
-    a.plan = plan_outer(c.settled.cursor, c.settled.owed, opt_.samples, opt_.batch * opt_.diloco.unit_steps(),
-                        s_.world());
+    a.plan = plan_for(c.settled.cursor, c.settled.owed, s_.world(), /*this_step=*/false);
     a.rank = s_.rank();
     a.step = st.step + 1;
     a.cursor_position = c.settled.cursor.position;

@@ -100,8 +100,13 @@ class OuterSteps {
   OuterSteps(Session& session, optim::FlatParams& flat, std::shared_ptr<UpdateRule> rule,
              std::shared_ptr<OptimizerStep> outer, Options opt);
 
-  // The Session (re)formed the group (its on_reform).
-  void reformed() { reformed_ = true; }
+  // The Session (re)formed the group (its on_reform): shares by pace start
+  // equal again (a new group has not measured itself).
+  void reformed() {
+    reformed_ = true;
+    pace_shares_.clear();
+    per_sample_.clear();
+  }
 
   struct Work {
     int64_t epoch = 0;
@@ -133,6 +138,7 @@ class OuterSteps {
     double compute_seconds = 0;  // their forward and backward
     double wall_seconds = 0;     // the outer step's wall time on this member
     int fragment = 0;            // the fragment it synced (streaming; 0 otherwise)
+    std::vector<double> shares;  // shares by pace: each plan rank's fraction of the step's samples (else empty)
     int64_t payload_bytes = 0;   // pseudo-gradient bytes this member sent into its all-reduce
     // The sample ids this member's inner steps that count in it trained
     // (those run ahead of the last sync and kept included), in order.
@@ -173,6 +179,13 @@ class OuterSteps {
   // After a (re)formation: whether some member redoes an outer step.
   bool agree_on_redo();
   void plan_new();
+  // The plan of the outer step after `cursor` with `owed` for `world`
+  // members: by the shares by pace in force (equal without); `this_step`:
+  // the step being synced, whose redo may carry its agreed offsets.
+  OuterPlan plan_for(data::Cursor cursor, const PositionRanges& owed, int world, bool this_step) const;
+  // Shares by pace: the next plans' shares from an agreement in which every
+  // member of the group measured its pace (otherwise they stay).
+  void take_paces(const std::vector<double>& per_sample, int plan_world);
   // Work of the current committed step as plan rank `plan_rank`, its inner
   // steps `done` already (a member with no share) or still to run.
   void start_work(int plan_rank, bool done);
@@ -192,6 +205,7 @@ class OuterSteps {
     std::vector<int64_t> consumed;  // by plan rank
     double flag = 0;         // the membership-change flags' sum
     double weight_total = 0;  // streaming: the members' samples since the fragment's last sync
+    std::vector<double> per_sample;  // each member's (group rank's) seconds a sample of inner steps (0: none)
     // Streaming with buffers: the members' buffers averaged (empty: none).
     std::vector<torch::Tensor> buffers;
   };
@@ -263,6 +277,13 @@ class OuterSteps {
   // step (0: not known yet), which bounds the next one's wait.
   double fastest_per_sample_ = 0;
   double bound_ = -1;  // this outer step's bounded wait in seconds (-1: none)
+  // Shares by pace (opt_.diloco.pace): the fractions the next plans use, by
+  // group rank (empty: equal), the members' seconds a sample in the last
+  // agreement, and a redone step's offsets as its planners agreed them
+  // (empty: none), which a member that did not plan it deals by.
+  std::vector<double> pace_shares_;
+  std::vector<double> per_sample_;
+  std::vector<int64_t> redo_offsets_;
   Clock::time_point began_ = Clock::now(), inner_start_ = Clock::now();
 };
 

@@ -200,7 +200,8 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(S("elastic.shares", "equal", {"equal", "pace"},
              "how a synchronous step's global batch is shared out: equal slices, or slices by each member's "
              "pace (samples a second of its own forward and backward, agreed every 8 steps, in force 16 "
-             "steps later), so that members of unequal speed do not wait for the slowest"));
+             "steps later), so that members of unequal speed do not wait for the slowest; with "
+             "elastic.sync = diloco, each member's share of an outer step by its pace in the previous one"));
     s->add(F("elastic.bucket_mb", 4.0, 0.0, 4096.0,
              "gradient bucket size in MiB: buckets end on parameter boundaries, in backward "
              "order; 0 = the whole gradient in one bucket"));
@@ -486,6 +487,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.diloco.outer_momentum = c.get_float("diloco.outer_momentum");
   t.diloco.nesterov = c.get_bool("diloco.nesterov");
   t.diloco.max_wait = c.get_float("diloco.max_wait");
+  t.diloco.pace = c.get_string("elastic.shares") == "pace";
   t.diloco.fragments = c.get_int("diloco.fragments");
   t.diloco.mixing = c.get_float("diloco.mixing");
   t.diloco.overlap_steps = c.get_int("diloco.overlap_steps");
