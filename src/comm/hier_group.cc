@@ -53,6 +53,7 @@ class HierGroup : public Collective {
   const char* transport() const override { return "hierarchical"; }
 
   void allreduce_sum(torch::Tensor& t) override {
+    if (t.scalar_type() == torch::kFloat32 && t.is_contiguous() && local_->size() > 1) return scattered_sum(t);
     guarded(t, [](Collective& g, torch::Tensor& x) { g.allreduce_sum(x); });
   }
   void allreduce_sum_16(torch::Tensor& t) override {
@@ -88,6 +89,30 @@ class HierGroup : public Collective {
   }
 
  private:
+  // A float32 sum as guarded() makes it, with step 1 a reduce-scatter
+  // within the host (local member j < K sums only chunk j, with the bits
+  // the host's all-reduce gives it; a shared-memory host's members split
+  // the additions and copies) and step 3 an all-gather of the chunks: the
+  // same bits with a K-th of step 1's work on each member.
+  void scattered_sum(torch::Tensor& t) {
+    try {
+      auto flat = t.view(-1);
+      const int64_t n = flat.numel(), k = l_.chunks;
+      std::vector<int64_t> bounds(static_cast<size_t>(local_->size()) + 1, n);  // members >= K: no chunk
+      for (int64_t j = 0; j <= k; ++j) bounds[static_cast<size_t>(j)] = n * j / k;
+      local_->reduce_scatter_sum(flat, bounds);
+      const int me = l_.local[rank_];
+      if (cross_ && me < k) {
+        auto mine = flat.narrow(0, bounds[me], bounds[me + 1] - bounds[me]);
+        if (mine.numel() > 0) cross_->allreduce_sum(mine);
+      }
+      local_->all_gather(flat, bounds);
+    } catch (...) {
+      abort();
+      throw;
+    }
+  }
+
   template <typename Op>
   void guarded(torch::Tensor& t, Op op) {
     try {

@@ -16,6 +16,9 @@
 //       2. cuts the tensor into K chunks; cross group j all-reduces chunk j
 //          between hosts, so the hosts' K links share the traffic;
 //       3. has member j of each host broadcast chunk j within its host.
+//     A float32 sum makes step 1 a reduce-scatter (member j sums only chunk
+//     j) and step 3 an all-gather: the same bits, with the host's additions
+//     and copies split among its members.
 // The order of the float32 sums is fixed: for 2 or 4 hosts of 2 or 4
 // members each, holding consecutive ranks, it is the tree over ranks that
 // the flat Gloo path uses for a power-of-two group, ((x0 + x1) + (x2 + x3)),
