@@ -225,6 +225,7 @@ def run_mode(limbo, hosts, model, mode, samples, evals):
                     "--set", "train.threads=1", "--set", "train.progress=false",
                     "--set", "train.eval_every_steps=%d" % every, "--set", "train.eval_every_epochs=0",
                     "--set", "train.checkpoint_every_epochs=0", "--set", "diloco.max_wait=0",
+                    "--set", "elastic.shares=\"equal\"",
                     "--set", "elastic.collective_timeout=600"]
     for s in sets:
         args += ["--set", s]

@@ -171,10 +171,10 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   const int world = get<int>(o, "world", 1), rank = get<int>(o, "rank", 0);
   std::shared_ptr<train::UpdateRule> rule;
   std::unique_ptr<train::Membership> membership;
-  const std::string shares = get<std::string>(o, "shares", "equal");
-  if (shares != "equal" && shares != "pace")
-    throw InvalidInput("shares must be \"equal\" or \"pace\", got '" + shares + "'");
-  diloco_.pace = shares == "pace";  // an outer step's shares by pace (sync="diloco")
+  const std::string shares = get<std::string>(o, "shares", "auto");
+  if (shares != "auto" && shares != "equal" && shares != "pace")
+    throw InvalidInput("shares must be \"auto\", \"equal\" or \"pace\", got '" + shares + "'");
+  diloco_.pace = shares != "equal";  // an outer step's shares by pace (sync="diloco"; "auto": pace)
   if (rdzv.empty()) {
     rule = std::make_shared<train::LocalUpdate>(rule_opt);
     grads_in_place_ = !own_ && !outer_ && opt_->clip_norm() <= 0;

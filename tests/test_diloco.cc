@@ -42,10 +42,11 @@ std::vector<std::string> job_args(const std::string& run, int epochs) {
           "--set", "train.sample_log=true", "--set", "elastic.collective_timeout=5",
           "--set", "elastic.sync=\"diloco\"", "--set", "diloco.inner_steps=10",
           "--set", "optim.algorithm=\"adamw\"", "--set", "optim.lr=0.002",
-          // No bounded wait (a member on a busy machine stopping early
-          // changes which samples each outer step commits): the tests
-          // below compare runs bit for bit; DilocoWait tests the bound.
-          "--set", "diloco.max_wait=0"};
+          // No bounded wait and equal shares (a member on a busy machine
+          // stopping early, or shares by pace, change which samples each
+          // member processes): the tests below compare runs bit for bit;
+          // DilocoWait tests the bound, DilocoPace the shares.
+          "--set", "diloco.max_wait=0", "--set", "elastic.shares=\"equal\""};
 }
 
 // An elastic job of `nproc` workers to its end; returns its run directory.

@@ -50,9 +50,10 @@ TEST(SlowLink, DilocoSendsAFractionOfTheBytesOverShapedLinksAndLosesNoSample) {
   double per_sample[3] = {0, 0, 0};
   const std::vector<std::vector<std::string>> modes = {
       {},
-      {"--set", "elastic.sync=\"diloco\"", "--set", "diloco.inner_steps=20", "--set", "diloco.max_wait=0"},
       {"--set", "elastic.sync=\"diloco\"", "--set", "diloco.inner_steps=20", "--set", "diloco.max_wait=0",
-       "--set", "comm.compression=\"int8\""}};
+       "--set", "elastic.shares=\"equal\""},
+      {"--set", "elastic.sync=\"diloco\"", "--set", "diloco.inner_steps=20", "--set", "diloco.max_wait=0",
+       "--set", "elastic.shares=\"equal\"", "--set", "comm.compression=\"int8\""}};
   for (size_t m = 0; m < modes.size(); ++m) {
     SCOPED_TRACE(m);
     VirtualHosts hosts(2);
@@ -95,7 +96,7 @@ TEST(SlowLink, DilocoLosesAHostInItsInnerStepsAndDealsItsSamplesAgain) {
     ASSERT_TRUE(hosts.shape("100mbit"));
     HostJob job(hosts, 1);
     job.train_extra = {"--set", "elastic.sync=\"diloco\"", "--set", "diloco.inner_steps=10",
-                       "--set", "diloco.max_wait=0"};
+                       "--set", "diloco.max_wait=0", "--set", "elastic.shares=\"equal\""};
     job.train_extra.insert(job.train_extra.end(), mode.begin(), mode.end());
     job.host_train_extra[1] = {"--set", "train.testing_die_at_step=3", "--set", "train.testing_die_rank=2",
                                "--set", "train.testing_die_with_host=true"};

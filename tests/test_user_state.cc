@@ -223,7 +223,7 @@ TEST(UserState, DilocoWithIntegerPseudoGradientsTrainsOnWhenABlockStopsMoving) {
                          user_job(fx, "stops_moving.pt", "fmnist_npy",
                                   {"train.epochs=4", "train.threads=1", "train.sample_log=true",
                                    "elastic.sync=\"diloco\"", "diloco.inner_steps=5", "optim.lr=0.01",
-                                   "optim.momentum=0", "diloco.max_wait=0",
+                                   "optim.momentum=0", "diloco.max_wait=0", "elastic.shares=\"equal\"",
                                    "comm.compression=\"" + wire + "\""}));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     auto s = summary(run);

@@ -145,11 +145,12 @@ def bound(a, seed, run_dir, seconds):
 
 
 def rate_series(points, step=2.0):
-    """(t, samples/s) in bins of `step` seconds, from (t, samples so far)."""
+    """(t, samples/s) in bins of `step` seconds on a grid from 0 (the same
+    for every run), from (t, samples so far)."""
     out = []
     if len(points) < 2:
         return out
-    t, end = points[0][0], points[-1][0]
+    t, end = step * int(points[0][0] // step + 1), points[-1][0]
     while t + step <= end:
         lo = [p for p in points if p[0] <= t][-1:] or [points[0]]
         hi = [p for p in points if p[0] <= t + step][-1]
@@ -187,13 +188,21 @@ def main():
     ap.add_argument("--every", type=float, default=20.0, help="seconds between switches")
     ap.add_argument("--period-us", type=int, default=100000, help="the cgroup's cfs period")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--only-bound", action="store_true",
+                    help="run the bound again for --seeds (for the length of each seed's pace run in "
+                         "<out>/rows.json) and rewrite the table and plot with it")
     a = ap.parse_args()
     if not cpu_limit.available():
         sys.exit("changing_pace: the cgroup v1 cpu controller is not writable here (run as root)")
     os.makedirs(os.path.join(a.out, "runs"), exist_ok=True)
     rows, series = [], {}
+    if a.only_bound:
+        with open(os.path.join(a.out, "rows.json")) as f:
+            saved = json.load(f)
+        rows = [r for r in saved["rows"] if r["mode"] != "bound"]
+        series = {k: v for k, v in saved["series"].items() if k != "bound"}
     for seed in [int(s) for s in a.seeds.split(",")]:
-        for shares in ("equal", "pace"):
+        for shares in ("equal", "pace") if not a.only_bound else ():
             rec = job(a, seed, shares, os.path.join(a.out, "runs", "%s-%d" % (shares, seed)))
             end = rec.points[-1][0]
             hi, lo = phase_rates(rec.points, a, end)
@@ -201,7 +210,8 @@ def main():
                          "mean": rec.points[-1][1] / end, "accuracy": rec.accuracy})
             series.setdefault(shares, []).append(rate_series(rec.points))
             print(json.dumps(rows[-1]), flush=True)
-        recs = bound(a, seed, os.path.join(a.out, "runs", "bound-%d" % seed), rows[-1]["seconds"])
+        pace_seconds = [r["seconds"] for r in rows if r["mode"] == "pace" and r["seed"] == seed][0]
+        recs = bound(a, seed, os.path.join(a.out, "runs", "bound-%d" % seed), pace_seconds)
         end = min(r.points[-1][0] for r in recs)
         his, los = zip(*(phase_rates(r.points, a, end) for r in recs))
         rows.append({"seed": seed, "mode": "bound", "seconds": end, "high": sum(his), "low": sum(los),
@@ -210,6 +220,8 @@ def main():
         series.setdefault("bound", []).append(sorted((t, v + parts[1][t]) for t, v in parts[0].items()
                                                      if t in parts[1]))
         print(json.dumps(rows[-1]), flush=True)
+    order = {"equal": 0, "pace": 1, "bound": 2}
+    rows.sort(key=lambda r: (r["seed"], order[r["mode"]]))
     write(a, rows, series)
 
 

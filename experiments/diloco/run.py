@@ -76,6 +76,7 @@ def run_one(limbo, hosts, mode, seed, samples, run):
                     "--set", "train.threads=1", "--set", "train.progress=false",
                     "--set", "train.eval_every_steps=%d" % max(1, steps // 8), "--set", "train.eval_every_epochs=0",
                     "--set", "train.checkpoint_every_epochs=0", "--set", "diloco.max_wait=0",
+                    "--set", "elastic.shares=\"equal\"",
                     "--set", "elastic.collective_timeout=600"]
     # The budget in samples: train.max_steps would count steps of changing size.
     for s in sets:

@@ -164,6 +164,8 @@ class Job:
                 at most 15 batches ahead. With sync="diloco", each
                 member's share of an outer step follows its pace in the
                 previous one (outer records carry "shares" and "paces").
+                "auto" (the default): "pace" with sync="diloco", "equal"
+                with sync="step".
     sync        "step" (every step's gradient reduced across the group) or
                 "diloco" (docs/diloco.md): the optimizer becomes the inner
                 one, stepped by job.step() on this member alone, for the
@@ -186,7 +188,7 @@ class Job:
                  batch_policy="dynamic", lr_scaling="auto", reference_batch=0, ramp_steps=200,
                  accumulate=1, checkpoint_every_epochs=1, checkpoint_every_steps=0, log_every=50,
                  overlap=True, bucket_mb=4.0, compression="none", shared_memory=True,
-                 hierarchical=True, collective_timeout=10.0, round_timeout=120.0, shares="equal",
+                 hierarchical=True, collective_timeout=10.0, round_timeout=120.0, shares="auto",
                  max_nonfinite_steps=10, sync="step", inner_steps=500, outer_lr=0.7, outer_momentum=0.9,
                  nesterov=True, max_wait=1.0, fragments=1, mixing=0.0, scheduler_every=None,
                  frozen="may_train"):

@@ -93,8 +93,8 @@ int run_train(const TrainArgs& a) {
   reduce_options.bucket_bytes = static_cast<int64_t>(cfg.get_float("elastic.bucket_mb") * (1 << 20));
   reduce_options.testing_die_in_bucket = cfg.get_int("train.testing_die_in_bucket");
   reduce_options.shard_state = cfg.get_bool("optim.shard_state");
-  // DiLoCo's inner steps are each member's own: shares by pace are for
-  // synchronous steps.
+  // DiLoCo's shares by pace are its outer steps' (train/outer_steps.h);
+  // these are a synchronous step's ("auto": equal).
   if (cfg.get_string("elastic.shares") == "pace" && !trainer.diloco() && (distributed || a.elastic)) {
     reduce_options.paces = std::make_shared<data::PaceShares>(data::PaceShares::Options{});
     trainer.set_paces(reduce_options.paces);

@@ -197,11 +197,12 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(B("elastic.overlap", true,
              "all-reduce gradient buckets while backward still runs (on a communication "
              "thread; false: after backward, on the training thread)"));
-    s->add(S("elastic.shares", "equal", {"equal", "pace"},
-             "how a synchronous step's global batch is shared out: equal slices, or slices by each member's "
-             "pace (samples a second of its own forward and backward, agreed every 8 steps, in force 16 "
-             "steps later), so that members of unequal speed do not wait for the slowest; with "
-             "elastic.sync = diloco, each member's share of an outer step by its pace in the previous one"));
+    s->add(S("elastic.shares", "auto", {"auto", "equal", "pace"},
+             "how the work is shared out: equal (a synchronous step's global batch in equal slices, an outer "
+             "step's samples in equal shares) or pace (slices by each member's pace: samples a second of its "
+             "own forward and backward, agreed every 8 steps, in force 16 steps later; with elastic.sync = "
+             "diloco, each member's share of an outer step by its pace in the previous one), so that members "
+             "of unequal speed do not wait for the slowest; auto: pace for diloco, equal for step"));
     s->add(F("elastic.bucket_mb", 4.0, 0.0, 4096.0,
              "gradient bucket size in MiB: buckets end on parameter boundaries, in backward "
              "order; 0 = the whole gradient in one bucket"));
@@ -487,7 +488,7 @@ train::TrainerConfig trainer_config(const Config& c) {
   t.diloco.outer_momentum = c.get_float("diloco.outer_momentum");
   t.diloco.nesterov = c.get_bool("diloco.nesterov");
   t.diloco.max_wait = c.get_float("diloco.max_wait");
-  t.diloco.pace = c.get_string("elastic.shares") == "pace";
+  t.diloco.pace = c.get_string("elastic.shares") != "equal";  // auto: pace
   t.diloco.fragments = c.get_int("diloco.fragments");
   t.diloco.mixing = c.get_float("diloco.mixing");
   t.diloco.overlap_steps = c.get_int("diloco.overlap_steps");
