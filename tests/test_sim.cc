@@ -211,7 +211,7 @@ json real_two_worker_job(const std::vector<std::string>& extra) {
   std::vector<std::string> a = {"launch", "--nproc", "2", "--", "--run-dir", d.file("run")};
   for (const auto& o : {"model.name=mlp", "model.width=64", "data.train_limit=4000", "data.test_limit=1000",
                         "train.epochs=1", "train.threads=1", "train.progress=false", "train.eval_every_epochs=0",
-                        "train.checkpoint_every_epochs=0", "diloco.max_wait=0"})
+                        "train.checkpoint_every_epochs=0", "diloco.max_wait=0", "elastic.shares=\"equal\""})
     a.insert(a.end(), {"--set", o});
   for (const auto& o : extra) a.insert(a.end(), {"--set", o});
   auto r = testing::run_limbo(a);
