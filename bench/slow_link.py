@@ -111,8 +111,7 @@ def held(h, argv):
     if h not in HELD:
         return argv
     import cpu_limit
-    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"',
-            os.path.join(cpu_limit.path(HELD[h]), "cgroup.procs")] + argv
+    return cpu_limit.run_in(HELD[h], argv)
 
 
 def sh(cmd, check=True):

@@ -35,8 +35,7 @@ import slow_link  # noqa: E402
 
 def held(host, argv):
     """argv run in host `host`'s namespace, in the host's cpu group from its first instruction."""
-    procs = os.path.join(cpu_limit.path(GROUPS[host]), "cgroup.procs")
-    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', procs] + HOSTS_PREFIX(host) + argv
+    return cpu_limit.run_in(GROUPS[host], HOSTS_PREFIX(host) + argv)
 
 
 def run_all(argvs, envs):

@@ -7,6 +7,8 @@ than with sleeps.
     cpu_limit.py add NAME PID...                     move processes into it
     cpu_limit.py remove NAME                         move them out, delete it
 
+run_in(name, argv) wraps a command so that it starts inside the group.
+
 From Python: limit(name, fraction, period_us), add(name, pid),
 remove(name). A fraction of 1 or more lifts the limit (quota -1). The
 period (default 100 ms, as container runtimes use) sets how coarse the
@@ -57,6 +59,12 @@ def limit(name, fraction, period_us=100000):
 def add(name, pid):
     """Moves process `pid` (its threads too) into the group."""
     _write(os.path.join(path(name), "cgroup.procs"), int(pid))
+
+
+def run_in(name, argv):
+    """argv wrapped so that it runs in the group from its first instruction
+    (what it starts stays in the group too): for subprocess."""
+    return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', os.path.join(path(name), "cgroup.procs")] + list(argv)
 
 
 def remove(name):
