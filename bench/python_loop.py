@@ -97,6 +97,12 @@ def rate_of(out, contender, model):
     if "phases_ms" in j:
         print("  phases %-14s %-9s %s" % (contender, model, " ".join("%s %.2f" % kv for kv in j["phases_ms"].items())),
               flush=True)
+    if "phases_mean_ms" in j:
+        print("  mean   %-14s %-9s %s" % (contender, model, " ".join("%s %.2f" % kv for kv in j["phases_mean_ms"].items())),
+              flush=True)
+    if "phases_cpu_ms" in j:
+        print("  cpu    %-14s %-9s %s" % (contender, model, " ".join("%s %.2f" % kv for kv in j["phases_cpu_ms"].items())),
+              flush=True)
     return j["samples_per_second"]
 
 

@@ -130,13 +130,16 @@ def main():
         return tx[i], ty[i]
 
     times = []
-    phases = {}  # name: [seconds a step]
-    last = [time.perf_counter()]
+    phases, cpu = {}, {}  # name: [seconds a step], of the wall clock and of this thread's CPU
+    last = [time.perf_counter(), time.thread_time()]
 
     def mark(name):  # the time since the last mark, as this step's `name`
         now = time.perf_counter()
         if args.phases:
+            used = time.thread_time()
             phases.setdefault(name, []).append(now - last[0])
+            cpu.setdefault(name, []).append(used - last[1])
+            last[1] = used
         last[0] = now
     if args.mode == "plain":
         rank, world = 0, 1
@@ -239,6 +242,9 @@ def main():
         if args.phases:  # medians over the steps after the warm-up, in ms
             import statistics
             out["phases_ms"] = {k: round(1000 * statistics.median(v[args.warmup:]), 3) for k, v in phases.items()}
+            # the main thread's CPU time in each phase: below the wall time, the process waited or was preempted
+            out["phases_mean_ms"] = {k: round(1000 * statistics.mean(v[args.warmup:]), 3) for k, v in phases.items()}
+            out["phases_cpu_ms"] = {k: round(1000 * statistics.median(v[args.warmup:]), 3) for k, v in cpu.items()}
         print(json.dumps(out), flush=True)
 
 
