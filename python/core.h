@@ -100,6 +100,14 @@ class Core {
   // A batch of the loader arrived: its plan becomes the step's.
   void begin_step();
 
+  // shard="full": the units (name, [(begin, end), ...] of the flat
+  // weights), and a unit's weights gathered from the members' shards or
+  // given back (collectives: every member calls them alike; no-ops when the
+  // weights are not sharded, or already so).
+  py::list units() const;
+  void gather_unit(int u);
+  void release_unit(int u);
+
   // job.no_sync(): backwards add to this member's gradient only.
   void no_sync(bool on) { rule().no_sync(on); }
 
@@ -217,6 +225,15 @@ class Core {
   double train_seconds_ = 0, last_loss_ = NAN;
   bool drop_last_ = false, resume_ = false, in_step_ = false, backward_started_ = false, left_ = false;
   bool own_ = false, shard_state_ = false;  // Limbo's optimizer (limbo.Optimizer), its state sharded
+  // shard="full" (optim.shard_weights): the rule, and the units: their
+  // names (unit 0, "": the parameters of no other unit), ranges of the flat
+  // weights, and whether each is gathered now.
+  std::shared_ptr<elastic::AllReduceUpdate> full_;
+  std::vector<std::string> unit_names_;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> unit_ranges_;
+  std::vector<char> unit_gathered_;
+  std::vector<int> unit_starts_;  // flat parameter indices that start a unit
+  void plan_units(const std::vector<std::string>& names);
   // One process (no group), the user's optimizer, no clipping by Limbo:
   // nothing reads the flat gradient, so autograd's tensors stay the
   // parameters' `.grad` (no copy), as in a plain loop.

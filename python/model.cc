@@ -47,3 +47,75 @@ void Core::check_model() const {
 }
 
 }  // namespace limbo::python
+
+namespace limbo::python {
+
+// Unit 0 ("") holds every parameter of no other unit; a parameter belongs
+// to the unit with the longest name that prefixes its own ("blocks.1" holds
+// "blocks.1.mlp.0.weight"). A unit's parameters need not be contiguous in
+// the flat order: it has a range for each run of them.
+void Core::plan_units(const std::vector<std::string>& names) {
+  unit_names_ = {""};
+  for (const auto& n : names) {
+    if (n.empty()) throw InvalidInput("a unit's name is empty: name a submodule of the model (\"blocks.0\")");
+    if (std::find(unit_names_.begin(), unit_names_.end(), n) != unit_names_.end())
+      throw InvalidInput("unit '" + n + "' is named twice");
+    unit_names_.push_back(n);
+  }
+  const auto& es = flat_->entries();
+  std::vector<int> unit_of(es.size(), 0);
+  std::vector<int64_t> held(unit_names_.size(), 0);
+  for (size_t i = 0; i < es.size(); ++i) {
+    size_t best = 0;
+    for (size_t u = 1; u < unit_names_.size(); ++u) {
+      const std::string& p = unit_names_[u];
+      if (es[i].name.size() > p.size() && es[i].name.compare(0, p.size(), p) == 0 && es[i].name[p.size()] == '.' &&
+          p.size() > unit_names_[best].size())
+        best = u;
+    }
+    unit_of[i] = static_cast<int>(best);
+    held[best] += es[i].numel;
+  }
+  for (size_t u = 1; u < unit_names_.size(); ++u)
+    if (held[u] == 0)
+      throw InvalidInput("unit '" + unit_names_[u] + "' holds no trainable parameter of the model (units name "
+                         "submodules: model.get_submodule(name))");
+  unit_ranges_.assign(unit_names_.size(), {});
+  unit_starts_.clear();
+  for (size_t i = 0; i < es.size(); ++i) {
+    const int u = unit_of[i];
+    auto& r = unit_ranges_[static_cast<size_t>(u)];
+    const bool continues = i > 0 && unit_of[i - 1] == u;
+    if (!continues) unit_starts_.push_back(static_cast<int>(i));
+    if (continues && !r.empty() && r.back().second == es[i].offset)
+      r.back().second = es[i].offset + es[i].numel;
+    else
+      r.push_back({es[i].offset, es[i].offset + es[i].numel});
+  }
+  unit_gathered_.assign(unit_names_.size(), 0);
+}
+
+py::list Core::units() const {
+  py::list out;
+  for (size_t u = 0; u < unit_names_.size(); ++u) {
+    py::list ranges;
+    for (const auto& [a, b] : unit_ranges_[u]) ranges.append(py::make_tuple(a, b));
+    out.append(py::make_tuple(unit_names_[u], ranges));
+  }
+  return out;
+}
+
+void Core::gather_unit(int u) {
+  if (!full_ || u < 0 || static_cast<size_t>(u) >= unit_gathered_.size() || unit_gathered_[u]) return;
+  py::gil_scoped_release no_gil;
+  for (const auto& [a, b] : unit_ranges_[static_cast<size_t>(u)]) full_->gather_weights(a, b);
+  unit_gathered_[static_cast<size_t>(u)] = 1;
+}
+
+void Core::release_unit(int u) {
+  if (!full_ || u < 0 || static_cast<size_t>(u) >= unit_gathered_.size() || !unit_gathered_[u]) return;
+  for (const auto& [a, b] : unit_ranges_[static_cast<size_t>(u)]) full_->release_weights(a, b);
+  unit_gathered_[static_cast<size_t>(u)] = 0;
+}
+
+}  // namespace limbo::python

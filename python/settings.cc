@@ -104,7 +104,9 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
     if ((t.requires_grad() || frozen_in_flat) && t.dim() == 4 && !t.is_contiguous() &&
         t.is_contiguous(at::MemoryFormat::ChannelsLast))
       channels_last = true;
-  flat_ = std::make_unique<optim::FlatParams>(*model_, channels_last, frozen_in_flat);
+  const bool shard_weights = get<bool>(o, "shard_weights", false);
+  flat_ = std::make_unique<optim::FlatParams>(*model_, channels_last, frozen_in_flat, /*lazy=*/shard_weights);
+  if (shard_weights) plan_units(get<std::vector<std::string>>(o, "units", {}));
   if (std::none_of(params.begin(), params.end(), [](const auto& p) { return p.second.requires_grad(); }))
     throw InvalidInput("the model has no trainable parameters");
   // The user's torch.optim (called back at the update), or one of Limbo's
@@ -122,8 +124,11 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
     oo.beta1 = get<double>(lo, "beta1", 0.9);
     oo.beta2 = get<double>(lo, "beta2", 0.999);
     oo.eps = get<double>(lo, "eps", 1e-8);
-    shard_state_ = get<bool>(lo, "shard_state", false);
+    shard_state_ = get<bool>(lo, "shard_state", false) || shard_weights;
   }
+  if (shard_weights && !own_)
+    throw InvalidInput("shard=\"full\" steps each member's shard of the weights with Limbo's optimizer: pass "
+                       "limbo.Optimizer(...) (a torch.optim optimizer steps whole parameters)");
   opt_ = std::make_shared<train::OptimizerStep>(optim::make_optimizer(oo), get<double>(o, "clip_grad_norm", 0.0));
   if (!own_)
     opt_->set_external([this](double lr) {
@@ -192,6 +197,8 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
     jo.reduce.bucket_bytes = static_cast<int64_t>(get<double>(o, "bucket_mb", 4.0) * (1 << 20));
     jo.reduce.compression = comm::parse_compression(get<std::string>(o, "compression", "none"));
     jo.reduce.shard_state = shard_state_;
+    jo.reduce.shard_weights = shard_weights;
+    jo.reduce.unit_starts = unit_starts_;
     // `.grad` is the group's when the user's backward returns, as with
     // DDP: clipping or reading it by hand sees the reduced gradient.
     jo.reduce.finish_in_backward = true;
@@ -244,6 +251,7 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   session_ = std::make_unique<train::Session>(std::move(parts), rule, std::move(membership), resume_,
                                               rdzv.empty() || elastic ? 1 : world, rdzv.empty() || elastic ? 0 : rank);
   session_->set_paces(paces_);
+  if (shard_weights) full_ = std::dynamic_pointer_cast<elastic::AllReduceUpdate>(rule);
   session_->set_on_reform([this](const train::Membership::Established&) {
     generation_ += 1;
     plans_.clear();

@@ -71,6 +71,49 @@ class Optimizer:
                             beta2=float(betas[1]), eps=float(eps), shard_state=bool(shard_state))
 
 
+def _unit_names(model, units):
+    """The submodules that are units of shard="full": `units` names them, or
+    says for each (name, module) whether it is one; by default every child
+    of a ModuleList or Sequential that holds parameters (a transformer's
+    blocks), the outermost ones only."""
+    named = dict(model.named_modules())
+    if units is None:
+        out = []
+        for name, m in named.items():
+            if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+                continue
+            if any(name == u or name.startswith(u + ".") for u in out):
+                continue  # inside a unit already
+            for child, c in m.named_children():
+                if any(p.requires_grad for p in c.parameters()):
+                    out.append(name + "." + child if name else child)
+        return out
+    if callable(units):
+        out = []
+        for name, m in named.items():
+            if name and not any(name.startswith(u + ".") for u in out) and units(name, m):
+                out.append(name)
+        return out
+    if isinstance(units, str) or not all(isinstance(u, str) for u in units):
+        raise InvalidInput("units must be a list of submodule names, or a function of (name, module)")
+    for u in units:
+        if u not in named or not u:
+            raise InvalidInput("units: the model has no submodule %r" % (u,))
+    return list(units)
+
+
+def _tensors_in(output):
+    """The tensors in a module's output (a tensor, or tuples, lists and dicts of them)."""
+    if torch.is_tensor(output):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for x in output:
+            yield from _tensors_in(x)
+    elif isinstance(output, dict):
+        for x in output.values():
+            yield from _tensors_in(x)
+
+
 class _Sampler:
     """The DataLoader's batch_sampler: this member's sample ids for each step,
     from the job's committed position (every sample exactly once an epoch
@@ -191,7 +234,7 @@ class Job:
                  hierarchical=True, collective_timeout=10.0, round_timeout=120.0, shares="auto",
                  max_nonfinite_steps=10, sync="step", inner_steps=500, outer_lr=0.7, outer_momentum=0.9,
                  nesterov=True, max_wait=1.0, fragments=1, mixing=0.0, scheduler_every=None,
-                 frozen="may_train"):
+                 frozen="may_train", shard="none", units=None):
         if not isinstance(model, torch.nn.Module):
             raise InvalidInput("model must be a torch.nn.Module, got %s" % type(model).__name__)
         own = isinstance(optimizer, Optimizer)
@@ -240,6 +283,18 @@ class Job:
         if not isinstance(size, int) or isinstance(size, bool):
             raise InvalidInput("dataset must be a map-style data set (with len()) or its size, got %r"
                                % type(dataset).__name__)
+        if shard not in ("none", "state", "full"):
+            raise InvalidInput("shard must be \"none\", \"state\" (the optimizer state) or \"full\" (the weights, "
+                               "the gradient and the optimizer state), got %r" % (shard,))
+        if shard != "none" and not own:
+            raise InvalidInput("shard=%r steps each member's shard with Limbo's optimizer: pass limbo.Optimizer(...) "
+                               "(a torch.optim optimizer steps whole parameters)" % (shard,))
+        if shard != "none" and sync != "step":
+            raise InvalidInput("shard=%r runs with sync=\"step\" (DiLoCo's inner optimizer is each member's own)"
+                               % (shard,))
+        if units is not None and shard != "full":
+            raise InvalidInput("units= cuts the model for shard=\"full\"")
+        unit_names = _unit_names(model, units) if shard == "full" else []
         if frozen not in ("may_train", "fixed"):
             raise InvalidInput("frozen must be \"may_train\" or \"fixed\", got %r" % (frozen,))
         if state is not None and not isinstance(state, dict):
@@ -288,7 +343,11 @@ class Job:
         # An outer step's share (streaming: a unit's, inner_steps / fragments).
         self._inner_steps = int(inner_steps) // max(int(fragments), 1)
         if own:
-            options["limbo_optimizer"] = optimizer.options
+            options["limbo_optimizer"] = dict(optimizer.options)
+            if shard != "none":
+                options["limbo_optimizer"]["shard_state"] = True
+        options["shard_weights"] = shard == "full"
+        options["units"] = unit_names
         # Frozen float32 parameters in Limbo's flat buffers (off the wire
         # while frozen on every member), so that the loop may unfreeze them
         # (and freeze others) later; with Limbo's optimizer, whose state
@@ -335,6 +394,8 @@ class Job:
         self._core = _core.Core(params, buffers, options, lambda: me()._pack(), lambda b: me()._unpack(b),
                                 lambda m: me()._optimizer_step(m))
         self.sampler = _Sampler(self)
+        if shard == "full":
+            self._unit_hooks(me)
         self._loss = None
         self._stepped = True
         self._committed = False   # the step of the batch in the loop committed: its work follows the user's code
@@ -467,6 +528,42 @@ class Job:
         self._ended = core.end_training()
         if self._ended:
             _unfinished.add(self)  # finish() at exit if the program does not call it
+
+    def _unit_hooks(self, me):
+        """shard="full": each unit's weights gathered from the members' shards
+        just before its forward and again before its backward (a hook on its
+        outputs' gradient), and given back after its forward; the gradient's
+        buckets give them back again in backward (docs/sharded_state.md).
+        Unit 0, the parameters of no other unit, is gathered before the
+        model's forward and kept until backward has their gradients."""
+        def gather(u):
+            job = me()
+            if job is not None:
+                job._core.gather_unit(u)
+
+        def root_pre(module, inputs):
+            gather(0)
+        handles = [self.model.register_forward_pre_hook(root_pre)]
+        for u, (name, _) in enumerate(self._core.units()):
+            if u == 0:
+                continue
+
+            def pre(module, inputs, u=u):
+                gather(u)
+
+            def post(module, inputs, output, u=u):
+                job = me()
+                if job is None:
+                    return
+                job._core.release_unit(u)
+                if torch.is_grad_enabled():
+                    for t in _tensors_in(output):
+                        if t.requires_grad:
+                            t.register_hook(lambda grad, u=u: gather(u))
+            mod = self.model.get_submodule(name)
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        for h in handles:
+            weakref.finalize(self, h.remove)
 
     @staticmethod
     def _keeping_workers(loader):

@@ -16,10 +16,11 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
     : group_(std::move(group)),
       opt_(std::move(optimizer)),
       flat_(flat),
-      reducer_(flat, opt.bucket_bytes, opt.overlap, opt.compression, opt.shard_state),
+      reducer_(flat, opt.bucket_bytes, opt.overlap, opt.compression, opt.shard_state, opt.unit_starts),
       loss_buf_(torch::zeros({1}, torch::kFloat64)),
       compression_(opt.compression),
       shard_(opt.shard_state),
+      full_(opt.shard_weights),
       home_prefix_(opt.home_prefix),
       stats_(torch::zeros({2}, torch::kFloat32)) {
   paces_ = opt.paces;
@@ -30,6 +31,10 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
   }
   if (shard_ && opt.compression != comm::Compression::None)
     throw InvalidInput("optim.shard_state = true reduce-scatters a float32 gradient; set comm.compression = \"none\"");
+  if (full_ && !shard_)
+    throw InvalidInput("optim.shard_weights = true shards the weights with the optimizer state: set optim.shard_state = true");
+  if (full_ && !flat_.lazy()) throw Error("internal: sharded weights need lazy flat buffers");
+  if (full_) reducer_.set_reduce_in_hook([this](int64_t a, int64_t b) { bucket_reduced(a, b); });
   if (group_) set_group(group_);
 }
 
@@ -158,7 +163,8 @@ bool AllReduceUpdate::version_meta(int64_t step, int64_t* optimizer_steps, bool*
 void AllReduceUpdate::ensure_home(int64_t step) {
   if (!planned_) plan_copies();
   auto& opt = opt_->optimizer();
-  const int states = static_cast<int>(opt.state_names().size());
+  const int first = first_state_slot();
+  const int states = static_cast<int>(opt.state_names().size()) + first;
   auto fits = [&](const ShardHome* h, int r) {
     return h && h->version_of(step) >= 0 && h->lo() == bounds_[r] && h->hi() == bounds_[r + 1];
   };
@@ -166,14 +172,17 @@ void AllReduceUpdate::ensure_home(int64_t step) {
   for (size_t i = 0; ok && i < copies_.size(); ++i) ok = fits(copies_[i].get(), copy_ranks_[i]);
   if (ok) return;
   const int64_t n = flat_.numel();
+  if (full_ && !weights_whole_)
+    throw Error("internal: the weights are sharded and no home holds step " + std::to_string(step));
   if (opt.has_state() && opt.state()[0].numel() != n)
     throw Error("internal: the optimizer holds a shard of another layout and no home has step " + std::to_string(step));
   std::vector<ShardHome*> made{&new_home(0, states)};
   for (ShardHome* c : new_copy_homes(0, states)) made.push_back(c);
   for (ShardHome* h : made) {
+    if (full_) std::memcpy(h->state(0, 0), flat_.data().data_ptr<float>() + h->lo(), sizeof(float) * h->size());
     if (opt.has_state())
-      for (int i = 0; i < states; ++i)
-        std::memcpy(h->state(0, i), opt.state()[i].data_ptr<float>() + h->lo(), sizeof(float) * h->size());
+      for (int i = first; i < states; ++i)
+        std::memcpy(h->state(0, i), opt.state()[i - first].data_ptr<float>() + h->lo(), sizeof(float) * h->size());
     h->commit(0, step, opt.steps(), opt.has_state());
   }
 }
@@ -184,6 +193,10 @@ void AllReduceUpdate::gather_state(optim::Optimizer& opt, int64_t step, bool her
   auto flag = torch::tensor({here ? 1.0f : 0.0f, 1.0f});
   group_->allreduce_sum(flag);
   const bool everywhere = flag[0].item<float>() == flag[1].item<float>();
+  // Sharded weights: whole on every member too (the checkpoint's weights,
+  // the model the program holds after training); ready_weights() gives
+  // them back before the next step.
+  if (full_) gather_all_weights();
   if (gathered_everywhere_ == step) return;
   ensure_home(step);
   const int v = home_->version_of(step);
@@ -204,7 +217,7 @@ void AllReduceUpdate::gather_state(optim::Optimizer& opt, int64_t step, bool her
         auto part = buf.narrow(0, 0, m);
         part.fill_(-0.0f);
         const int64_t a = std::max(at, lo), e = std::min(at + m, hi);
-        if (e > a) std::memcpy(b + (a - at), home_->state(v, i) + (a - lo), sizeof(float) * (e - a));
+        if (e > a) std::memcpy(b + (a - at), home_->state(v, i + first_state_slot()) + (a - lo), sizeof(float) * (e - a));
         group_->allreduce_sum(part);
         if (here) std::memcpy(whole[i].data_ptr<float>() + at, b, sizeof(float) * m);
       }
@@ -218,13 +231,14 @@ void AllReduceUpdate::scale_momentum(optim::Optimizer& opt, double factor, int64
   // The optimizer holds views of this member's home after a sync (the
   // whole range in a group of one), or a gathered whole state of its own.
   const float* held = opt.has_state() ? opt.state()[0].data_ptr<float>() : nullptr;
-  const bool views = held && home_->states() > 0 && (held == home_->state(0, 0) || held == home_->state(1, 0));
+  const int first = first_state_slot();
+  const bool views = held && home_->states() > first && (held == home_->state(0, first) || held == home_->state(1, first));
   if (views) opt.set_state({}, factor == 0 ? 0 : opt.steps());  // scaled through the home below
   else if (held) opt.scale_momentum(factor);
   std::vector<ShardHome*> mine;
   if (home_) mine.push_back(home_.get());
   for (auto& c : copies_) mine.push_back(c.get());
-  const int slot = opt.momentum_index();
+  const int slot = opt.momentum_index() + first;
   for (ShardHome* h : mine) {
     const int v = h->version_of(step);
     if (v < 0 || !h->has_state(v)) continue;
@@ -243,7 +257,7 @@ void AllReduceUpdate::release_state(optim::Optimizer& opt, int64_t step) {
   const int v = home_->version_of(step);
   if (v < 0 || !home_->has_state(v)) return;
   std::vector<torch::Tensor> views;
-  for (int i = 0; i < home_->states(); ++i)
+  for (int i = first_state_slot(); i < home_->states(); ++i)
     views.push_back(torch::from_blob(home_->state(v, i), {home_->size()}, torch::kFloat32));
   opt.set_state(std::move(views), home_->optimizer_steps(v));
 }
@@ -401,14 +415,17 @@ bool AllReduceUpdate::update_into(ShardHome& h, int64_t step, float coef, train:
   if (coef < 1.0f) g.mul_(coef);
   std::vector<const float*> in;
   std::vector<float*> out;
-  for (int i = 0; i < h.states(); ++i) {
+  for (int i = first_state_slot(); i < h.states(); ++i) {
     out.push_back(h.state(next, i));
     if (h.has_state(cur)) in.push_back(h.state(cur, i));
   }
   auto& opt = opt_->optimizer();
   opt.set_state({}, h.optimizer_steps(cur));
-  return opt.step_into(ctx.weights.data_ptr<float>() + h.lo(), g.data_ptr<float>(), g.data_ptr<float>(), in, out,
-                       h.size(), ctx.lr);
+  // Sharded weights: from the home's version of `step` into its next one;
+  // else from the whole weights into the gradient's place.
+  const float* w = full_ ? h.state(cur, 0) : ctx.weights.data_ptr<float>() + h.lo();
+  float* w_out = full_ ? h.state(next, 0) : g.data_ptr<float>();
+  return opt.step_into(w, w_out, g.data_ptr<float>(), in, out, h.size(), ctx.lr);
 }
 
 // This member's shard (and the copies it keeps): agree on finiteness and
@@ -445,7 +462,8 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   const int cur = h.version_of(k);
   const int64_t m = h.size();
   auto& opt = opt_->optimizer();
-  const int states = h.states();
+  const int first = first_state_slot();
+  const int states = h.states() - first;  // of the optimizer
   const bool clip = opt_->clip_norm() > 0;
   for (ShardHome* x : homes) x->begin(1 - x->version_of(k));
   // Clipping needs the global norm before the update: the shards' squared
@@ -477,16 +495,17 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   auto views_of = [&](int v, bool has) {
     std::vector<torch::Tensor> views;
     if (has)
-      for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(h.state(v, i), {m}, torch::kFloat32));
+      for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(h.state(v, i + first), {m}, torch::kFloat32));
     return views;
   };
   if (!finite) {  // skipped everywhere: the next versions repeat these
     for (ShardHome* x : homes) {
       const int c = x->version_of(k);
-      if (states > 0) std::memcpy(x->state(1 - c, 0), x->state(c, 0), static_cast<size_t>(x->version_bytes()));
+      if (x->states() > 0) std::memcpy(x->state(1 - c, 0), x->state(c, 0), static_cast<size_t>(x->version_bytes()));
       x->commit(1 - c, k + 1, x->optimizer_steps(c), x->has_state(c));
     }
     opt.set_state(views_of(1 - cur, h.has_state(cur)), h.optimizer_steps(cur));
+    if (full_) weights_at_ = k + 1;
     return {global_loss, ctx.global_batch, /*skipped=*/true};
   }
   if (ctx.before_update) ctx.before_update(global_loss);
@@ -494,9 +513,20 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   for (ShardHome* x : homes) x->commit(1 - x->version_of(k), k + 1, steps, states > 0);
   // The optimizer's state is this shard's (views of the home).
   opt.set_state(views_of(1 - cur, states > 0), steps);
+  const auto t_gather = std::chrono::steady_clock::now();
+  if (full_) {
+    // Sharded weights: the step is this member's only once every member's
+    // homes hold k + 1 (one small all-reduce), so a member that goes on to
+    // k + 1 knows that every shard of it is written somewhere.
+    st[0] = st[1] = 0.0f;
+    group_->allreduce_sum(stats_);
+    weights_at_ = k + 1;
+    update_seconds_ += std::chrono::duration<double>(t_gather - t_update).count();
+    updates_ += 1;
+    return {global_loss, ctx.global_batch};
+  }
   // The whole weights change only once every shard is here: until then a
   // failure leaves them at step k on this member.
-  const auto t_gather = std::chrono::steady_clock::now();
   group_->all_gather(ctx.grad, bounds_);
   ctx.weights.copy_(ctx.grad);
   weights_step_ = k + 1;
@@ -505,6 +535,68 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   gather_seconds_ += std::chrono::duration<double>(t_end - t_gather).count();
   updates_ += 1;
   return {global_loss, ctx.global_batch};
+}
+
+void AllReduceUpdate::ready_weights(int64_t step) {
+  if (!full_ || !group_) return;
+  ensure_home(step);
+  weights_at_ = step;
+  if (weights_whole_) {
+    flat_.release_weights(0, flat_.numel());
+    weights_whole_ = false;
+  }
+}
+
+void AllReduceUpdate::weights_resharded(int64_t step) {
+  weights_at_ = step;
+  if (weights_whole_) {  // this member's own weights, not the group's: given back
+    flat_.release_weights(0, flat_.numel());
+    weights_whole_ = false;
+  }
+}
+
+void AllReduceUpdate::gather_weights(int64_t a, int64_t b) {
+  if (!full_ || weights_whole_ || b <= a || !home_ || !group_) return;
+  torch::NoGradGuard no_grad;
+  const int v = home_->version_of(weights_at_);
+  if (v < 0) throw Error("internal: this member's home has no weights of step " + std::to_string(weights_at_));
+  float* w = flat_.data().data_ptr<float>();
+  const int64_t lo = std::max(a, home_->lo()), hi = std::min(b, home_->hi());
+  if (hi > lo) std::memcpy(w + lo, home_->state(v, 0) + (lo - home_->lo()), sizeof(float) * (hi - lo));
+  auto part = flat_.data().narrow(0, a, b - a);
+  std::vector<int64_t> rel;
+  for (int64_t x : bounds_) rel.push_back(std::clamp(x, a, b) - a);
+  group_->all_gather(part, rel);
+}
+
+void AllReduceUpdate::release_weights(int64_t a, int64_t b) {
+  if (full_ && !weights_whole_) flat_.release_weights(a, b);
+}
+
+void AllReduceUpdate::gather_all_weights() {
+  if (!full_ || weights_whole_ || !home_) return;
+  gather_weights(0, flat_.numel());
+  weights_whole_ = true;
+}
+
+void AllReduceUpdate::bucket_reduced(int64_t a, int64_t b) {
+  // What this member keeps of the gradient: its shard and the shards it
+  // keeps copies of (across hosts the bucket was all-reduced, so theirs
+  // are here too).
+  std::vector<std::pair<int64_t, int64_t>> keep;
+  if (group_ && !bounds_.empty()) {
+    keep.push_back({bounds_[group_->rank()], bounds_[group_->rank() + 1]});
+    for (int r : copy_ranks_) keep.push_back({bounds_[r], bounds_[r + 1]});
+  }
+  std::sort(keep.begin(), keep.end());
+  int64_t at = a;
+  for (const auto& [x, y] : keep) {
+    if (y <= at || x >= b) continue;
+    if (x > at) flat_.release_grad(at, x);
+    at = std::max(at, y);
+  }
+  if (at < b) flat_.release_grad(at, b);
+  release_weights(a, b);
 }
 
 void AllReduceUpdate::testing_drop_kept_state() {

@@ -47,6 +47,17 @@ struct ReduceOptions {
   comm::Compression compression = comm::Compression::None;  // comm.compression
   int64_t testing_die_in_bucket = 0;  // train.testing_die_in_bucket (see BucketReducer)
   bool shard_state = false;  // optim.shard_state
+  // optim.shard_weights (with shard_state): the weights and the gradient are
+  // sharded too (ZeRO-3). A member's shard of the weights lives in its home
+  // with the state (slot 0, two versions); the flat weights and gradient are
+  // lazy (FlatParams' `lazy`) and hold pages only where a member works:
+  // gather_weights() brings a unit's weights in before its forward and its
+  // backward, each bucket of the gradient is reduce-scattered as backward
+  // completes it, and what is not this member's is given back at once.
+  bool shard_weights = false;
+  // The flat parameter indices that start a unit (a bucket never spans two
+  // units; shard_weights).
+  std::vector<int> unit_starts;
   // The reduction completes at the end of the backward pass that reduces
   // (the Python front end: `.grad` is the group's when backward returns;
   // BucketReducer).
@@ -88,6 +99,28 @@ class AllReduceUpdate : public train::UpdateRule {
   void set_group(std::shared_ptr<comm::Collective> group);
   // Sharded optimizer state (optim.shard_state).
   bool sharded() const { return shard_; }
+  // Sharded weights and gradient too (optim.shard_weights).
+  bool shards_weights() const { return full_; }
+  // The first of a home's slots that holds optimizer state: 1 when the
+  // weights are sharded (slot 0 holds the shard's weights), else 0.
+  int first_state_slot() const { return full_ ? 1 : 0; }
+  // shard_weights, before step `step`'s forward: the homes hold that step,
+  // and the flat weights, whole until now (a new job), are given back; from
+  // here on only gathered units are in them. No-op otherwise.
+  void ready_weights(int64_t step);
+  // shard_weights: [a, b) of the flat weights (whole parameters) gathered
+  // from every member's home into the flat weights, or given back. Every
+  // member calls them alike, in the same order (collectives). No-ops while
+  // the weights are whole.
+  void gather_weights(int64_t a, int64_t b);
+  void release_weights(int64_t a, int64_t b);
+  // shard_weights: every unit gathered, the whole weights in the flat
+  // buffer (the end of training, a checkpoint); whole until ready_weights()
+  // gives them back again.
+  void gather_all_weights();
+  bool weights_whole() const { return weights_whole_; }
+  // After a state sync put step `step`'s weights into the new homes.
+  void weights_resharded(int64_t step);
   bool shards_state() const override { return shard_; }
   const std::vector<int64_t>& bounds() const { return bounds_; }
   ShardHome* home() { return home_.get(); }
@@ -176,6 +209,14 @@ class AllReduceUpdate : public train::UpdateRule {
   std::unique_ptr<ShardHome> make_home(const std::string& base, int64_t lo, int64_t hi, int states);
   void drop_retired();
   bool shard_ = false;
+  bool full_ = false;             // shard_weights
+  bool weights_whole_ = true;     // the flat weights hold every element (shard_weights)
+  int64_t weights_at_ = INT64_MIN;  // the committed step the homes' weights are gathered from
+  // A bucket of the gradient summed (shard_weights): what is not this
+  // member's (its shard, the copies it keeps) given back, and the bucket's
+  // weights (backward has no more use for them once every gradient of the
+  // bucket is there).
+  void bucket_reduced(int64_t a, int64_t b);
   // finish_in_backward with sharded state: the sum of this member's shard
   // of the reduced gradient when the reduction finished (NaN: none), to
   // refuse a gradient the user changed before the step (see apply_shard).

@@ -19,7 +19,10 @@
 namespace limbo::elastic {
 
 std::vector<Bucket> plan_buckets(const optim::FlatParams& flat, int64_t bucket_bytes,
-                                 bool tail_in_first) {
+                                 bool tail_in_first, const std::vector<int>& unit_starts) {
+  std::vector<char> starts(flat.entries().size(), 0);
+  for (int i : unit_starts)
+    if (i >= 0 && static_cast<size_t>(i) < starts.size()) starts[static_cast<size_t>(i)] = 1;
   const auto& entries = flat.entries();
   const int64_t grad_n = flat.numel();
   std::vector<Bucket> out;
@@ -40,7 +43,7 @@ std::vector<Bucket> plan_buckets(const optim::FlatParams& flat, int64_t bucket_b
     cur.params.push_back(i);
     cur.begin = entries[i].offset;
     const int64_t bytes = (cur.end - cur.begin) * static_cast<int64_t>(sizeof(float));
-    if (bucket_bytes > 0 && bytes >= bucket_bytes && i > 0) {
+    if (((bucket_bytes > 0 && bytes >= bucket_bytes) || starts[static_cast<size_t>(i)]) && i > 0) {
       out.push_back(std::move(cur));
       cur = Bucket{};
       cur.end = entries[i].offset;
@@ -53,9 +56,9 @@ std::vector<Bucket> plan_buckets(const optim::FlatParams& flat, int64_t bucket_b
 }
 
 BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool overlap,
-                             comm::Compression compression, bool sharded)
+                             comm::Compression compression, bool sharded, const std::vector<int>& unit_starts)
     : flat_(flat),
-      buckets_(plan_buckets(flat, bucket_bytes, false)),
+      buckets_(plan_buckets(flat, bucket_bytes, false, unit_starts)),
       overlap_(overlap),
       compression_(compression),
       sharded_(sharded) {
@@ -87,6 +90,25 @@ BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool
   ready_.assign(ops_, 0);
   next_ = ops_;
   if (overlap_) install_hooks();
+}
+
+void BucketReducer::set_reduce_in_hook(std::function<void(int64_t, int64_t)> reduced) {
+  reduced_in_hook_ = std::move(reduced);
+  overlap_ = false;  // no communication thread: the hooks reduce
+  if (hooks_.empty()) install_hooks();
+}
+
+void BucketReducer::run_in_hook(size_t b) {
+  if (hook_error_) return;  // the step failed already: finish() throws it
+  try {
+    prepare(b);
+    run(op_of(b));
+    done_[b] = 1;
+    const int64_t end = std::min(buckets_[b].end, flat_.numel());
+    if (reduced_in_hook_) reduced_in_hook_(buckets_[b].begin, end);
+  } catch (...) {
+    hook_error_ = std::current_exception();
+  }
 }
 
 void BucketReducer::set_finish_in_backward(bool on) {
@@ -155,6 +177,8 @@ void BucketReducer::begin(std::shared_ptr<comm::Collective> group, double share,
   threaded_ = overlap_ && on_wire > 1 && group_ && group_->size() > 1;
   pending_ = expected_;
   std::fill(prepared_.begin(), prepared_.end(), 0);
+  done_.assign(buckets_.size(), 0);
+  hook_error_ = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
     std::fill(ready_.begin(), ready_.end(), 0);
@@ -189,8 +213,14 @@ void BucketReducer::on_parameter_ready(int param) {
       torch::autograd::Engine::get_default_engine().queue_callback([this] { finish_from_backward(); });
       // The loop may have frozen or unfrozen parameters since begin(): the
       // buckets wait for the gradients that backward will produce now.
-      if (threaded_) count_pending();
+      if (threaded_ || reduced_in_hook_) count_pending();
     }
+  }
+  if (reduced_in_hook_) {  // fully sharded: the bucket is reduced here, now
+    if (!finish_in_backward_) flat_.attach_grad(static_cast<size_t>(param), /*keep=*/true);
+    const int b = bucket_of_[param];
+    if (--pending_[b] == 0 && !done_[static_cast<size_t>(b)]) run_in_hook(static_cast<size_t>(b));
+    return;
   }
   if (!threaded_) return;  // no overlap this step
   const int b = bucket_of_[param];
@@ -394,8 +424,21 @@ void BucketReducer::finish(double flag) {
     error_ = nullptr;
     stats_.buckets_started_in_backward += started_in_backward_;
   } else {
+    err = hook_error_;
+    hook_error_ = nullptr;
     try {
-      for (size_t op = 0; op < ops_; ++op) run(op);
+      for (size_t op = 0; op < ops_ && !err; ++op) {
+        const bool bucket = op < buckets_.size();
+        if (reduced_in_hook_ && bucket) {  // the rest of a fully sharded backward's buckets, in order
+          const size_t b = op;  // op_of() is the identity without a tail in a bucket
+          if (done_[b]) continue;
+          run(op);
+          done_[b] = 1;
+          reduced_in_hook_(buckets_[b].begin, std::min(buckets_[b].end, flat_.numel()));
+          continue;
+        }
+        run(op);
+      }
     } catch (...) {
       err = std::current_exception();
     }

@@ -103,8 +103,10 @@ struct Bucket {
 // Buckets over `flat` (bucket 0 first in backward order). With
 // tail_in_first, bucket 0 extends to the end of grad_with_slot (buffers and
 // slots ride with it); otherwise buckets cover the gradient only.
+// With `unit_starts` (flat parameter indices), a bucket never holds both a
+// parameter that starts a unit and the one before it.
 std::vector<Bucket> plan_buckets(const optim::FlatParams& flat, int64_t bucket_bytes,
-                                 bool tail_in_first);
+                                 bool tail_in_first, const std::vector<int>& unit_starts = {});
 
 struct ReducerStats {
   int64_t steps = 0;
@@ -124,7 +126,14 @@ class BucketReducer {
   // own), and finite() looks at the loss only: each member checks its own
   // shard of the gradient (elastic/allreduce_update.h).
   BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool overlap,
-                comm::Compression compression, bool sharded = false);
+                comm::Compression compression, bool sharded = false, const std::vector<int>& unit_starts = {});
+  // Fully sharded (optim.shard_weights): each gradient bucket is reduced as
+  // soon as backward completes it, on the training thread inside backward
+  // (the unit gathers run there too, so every member's collectives come in
+  // the one order of its backward, the same everywhere), and then
+  // `reduced(begin, end)` is called with its range. A failure is kept and
+  // thrown by finish(); later buckets then do nothing.
+  void set_reduce_in_hook(std::function<void(int64_t, int64_t)> reduced);
   // The shards of the flat gradient (elastic/shards.h) of the next steps'
   // group: between steps, on the training thread.
   void set_shards(const std::vector<int64_t>& bounds);
@@ -193,6 +202,10 @@ class BucketReducer {
   size_t op_of(size_t bucket) const;
   void run(size_t op);          // one collective; either thread
   void comm_loop();
+  void run_in_hook(size_t bucket);
+  std::function<void(int64_t, int64_t)> reduced_in_hook_;
+  std::vector<char> done_;  // per bucket: reduced in a hook this step
+  std::exception_ptr hook_error_;
 
   optim::FlatParams& flat_;
   std::vector<Bucket> buckets_;

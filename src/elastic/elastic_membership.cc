@@ -228,16 +228,22 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   if (!rule.home_prefix().empty())
     rule.adopt_dead(open_departed_homes(rule.home_prefix().substr(1), round.members));
   std::vector<Held> held;
+  // With sharded weights (optim.shard_weights) a home's slot 0 holds its
+  // shard's weights, and the weights are re-sharded into the new homes as
+  // the state is, never whole on a member.
+  const bool full = rule.shards_weights();
+  const int first = rule.first_state_slot();
   for (ShardHome* h : rule.kept_homes()) {
     const int v = h->version_of(step);
-    if (v < 0 || h->n() != n || h->states() != states) continue;
-    Held x{h->lo(), h->hi(), nullptr, {}};
+    if (v < 0 || h->n() != n || h->states() != states + first) continue;
+    Held x{h->lo(), h->hi(), full ? h->state(v, 0) : nullptr, {}};
     if (has_state)
-      for (int i = 0; i < states; ++i) x.st.push_back(h->state(v, i));
+      for (int i = 0; i < states; ++i) x.st.push_back(h->state(v, i + first));
     held.push_back(std::move(x));
   }
   const int64_t ws = rule.whole_weights_step();
-  const bool whole_weights = (ws == step) || (ws == AllReduceUpdate::kWeightsUnknown && s.state.step == step);
+  const bool whole_weights = full ? rule.weights_whole() && s.state.step == step
+                                  : (ws == step) || (ws == AllReduceUpdate::kWeightsUnknown && s.state.step == step);
   if (whole_weights) held.push_back({0, n, s.weights.data_ptr<float>(), {}});
   if (whole_state && s.state.step == step && has_state) {
     Held x{0, n, nullptr, {}};
@@ -303,48 +309,60 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
         out.bytes_sent += 4 * (hi - lo);
       }
   };
-  // The weights, whole on everyone.
-  float* whole = s.weights.data_ptr<float>();
-  for (int64_t at = 0; at < n; at += piece) {
-    const int64_t m = std::min(piece, n - at);
-    fill(send_w, at, m, [](const Held& x) { return x.w; });
-    auto part = buf.narrow(0, 0, m);
-    g.allreduce_sum(part);
-    std::memcpy(whole + at, f, sizeof(float) * m);
+  // The weights, whole on everyone (sharded weights: into the new homes,
+  // below).
+  if (!full) {
+    float* whole = s.weights.data_ptr<float>();
+    for (int64_t at = 0; at < n; at += piece) {
+      const int64_t m = std::min(piece, n - at);
+      fill(send_w, at, m, [](const Held& x) { return x.w; });
+      auto part = buf.narrow(0, 0, m);
+      g.allreduce_sum(part);
+      std::memcpy(whole + at, f, sizeof(float) * m);
+    }
   }
   // The state: each member keeps only its new shard and the copies it
   // keeps for another host. On one host that is a reduce-scatter; across
   // hosts an all-reduce (what the groups across hosts reduce-scatter with).
   const auto& bounds = rule.bounds();
   const int64_t lo = bounds[g.rank()], hi = bounds[g.rank() + 1];
-  std::vector<ShardHome*> homes{&rule.new_home(round.number, states)};
-  for (ShardHome* c : rule.new_copy_homes(round.number, states)) homes.push_back(c);
+  std::vector<ShardHome*> homes{&rule.new_home(round.number, states + first)};
+  for (ShardHome* c : rule.new_copy_homes(round.number, states + first)) homes.push_back(c);
   ShardHome& home = *homes[0];
-  if (has_state)
-    for (int i = 0; i < states; ++i)
-      for (int64_t at = 0; at < n; at += piece) {
-        const int64_t m = std::min(piece, n - at);
-        fill(send_s, at, m, [i](const Held& x) { return x.st[i]; });
-        std::vector<int64_t> rel;
-        for (int64_t b : bounds) rel.push_back(std::clamp(b, at, at + m) - at);
-        auto part = buf.narrow(0, 0, m);
-        if (rule.spans_hosts())
-          g.allreduce_sum(part);
-        else
-          g.reduce_scatter_sum(part, rel);
-        for (ShardHome* h : homes) {
-          const int64_t a = std::max(h->lo(), at), e = std::min(h->hi(), at + m);
-          if (e <= a) continue;
-          std::memcpy(h->state(0, i) + (a - h->lo()), f + (a - at), sizeof(float) * (e - a));
-          out.bytes_received += 4 * (e - a);
-        }
+  // One tensor (its pieces from `send`) into every new home's `slot`.
+  auto reshard = [&](const std::vector<std::pair<Ranges, const Held*>>& send,
+                     const std::function<const float*(const Held&)>& data, int slot) {
+    for (int64_t at = 0; at < n; at += piece) {
+      const int64_t m = std::min(piece, n - at);
+      fill(send, at, m, data);
+      std::vector<int64_t> rel;
+      for (int64_t b : bounds) rel.push_back(std::clamp(b, at, at + m) - at);
+      auto part = buf.narrow(0, 0, m);
+      if (rule.spans_hosts())
+        g.allreduce_sum(part);
+      else
+        g.reduce_scatter_sum(part, rel);
+      for (ShardHome* h : homes) {
+        const int64_t a = std::max(h->lo(), at), e = std::min(h->hi(), at + m);
+        if (e <= a) continue;
+        std::memcpy(h->state(0, slot) + (a - h->lo()), f + (a - at), sizeof(float) * (e - a));
+        out.bytes_received += 4 * (e - a);
       }
+    }
+  };
+  if (full) reshard(send_w, [](const Held& x) { return x.w; }, 0);
+  if (has_state)
+    for (int i = 0; i < states; ++i) reshard(send_s, [i](const Held& x) { return x.st[i]; }, i + first);
   for (ShardHome* h : homes) h->commit(0, step, steps, has_state);
   std::vector<torch::Tensor> views;
   if (has_state)
-    for (int i = 0; i < states; ++i) views.push_back(torch::from_blob(home.state(0, i), {hi - lo}, torch::kFloat32));
+    for (int i = 0; i < states; ++i)
+      views.push_back(torch::from_blob(home.state(0, i + first), {hi - lo}, torch::kFloat32));
   opt.set_state(std::move(views), steps);
-  rule.set_whole_weights_step(step);
+  if (full)
+    rule.weights_resharded(step);
+  else
+    rule.set_whole_weights_step(step);
   sync_small_state(g, s, source, meta);
   apply_meta(meta, s);
   out.source = source;

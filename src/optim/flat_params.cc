@@ -1,6 +1,11 @@
 #include "optim/flat_params.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 
 #include "common/error.h"
 
@@ -41,7 +46,32 @@ constexpr int64_t kPiece = int64_t{1} << 24;  // a float32 holds every integer b
 
 }  // namespace
 
-FlatParams::FlatParams(torch::nn::Module& module, bool channels_last, bool include_frozen) {
+torch::Tensor lazy_floats(int64_t n) {
+  const size_t bytes = std::max<size_t>(static_cast<size_t>(n) * sizeof(float), 1);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED)
+    throw Error("cannot map " + std::to_string(bytes) + " bytes for the flat buffers: " + std::strerror(errno));
+  return torch::from_blob(p, {n}, [bytes](void* q) { ::munmap(q, bytes); }, torch::kFloat32);
+}
+
+void release_pages(float* p, int64_t count) {
+  if (count <= 0) return;
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
+  const uintptr_t e = reinterpret_cast<uintptr_t>(p + count) / page * page;
+  if (e > a) ::madvise(reinterpret_cast<void*>(a), e - a, MADV_DONTNEED);
+}
+
+void FlatParams::release_weights(int64_t lo, int64_t hi) {
+  if (lazy_ && hi > lo) release_pages(data_.data_ptr<float>() + lo, hi - lo);
+}
+
+void FlatParams::release_grad(int64_t lo, int64_t hi) {
+  if (lazy_ && hi > lo) release_pages(grad_slot_.data_ptr<float>() + lo, hi - lo);
+}
+
+FlatParams::FlatParams(torch::nn::Module& module, bool channels_last, bool include_frozen, bool lazy)
+    : lazy_(lazy) {
   auto named = module.named_parameters(/*recurse=*/true);
   int64_t total = 0;
   std::vector<torch::Tensor> trainable;
@@ -70,9 +100,10 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last, bool inclu
       buffer_total += floats_for(kind, b.value().numel());
     }
   }
-  data_ = torch::empty({total}, torch::kFloat32);
   const int64_t counts = include_frozen ? static_cast<int64_t>(trainable.size()) : 0;
-  grad_slot_ = torch::zeros({total + buffer_total + counts + kSlots}, torch::kFloat32);
+  const int64_t slot_total = total + buffer_total + counts + kSlots;
+  data_ = lazy ? lazy_floats(total) : torch::empty({total}, torch::kFloat32);
+  grad_slot_ = lazy ? lazy_floats(slot_total) : torch::zeros({slot_total}, torch::kFloat32);
   grad_ = grad_slot_.narrow(0, 0, total);
   buffers_ = grad_slot_.narrow(0, total, buffer_total);
   counts_ = grad_slot_.narrow(0, total + buffer_total, counts);

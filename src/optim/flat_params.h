@@ -51,9 +51,28 @@
 
 namespace limbo::optim {
 
+// A float32 tensor of n zeros in memory that is mapped but not backed until
+// written (an anonymous private mapping): pages never touched cost nothing,
+// and release_pages() gives touched ones back. The fully sharded mode keeps
+// the flat weights and gradient so: every member has the whole address
+// range, and holds pages only where it works on them.
+torch::Tensor lazy_floats(int64_t n);
+// Gives the whole pages inside [p, p + count) floats back to the system:
+// they read as zeros afterwards, and cost nothing until written again.
+void release_pages(float* p, int64_t count);
+
 class FlatParams {
  public:
-  explicit FlatParams(torch::nn::Module& module, bool channels_last = false, bool include_frozen = false);
+  // With `lazy`, the flat weights and gradient are lazy_floats(): what a
+  // member does not touch, or releases (release_weights, release_grad),
+  // costs no memory (the fully sharded mode, optim.shard_weights).
+  explicit FlatParams(torch::nn::Module& module, bool channels_last = false, bool include_frozen = false,
+                      bool lazy = false);
+  bool lazy() const { return lazy_; }
+  // The pages of [lo, hi) of the weights or of the gradient given back
+  // (the whole pages inside; lazy buffers only, else a no-op).
+  void release_weights(int64_t lo, int64_t hi);
+  void release_grad(int64_t lo, int64_t hi);
 
   torch::Tensor& data() { return data_; }
   torch::Tensor& grad() { return grad_; }
@@ -133,6 +152,7 @@ class FlatParams {
   const std::vector<BufferEntry>& buffer_entries() const { return buffer_entries_; }
 
  private:
+  bool lazy_ = false;
   torch::Tensor data_, grad_, grad_slot_, buffers_, counts_;
   std::vector<Entry> entries_;
   std::vector<torch::Tensor> params_, grad_views_;

@@ -1,0 +1,83 @@
+"""A small decoder-like model trained with limbo.Optimizer under a given
+sharding (shard="none" | "state" | "full"), for the fully sharded tests:
+it writes each member's final weights (rank 0's file is the one compared)
+and the steps' losses. Run under `limbo launch`."""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn as nn
+
+import limbo
+
+
+class Block(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, h):
+        return h + self.mlp(self.ln(h))
+
+
+class Net(nn.Module):
+    def __init__(self, vocab, width, blocks):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList([Block(width) for _ in range(blocks)])
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.ln(h))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shard", default="full")
+    ap.add_argument("--optimizer", default="adamw")
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    vocab, context = 50, 16
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, vocab, (args.samples, context), generator=g)
+    y = (x * 7 + 3) % vocab  # a function of each token: learnable
+    model = Net(vocab, args.width, args.blocks)
+    if args.optimizer == "adamw":
+        opt = limbo.Optimizer("adamw", lr=3e-3, weight_decay=0.01)
+    else:
+        opt = limbo.Optimizer("sgd", lr=0.05, momentum=0.9)
+    job = limbo.Job(model, opt, dataset=args.samples, batch_size=args.batch, epochs=args.epochs,
+                    batch_policy="none", checkpoint_every_epochs=0, clip_grad_norm=args.clip, shard=args.shard)
+    losses, held = [], []
+    for ids in job.batches(lambda ids: torch.as_tensor(ids)):
+        out = model(x[ids])
+        loss = nn.functional.cross_entropy(out.reshape(-1, vocab), y[ids].reshape(-1))
+        job.backward(loss)
+        if job.step():
+            losses.append(job.loss)
+            # What a unit's weights read between steps: zeros where this
+            # member does not hold them (shard="full").
+            w = model.blocks[args.blocks // 2].mlp[0].weight
+            held.append(float((w != 0).float().mean()))
+    job.finish()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.save({"weights": weights, "losses": losses, "world": job.world,
+                "held": held},
+               os.path.join(args.out, "rank%d.pt" % job.rank))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
