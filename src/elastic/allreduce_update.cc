@@ -41,6 +41,7 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
 void AllReduceUpdate::set_group(std::shared_ptr<comm::Collective> group) {
   group_ = std::move(group);
   planned_ = false;
+  gather_error_ = nullptr;
   // A new group re-shards the state (sync_sharded_state): a gather made
   // before it no longer holds, and a joiner has made none. Every member of
   // the group starts from none, so whether a gather runs never differs
@@ -370,6 +371,17 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   // Gradient, float buffers, loss and flag in one pass of buckets; the loss
   // and flag ride in the spare slots after the gradient (a separate tiny
   // all-reduce costs a full round trip).
+  if (gather_error_) {  // a unit's gather failed in forward or backward: the step fails with it
+    auto e = gather_error_;
+    gather_error_ = nullptr;
+    if (reducer_.finished()) {
+      try {
+        reducer_.take_finished();
+      } catch (...) {
+      }
+    }
+    std::rethrow_exception(e);
+  }
   if (reducer_.finished()) {
     reducer_.take_finished();  // at the end of backward (finish_in_backward): its failure, if any
   } else {
@@ -538,6 +550,7 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
 }
 
 void AllReduceUpdate::ready_weights(int64_t step) {
+  gather_error_ = nullptr;
   if (!full_ || !group_) return;
   ensure_home(step);
   weights_at_ = step;
@@ -556,7 +569,7 @@ void AllReduceUpdate::weights_resharded(int64_t step) {
 }
 
 void AllReduceUpdate::gather_weights(int64_t a, int64_t b) {
-  if (!full_ || weights_whole_ || b <= a || !home_ || !group_) return;
+  if (!full_ || weights_whole_ || b <= a || !home_ || !group_ || gather_error_) return;
   torch::NoGradGuard no_grad;
   const int v = home_->version_of(weights_at_);
   if (v < 0) throw Error("internal: this member's home has no weights of step " + std::to_string(weights_at_));
@@ -566,7 +579,11 @@ void AllReduceUpdate::gather_weights(int64_t a, int64_t b) {
   auto part = flat_.data().narrow(0, a, b - a);
   std::vector<int64_t> rel;
   for (int64_t x : bounds_) rel.push_back(std::clamp(x, a, b) - a);
-  group_->all_gather(part, rel);
+  try {
+    group_->all_gather(part, rel);
+  } catch (const Error&) {
+    gather_error_ = std::current_exception();  // apply() fails the step with it
+  }
 }
 
 void AllReduceUpdate::release_weights(int64_t a, int64_t b) {
@@ -576,6 +593,11 @@ void AllReduceUpdate::release_weights(int64_t a, int64_t b) {
 void AllReduceUpdate::gather_all_weights() {
   if (!full_ || weights_whole_ || !home_) return;
   gather_weights(0, flat_.numel());
+  if (gather_error_) {  // a collective of the caller's (a checkpoint's gather): it fails with it
+    auto e = gather_error_;
+    gather_error_ = nullptr;
+    std::rethrow_exception(e);
+  }
   weights_whole_ = true;
 }
 

@@ -211,6 +211,11 @@ class AllReduceUpdate : public train::UpdateRule {
   bool shard_ = false;
   bool full_ = false;             // shard_weights
   bool weights_whole_ = true;     // the flat weights hold every element (shard_weights)
+  // A gather that failed this step (a peer lost in the forward's or the
+  // backward's gathers): later gathers do nothing, and apply() fails the
+  // step with it, so the user's forward and backward never see the failure
+  // (they compute on what they have, and the step is redone).
+  std::exception_ptr gather_error_;
   int64_t weights_at_ = INT64_MIN;  // the committed step the homes' weights are gathered from
   // A bucket of the gradient summed (shard_weights): what is not this
   // member's (its shard, the copies it keeps) given back, and the bucket's

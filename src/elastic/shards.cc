@@ -110,7 +110,7 @@ std::unique_ptr<ShardHome> ShardHome::open(const std::string& name) {
   const Header* h = home->h_;
   const int64_t header = (static_cast<int64_t>(sizeof(Header)) + 4095) / 4096 * 4096;
   const bool ok = h->magic == kMagic && std::string(h->host, strnlen(h->host, sizeof h->host)) == comm::host_identity() &&
-                  h->lo >= 0 && h->lo <= h->hi && h->hi <= h->n && h->states >= 0 && h->states <= 2 &&
+                  h->lo >= 0 && h->lo <= h->hi && h->hi <= h->n && h->states >= 0 && h->states <= 3 &&  // AdamW's two, and the weights (shard_weights)
                   header + 2 * 4 * (h->hi - h->lo) * h->states <= st.st_size;
   if (!ok) home->h_ = nullptr;  // the destructor unmaps it
   return ok ? std::move(home) : nullptr;

@@ -138,7 +138,7 @@ def fingerprint(job, model, opt, limbo_state=None, sched=None):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--optimizer", choices=["sgd", "adamw", "limbo-adamw", "limbo-adamw-sharded"], default="sgd")
+    p.add_argument("--optimizer", choices=["sgd", "adamw", "limbo-adamw", "limbo-adamw-sharded", "limbo-adamw-full"], default="sgd")
     p.add_argument("--model", choices=["dict", "plain"], default="dict")
     p.add_argument("--width", type=int, default=32, help="the plain model's hidden width")
     p.add_argument("--depth", type=int, default=1, help="the plain model's hidden layers")
@@ -212,6 +212,8 @@ def main():
     if args.optimizer.startswith("limbo-"):  # Limbo's own AdamW, its state sharded or not
         opt = limbo.Optimizer("adamw", lr=3e-3, weight_decay=0.01, shard_state=args.optimizer.endswith("sharded"))
         schedule = dict(lr_schedule=warmup)
+        if args.optimizer.endswith("full"):  # the weights and the gradient sharded too
+            schedule["shard"] = "full"
     elif args.habit == "plateau":  # stepped by the loop on a metric every member has: the group's loss
         schedule = dict(scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=10, factor=0.8))
     elif args.habit == "epoch-scheduler":

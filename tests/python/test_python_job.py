@@ -248,6 +248,10 @@ def test_shares_by_pace_keep_every_sample_once_across_a_loss_and_a_join(run_dir,
     ("stop", "before_step", "adamw"),
     ("kill", "before_step", "limbo-adamw-sharded"),
     ("stop", "after_step", "limbo-adamw-sharded"),
+    ("kill", "before_step", "limbo-adamw-full"),
+    ("stop", "before_backward", "limbo-adamw-full"),
+    ("kill", "before_backward", "limbo-adamw-full"),
+    ("kill", "after_step", "limbo-adamw-full"),
 ])
 def test_a_member_lost_between_two_lines_leaves_the_others_identical(run_dir, how, where, optimizer):
     """A member SIGKILLed or frozen (SIGSTOP) at a point of the user's loop:
