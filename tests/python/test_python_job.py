@@ -282,13 +282,15 @@ def test_a_member_lost_between_two_lines_leaves_the_others_identical(run_dir, ho
     assert len(started) == 3 and all(len(pids) == 2 for pids in started.values()), started
 
 
-def test_a_joiner_gets_the_state_and_its_share(run_dir):
+@pytest.mark.parametrize("optimizer", ["adamw", "limbo-adamw-full"])
+def test_a_joiner_gets_the_state_and_its_share(run_dir, optimizer):
     """One worker, a second joins at epoch 0.5 (--elastic-schedule): it
     receives the weights, buffers and AdamW state from its peer, and the
-    samples stay exactly once."""
+    samples stay exactly once. Fully sharded (shard="full"), the joiner
+    receives its shards of the weights and of the state."""
     # Paced at 0.2 s a step while alone, so the joiner gets in (about 25 s
     # of training left when it starts, against a few seconds to start).
-    r = launch(run_dir, 1, ["--optimizer", "adamw"], ["--min-workers", "1", "--elastic-schedule", "0:1,0.5:2"],
+    r = launch(run_dir, 1, ["--optimizer", optimizer], ["--min-workers", "1", "--elastic-schedule", "0:1,0.5:2"],
                PACE=0.2, PACE_UNTIL=2)
     assert r.returncode == 0, r.stdout + r.stderr
     check_exactly_once(run_dir, 1024, 2)

@@ -1,0 +1,88 @@
+"""Fully sharded training from Python (limbo.Job(shard="full"),
+docs/sharded_state.md): each member holds its shard of the weights, of the
+gradient and of the optimizer state; units are gathered for their forward
+and backward and given back.
+
+Run by CTest (tests/CMakeLists.txt) with LIMBO_BINARY and LIMBO_PYTHON_DIR.
+The losses, the joins and the kills are in test_python_job.py (the same
+guarantees as every other mode, checked by the same tests).
+"""
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+LIMBO = os.environ.get("LIMBO_BINARY", os.path.join(ROOT, "build", "src", "cli", "limbo"))
+PYDIR = os.environ.get("LIMBO_PYTHON_DIR", os.path.join(ROOT, "build", "python"))
+SCRIPT = os.path.join(HERE, "shard_script.py")
+
+sys.path.insert(0, PYDIR)
+import torch  # noqa: E402
+import limbo  # noqa: E402
+
+
+def run(nproc, shard, *args):
+    """The script under `limbo launch`; rank 0's and rank 1's results."""
+    out = tempfile.mkdtemp(prefix="limbo-fs-")
+    e = dict(os.environ)
+    e["PYTHONPATH"] = PYDIR + (":" + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
+    for k in ("LIMBO_RDZV", "LIMBO_ELASTIC", "LIMBO_RANK", "LIMBO_WORLD", "LIMBO_RUN_DIR", "LIMBO_RESUME"):
+        e.pop(k, None)
+    cmd = [LIMBO, "launch", "--nproc", str(nproc), "--run-dir", os.path.join(out, "run"), "--",
+           sys.executable, SCRIPT, "--shard", shard, "--out", out] + list(args)
+    r = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return [torch.load(os.path.join(out, "rank%d.pt" % i)) for i in range(nproc)]
+
+
+@pytest.mark.parametrize("optimizer,nproc,clip", [("adamw", 2, 0.0), ("sgd", 3, 0.0), ("adamw", 3, 0.5)])
+def test_fully_sharded_training_equals_the_replicated_path(optimizer, nproc, clip):
+    """The same batches, replicated and fully sharded: the same losses and
+    weights bit for bit (every addition of the gradient sum and every update
+    is the replicated path's); with clipping the norm is summed from the
+    shards in another order, so within float32 rounding of the coefficient.
+    Between steps a fully sharded member holds none of a unit's weights but
+    the pages its shard shares (they read as zeros), and after training the
+    model is whole on every member."""
+    args = ["--optimizer", optimizer, "--clip", str(clip)]
+    whole = run(nproc, "none", *args)
+    full = run(nproc, "full", *args)
+    assert len(full[0]["losses"]) == -(-512 // (16 * nproc))  # the last batch of the epoch may be short
+    for name, w in whole[0]["weights"].items():
+        for member in full:
+            got = member["weights"][name]
+            if clip == 0:
+                assert torch.equal(got, w), name
+            else:
+                assert (got - w).abs().max() <= 1e-3 * max(w.abs().max().item(), 1e-6), name
+    if clip == 0:
+        assert full[0]["losses"] == whole[0]["losses"]
+    else:
+        assert full[0]["losses"] == pytest.approx(whole[0]["losses"], rel=1e-3)
+    assert full[0]["losses"][-1] < 0.5 * full[0]["losses"][0]  # it learns
+    # A unit's weights between steps: all there replicated, only the
+    # boundary pages of a member's shard when fully sharded.
+    assert min(whole[0]["held"]) == 1.0
+    for member in full:
+        assert max(member["held"]) < 0.1, member["held"]
+
+
+def test_fully_sharded_refusals_say_why():
+    """Combinations that cannot work are refused when the job is made."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(limbo.InvalidInput, match="limbo.Optimizer"):
+        limbo.Job(model, sgd, dataset=8, batch_size=2, shard="full")
+    own = limbo.Optimizer("adamw", lr=1e-3)
+    with pytest.raises(limbo.InvalidInput, match="sync"):
+        limbo.Job(model, own, dataset=8, batch_size=2, shard="full", sync="diloco")
+    with pytest.raises(limbo.InvalidInput, match="shard must be"):
+        limbo.Job(model, own, dataset=8, batch_size=2, shard="weights")
+    with pytest.raises(limbo.InvalidInput, match="no submodule"):
+        limbo.Job(model, own, dataset=8, batch_size=2, shard="full", units=["blocks.0"])
+    with pytest.raises(limbo.InvalidInput, match="units= cuts"):
+        limbo.Job(model, own, dataset=8, batch_size=2, units=["0"])
