@@ -1,6 +1,8 @@
 // limbo.Job's settings and the job they make (python/core.h).
 #include "core.h"
 
+#include <malloc.h>
+
 #include "comm/auth.h"
 #include "comm/compression.h"
 #include "common/config.h"
@@ -106,7 +108,13 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
       channels_last = true;
   const bool shard_weights = get<bool>(o, "shard_weights", false);
   flat_ = std::make_unique<optim::FlatParams>(*model_, channels_last, frozen_in_flat, /*lazy=*/shard_weights);
-  if (shard_weights) plan_units(get<std::vector<std::string>>(o, "units", {}));
+  if (shard_weights) {
+    plan_units(get<std::vector<std::string>>(o, "units", {}));
+    // The model's own parameter tensors, copied into the flat buffers, were
+    // freed into the heap, which keeps freed memory (keep_freed_memory): a
+    // whole model's worth that a fully sharded member must not go on holding.
+    ::malloc_trim(0);
+  }
   if (std::none_of(params.begin(), params.end(), [](const auto& p) { return p.second.requires_grad(); }))
     throw InvalidInput("the model has no trainable parameters");
   // The user's torch.optim (called back at the update), or one of Limbo's
