@@ -922,12 +922,15 @@ def test_the_python_loop_trains_what_limbo_train_trains(run_dir):
     assert summary(os.path.join(run_dir, "cli"))["steps"] == summary(os.path.join(run_dir, "py"))["steps"] == 32
 
 
-@pytest.mark.parametrize("how", ["kill", "freeze", "cut"])
-def test_a_lost_host_leaves_the_other_hosts_members_identical(run_dir, how):
+@pytest.mark.parametrize("how,optimizer", [("kill", "sgd"), ("freeze", "sgd"), ("cut", "sgd"),
+                                           ("kill", "limbo-adamw-full")])
+def test_a_lost_host_leaves_the_other_hosts_members_identical(run_dir, how, optimizer):
     """Two hosts (network namespaces joined by a veth pair) of two workers
     each; host B is lost whole (every process killed, frozen, or its link
     cut) while the job trains: host A's members re-form and finish, every
-    sample once an epoch, identical at the end."""
+    sample once an epoch, identical at the end. Fully sharded
+    (shard="full"), host B's shards of the weights and of the AdamW state
+    come from their copies on host A."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2")
     sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -936,7 +939,7 @@ def test_a_lost_host_leaves_the_other_hosts_members_identical(run_dir, how):
     try:
         rdzv = "%s:%d" % (veth.ip[0], 29800 + os.getpid() % 100)
         common = ["--nproc", "2", "--min-workers", "2", "--start-workers", "4", "--rdzv", rdzv, "--run-dir", run_dir,
-                  "--", PY, SCRIPT, "--epochs", "6", "--loader-workers", "0"]
+                  "--", PY, SCRIPT, "--epochs", "6", "--loader-workers", "0", "--optimizer", optimizer]
         e = env(PACE=0.05)
         a = subprocess.Popen(veth.prefix(0) + [LIMBO, "launch"] + common, env=e, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
