@@ -105,7 +105,11 @@ class Core {
   // given back (collectives: every member calls them alike; no-ops when the
   // weights are not sharded, or already so).
   py::list units() const;
-  void gather_unit(int u);
+  // `forward`: before the unit's forward (else before its backward). The
+  // next unit's gather is handed over at once, to run while this one
+  // computes: in forward the one that came next in the last step's forward,
+  // in backward the one before this in this step's forward.
+  void gather_unit(int u, bool forward);
   void release_unit(int u);
 
   // job.no_sync(): backwards add to this member's gradient only.
@@ -231,7 +235,12 @@ class Core {
   std::shared_ptr<elastic::AllReduceUpdate> full_;
   std::vector<std::string> unit_names_;
   std::vector<std::vector<std::pair<int64_t, int64_t>>> unit_ranges_;
-  std::vector<char> unit_gathered_;
+  std::vector<char> unit_gathered_;  // 0: not held, 1: its gather handed over (unit_ticket_), 2: held
+  std::vector<int64_t> unit_ticket_;
+  std::vector<int> unit_order_, last_unit_order_;  // the units in the order this and the last forward gathered them
+  void issue_unit(int u);
+  void wait_unit(int u);
+  void units_between_steps();
   std::vector<int> unit_starts_;  // flat parameter indices that start a unit
   void plan_units(const std::vector<std::string>& names);
   // One process (no group), the user's optimizer, no clipping by Limbo:

@@ -93,6 +93,7 @@ void Core::plan_units(const std::vector<std::string>& names) {
       r.push_back({es[i].offset, es[i].offset + es[i].numel});
   }
   unit_gathered_.assign(unit_names_.size(), 0);
+  unit_ticket_.assign(unit_names_.size(), -1);
 }
 
 py::list Core::units() const {
@@ -105,17 +106,59 @@ py::list Core::units() const {
   return out;
 }
 
-void Core::gather_unit(int u) {
-  if (!full_ || u < 0 || static_cast<size_t>(u) >= unit_gathered_.size() || unit_gathered_[u]) return;
-  py::gil_scoped_release no_gil;
-  for (const auto& [a, b] : unit_ranges_[static_cast<size_t>(u)]) full_->gather_weights(a, b);
+void Core::issue_unit(int u) {
+  const auto& ranges = unit_ranges_[static_cast<size_t>(u)];
+  int64_t ticket = -1;
+  for (const auto& [a, b] : ranges) ticket = std::max(ticket, full_->issue_gather(a, b));
+  unit_ticket_[static_cast<size_t>(u)] = ticket;
   unit_gathered_[static_cast<size_t>(u)] = 1;
+}
+
+void Core::wait_unit(int u) {
+  if (unit_gathered_[static_cast<size_t>(u)] != 1) return;
+  full_->wait_gather(unit_ticket_[static_cast<size_t>(u)]);
+  unit_gathered_[static_cast<size_t>(u)] = 2;
+}
+
+void Core::gather_unit(int u, bool forward) {
+  if (!full_ || u < 0 || static_cast<size_t>(u) >= unit_gathered_.size()) return;
+  py::gil_scoped_release no_gil;
+  const bool held = unit_gathered_[static_cast<size_t>(u)] == 2;
+  if (unit_gathered_[static_cast<size_t>(u)] == 0) issue_unit(u);
+  // The next unit's gather, handed over before this one is waited for.
+  int next = -1;
+  if (forward && !held) {
+    unit_order_.push_back(u);
+    const size_t i = unit_order_.size() - 1;
+    if (i + 1 < last_unit_order_.size() && last_unit_order_[i] == u) next = last_unit_order_[i + 1];
+  } else if (!forward && !held) {
+    const auto it = std::find(unit_order_.rbegin(), unit_order_.rend(), u);
+    if (it != unit_order_.rend() && std::next(it) != unit_order_.rend()) next = *std::next(it);
+  }
+  if (next >= 0 && unit_gathered_[static_cast<size_t>(next)] == 0) issue_unit(next);
+  wait_unit(u);
 }
 
 void Core::release_unit(int u) {
   if (!full_ || u < 0 || static_cast<size_t>(u) >= unit_gathered_.size() || !unit_gathered_[u]) return;
+  py::gil_scoped_release no_gil;
+  wait_unit(u);  // a gather handed over writes there still
   for (const auto& [a, b] : unit_ranges_[static_cast<size_t>(u)]) full_->release_weights(a, b);
   unit_gathered_[static_cast<size_t>(u)] = 0;
+}
+
+void Core::units_between_steps() {
+  py::gil_scoped_release no_gil;
+  // A unit gathered ahead that the step did not use: given back.
+  for (size_t u = 0; u < unit_gathered_.size(); ++u) {
+    if (unit_gathered_[u] == 0) continue;
+    wait_unit(static_cast<int>(u));
+    for (const auto& [a, b] : unit_ranges_[u]) full_->release_weights(a, b);
+    unit_gathered_[u] = 0;
+  }
+  full_->ready_weights(state_.step);
+  if (!unit_order_.empty()) last_unit_order_ = unit_order_;
+  unit_order_.clear();
 }
 
 }  // namespace limbo::python

@@ -39,7 +39,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("diloco", &Core::diloco)
       .def("begin_step", &Core::begin_step)
       .def("units", &Core::units)
-      .def("gather_unit", &Core::gather_unit)
+      .def("gather_unit", &Core::gather_unit, py::arg("u"), py::arg("forward") = true)
       .def("release_unit", &Core::release_unit)
       .def("backward_starts", &Core::backward_starts)
       .def("no_sync", &Core::no_sync)

@@ -47,11 +47,7 @@ void Core::begin_step() {
   if (!(plan_.begin == state_.cursor) && plan_.begin.position != 0)
     throw Error("internal: the batch does not start at the committed cursor");
   check_model();
-  if (full_) {  // the homes hold the committed step; every unit is gathered again
-    py::gil_scoped_release no_gil;
-    full_->ready_weights(state_.step);
-    std::fill(unit_gathered_.begin(), unit_gathered_.end(), 0);
-  }
+  if (full_) units_between_steps();  // the homes hold the committed step; every unit is gathered again
   in_step_ = true;
   step_start_ = Clock::now();
   backward_started_ = false;

@@ -536,20 +536,20 @@ class Job:
         buckets give them back again in backward (docs/sharded_state.md).
         Unit 0, the parameters of no other unit, is gathered before the
         model's forward and kept until backward has their gradients."""
-        def gather(u):
+        def gather(u, forward):
             job = me()
             if job is not None:
-                job._core.gather_unit(u)
+                job._core.gather_unit(u, forward)
 
         def root_pre(module, inputs):
-            gather(0)
+            gather(0, True)
         handles = [self.model.register_forward_pre_hook(root_pre)]
         for u, (name, _) in enumerate(self._core.units()):
             if u == 0:
                 continue
 
             def pre(module, inputs, u=u):
-                gather(u)
+                gather(u, True)
 
             def post(module, inputs, output, u=u):
                 job = me()
@@ -559,7 +559,7 @@ class Job:
                 if torch.is_grad_enabled():
                     for t in _tensors_in(output):
                         if t.requires_grad:
-                            t.register_hook(lambda grad, u=u: gather(u))
+                            t.register_hook(lambda grad, u=u: gather(u, False))
             mod = self.model.get_submodule(name)
             handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
         for h in handles:

@@ -34,11 +34,12 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
   if (full_ && !shard_)
     throw InvalidInput("optim.shard_weights = true shards the weights with the optimizer state: set optim.shard_state = true");
   if (full_ && !flat_.lazy()) throw Error("internal: sharded weights need lazy flat buffers");
-  if (full_) reducer_.set_reduce_in_hook([this](int64_t a, int64_t b) { bucket_reduced(a, b); });
+  if (full_) reducer_.set_reduce_in_hook([this](int64_t a, int64_t b) { bucket_reduced(a, b); }, &queue_);
   if (group_) set_group(group_);
 }
 
 void AllReduceUpdate::set_group(std::shared_ptr<comm::Collective> group) {
+  queue_.reset();  // no job handed over for the old group is left to run on the new one
   group_ = std::move(group);
   planned_ = false;
   gather_error_ = nullptr;
@@ -551,6 +552,7 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
 
 void AllReduceUpdate::ready_weights(int64_t step) {
   gather_error_ = nullptr;
+  queue_.reset();
   if (!full_ || !group_) return;
   ensure_home(step);
   weights_at_ = step;
@@ -568,22 +570,30 @@ void AllReduceUpdate::weights_resharded(int64_t step) {
   }
 }
 
-void AllReduceUpdate::gather_weights(int64_t a, int64_t b) {
-  if (!full_ || weights_whole_ || b <= a || !home_ || !group_ || gather_error_) return;
-  torch::NoGradGuard no_grad;
+void AllReduceUpdate::gather_weights(int64_t a, int64_t b) { wait_gather(issue_gather(a, b)); }
+
+int64_t AllReduceUpdate::issue_gather(int64_t a, int64_t b) {
+  if (!full_ || weights_whole_ || b <= a || !home_ || !group_ || gather_error_) return -1;
   const int v = home_->version_of(weights_at_);
   if (v < 0) throw Error("internal: this member's home has no weights of step " + std::to_string(weights_at_));
+  // What the job needs, taken now: the group and the home are this step's.
+  const float* src = home_->state(v, 0);
+  const int64_t hlo = home_->lo(), hhi = home_->hi();
   float* w = flat_.data().data_ptr<float>();
-  const int64_t lo = std::max(a, home_->lo()), hi = std::min(b, home_->hi());
-  if (hi > lo) std::memcpy(w + lo, home_->state(v, 0) + (lo - home_->lo()), sizeof(float) * (hi - lo));
-  auto part = flat_.data().narrow(0, a, b - a);
   std::vector<int64_t> rel;
   for (int64_t x : bounds_) rel.push_back(std::clamp(x, a, b) - a);
-  try {
-    group_->all_gather(part, rel);
-  } catch (const Error&) {
-    gather_error_ = std::current_exception();  // apply() fails the step with it
-  }
+  return queue_.push([g = group_, src, hlo, hhi, w, a, b, rel = std::move(rel)] {
+    const int64_t lo = std::max(a, hlo), hi = std::min(b, hhi);
+    if (hi > lo) std::memcpy(w + lo, src + (lo - hlo), sizeof(float) * (hi - lo));
+    auto part = torch::from_blob(w + a, {b - a}, torch::kFloat32);
+    g->all_gather(part, rel);
+  });
+}
+
+void AllReduceUpdate::wait_gather(int64_t ticket) {
+  if (ticket < 0) return;
+  queue_.wait(ticket);
+  if (!gather_error_) gather_error_ = queue_.error();  // apply() fails the step with it
 }
 
 void AllReduceUpdate::release_weights(int64_t a, int64_t b) {

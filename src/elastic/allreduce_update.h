@@ -36,6 +36,7 @@
 #include "comm/compression.h"
 #include "data/pace_shares.h"
 #include "elastic/bucket_reducer.h"
+#include "elastic/serial_queue.h"
 #include "elastic/shards.h"
 #include "train/update_rule.h"
 
@@ -114,6 +115,12 @@ class AllReduceUpdate : public train::UpdateRule {
   // the weights are whole.
   void gather_weights(int64_t a, int64_t b);
   void release_weights(int64_t a, int64_t b);
+  // The same in two halves: the gather handed to the collectives' queue
+  // (a ticket; -1: nothing to gather), and the wait for it, so that a
+  // unit's gather runs while the training thread computes another. A
+  // failure is kept for apply() (as gather_weights()).
+  int64_t issue_gather(int64_t a, int64_t b);
+  void wait_gather(int64_t ticket);
   // shard_weights: every unit gathered, the whole weights in the flat
   // buffer (the end of training, a checkpoint); whole until ready_weights()
   // gives them back again.
@@ -240,6 +247,9 @@ class AllReduceUpdate : public train::UpdateRule {
   double update_seconds_ = 0, gather_seconds_ = 0;
   int64_t updates_ = 0;
   int64_t gathered_everywhere_ = -1;  // the step an everywhere-gather last ran at
+  // shard_weights: the gathers and the buckets' reduce-scatters, run in the
+  // order handed over (last: its thread stops before the rest goes).
+  SerialQueue queue_;
 };
 
 }  // namespace limbo::elastic

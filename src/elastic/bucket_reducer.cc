@@ -92,8 +92,9 @@ BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool
   if (overlap_) install_hooks();
 }
 
-void BucketReducer::set_reduce_in_hook(std::function<void(int64_t, int64_t)> reduced) {
+void BucketReducer::set_reduce_in_hook(std::function<void(int64_t, int64_t)> reduced, SerialQueue* queue) {
   reduced_in_hook_ = std::move(reduced);
+  queue_ = queue;
   overlap_ = false;  // no communication thread: the hooks reduce
   if (hooks_.empty()) install_hooks();
 }
@@ -102,10 +103,16 @@ void BucketReducer::run_in_hook(size_t b) {
   if (hook_error_) return;  // the step failed already: finish() throws it
   try {
     prepare(b);
-    run(op_of(b));
     done_[b] = 1;
-    const int64_t end = std::min(buckets_[b].end, flat_.numel());
-    if (reduced_in_hook_) reduced_in_hook_(buckets_[b].begin, end);
+    const int64_t begin = buckets_[b].begin, end = std::min(buckets_[b].end, flat_.numel());
+    auto job = [this, b, begin, end] {
+      run(op_of(b));
+      if (reduced_in_hook_) reduced_in_hook_(begin, end);
+    };
+    if (queue_)
+      queue_->push(std::move(job));  // its failure: the queue's, which finish() throws
+    else
+      job();
   } catch (...) {
     hook_error_ = std::current_exception();
   }
@@ -426,6 +433,10 @@ void BucketReducer::finish(double flag) {
   } else {
     err = hook_error_;
     hook_error_ = nullptr;
+    if (queue_) {  // the buckets backward handed over: reduced, or the step failed
+      queue_->drain();
+      if (!err) err = queue_->error();
+    }
     try {
       for (size_t op = 0; op < ops_ && !err; ++op) {
         const bool bucket = op < buckets_.size();

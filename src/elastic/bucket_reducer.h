@@ -91,6 +91,7 @@
 
 #include "comm/collective.h"
 #include "comm/compression.h"
+#include "elastic/serial_queue.h"
 #include "optim/flat_params.h"
 
 namespace limbo::elastic {
@@ -127,13 +128,13 @@ class BucketReducer {
   // shard of the gradient (elastic/allreduce_update.h).
   BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool overlap,
                 comm::Compression compression, bool sharded = false, const std::vector<int>& unit_starts = {});
-  // Fully sharded (optim.shard_weights): each gradient bucket is reduced as
-  // soon as backward completes it, on the training thread inside backward
-  // (the unit gathers run there too, so every member's collectives come in
-  // the one order of its backward, the same everywhere), and then
-  // `reduced(begin, end)` is called with its range. A failure is kept and
-  // thrown by finish(); later buckets then do nothing.
-  void set_reduce_in_hook(std::function<void(int64_t, int64_t)> reduced);
+  // Fully sharded (optim.shard_weights): each gradient bucket is handed to
+  // `queue` as soon as backward completes it (scaled on the training thread
+  // inside backward; the units' gathers go through the same queue, so every
+  // member's collectives come in the one order of its backward, the same
+  // everywhere), and once reduced `reduced(begin, end)` is called with its
+  // range. finish() waits for the queue and throws its failure.
+  void set_reduce_in_hook(std::function<void(int64_t, int64_t)> reduced, SerialQueue* queue);
   // The shards of the flat gradient (elastic/shards.h) of the next steps'
   // group: between steps, on the training thread.
   void set_shards(const std::vector<int64_t>& bounds);
@@ -204,6 +205,7 @@ class BucketReducer {
   void comm_loop();
   void run_in_hook(size_t bucket);
   std::function<void(int64_t, int64_t)> reduced_in_hook_;
+  SerialQueue* queue_ = nullptr;
   std::vector<char> done_;  // per bucket: reduced in a hook this step
   std::exception_ptr hook_error_;
 
