@@ -17,7 +17,11 @@ with 16 bytes a parameter for the first term, and the activations taken as
 what the replicated path holds beyond its 16 bytes a parameter. Contenders
 interleaved, --repeats times; medians over members and repeats.
 
-    bench/full_shard_memory.py [--limbo build/src/cli/limbo] [--repeats 2] [--width 512] [--blocks 8]
+With --hosts, 2 hosts x 2 members (two network namespaces joined by a
+veth pair; root): the fully sharded members then also keep copies of the
+other host's shards.
+
+    bench/full_shard_memory.py [--limbo build/src/cli/limbo] [--repeats 2] [--width 512] [--blocks 8] [--hosts]
 """
 import argparse
 import json
@@ -29,6 +33,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from limbo_run import Veth  # noqa: E402
+
+VETH = None  # --hosts: 2 namespaces, nproc / 2 members each
 WORKER = os.path.join(ROOT, "bench", "full_shard_worker.py")
 PY = "/usr/bin/python3"
 
@@ -45,23 +53,39 @@ def run(limbo, mode, nproc, extra):
         port = random.randint(20000, 40000)
         # The ranks started here, as torchrun would (its launcher fails under
         # this Python 3.11).
-        procs = [subprocess.Popen([PY, WORKER, "--mode", mode] + extra, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True,
-                                  env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
-                                           WORLD_SIZE=str(nproc), LOCAL_RANK=str(r)))
-                 for r in range(nproc)]
+        per = nproc // 2 if VETH else nproc
+        procs = []
+        for r in range(nproc):
+            e = dict(env, MASTER_ADDR=VETH.ip[0] if VETH else "127.0.0.1", MASTER_PORT=str(port), RANK=str(r),
+                     WORLD_SIZE=str(nproc), LOCAL_RANK=str(r % per))
+            if VETH:
+                e["GLOO_SOCKET_IFNAME"] = VETH.dev[r // per]
+            procs.append(subprocess.Popen((VETH.prefix(r // per) if VETH else []) + [PY, WORKER, "--mode", mode] +
+                                          extra, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e))
         logs = [p.communicate(timeout=1800)[0] for p in procs]
         if any(p.returncode != 0 for p in procs):
             sys.exit("%s failed:\n%s" % (mode, "".join(logs)[-3000:]))
         d = env["FULL_SHARD_OUT"]
         return [json.load(open(os.path.join(d, f))) for f in sorted(os.listdir(d))]
-    else:
-        cmd = [limbo, "launch", "--nproc", str(nproc), "--run-dir", tempfile.mkdtemp(prefix="limbo-fsm-"), "--",
-               PY, WORKER, "--mode", mode] + extra
     env["FULL_SHARD_OUT"] = tempfile.mkdtemp(prefix="limbo-fsm-out-")
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    if r.returncode != 0:
-        sys.exit("%s failed:\n%s" % (mode, (r.stdout + r.stderr)[-3000:]))
+    run_dir = tempfile.mkdtemp(prefix="limbo-fsm-")
+    after = ["--", PY, WORKER, "--mode", mode] + extra
+    if VETH:
+        rdzv = "%s:%d" % (VETH.ip[0], random.randint(29000, 29900))
+        procs = []
+        for h in range(2):
+            procs.append(subprocess.Popen(VETH.prefix(h) + [limbo, "launch", "--nproc", str(nproc // 2),
+                                                              "--min-workers", str(nproc), "--rdzv", rdzv,
+                                                              "--run-dir", run_dir] + after,
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        logs = [p.communicate(timeout=1800)[0] for p in procs]
+        if any(p.returncode != 0 for p in procs):
+            sys.exit("%s failed:\n%s" % (mode, "".join(logs)[-3000:]))
+    else:
+        r = subprocess.run([limbo, "launch", "--nproc", str(nproc), "--run-dir", run_dir] + after, env=env,
+                           capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            sys.exit("%s failed:\n%s" % (mode, (r.stdout + r.stderr)[-3000:]))
     out = [json.load(open(os.path.join(env["FULL_SHARD_OUT"], f))) for f in sorted(os.listdir(env["FULL_SHARD_OUT"]))]
     if len(out) != nproc:
         sys.exit("%s: %d of %d members reported:\n%s" % (mode, len(out), nproc, r.stdout[-2000:]))
@@ -78,7 +102,19 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--modes", default="none,state,full,zero1")
+    ap.add_argument("--hosts", action="store_true", help="2 hosts (network namespaces) of nproc / 2 members")
     args = ap.parse_args()
+    global VETH
+    if args.hosts:
+        VETH = Veth()
+    try:
+        measure(args)
+    finally:
+        if VETH:
+            VETH.close()
+
+
+def measure(args):
     extra = ["--width", str(args.width), "--blocks", str(args.blocks), "--batch", str(args.batch),
              "--steps", str(args.steps)]
     modes = args.modes.split(",")
@@ -97,8 +133,8 @@ def main():
     params, unit, n = info["params"], info["unit_params"], args.nproc
     mib = 1 << 20
     state16 = 16 * params / mib
-    print("\n%d members, %.1fM parameters (largest unit %.2fM); weights + gradient + AdamW state: %.0f MiB"
-          % (n, params / 1e6, unit / 1e6, state16))
+    print("\n%d members%s, %.1fM parameters (largest unit %.2fM); weights + gradient + AdamW state: %.0f MiB"
+          % (n, " on 2 hosts" if VETH else "", params / 1e6, unit / 1e6, state16))
     med = {m: statistics.median(peaks[m]) for m in modes}
     act = med["none"] - state16 if "none" in med else float("nan")
     formula = state16 * 2 / n + 4 * unit / mib + act
