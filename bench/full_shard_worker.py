@@ -18,9 +18,31 @@ import os
 import sys
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+def join_memory_limit():
+    """With MEMORY_LIMIT_MIB (root, cgroup v1), this process goes into a
+    memory cgroup of its own with that limit, before torch is imported, so
+    that everything it holds counts (no swap here: over the limit, the
+    kernel's OOM killer ends it). The group is named in MEMORY_GROUP_FILE."""
+    mib = os.environ.get("MEMORY_LIMIT_MIB")
+    if not mib:
+        return
+    path = "/sys/fs/cgroup/memory/limbo-mem-%d" % os.getpid()
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+        f.write(str(int(float(mib) * (1 << 20))))
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    if os.environ.get("MEMORY_GROUP_FILE"):
+        with open(os.environ["MEMORY_GROUP_FILE"], "a") as f:
+            f.write(path + "\n")
+
+
+join_memory_limit()
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 def rss(field):
@@ -57,6 +79,8 @@ class Decoder(nn.Module):
         self.blocks = nn.ModuleList([Block(width, heads) for _ in range(blocks)])
         self.ln = nn.LayerNorm(width)
         self.register_buffer("mask", torch.full((context, context), float("-inf")).triu(1))
+        nn.init.normal_(self.tok.weight, std=0.02)  # tied with the output: logits of a sane size
+        nn.init.normal_(self.pos, std=0.02)
 
     def forward(self, x):
         h = self.tok(x) + self.pos[: x.shape[1]]
@@ -91,7 +115,7 @@ def main():
         logits = model(x[:, :-1])
         return F.cross_entropy(logits.reshape(-1, args.vocab), x[:, 1:].reshape(-1))
 
-    times, peak, rank, now = [], float("nan"), 0, {}
+    times, peak, rank, now, losses = [], float("nan"), 0, {}, []
     if args.mode == "zero1":
         import torch.distributed as dist
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -121,6 +145,9 @@ def main():
         for ids in job.batches(lambda ids: torch.as_tensor(ids)):
             job.backward(loss_of(ids))
             if job.step():
+                losses.append(job.loss)
+                if os.environ.get("PRINT_STEPS"):
+                    print("step %d loss %.4f rss %.0f MiB" % (job.step_count, job.loss, rss("VmRSS")), flush=True)
                 times.append(time.perf_counter())
                 if job.step_count == 2:
                     reset_peak()
@@ -132,7 +159,7 @@ def main():
     rate = (len(times) - 2) * args.batch * world / (times[-1] - times[1]) if len(times) > 2 else float("nan")
     line = json.dumps({"mode": args.mode, "rank": rank, "world": world, "base_mib": base, "peak_mib": peak,
                        "params": params, "unit_params": unit, "samples_per_second": rate,
-                       "after_last_step_mib": now})
+                       "after_last_step_mib": now, "losses": losses})
     print(line, flush=True)
     if os.environ.get("FULL_SHARD_OUT"):  # one file a member: the members' lines would interleave
         with open(os.path.join(os.environ["FULL_SHARD_OUT"], "rank%d.json" % rank), "w") as f:
