@@ -108,7 +108,8 @@ class Core {
   // `forward`: before the unit's forward (else before its backward). The
   // next unit's gather is handed over at once, to run while this one
   // computes: in forward the one that came next in the last step's forward,
-  // in backward the one before this in this step's forward.
+  // in backward the one before this in this step's forward. release_unit()
+  // keeps the last unit of forward for backward, which begins with it.
   void gather_unit(int u, bool forward);
   void release_unit(int u);
 

@@ -131,7 +131,7 @@ void Core::gather_unit(int u, bool forward) {
     unit_order_.push_back(u);
     const size_t i = unit_order_.size() - 1;
     if (i + 1 < last_unit_order_.size() && last_unit_order_[i] == u) next = last_unit_order_[i + 1];
-  } else if (!forward && !held) {
+  } else if (!forward) {  // held too: the last unit of forward stays for backward
     const auto it = std::find(unit_order_.rbegin(), unit_order_.rend(), u);
     if (it != unit_order_.rend() && std::next(it) != unit_order_.rend()) next = *std::next(it);
   }
@@ -141,6 +141,10 @@ void Core::gather_unit(int u, bool forward) {
 
 void Core::release_unit(int u) {
   if (!full_ || u < 0 || static_cast<size_t>(u) >= unit_gathered_.size() || !unit_gathered_[u]) return;
+  // The last unit of forward (as the last step's forward went: the same on
+  // every member) is the first of backward: kept, not gathered again.
+  if (!last_unit_order_.empty() && last_unit_order_.back() == u && unit_order_.size() == last_unit_order_.size())
+    return;
   py::gil_scoped_release no_gil;
   wait_unit(u);  // a gather handed over writes there still
   for (const auto& [a, b] : unit_ranges_[static_cast<size_t>(u)]) full_->release_weights(a, b);

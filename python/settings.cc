@@ -263,6 +263,11 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   session_->set_on_reform([this](const train::Membership::Established&) {
     generation_ += 1;
     plans_.clear();
+    // shard="full": what one member remembers of the last forward decides
+    // which unit it keeps for backward; a new group (a joiner remembers
+    // nothing) starts from the same nothing on every member.
+    unit_order_.clear();
+    last_unit_order_.clear();
     if (outer_steps_) outer_steps_->reformed();
   });
   if (outer_) {
