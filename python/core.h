@@ -184,6 +184,10 @@ class Core {
   // Limbo's optimizer: its state by name (whole, gathered from the shards
   // when sharded: a collective, every member calls it alike) and its count.
   py::dict optimizer_state();
+  // shard="full": the weights gathered whole on every member (a collective;
+  // a member lost meanwhile re-forms the group and it is done again), until
+  // the next step gives them back. A no-op otherwise.
+  void gather_weights();
 
  private:
   train::UpdateRule& rule() { return session_->rule(); }

@@ -72,6 +72,14 @@ std::string Core::finish(const py::dict& fields) {
   return s.dump();
 }
 
+void Core::gather_weights() {
+  if (!full_) return;
+  py::gil_scoped_release no_gil;
+  // The session's gather: the weights whole (the rule gathers them first),
+  // retried across a re-formation; the optimizer state kept nowhere.
+  session_->gather_state("full_state_dict()", false);
+}
+
 py::dict Core::optimizer_state() {
   {
     py::gil_scoped_release no_gil;

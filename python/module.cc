@@ -53,6 +53,7 @@ PYBIND11_MODULE(_core, m) {
       .def("global_ids", &Core::global_ids)
       .def("batch_ids", &Core::batch_ids)
       .def("optimizer_state", &Core::optimizer_state)
+      .def("gather_weights", &Core::gather_weights)
       .def("eval_share", &Core::eval_share)
       .def("eval_reduce", &Core::eval_reduce)
       .def_property_readonly("world", &Core::world)

@@ -529,6 +529,16 @@ class Job:
         if self._ended:
             _unfinished.add(self)  # finish() at exit if the program does not call it
 
+    def full_state_dict(self):
+        """The model's state_dict with every parameter whole, as copies. With
+        shard="full" the weights are gathered from the members' shards first:
+        a collective, so every member calls it at the same point between
+        steps (a member lost meanwhile: the group re-forms and the gather is
+        done again); they are given back at the next step. Otherwise it is
+        model.state_dict()'s copy."""
+        self._core.gather_weights()
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
     def _unit_hooks(self, me):
         """shard="full": each unit's weights gathered from the members' shards
         just before its forward and again before its backward (a hook on its

@@ -61,7 +61,7 @@ def main():
         opt = limbo.Optimizer("sgd", lr=0.05, momentum=0.9)
     job = limbo.Job(model, opt, dataset=args.samples, batch_size=args.batch, epochs=args.epochs,
                     batch_policy="none", checkpoint_every_epochs=0, clip_grad_norm=args.clip, shard=args.shard)
-    losses, held = [], []
+    losses, held, middle = [], [], None
     for ids in job.batches(lambda ids: torch.as_tensor(ids)):
         out = model(x[ids])
         loss = nn.functional.cross_entropy(out.reshape(-1, vocab), y[ids].reshape(-1))
@@ -72,10 +72,12 @@ def main():
             # member does not hold them (shard="full").
             w = model.blocks[args.blocks // 2].mlp[0].weight
             held.append(float((w != 0).float().mean()))
+            if job.step_count == 5:  # the whole model in the middle of training
+                middle = job.full_state_dict()
     job.finish()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.save({"weights": weights, "losses": losses, "world": job.world,
-                "held": held},
+                "held": held, "middle": middle},
                os.path.join(args.out, "rank%d.pt" % job.rank))
 
 

@@ -46,8 +46,9 @@ def test_fully_sharded_training_equals_the_replicated_path(optimizer, nproc, cli
     is the replicated path's); with clipping the norm is summed from the
     shards in another order, so within float32 rounding of the coefficient.
     Between steps a fully sharded member holds none of a unit's weights but
-    the pages its shard shares (they read as zeros), and after training the
-    model is whole on every member."""
+    the pages its shard shares (they read as zeros); job.full_state_dict()
+    in the middle of training, and the model after training, are whole on
+    every member."""
     args = ["--optimizer", optimizer, "--clip", str(clip)]
     whole = run(nproc, "none", *args)
     full = run(nproc, "full", *args)
@@ -64,6 +65,14 @@ def test_fully_sharded_training_equals_the_replicated_path(optimizer, nproc, cli
     else:
         assert full[0]["losses"] == pytest.approx(whole[0]["losses"], rel=1e-3)
     assert full[0]["losses"][-1] < 0.5 * full[0]["losses"][0]  # it learns
+    # job.full_state_dict() in the middle of training: the whole model on
+    # every member, the replicated path's (and training goes on after it).
+    for member in full:
+        for name, w in whole[0]["middle"].items():
+            if clip == 0:
+                assert torch.equal(member["middle"][name], w), name
+            else:
+                assert (member["middle"][name] - w).abs().max() <= 1e-3 * max(w.abs().max().item(), 1e-6), name
     # A unit's weights between steps: all there replicated, only the
     # boundary pages of a member's shard when fully sharded.
     assert min(whole[0]["held"]) == 1.0
