@@ -337,3 +337,34 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
+
+// A fixed group (`limbo launch --nproc 2`, no --min-workers) resumed with
+// --resume: only member 0 has the run directory and reads the checkpoint,
+// and the others take its whole state (weights, AdamW state, step, cursor)
+// when the group starts. Before, member 1 stopped the job with "--resume:
+// no checkpoint at ''". The resumed run ends where an unbroken one does, bit
+// for bit, with the optimizer state replicated and sharded.
+TEST(StaticResume, AFixedGroupResumedTakesMemberZerosStateAndEndsAsAnUnbrokenRun) {
+  if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
+  TempDir d;
+  for (bool sharded : {false, true}) {
+    const std::vector<std::string> opt = {"--set", "optim.algorithm=adamw", "--set",
+                                          std::string("optim.shard_state=") + (sharded ? "true" : "false")};
+    auto fixed = [&](const std::string& name, int epochs, bool resume) {
+      std::vector<std::string> a = {"launch", "--nproc", "2", "--"};
+      auto t = job_args(d.file(name), epochs);
+      a.insert(a.end(), t.begin(), t.end());
+      a.insert(a.end(), opt.begin(), opt.end());
+      if (resume) a.push_back("--resume");
+      auto r = limbo::testing::run_limbo(a);
+      EXPECT_EQ(r.exit_code, 0) << name << ": " << r.output;
+      return r.output;
+    };
+    const std::string tag = sharded ? "sharded" : "replicated";
+    fixed("unbroken-" + tag, 2, false);
+    fixed("resumed-" + tag, 1, false);
+    const std::string out = fixed("resumed-" + tag, 2, true);
+    EXPECT_NE(out.find("resumed from step"), std::string::npos) << out;
+    expect_same_checkpoint(d.file("unbroken-" + tag), d.file("resumed-" + tag));
+  }
+}

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "comm/shm_group.h"
+#include "elastic/elastic_membership.h"
 #include "common/error.h"
 
 namespace limbo::elastic {
@@ -267,19 +268,29 @@ void AllReduceUpdate::release_state(optim::Optimizer& opt, int64_t step) {
 void AllReduceUpdate::start(torch::Tensor& weights, torch::Tensor& buffers) {
   if (!group_) return;  // elastic training syncs in establish()
   group_->broadcast(weights, 0);
-  // Frozen parameters too (a frozen layer left unseeded differs between
-  // members otherwise), as DDP does when it starts.
+  broadcast_frozen();
+  if (buffers.numel() > 0) {
+    flat_.buffers_to_flat();
+    group_->broadcast(buffers, 0);
+    flat_.flat_to_buffers();
+  }
+}
+
+// Frozen parameters too (a frozen layer left unseeded differs between
+// members otherwise), as DDP does when it starts.
+void AllReduceUpdate::broadcast_frozen() {
   for (const auto& f : flat_.frozen_parameters())
     if (f.scalar_type() == torch::kFloat32 && f.is_contiguous()) {
       torch::NoGradGuard no_grad;
       auto t = f;
       group_->broadcast(t, 0);
     }
-  if (buffers.numel() > 0) {
-    flat_.buffers_to_flat();
-    group_->broadcast(buffers, 0);
-    flat_.flat_to_buffers();
-  }
+}
+
+void AllReduceUpdate::start_resumed(train::SyncTargets& s) {
+  if (!group_) return;
+  sync_state(*group_, s);  // from member 0: the newest step (ties: the lowest rank)
+  broadcast_frozen();
 }
 
 // ISGD's extra passes: not bucketed, not overlapped, float32.

@@ -80,6 +80,8 @@ class AllReduceUpdate : public train::UpdateRule {
                   optim::FlatParams& flat, const ReduceOptions& opt);
   // Broadcasts member 0's weights and buffers to everyone.
   void start(torch::Tensor& weights, torch::Tensor& buffers) override;
+  // A fixed group resumed by member 0 alone: its whole state to everyone.
+  void start_resumed(train::SyncTargets& s) override;
   void backward_starts(train::StepContext& ctx) override;
   void set_step_loss(double loss) override { reducer_.set_loss(loss); }
   void no_sync(bool on) override { reducer_.set_no_sync(on); }
@@ -196,6 +198,7 @@ class AllReduceUpdate : public train::UpdateRule {
  private:
   // The step's publication of paces, if it has one (a collective).
   void publish_paces(int64_t step);
+  void broadcast_frozen();
   std::shared_ptr<data::PaceShares> paces_;
   std::shared_ptr<comm::Collective> group_;
   std::shared_ptr<train::OptimizerStep> opt_;

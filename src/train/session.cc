@@ -33,6 +33,13 @@ Session::~Session() = default;
 void Session::resume() {
   extra_current_ = false;  // the state comes from a checkpoint
   auto& st = p_.state;
+  resumed_ = !membership_;
+  // A fixed group's member other than 0 has no run directory: it takes
+  // member 0's resumed state when the group starts (start()).
+  if (checkpoint_path_.empty() && !membership_ && world_ > 1 && rank_ != 0) {
+    resumes_from_first_ = true;
+    return;
+  }
   if (checkpoint_path_.empty() || !file_exists(checkpoint_path_))
     throw InvalidInput("--resume: no checkpoint at '" + checkpoint_path_ + "'");
   const std::string config = st.config_toml;
@@ -91,7 +98,17 @@ void Session::start() {
     reform("start", Clock::now(), 0.0);
     return;
   }
-  rule_->start(p_.flat.data(), p_.flat.buffers());
+  if (resumed_) {  // every member of a fixed group resumes alike (--resume): member 0's state to all
+    auto& st = p_.state;
+    SyncTargets targets{p_.flat.data(), p_.flat.buffers(), p_.opt->optimizer(), st, p_.policy, p_.isgd};
+    targets.pack_extra = p_.pack_extra;
+    targets.unpack_extra = p_.unpack_extra;
+    p_.flat.buffers_to_flat();
+    rule_->start_resumed(targets);
+    p_.flat.flat_to_buffers();
+  } else {
+    rule_->start(p_.flat.data(), p_.flat.buffers());
+  }
   if (paces_) paces_->reset(world_, p_.state.step);
 }
 

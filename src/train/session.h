@@ -130,6 +130,10 @@ class Session {
   // throws CompletedElsewhere when training already completed), or the
   // rule's start (a fixed group: member 0's weights everywhere).
   void start();
+  // Whether this member resumes from member 0's checkpoint (a fixed group's
+  // member other than 0: no run directory of its own).
+  bool resumes_from_first_ = false;
+  bool resumed_ = false;  // resume() ran: a fixed group starts from member 0's state (start_resumed)
   // (Re)forms the group: new world and rank, the newest state everywhere.
   void reform(const std::string& reason, Clock::time_point detected, double detection);
   // Sharded optimizer state whole on the members that pass `here` (a

@@ -523,8 +523,11 @@ nlohmann::json Trainer::run() {
   }
   r.run_dir.write_config(cfg_.config_toml);
   // A fixed group: the loader cuts its batches by the group's shares from
-  // the first step (an elastic one restarts it at every formation).
-  if (paces_ && !outer_ && !elastic) r.loader->restart(state_.cursor, session.world(), session.rank(), state_.step);
+  // the first step (an elastic one restarts it at every formation), and a
+  // resumed member other than 0 took member 0's cursor in start().
+  if ((paces_ || t.resume) && !outer_ && !elastic)
+    r.loader->restart(state_.cursor, session.world(), session.rank(), state_.step);
+  if (t.resume) r.resumed_from = state_.step;
   r.log_sampler = std::make_unique<data::Sampler>(r.n, loader_opt.order, loader_opt.seed);
   r.progress = std::make_unique<Progress>("train", r.total_steps, stderr);
   model_->train();

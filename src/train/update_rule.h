@@ -20,6 +20,7 @@
 
 #include "optim/clip.h"
 #include "optim/optimizer.h"
+#include "train/membership.h"
 
 namespace limbo::train {
 
@@ -95,6 +96,11 @@ class UpdateRule {
   // Called once before the first step: distributed rules make every member
   // start from the same weights and buffers here (a collective; blocks).
   virtual void start(torch::Tensor& weights, torch::Tensor& buffers) {}
+  // A fixed group resumed from a checkpoint that only member 0 read (the
+  // run directory is member 0's): the whole state from it (weights,
+  // buffers, optimizer state, step and cursor, the policy's and the front
+  // end's), in place of start(). A collective; every member calls it.
+  virtual void start_resumed(SyncTargets& s) { start(s.weights, s.buffers); }
   // Called between forward and backward of a step's gradient, with the
   // context filled in (ctx.loss is the batch's loss). A rule that
   // communicates while backward runs (elastic.overlap) starts here; apply()

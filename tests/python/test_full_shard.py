@@ -25,15 +25,15 @@ import torch  # noqa: E402
 import limbo  # noqa: E402
 
 
-def run(nproc, shard, *args):
-    """The script under `limbo launch`; rank 0's and rank 1's results."""
+def run(nproc, shard, *args, run_dir=None, resume=False):
+    """The script under `limbo launch`; every member's results."""
     out = tempfile.mkdtemp(prefix="limbo-fs-")
     e = dict(os.environ)
     e["PYTHONPATH"] = PYDIR + (":" + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
     for k in ("LIMBO_RDZV", "LIMBO_ELASTIC", "LIMBO_RANK", "LIMBO_WORLD", "LIMBO_RUN_DIR", "LIMBO_RESUME"):
         e.pop(k, None)
-    cmd = [LIMBO, "launch", "--nproc", str(nproc), "--run-dir", os.path.join(out, "run"), "--",
-           sys.executable, SCRIPT, "--shard", shard, "--out", out] + list(args)
+    cmd = [LIMBO, "launch", "--nproc", str(nproc), "--run-dir", run_dir or os.path.join(out, "run")] + \
+        (["--resume"] if resume else []) + ["--", sys.executable, SCRIPT, "--shard", shard, "--out", out] + list(args)
     r = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return [torch.load(os.path.join(out, "rank%d.pt" % i)) for i in range(nproc)]
@@ -95,3 +95,22 @@ def test_fully_sharded_refusals_say_why():
         limbo.Job(model, own, dataset=8, batch_size=2, shard="full", units=["blocks.0"])
     with pytest.raises(limbo.InvalidInput, match="units= cuts"):
         limbo.Job(model, own, dataset=8, batch_size=2, units=["0"])
+
+
+@pytest.mark.parametrize("first,then", [("full", "full"), ("none", "full"), ("full", "none")])
+def test_a_fully_sharded_checkpoint_resumes_into_another_world_size(first, then):
+    """An epoch on 2 members, its checkpoint resumed by 3 for a second epoch:
+    fully sharded, or switching between replicated and fully sharded across
+    the resume; the end is the replicated path's with the same schedule,
+    bit for bit (the checkpoint holds the whole weights and AdamW state)."""
+    def two_epochs(a, b):
+        d = tempfile.mkdtemp(prefix="limbo-fs-resume-")
+        run(2, a, "--epochs", "1", run_dir=d)
+        return run(3, b, "--epochs", "2", run_dir=d, resume=True)
+    want = two_epochs("none", "none")
+    got = two_epochs(first, then)
+    assert len(got[0]["losses"]) == -(-512 // 48)  # the second epoch's steps, at 3 members
+    for member in got:
+        for name, w in want[0]["weights"].items():
+            assert torch.equal(member["weights"][name], w), name
+    assert got[0]["losses"] == want[0]["losses"]
