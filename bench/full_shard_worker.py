@@ -44,6 +44,9 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from charlm import Block  # noqa: E402  (the character transformers' block: attention and a GELU MLP)
+
 
 def rss(field):
     with open("/proc/self/status") as f:
@@ -56,19 +59,6 @@ def rss(field):
 def reset_peak():
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
-
-
-class Block(nn.Module):
-    def __init__(self, width, heads):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, h, mask):
-        a = self.ln1(h)
-        h = h + self.attn(a, a, a, attn_mask=mask, need_weights=False)[0]
-        return h + self.mlp(self.ln2(h))
 
 
 class Decoder(nn.Module):

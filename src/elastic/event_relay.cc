@@ -20,7 +20,7 @@ std::pair<std::string, int64_t> parse_event(const std::string& event) {
 }
 
 namespace {
-int64_t to_int(const std::optional<std::string>& v) {
+int64_t stored_int(const std::optional<std::string>& v) {
   try {
     return v ? std::stoll(*v) : 0;
   } catch (const std::exception&) {
@@ -56,9 +56,9 @@ bool EventRelay::follow(comm::KvStore& s) {
       [&] {
         if (!started) {  // before the stream opens: the state it starts from
           started = true;
-          const int64_t n = to_int(s.try_get("elastic/events"));
-          const int64_t round = to_int(s.try_get("elastic/round"));
-          const int64_t abort = to_int(s.try_get("elastic/abort"));
+          const int64_t n = stored_int(s.try_get("elastic/events"));
+          const int64_t round = stored_int(s.try_get("elastic/round"));
+          const int64_t abort = stored_int(s.try_get("elastic/abort"));
           const bool done = s.try_get("elastic/done").has_value();
           table_->relay_events(round, abort, done, monotonic_ns(), wait_.count());
           streamed_ = n;
@@ -69,7 +69,7 @@ bool EventRelay::follow(comm::KvStore& s) {
         const auto [kind, k] = parse_event(value);
         if (kind == "round") table_->relay_events(k, 0, false, monotonic_ns(), wait_.count());
         else if (kind == "abort") table_->relay_events(0, k, false, monotonic_ns(), wait_.count());
-        const auto n = to_int(key.substr(key.rfind('/') + 1));
+        const auto n = stored_int(key.substr(key.rfind('/') + 1));
         if (n > streamed_.load()) streamed_ = n;
       });
   streamed_ = -1;
@@ -84,7 +84,7 @@ void EventRelay::verify(comm::KvStore& c, int64_t* behind_at) {
     *behind_at = -1;
     return;
   }
-  const int64_t count = to_int(c.try_get("elastic/events"));
+  const int64_t count = stored_int(c.try_get("elastic/events"));
   const bool done = c.try_get("elastic/done").has_value();
   if (count <= streamed) {
     *behind_at = -1;
@@ -167,8 +167,8 @@ void EventRelay::loop() {
       if (follow(*s)) return;
       if (fresh) {
         n = s->add("elastic/events", 0);
-        const int64_t round = to_int(s->try_get("elastic/round"));
-        const int64_t abort = to_int(s->try_get("elastic/abort"));
+        const int64_t round = stored_int(s->try_get("elastic/round"));
+        const int64_t abort = stored_int(s->try_get("elastic/abort"));
         const bool done = s->try_get("elastic/done").has_value();
         table_->relay_events(round, abort, done, monotonic_ns(), wait_ms);
         fresh = false;
@@ -186,8 +186,8 @@ void EventRelay::loop() {
         // round and abort keys (a safety net should an event be missing),
         // every wait: the table is current as of these reads.
         const bool done = s->try_get("elastic/done").has_value();
-        const int64_t round = to_int(s->try_get("elastic/round"));
-        const int64_t abort = to_int(s->try_get("elastic/abort"));
+        const int64_t round = stored_int(s->try_get("elastic/round"));
+        const int64_t abort = stored_int(s->try_get("elastic/abort"));
         table_->relay_events(round, abort, done, monotonic_ns(), wait_ms);
       }
     } catch (const std::exception& e) {
