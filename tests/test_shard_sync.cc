@@ -9,7 +9,12 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstring>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "comm/collective.h"
@@ -135,4 +140,89 @@ TEST(ShardSync, HomesThatEndedJobsLeftAreRemovedAndLiveJobsKeepTheirs) {
   EXPECT_TRUE(exists("limbo-zero-" + live + "-m4-r1"));
   EXPECT_TRUE(exists("limbo-zero-" + joined + "-m5-r1"));
   EXPECT_EQ(elastic::remove_homes("limbo-zero-" + live + "-") + elastic::remove_homes("limbo-zero-" + joined + "-"), 3);
+}
+
+// A home with a log (shard_weights) is updated in place, chunk by chunk:
+// a process SIGKILLed anywhere in that update (computing a chunk, copying
+// it over, between chunks) leaves a home that another process finishes
+// from the log to exactly the values of an update never cut short. Each
+// trial forks a process that updates a 1M-element home and kills it after
+// a growing delay; this process then finishes the home (taking over the
+// dead process's claim) and compares every element, bit for bit.
+TEST(ShardHome, AnUpdateInPlaceKilledAnywhereIsFinishedExactlyFromItsLog) {
+  const int64_t n = int64_t{1} << 20;
+  const std::string name = "/limbo-test-roll-" + std::to_string(::getpid());
+  elastic::ShardHome home(name, n, 0, n, 3, /*logged=*/true);
+  ASSERT_TRUE(home.shared());
+  ASSERT_TRUE(home.logged());
+  // w, m, v at step 4 and the log of step 5; the rule: a small Adam, with
+  // busy work that leaves the values alone, so that a chunk takes a while.
+  auto start = [&] {
+    for (int64_t i = 0; i < n; ++i) {
+      home.state(0, 0)[i] = std::sin(0.001f * static_cast<float>(i));
+      home.state(0, 1)[i] = 0.01f * std::cos(0.003f * static_cast<float>(i));
+      home.state(0, 2)[i] = 0.001f + 0.0001f * static_cast<float>(i % 97);
+    }
+    home.begin_log();
+    for (int64_t i = 0; i < n; ++i) home.log()[i] = 0.1f * std::sin(0.007f * static_cast<float>(i) + 1.0f);
+    home.commit(0, 4, 4, true);
+    home.log_written(5, 0.01, false);
+  };
+  auto update_of = [](elastic::ShardHome& h) {
+    return [&h](int64_t a, int64_t b, int64_t steps, bool has, double lr, const std::vector<float*>& out) {
+      EXPECT_TRUE(has);
+      const float bc = 1.0f - std::pow(0.9f, static_cast<float>(steps + 1));
+      for (int64_t i = a; i < b; ++i) {
+        const float g = h.log()[i];
+        const float m = 0.9f * h.state(0, 1)[i] + 0.1f * g;
+        const float v = 0.99f * h.state(0, 2)[i] + 0.01f * g * g;
+        volatile float busy = 0;
+        for (int k = 0; k < 40; ++k) busy = busy + static_cast<float>(k) * m;
+        out[0][i - a] = h.state(0, 0)[i] - static_cast<float>(lr) * (m / bc) / (std::sqrt(v) + 1e-8f);
+        out[1][i - a] = m;
+        out[2][i - a] = v;
+      }
+    };
+  };
+  // The values of an update never cut short, and how long it takes.
+  start();
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(home.roll_forward(5, update_of(home), true));
+  const double whole = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(home.version_of(5), 0);
+  EXPECT_EQ(home.optimizer_steps(0), 5);
+  std::vector<float> expect[3];
+  for (int s = 0; s < 3; ++s) expect[s].assign(home.state(0, s), home.state(0, s) + n);
+
+  const int trials = 12;
+  int cut_midway = 0;
+  for (int t = 0; t < trials; ++t) {
+    start();
+    ASSERT_EQ(home.version_of(4), 0);
+    ASSERT_EQ(home.version_of(5), -1);
+    const pid_t child = ::fork();
+    if (child == 0) {
+      auto h = elastic::ShardHome::open(name);
+      if (h) h->roll_forward(5, update_of(*h), true);
+      ::_exit(0);
+    }
+    const double delay = whole * (0.05 + 0.9 * t / (trials - 1));
+    std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+    ::kill(child, SIGKILL);
+    int status = 0;
+    ::waitpid(child, &status, 0);
+    if (home.version_of(5) < 0 && home.cursor() > 0) ++cut_midway;
+    ASSERT_TRUE(home.roll_forward(5, update_of(home), true)) << "trial " << t;
+    ASSERT_EQ(home.version_of(5), 0);
+    EXPECT_EQ(home.optimizer_steps(0), 5);
+    EXPECT_EQ(home.log_step(), -1);
+    for (int s = 0; s < 3; ++s)
+      ASSERT_EQ(std::memcmp(expect[s].data(), home.state(0, s), sizeof(float) * n), 0)
+          << "trial " << t << ", slot " << s << " differs from an update never cut short";
+  }
+  // Some kills fell in the middle of the update (not all before it or
+  // after it): what this test is about.
+  std::printf("%d of %d kills fell inside the update (%.3f s long)\n", cut_midway, trials, whole);
+  EXPECT_GE(cut_midway, 1) << "no kill fell inside the update (" << whole << " s long)";
+  home.unlink();
 }

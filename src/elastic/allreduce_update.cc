@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "comm/shm_group.h"
@@ -25,6 +26,21 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
       home_prefix_(opt.home_prefix),
       stats_(torch::zeros({2}, torch::kFloat32)) {
   paces_ = opt.paces;
+  if (const char* d = std::getenv("LIMBO_TESTING_DIE_IN_COMMIT")) {  // ITERATION:WHERE:RANK:HOW:MARKER
+    std::vector<std::string> f;
+    std::string v = d;
+    for (size_t at = 0, next; f.size() < 4 && (next = v.find(':', at)) != std::string::npos; at = next + 1)
+      f.push_back(v.substr(at, next - at));
+    if (f.size() == 4) {
+      die_in_commit_.iteration = std::stoll(f[0]);
+      die_in_commit_.where = f[1];
+      die_in_commit_.rank = std::stoi(f[2]);
+      die_in_commit_.freeze = f[3] == "stop";
+      size_t at = 0;
+      for (int i = 0; i < 4; ++i) at = v.find(':', at) + 1;
+      die_in_commit_.marker = v.substr(at);
+    }
+  }
   reducer_.set_testing_death(opt.testing_die_in_bucket);
   if (opt.finish_in_backward) {
     reducer_.set_finish_in_backward(true);
@@ -44,6 +60,7 @@ void AllReduceUpdate::set_group(std::shared_ptr<comm::Collective> group) {
   group_ = std::move(group);
   planned_ = false;
   gather_error_ = nullptr;
+  commit_error_ = nullptr;  // the sync settles the logs it left
   // A new group re-shards the state (sync_sharded_state): a gather made
   // before it no longer holds, and a joiner has made none. Every member of
   // the group starts from none, so whether a gather runs never differs
@@ -68,7 +85,7 @@ std::unique_ptr<ShardHome> AllReduceUpdate::make_home(const std::string& base, i
       break;
     }
   }
-  return std::make_unique<ShardHome>(name, flat_.numel(), lo, hi, states);
+  return std::make_unique<ShardHome>(name, flat_.numel(), lo, hi, states, /*logged=*/full_);
 }
 
 namespace {
@@ -164,6 +181,11 @@ bool AllReduceUpdate::version_meta(int64_t step, int64_t* optimizer_steps, bool*
 // elastic, or after a resume), they are made from the optimizer's whole
 // state (or none).
 void AllReduceUpdate::ensure_home(int64_t step) {
+  if (commit_error_) {  // the homes hold the last step's log, not the step: the group re-forms first
+    auto e = commit_error_;
+    commit_error_ = nullptr;
+    std::rethrow_exception(e);
+  }
   if (!planned_) plan_copies();
   auto& opt = opt_->optimizer();
   const int first = first_state_slot();
@@ -445,11 +467,10 @@ bool AllReduceUpdate::update_into(ShardHome& h, int64_t step, float coef, train:
   }
   auto& opt = opt_->optimizer();
   opt.set_state({}, h.optimizer_steps(cur));
-  // Sharded weights: from the home's version of `step` into its next one;
-  // else from the whole weights into the gradient's place.
-  const float* w = full_ ? h.state(cur, 0) : ctx.weights.data_ptr<float>() + h.lo();
-  float* w_out = full_ ? h.state(next, 0) : g.data_ptr<float>();
-  return opt.step_into(w, w_out, g.data_ptr<float>(), in, out, h.size(), ctx.lr);
+  // From the whole weights into the gradient's place (sharded weights
+  // update their homes in place: apply_logged).
+  return opt.step_into(ctx.weights.data_ptr<float>() + h.lo(), g.data_ptr<float>(), g.data_ptr<float>(), in, out,
+                       h.size(), ctx.lr);
 }
 
 // This member's shard (and the copies it keeps): agree on finiteness and
@@ -489,7 +510,8 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   const int first = first_state_slot();
   const int states = h.states() - first;  // of the optimizer
   const bool clip = opt_->clip_norm() > 0;
-  for (ShardHome* x : homes) x->begin(1 - x->version_of(k));
+  if (!full_)
+    for (ShardHome* x : homes) x->begin(1 - x->version_of(k));
   // Clipping needs the global norm before the update: the shards' squared
   // norms are summed (a square that is not finite makes the sum so).
   // Without clipping the update runs first, into the next version (nothing
@@ -497,8 +519,16 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   float* st = stats_.data_ptr<float>();
   st[0] = st[1] = 0.0f;
   if (clip && m > 0) st[1] = static_cast<float>(ctx.grad.narrow(0, h.lo(), m).square().sum().item<double>());
+  // Sharded weights are updated in place, after the logs: whether every
+  // shard of the gradient is finite is agreed first (the norm's sum does it
+  // when clipping).
+  if (full_ && !clip && m > 0) st[1] = std::isfinite(own_shard_sum()) ? 0.0f : 1.0f;
   const auto t_update = std::chrono::steady_clock::now();
   float coef = 1.0f;
+  if (full_ && !clip) {
+    group_->allreduce_sum(stats_);
+    if (st[1] != 0.0f) st[0] = 1.0f;
+  }
   if (clip) {
     group_->allreduce_sum(stats_);
     const double norm = std::sqrt(static_cast<double>(st[1]));
@@ -507,6 +537,7 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
     if (!std::isfinite(norm)) st[0] = 1.0f;
   }
   bool finite = reducer_.finite() && st[0] == 0;
+  if (full_) return apply_logged(ctx, global_loss, homes, coef, finite);
   if (finite) {
     bool mine = true;
     for (ShardHome* x : homes) mine = update_into(*x, k, coef, ctx) && mine;
@@ -529,7 +560,6 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
       x->commit(1 - c, k + 1, x->optimizer_steps(c), x->has_state(c));
     }
     opt.set_state(views_of(1 - cur, h.has_state(cur)), h.optimizer_steps(cur));
-    if (full_) weights_at_ = k + 1;
     return {global_loss, ctx.global_batch, /*skipped=*/true};
   }
   if (ctx.before_update) ctx.before_update(global_loss);
@@ -538,17 +568,6 @@ train::StepResult AllReduceUpdate::apply_shard(train::StepContext& ctx, double g
   // The optimizer's state is this shard's (views of the home).
   opt.set_state(views_of(1 - cur, states > 0), steps);
   const auto t_gather = std::chrono::steady_clock::now();
-  if (full_) {
-    // Sharded weights: the step is this member's only once every member's
-    // homes hold k + 1 (one small all-reduce), so a member that goes on to
-    // k + 1 knows that every shard of it is written somewhere.
-    st[0] = st[1] = 0.0f;
-    group_->allreduce_sum(stats_);
-    weights_at_ = k + 1;
-    update_seconds_ += std::chrono::duration<double>(t_gather - t_update).count();
-    updates_ += 1;
-    return {global_loss, ctx.global_batch};
-  }
   // The whole weights change only once every shard is here: until then a
   // failure leaves them at step k on this member.
   group_->all_gather(ctx.grad, bounds_);

@@ -130,6 +130,12 @@ class AllReduceUpdate : public train::UpdateRule {
   bool weights_whole() const { return weights_whole_; }
   // After a state sync put step `step`'s weights into the new homes.
   void weights_resharded(int64_t step);
+  // shard_weights, before a state sync reads the homes kept at step
+  // `step`: every home holding the log of `step` (its update cut short by
+  // a failure, here or in a dead member of this host) finished from it.
+  // A live owner elsewhere (frozen, or out of the round) is killed first:
+  // it could go on writing the home. See apply_logged().
+  void settle_logs(int64_t step);
   bool shards_state() const override { return shard_; }
   const std::vector<int64_t>& bounds() const { return bounds_; }
   ShardHome* home() { return home_.get(); }
@@ -213,6 +219,11 @@ class AllReduceUpdate : public train::UpdateRule {
   int64_t last_payload_ = -1;  // of the last apply() or sum() (last_payload_bytes)
 
   train::StepResult apply_shard(train::StepContext& ctx, double global_loss);
+  // shard_weights: the step's commit through the homes' logs (apply_shard).
+  train::StepResult apply_logged(train::StepContext& ctx, double global_loss, const std::vector<ShardHome*>& homes,
+                                 float coef, bool finite);
+  // Brings home `h` to step `step` from its log (ShardHome::roll_forward).
+  bool roll_forward(ShardHome& h, int64_t step);
   double own_shard_sum() const;
   void ensure_home(int64_t step);
   bool update_into(ShardHome& h, int64_t step, float coef, train::StepContext& ctx);
@@ -226,6 +237,21 @@ class AllReduceUpdate : public train::UpdateRule {
   // step with it, so the user's forward and backward never see the failure
   // (they compute on what they have, and the step is redone).
   std::exception_ptr gather_error_;
+  // A failure of the commit's second barrier (apply_logged): the step
+  // counts, the homes hold its log; the next step's gathers fail with it.
+  std::exception_ptr commit_error_;
+  // Testing aid (LIMBO_TESTING_DIE_IN_COMMIT="ITERATION:WHERE:RANK:HOW:MARKER"):
+  // the member of that rank SIGKILLs (HOW kill) or SIGSTOPs (stop) itself in the commit of the step after
+  // ITERATION committed ones, at WHERE (logged: its logs written, before
+  // barrier 1; barrier1: between the barriers; update: in its home's update
+  // in place, at the third chunk), once a job (MARKER, made exclusively).
+  struct CommitDeath {
+    int64_t iteration = -1;
+    std::string where, marker;
+    int rank = -1;
+    bool freeze = false;
+  } die_in_commit_;
+  void maybe_die_in_commit(const std::string& where, int64_t iteration);
   int64_t weights_at_ = INT64_MIN;  // the committed step the homes' weights are gathered from
   // A bucket of the gradient summed (shard_weights): what is not this
   // member's (its shard, the copies it keeps) given back, and the bucket's

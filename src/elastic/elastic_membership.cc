@@ -203,6 +203,9 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   const auto t0 = std::chrono::steady_clock::now();
   const int64_t n = s.weights.numel();
   rule.plan_copies();
+  // A commit cut short after this member counted its step: its homes are
+  // finished from their logs first (elastic/full_shard.cc).
+  rule.settle_logs(s.state.step);
   const int source = newest_member(g, s.state.step);
   auto& opt = s.optimizer;
   const int states = static_cast<int>(opt.state_names().size());
@@ -227,6 +230,7 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   // state after a gather.
   if (!rule.home_prefix().empty())
     rule.adopt_dead(open_departed_homes(rule.home_prefix().substr(1), round.members));
+  rule.settle_logs(step);
   std::vector<Held> held;
   // With sharded weights (optim.shard_weights) a home's slot 0 holds its
   // shard's weights, and the weights are re-sharded into the new homes as

@@ -2,19 +2,28 @@
 // limbo.Job(shard="full")): the weights in the homes, units gathered through
 // the collectives' queue, buckets given back as backward reduces them
 // (elastic/allreduce_update.h, docs/sharded_state.md).
-#include <algorithm>
-#include <cstring>
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "comm/shm_group.h"
 #include "common/error.h"
+#include "common/log.h"
 #include "elastic/allreduce_update.h"
 
 namespace limbo::elastic {
 
 void AllReduceUpdate::ready_weights(int64_t step) {
-  gather_error_ = nullptr;
+  gather_error_ = commit_error_;  // the last commit's second barrier failed: this step fails at once
+  commit_error_ = nullptr;
   queue_.reset();
   if (!full_ || !group_) return;
-  ensure_home(step);
+  if (!gather_error_) ensure_home(step);
   weights_at_ = step;
   if (weights_whole_) {
     flat_.release_weights(0, flat_.numel());
@@ -89,6 +98,126 @@ void AllReduceUpdate::bucket_reduced(int64_t a, int64_t b) {
   }
   if (at < b) flat_.release_grad(at, b);
   release_weights(a, b);
+}
+
+// The commit of a step with sharded weights, through the homes' logs (one
+// version of the weights and the state a home, not two):
+//
+//   1. every member writes the log of each home it keeps (its own shard,
+//      and its copies of another host's): its shard of the reduced,
+//      clipped gradient, the rate, whether the step is skipped;
+//   2. barrier 1 (a small all-reduce). A member that passes it knows every
+//      log of the step is written: the step is committed on it (apply()
+//      returns it whatever happens next, and a state sync it takes part in
+//      takes this step);
+//   3. barrier 2. A member that passes it knows every member passed
+//      barrier 1, so every member that survives takes this step in any
+//      sync: only now does it update its homes in place from their logs.
+//
+// So a home is updated in place only where the step cannot be undone, and
+// an update cut short (a death, the second barrier failing) is finished
+// from the log by whoever holds the home next (settle_logs(), before a
+// sync). A member that fails before passing barrier 1 redoes the step; no
+// home was touched anywhere, since no member passed barrier 2.
+train::StepResult AllReduceUpdate::apply_logged(train::StepContext& ctx, double global_loss,
+                                                const std::vector<ShardHome*>& homes, float coef, bool finite) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t k = ctx.iteration;
+  for (ShardHome* x : homes) {
+    x->begin_log();
+    if (finite) {
+      auto g = ctx.grad.narrow(0, x->lo(), x->size());
+      auto log = torch::from_blob(x->log(), {x->size()}, torch::kFloat32);
+      if (coef < 1.0f)
+        torch::mul_out(log, g, coef);
+      else
+        log.copy_(g);
+    }
+    x->log_written(k + 1, ctx.lr, !finite);
+    flat_.release_grad(x->lo(), x->hi());  // the log holds it now
+  }
+  maybe_die_in_commit("logged", k);
+  float* st = stats_.data_ptr<float>();
+  st[0] = st[1] = 0.0f;
+  group_->allreduce_sum(stats_);  // barrier 1: a failure here redoes the step
+  maybe_die_in_commit("barrier1", k);
+  if (finite && ctx.before_update) ctx.before_update(global_loss);
+  try {
+    st[0] = st[1] = 0.0f;
+    group_->allreduce_sum(stats_);  // barrier 2
+  } catch (const Error& e) {
+    // The step counts (barrier 1 passed), but another member may not have
+    // passed barrier 1: the homes keep its log, and the next step fails at
+    // its first gather, for the group to re-form and settle the logs.
+    log_warn(std::string("the commit of step ") + std::to_string(k + 1) + " did not finish on every member (" +
+             e.what() + "); the group re-forms at the next step");
+    commit_error_ = std::current_exception();
+    weights_at_ = k + 1;
+    return {global_loss, ctx.global_batch, /*skipped=*/!finite};
+  }
+  for (ShardHome* x : homes) roll_forward(*x, k + 1);
+  auto& opt = opt_->optimizer();
+  const int first = first_state_slot();
+  std::vector<torch::Tensor> views;
+  if (home_->has_state(0))
+    for (int i = first; i < home_->states(); ++i)
+      views.push_back(torch::from_blob(home_->state(0, i), {home_->size()}, torch::kFloat32));
+  opt.set_state(std::move(views), home_->optimizer_steps(0));
+  weights_at_ = k + 1;
+  update_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (finite) updates_ += 1;
+  return {global_loss, ctx.global_batch, /*skipped=*/!finite};
+}
+
+void AllReduceUpdate::maybe_die_in_commit(const std::string& where, int64_t iteration) {
+  const auto& d = die_in_commit_;
+  if (d.where != where || d.iteration != iteration || !group_ || group_->size() < 2 || group_->rank() != d.rank)
+    return;
+  const int fd = ::open(d.marker.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0644);
+  if (fd < 0) return;  // once a job
+  const std::string line = std::to_string(::getpid()) + " commit_" + where + "\n";
+  if (::write(fd, line.data(), line.size()) < 0) {
+  }
+  ::close(fd);
+  ::raise(d.freeze ? SIGSTOP : SIGKILL);
+}
+
+bool AllReduceUpdate::roll_forward(ShardHome& h, int64_t step) {
+  auto& opt = opt_->optimizer();
+  const int first = first_state_slot();
+  int chunks = 0;
+  return h.roll_forward(
+      step,
+      [&](int64_t a, int64_t b, int64_t optimizer_steps, bool has_state, double lr, const std::vector<float*>& out) {
+        if (&h == home_.get() && ++chunks == 3) maybe_die_in_commit("update", step - 1);
+        std::vector<const float*> in;
+        std::vector<float*> st_out;
+        for (int i = first; i < h.states(); ++i) {
+          if (has_state) in.push_back(h.state(0, i) + a);
+          st_out.push_back(out[static_cast<size_t>(i)]);
+        }
+        opt.set_state({}, optimizer_steps);
+        opt.step_into(h.state(0, 0) + a, out[0], h.log() + a, in, st_out, b - a, lr);
+      },
+      /*first_state_is_weights=*/first == 1);
+}
+
+void AllReduceUpdate::settle_logs(int64_t step) {
+  if (!full_) return;
+  for (ShardHome* h : kept_homes()) {
+    if (!h->logged() || h->version_of(step) >= 0 || h->log_step() != step) continue;
+    const pid_t owner = h->owner();
+    if (owner != ::getpid() && comm::process_alive(owner)) {
+      // Frozen, or out of the round: it passed the commit's second barrier
+      // and could go on updating its home while it is read.
+      log_warn("the home " + h->name() + " holds step " + std::to_string(step) + "'s update cut short and its owner (pid " +
+               std::to_string(owner) + ") is out of the group but alive: it is stopped (SIGKILL) before the update is finished here");
+      ::kill(owner, SIGKILL);
+      for (int i = 0; i < 5000 && comm::process_alive(owner); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      if (comm::process_alive(owner)) continue;  // left alone: the shard comes from another holder, or is lost
+    }
+    roll_forward(*h, step);
+  }
 }
 
 }  // namespace limbo::elastic

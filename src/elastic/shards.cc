@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -35,6 +37,16 @@ struct ShardHome::Header {
   std::atomic<int64_t> step[2];
   int64_t optimizer_steps[2];
   int64_t has_state[2];
+  // A home with a log (logged != 0): version 0 only, and the log of step
+  // log_step (-1: none) with its rate and skip; `cursor` elements updated.
+  int64_t logged;
+  std::atomic<int64_t> log_step, cursor;
+  // The chunk whose new values the scratch holds whole (-1: none).
+  std::atomic<int64_t> scratch_at;
+  // The process finishing the update (0: none): one at a time.
+  std::atomic<int32_t> finisher;
+  double log_lr;
+  int64_t log_skip;
 };
 
 std::vector<int64_t> shard_bounds(int64_t n, int world) {
@@ -46,9 +58,17 @@ std::vector<int64_t> shard_bounds(int64_t n, int world) {
   return b;
 }
 
-ShardHome::ShardHome(const std::string& name, int64_t n, int64_t lo, int64_t hi, int states) {
-  const int64_t header = (static_cast<int64_t>(sizeof(Header)) + 4095) / 4096 * 4096;
-  bytes_ = header + 2 * static_cast<int64_t>(sizeof(float)) * (hi - lo) * states;
+namespace {
+int64_t header_bytes() { return (static_cast<int64_t>(sizeof(ShardHome::Header)) + 4095) / 4096 * 4096; }
+constexpr int64_t kChunk = int64_t{1} << 16;  // floats of a chunk of roll_forward (256 KiB a slot)
+// Floats after the header: two versions, or one, the log and the scratch.
+int64_t data_floats(int64_t size, int64_t states, bool logged) {
+  return logged ? size * (states + 1) + kChunk * states : size * 2 * states;
+}
+}  // namespace
+
+ShardHome::ShardHome(const std::string& name, int64_t n, int64_t lo, int64_t hi, int states, bool logged) {
+  bytes_ = header_bytes() + static_cast<int64_t>(sizeof(float)) * data_floats(hi - lo, states, logged);
   if (!name.empty()) {
     const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
     std::string why;
@@ -89,6 +109,11 @@ ShardHome::ShardHome(const std::string& name, int64_t n, int64_t lo, int64_t hi,
   h_->pid = static_cast<int32_t>(::getpid());
   h_->step[0].store(-1);
   h_->step[1].store(-1);
+  h_->logged = logged ? 1 : 0;
+  h_->log_step.store(-1);
+  h_->cursor.store(0);
+  h_->scratch_at.store(-1);
+  h_->finisher.store(0);
   h_->magic = kMagic;
 }
 
@@ -108,10 +133,9 @@ std::unique_ptr<ShardHome> ShardHome::open(const std::string& name) {
   home->name_ = name;
   home->h_ = reinterpret_cast<Header*>(p);
   const Header* h = home->h_;
-  const int64_t header = (static_cast<int64_t>(sizeof(Header)) + 4095) / 4096 * 4096;
   const bool ok = h->magic == kMagic && std::string(h->host, strnlen(h->host, sizeof h->host)) == comm::host_identity() &&
                   h->lo >= 0 && h->lo <= h->hi && h->hi <= h->n && h->states >= 0 && h->states <= 3 &&  // AdamW's two, and the weights (shard_weights)
-                  header + 2 * 4 * (h->hi - h->lo) * h->states <= st.st_size;
+                  header_bytes() + 4 * data_floats(h->hi - h->lo, h->states, h->logged != 0) <= st.st_size;
   if (!ok) home->h_ = nullptr;  // the destructor unmaps it
   return ok ? std::move(home) : nullptr;
 }
@@ -127,14 +151,89 @@ int ShardHome::states() const { return static_cast<int>(h_->states); }
 pid_t ShardHome::owner() const { return h_->pid; }
 
 int ShardHome::version_of(int64_t step) const {
+  if (h_->logged) {
+    // Under way (a cursor past 0 with the log of the next step): neither.
+    const bool held = h_->step[0].load(std::memory_order_acquire) == step &&
+                      (h_->cursor.load(std::memory_order_acquire) == 0 ||
+                       h_->log_step.load(std::memory_order_acquire) <= step);
+    return held ? 0 : -1;
+  }
   for (int v = 0; v < 2; ++v)
     if (h_->step[v].load(std::memory_order_acquire) == step) return v;
   return -1;
 }
 
 float* ShardHome::state(int v, int i) {
-  const int64_t header = (static_cast<int64_t>(sizeof(Header)) + 4095) / 4096 * 4096;
-  return reinterpret_cast<float*>(base_ + header) + (v * states() + i) * size();
+  return reinterpret_cast<float*>(base_ + header_bytes()) + (v * states() + i) * size();
+}
+
+bool ShardHome::logged() const { return h_->logged != 0; }
+float* ShardHome::log() { return reinterpret_cast<float*>(base_ + header_bytes()) + states() * size(); }
+int64_t ShardHome::log_step() const { return h_->log_step.load(std::memory_order_acquire); }
+int64_t ShardHome::cursor() const { return h_->cursor.load(std::memory_order_acquire); }
+
+void ShardHome::begin_log() {
+  h_->log_step.store(-1, std::memory_order_release);
+  h_->cursor.store(0, std::memory_order_release);
+  h_->scratch_at.store(-1, std::memory_order_release);
+}
+
+void ShardHome::log_written(int64_t step, double lr, bool skip) {
+  h_->log_lr = lr;
+  h_->log_skip = skip ? 1 : 0;
+  h_->log_step.store(step, std::memory_order_release);
+}
+
+bool ShardHome::roll_forward(int64_t step, const Update& update, bool first_state_is_weights) {
+  // One process finishes a home (the members of its host that adopt a
+  // dead member's home all try): the others wait for it, or take over
+  // from one that died meanwhile.
+  const int32_t me = static_cast<int32_t>(::getpid());
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    if (version_of(step) >= 0) return true;
+    if (log_step() != step || h_->step[0].load(std::memory_order_acquire) != step - 1) return false;
+    int32_t cur = h_->finisher.load(std::memory_order_acquire);
+    if ((cur == 0 || cur == me || !running(cur)) && h_->finisher.compare_exchange_strong(cur, me)) break;
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(30))
+      throw Error("the update of the shard home " + name_ + " to step " + std::to_string(step) + " is held by pid " +
+                  std::to_string(cur) + ", which does not finish it");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (version_of(step) >= 0) {  // finished while this process waited
+    h_->finisher.store(0, std::memory_order_release);
+    return true;
+  }
+  const bool had = h_->has_state[0] != 0;
+  const bool skip = h_->log_skip != 0;
+  if (!skip) {
+    float* scratch = log() + size();
+    std::vector<float*> out(static_cast<size_t>(states()));
+    for (int i = 0; i < states(); ++i) out[static_cast<size_t>(i)] = scratch + i * kChunk;
+    // Chunks of a fixed size for a home (whoever finishes it cuts the same
+    // ones): up to kChunk, at least 8 a shard (16-float lines).
+    const int64_t chunk = std::clamp<int64_t>((size() / 8 + 15) / 16 * 16, 16, kChunk);
+    for (int64_t at = cursor(); at < size(); at = std::min(size(), at + chunk)) {
+      const int64_t e = std::min(size(), at + chunk);
+      if (h_->scratch_at.load(std::memory_order_acquire) != at) {  // else: computed whole before a death
+        update(at, e, h_->optimizer_steps[0], had, h_->log_lr, out);
+        h_->scratch_at.store(at, std::memory_order_release);
+      }
+      for (int i = 0; i < states(); ++i)
+        std::memcpy(state(0, i) + at, out[static_cast<size_t>(i)], sizeof(float) * static_cast<size_t>(e - at));
+      h_->cursor.store(e, std::memory_order_release);
+    }
+  }
+  // The state exists after an update whenever the optimizer keeps any.
+  const bool has = had || (!skip && states() > (first_state_is_weights ? 1 : 0));
+  h_->optimizer_steps[0] += skip ? 0 : 1;
+  h_->has_state[0] = has ? 1 : 0;
+  h_->step[0].store(step, std::memory_order_release);
+  h_->cursor.store(0, std::memory_order_release);
+  h_->log_step.store(-1, std::memory_order_release);
+  h_->scratch_at.store(-1, std::memory_order_release);
+  h_->finisher.store(0, std::memory_order_release);
+  return true;
 }
 int64_t ShardHome::optimizer_steps(int v) const { return h_->optimizer_steps[v]; }
 bool ShardHome::has_state(int v) const { return h_->has_state[v] != 0; }

@@ -16,6 +16,16 @@
 // re-shard from the versions of the newest committed step
 // (sync_sharded_state).
 //
+// A home with a log (the fully sharded mode, optim.shard_weights) holds one
+// version instead of two, and beside it the step's log: the reduced
+// gradient of the shard (clipped), the rate and whether the step was
+// skipped. The update of step k + 1 is written in place over k, in chunks,
+// behind a cursor in the header; elements below the cursor are at k + 1,
+// the rest at k, so whoever holds the home (its owner, or a member of its
+// host after the owner died there) finishes k + 1 exactly from the log
+// (roll_forward). The commit protocol that makes a partial update safe is
+// in elastic/allreduce_update.h (two barriers around the logs).
+//
 // A home with a name lives in POSIX shared memory (/dev/shm, 0600) and
 // outlives its process: when a member dies or is left out of the round
 // (frozen), the members on its host open its home (open_departed_homes) and
@@ -27,6 +37,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,10 +56,12 @@ std::vector<int64_t> shard_bounds(int64_t n, int world);
 
 class ShardHome {
  public:
+  struct Header;
   // A home for [lo, hi) of n elements with `states` state tensors, in
   // shared memory under `name` (e.g. "/limbo-zero-..."), or in this
   // process's memory when `name` is empty or the segment cannot be made.
-  ShardHome(const std::string& name, int64_t n, int64_t lo, int64_t hi, int states);
+  // `logged`: one version and a log (above) instead of two versions.
+  ShardHome(const std::string& name, int64_t n, int64_t lo, int64_t hi, int states, bool logged = false);
   // Opens another process's home read-only (nullptr when it is not a home,
   // or not of this host).
   static std::unique_ptr<ShardHome> open(const std::string& name);
@@ -74,14 +87,37 @@ class ShardHome {
   // once written (after every write to it, in this order).
   void begin(int v);
   void commit(int v, int64_t step, int64_t optimizer_steps, bool has_state);
+  // A home with a log: one version (0), holding the step its header names
+  // once no update is under way over it.
+  bool logged() const;
+  // The log: size() floats (the step's gradient for this shard, clipped).
+  float* log();
+  // The step the log is for (-1: none); the elements already updated.
+  int64_t log_step() const;
+  int64_t cursor() const;
+  // Before the log is written (no step), and once it is (in this order).
+  void begin_log();
+  void log_written(int64_t step, double lr, bool skip);
+  // The update of elements [a, b) of version 0 from the log, given the
+  // update count and whether the state existed before it, at rate lr: slot
+  // i's new values go to out[i] (for element a).
+  using Update = std::function<void(int64_t a, int64_t b, int64_t optimizer_steps, bool has_state, double lr,
+                                    const std::vector<float*>& out)>;
+  // Brings version 0 to the log's step `step` (from the cursor on, in
+  // chunks: each chunk's new values go to a scratch area first, then over
+  // the chunk, so a process that dies anywhere leaves either the chunk
+  // untouched or its new values whole in the scratch); false when the
+  // home holds neither `step` nor its log.
+  bool roll_forward(int64_t step, const Update& update, bool first_state_is_weights);
   // Removes the name (the memory goes with the last mapping).
   void unlink();
   // Bytes of one version.
   int64_t version_bytes() const { return static_cast<int64_t>(sizeof(float)) * size() * states(); }
+  // Bytes of the whole home (its versions or version and log, and header).
+  int64_t bytes() const { return bytes_; }
 
  private:
   ShardHome() = default;
-  struct Header;
   Header* h_ = nullptr;
   uint8_t* base_ = nullptr;
   int64_t bytes_ = 0;

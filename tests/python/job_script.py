@@ -14,7 +14,9 @@ What the tests read, in the run directory:
 Faults, from the environment (once, in the first process of that rank):
   DIE_AT_STEP, DIE_RANK   after this many committed steps, the member of this rank
   DIE_HOW                 kill (SIGKILL) | stop (SIGSTOP)
-  DIE_WHERE               before_forward | before_backward | before_step | after_step
+  DIE_WHERE               before_forward | before_backward | before_step | after_step |
+                          commit_logged | commit_barrier1 | commit_update (inside job.step(),
+                          fully sharded: Limbo's testing aid LIMBO_TESTING_DIE_IN_COMMIT)
   PACE                    seconds each step sleeps (time for joins and kills)
   PACE_UNTIL              ... only while the group has fewer members than this
 Habits (--habit), the ways DDP scripts are written:
@@ -224,6 +226,11 @@ def main():
         if args.always:
             schedule["scheduler_every"] = "manual"
             state["tried"] = 0
+    die_where = os.environ.get("DIE_WHERE", "")
+    if die_where.startswith("commit_") and os.environ.get("LIMBO_RUN_DIR"):
+        os.environ["LIMBO_TESTING_DIE_IN_COMMIT"] = "%s:%s:%s:%s:%s" % (
+            os.environ.get("DIE_AT_STEP", "0"), die_where[len("commit_"):], os.environ.get("DIE_RANK", "1"),
+            os.environ.get("DIE_HOW", "kill"), os.path.join(os.environ["LIMBO_RUN_DIR"], "died"))
     job = limbo.Job(model, opt, dataset=train, batch_size=args.batch_size, epochs=args.epochs,
                     state=state, run_dir=args.run_dir, checkpoint_every_steps=args.checkpoint_every_steps,
                     log_every=10, sync=args.sync, inner_steps=args.inner_steps, compression=args.compression,

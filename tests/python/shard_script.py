@@ -47,6 +47,9 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--nan-step", type=int, default=-1,
+                    help="the member of --nan-rank makes its loss NaN after this many committed steps")
+    ap.add_argument("--nan-rank", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -65,7 +68,14 @@ def main():
     for ids in job.batches(lambda ids: torch.as_tensor(ids)):
         out = model(x[ids])
         loss = nn.functional.cross_entropy(out.reshape(-1, vocab), y[ids].reshape(-1))
+        hook = None
+        if job.step_count == args.nan_step and job.rank == args.nan_rank:
+            # One parameter's gradient on this member (the loss stays finite):
+            # one shard of the sum is NaN, the step is skipped everywhere.
+            hook = model.blocks[0].mlp[0].weight.register_hook(lambda g: g * float("nan"))
         job.backward(loss)
+        if hook is not None:
+            hook.remove()
         if job.step():
             losses.append(job.loss)
             # What a unit's weights read between steps: zeros where this

@@ -39,6 +39,26 @@ def run(nproc, shard, *args, run_dir=None, resume=False):
     return [torch.load(os.path.join(out, "rank%d.pt" % i)) for i in range(nproc)]
 
 
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_a_gradient_that_is_not_finite_on_one_member_skips_the_step_everywhere(clip):
+    """One parameter's gradient is NaN on one member at step 5 (its loss
+    finite): fully sharded, the members
+    agree on it before any home is written (their shards' verdicts, or the
+    clipping norm's sum), every member skips the step, and the run ends with
+    the replicated path's weights and losses (which skips it alike)."""
+    args = ["--optimizer", "adamw", "--clip", str(clip), "--nan-step", "4", "--nan-rank", "1"]
+    whole = run(2, "none", *args)
+    full = run(2, "full", *args)
+    for name, w in whole[0]["weights"].items():
+        assert torch.isfinite(w).all(), name
+        for member in full:
+            if clip == 0:
+                assert torch.equal(member["weights"][name], w), name
+            else:
+                assert (member["weights"][name] - w).abs().max() <= 1e-3 * max(w.abs().max().item(), 1e-6), name
+    assert len(full[0]["losses"]) == len(whole[0]["losses"])
+
+
 @pytest.mark.parametrize("optimizer,nproc,clip", [("adamw", 2, 0.0), ("sgd", 3, 0.0), ("adamw", 3, 0.5)])
 def test_fully_sharded_training_equals_the_replicated_path(optimizer, nproc, clip):
     """The same batches, replicated and fully sharded: the same losses and

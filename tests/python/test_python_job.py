@@ -282,6 +282,46 @@ def test_a_member_lost_between_two_lines_leaves_the_others_identical(run_dir, ho
     assert len(started) == 3 and all(len(pids) == 2 for pids in started.values()), started
 
 
+@pytest.mark.parametrize("how,where,twin_where,twin_step", [
+    ("kill", "commit_logged", "before_step", 20),     # before barrier 1: the step is redone without it
+    ("kill", "commit_barrier1", "after_step", 21),    # between the barriers: the step counts, its logs finish it
+    ("kill", "commit_update", "after_step", 21),      # in its home's update in place, two chunks written
+    ("stop", "commit_barrier1", "after_step", 21),    # frozen there: killed before its home is finished
+    ("stop", "commit_update", "after_step", 21),
+])
+def test_fully_sharded_a_member_killed_inside_the_commit_ends_as_one_killed_outside_it(run_dir, how, where,
+                                                                                        twin_where, twin_step):
+    """Fully sharded (shard="full"), a member SIGKILLed inside job.step()'s
+    commit of step 21 (after its logs are written, between the two barriers,
+    or in the middle of its home's update in place) ends the job with the
+    weights, buffers and optimizer state of a member killed just outside it,
+    bit for bit: before barrier 1 the step is redone by the others, as if it
+    had died before job.step(); after it, the step counts and the dead
+    member's shard is finished from its log, as if it had died after
+    job.step(). Every sample once an epoch. A member frozen (SIGSTOP)
+    there is killed by the member that finishes its home (it could wake and
+    write it meanwhile)."""
+    args = ["--optimizer", "limbo-adamw-full"]
+    r = launch(run_dir, 3, args, ["--min-workers", "1"], DIE_AT_STEP=20, DIE_RANK=1, DIE_HOW=how,
+               DIE_WHERE=where, PACE=0.01)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with open(os.path.join(run_dir, "died")) as f:
+        assert where in f.read()
+    check_exactly_once(run_dir, 1024, 2)
+    got = check_identical(run_dir, 2)
+    twin_dir = run_dir + "-twin"
+    os.makedirs(twin_dir)
+    try:
+        t = launch(twin_dir, 3, args, ["--min-workers", "1"], DIE_AT_STEP=twin_step, DIE_RANK=1, DIE_HOW="kill",
+                   DIE_WHERE=twin_where, PACE=0.01)
+        assert t.returncode == 0, t.stdout + t.stderr
+        assert os.path.exists(os.path.join(twin_dir, "died"))
+        assert steps_logged(twin_dir) == steps_logged(run_dir)  # the same batches, step for step
+        assert check_identical(twin_dir, 2) == got
+    finally:
+        shutil.rmtree(twin_dir, ignore_errors=True)
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "limbo-adamw-full"])
 def test_a_joiner_gets_the_state_and_its_share(run_dir, optimizer):
     """One worker, a second joins at epoch 0.5 (--elastic-schedule): it
