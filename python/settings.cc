@@ -227,7 +227,7 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
     }
   }
   train::SessionParts parts{*model_, *flat_, rule_opt, *policy_, nullptr, state_, get<std::string>(o, "run_dir", ""),
-                            get<int64_t>(o, "max_nonfinite_steps", 10), {}, {}};
+                            get<int64_t>(o, "max_nonfinite_steps", 10), {}, {}, false, {}, {}, {}};
   parts.pack_extra = [this]() {
     py::gil_scoped_acquire gil;
     // The packed bytes as a buffer (a memoryview of the pickle: no copy),
@@ -256,6 +256,7 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   std::string dir = run_dir;
   if (membership == nullptr && rank != 0) dir.clear();  // a static job's member 0 writes the run directory
   parts.run_dir = dir;
+  parts.shard_dir = run_dir;  // but each member writes its shards of a fully sharded checkpoint
   session_ = std::make_unique<train::Session>(std::move(parts), rule, std::move(membership), resume_,
                                               rdzv.empty() || elastic ? 1 : world, rdzv.empty() || elastic ? 0 : rank);
   session_->set_paces(paces_);

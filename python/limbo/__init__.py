@@ -30,7 +30,7 @@ import torch
 from . import _core
 from ._core import InvalidInput, LimboError
 
-__all__ = ["Job", "Optimizer", "InvalidInput", "LimboError", "UsageError"]
+__all__ = ["Job", "Optimizer", "InvalidInput", "LimboError", "UsageError", "load_checkpoint"]
 
 
 class UsageError(InvalidInput):
@@ -959,6 +959,59 @@ class Job:
 # which writes their final checkpoint and summary (the launcher waits for
 # them). Any other Job is freed when the program drops it.
 _unfinished = set()
+
+
+def load_checkpoint(path):
+    """A Limbo checkpoint (`RUN_DIR/checkpoint.pt`, from `limbo train`, `limbo
+    launch` or a `limbo.Job`) as PyTorch tensors: {"model": a state_dict with
+    the model's dotted names, "optimizer": its state by name, flat over the
+    trainable parameters (absent before the first update), "optimizer_steps",
+    "step", "epoch", "position", "samples"}. A fully sharded checkpoint
+    (shard="full") is put together from the shard files beside it, which
+    must all be there (each member wrote its own)."""
+    import torch
+    ckpt = torch.jit.load(path, map_location="cpu")
+    sd = ckpt.state_dict()
+
+    def number(key):
+        return int(sd[key].reshape(-1)[0])
+
+    out = {"step": number("state.step"), "epoch": number("state.epoch"), "position": number("state.position"),
+           "samples": number("state.samples"), "optimizer_steps": number("optim.step") if "optim.step" in sd else 0}
+    model = {k[len("model."):]: v for k, v in sd.items() if k.startswith("model.")}
+    state_names = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+    optimizer = {n: sd["optim." + n] for n in state_names if "optim." + n in sd}
+    if "sharded.world" in sd:
+        world, numel = number("sharded.world"), number("sharded.numel")
+        names = bytes(sd["sharded.names"].tolist()).decode().split("\n")[:-1]
+        offsets = sd["sharded.offsets"].tolist()
+        shapes = {}
+        for line in bytes(sd["state.model_description"].tolist()).decode().splitlines():
+            kind, rest = line.split(" ", 1)
+            name, shape = rest.split("[", 1)
+            dims = shape.split("]", 1)[0]
+            shapes[name] = [int(x) for x in dims.split(",") if x.strip()]
+        flat = torch.empty(numel)
+        state = {}
+        for r in range(world):
+            shard_path = "%s.shard-%d-of-%d.step-%d" % (path, r, world, out["step"])
+            if not os.path.exists(shard_path):
+                raise InvalidInput("checkpoint %r is sharded in %d and its shard %d (%r) is not beside it"
+                                   % (path, world, r, shard_path))
+            shard = torch.jit.load(shard_path, map_location="cpu").state_dict()
+            lo, hi = int(shard["lo"][0]), int(shard["hi"][0])
+            flat[lo:hi] = shard["weights"]
+            if r == 0:
+                out["optimizer_steps"] = int(shard["optimizer_steps"][0])
+            for n in state_names:
+                if n in shard:
+                    state.setdefault(n, torch.zeros(numel))[lo:hi] = shard[n]
+        for name, (offset, count) in zip(names, offsets):
+            model[name] = flat[offset:offset + count].view(shapes.get(name, [count])).clone()
+        optimizer = state
+    out["model"] = model
+    out["optimizer"] = optimizer
+    return out
 
 
 @atexit.register

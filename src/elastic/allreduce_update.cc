@@ -222,6 +222,7 @@ void AllReduceUpdate::gather_state(optim::Optimizer& opt, int64_t step, bool her
   // the model the program holds after training); ready_weights() gives
   // them back before the next step.
   if (full_) gather_all_weights();
+  if (full_ && flag[0].item<float>() == 0) return;  // the weights were what was asked for
   if (gathered_everywhere_ == step) return;
   ensure_home(step);
   const int v = home_->version_of(step);

@@ -103,7 +103,8 @@ class AllReduceUpdate : public train::UpdateRule {
   // Sharded optimizer state (optim.shard_state).
   bool sharded() const { return shard_; }
   // Sharded weights and gradient too (optim.shard_weights).
-  bool shards_weights() const { return full_; }
+  bool shards_weights() const override { return full_; }
+  bool write_shards(const std::string& path, int64_t step) override;
   // The first of a home's slots that holds optimizer state: 1 when the
   // weights are sharded (slot 0 holds the shard's weights), else 0.
   int first_state_slot() const { return full_ ? 1 : 0; }

@@ -15,6 +15,7 @@
 #include "common/error.h"
 #include "common/log.h"
 #include "elastic/allreduce_update.h"
+#include "train/checkpoint.h"
 
 namespace limbo::elastic {
 
@@ -167,6 +168,29 @@ train::StepResult AllReduceUpdate::apply_logged(train::StepContext& ctx, double 
   update_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (finite) updates_ += 1;
   return {global_loss, ctx.global_batch, /*skipped=*/!finite};
+}
+
+bool AllReduceUpdate::write_shards(const std::string& path, int64_t step) {
+  if (!full_ || !group_) return false;
+  auto flag = torch::tensor({path.empty() ? 1.0f : 0.0f});
+  group_->allreduce_sum(flag);  // alike on every member
+  if (flag.item<float>() > 0) return false;
+  ensure_home(step);
+  const auto names = opt_->optimizer().state_names();
+  std::vector<std::pair<int, ShardHome*>> held{{group_->rank(), home_.get()}};
+  for (size_t i = 0; i < copies_.size(); ++i) held.push_back({copy_ranks_[i], copies_[i].get()});
+  for (const auto& [r, h] : held) {
+    const int v = h->version_of(step);
+    if (v < 0) throw Error("internal: a shard home without step " + std::to_string(step) + " for a checkpoint");
+    std::vector<const float*> state;
+    if (h->has_state(v))
+      for (int i = first_state_slot(); i < h->states(); ++i) state.push_back(h->state(v, i));
+    train::save_shard(train::shard_file(path, r, group_->size(), step), h->lo(), h->hi(), h->n(), step, h->state(v, 0),
+                      names, state, h->optimizer_steps(v));
+  }
+  flag.zero_();
+  group_->allreduce_sum(flag);  // every shard is on its disk before the checkpoint's file names them
+  return true;
 }
 
 void AllReduceUpdate::maybe_die_in_commit(const std::string& where, int64_t iteration) {

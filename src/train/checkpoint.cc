@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
+#include <map>
 #include <set>
 
 #include "common/error.h"
@@ -29,10 +31,21 @@ std::string tensor_bytes(const torch::Tensor& t) {
   return std::string(reinterpret_cast<const char*>(c.data_ptr<uint8_t>()), c.numel());
 }
 
+// Like nn::Module::save, the buffers only (a fully sharded checkpoint's
+// weights are in its shards).
+void save_buffers(torch::nn::Module& m, torch::serialize::OutputArchive& ar) {
+  for (auto& b : m.named_buffers(false)) ar.write(b.key(), b.value(), /*is_buffer=*/true);
+  for (auto& c : m.named_children()) {
+    torch::serialize::OutputArchive child;
+    save_buffers(*c.value(), child);
+    ar.write(c.key(), child);
+  }
+}
+
 // Like nn::Module::load, but copies values into the existing tensors instead
-// of swapping their storage.
+// of swapping their storage (`params`: the parameters too).
 void load_into(torch::nn::Module& m, torch::serialize::InputArchive& ar, const std::string& file,
-               const std::string& prefix) {
+               const std::string& prefix, bool params = true) {
   torch::NoGradGuard no_grad;
   auto copy = [&](const std::string& key, torch::Tensor& dst, bool is_buffer) {
     torch::Tensor src;
@@ -44,13 +57,14 @@ void load_into(torch::nn::Module& m, torch::serialize::InputArchive& ar, const s
                          " (was it written for another model or dataset?)");
     dst.copy_(src);
   };
-  for (auto& p : m.named_parameters(false)) copy(p.key(), p.value(), false);
+  if (params)
+    for (auto& p : m.named_parameters(false)) copy(p.key(), p.value(), false);
   for (auto& b : m.named_buffers(false)) copy(b.key(), b.value(), true);
   for (auto& c : m.named_children()) {
     torch::serialize::InputArchive child;
     if (!ar.try_read(c.key(), child))
       throw InvalidInput("checkpoint '" + file + "' lacks submodule '" + prefix + c.key() + "'");
-    load_into(*c.value(), child, file, prefix + c.key() + ".");
+    load_into(*c.value(), child, file, prefix + c.key() + ".", params);
   }
 }
 
@@ -180,13 +194,166 @@ void load_optimizer(torch::serialize::InputArchive& root, optim::Optimizer& opt,
   }
 }
 
+// Flush to disk before the rename (and the directory after it), so a crash
+// leaves the old or the new file, never a torn one; a failed flush leaves
+// the old one in place and stops the run.
+void write_archive(torch::serialize::OutputArchive& root, const std::string& path) {
+  std::string tmp = temp_name(path);
+  try {
+    root.save_to(tmp);
+    fsync_file(tmp);
+    rename_durably(tmp, path);
+  } catch (const c10::Error& e) {
+    std::remove(tmp.c_str());
+    throw Error("cannot write checkpoint '" + path + "': " + e.what_without_backtrace());
+  } catch (...) {
+    std::remove(tmp.c_str());
+    throw;
+  }
+}
+
+// The weights and state of a fully sharded checkpoint, from its shard
+// files: each shard's weights into the parameters it covers, the state
+// (when `opt`, and when the shards hold it) whole.
+void load_shards(const std::string& path, torch::serialize::InputArchive& sharded, int64_t step,
+                 torch::serialize::InputArchive& root, torch::nn::Module& model, optim::Optimizer* opt) {
+  torch::NoGradGuard no_grad;
+  const int64_t world = read_int(sharded, "world", path), n = read_int(sharded, "numel", path);
+  torch::Tensor names_t, offsets;
+  if (!sharded.try_read("names", names_t) || !sharded.try_read("offsets", offsets))
+    throw InvalidInput("checkpoint '" + path + "' lacks its sharded layout");
+  const auto names = split_lines(tensor_bytes(names_t));
+  std::map<std::string, torch::Tensor> params;
+  for (const auto& p : model.named_parameters(true)) params[p.key()] = p.value();
+  struct Slot {
+    torch::Tensor param;
+    int64_t offset, numel;
+  };
+  std::vector<Slot> layout;
+  for (size_t i = 0; i < names.size(); ++i) {
+    auto it = params.find(names[i]);
+    const int64_t numel = offsets[static_cast<int64_t>(i)][1].item<int64_t>();
+    if (it == params.end() || it->second.numel() != numel)
+      throw InvalidInput("checkpoint '" + path + "' was written for another model: its sharded weights hold '" +
+                         names[i] + "' of " + std::to_string(numel) + " elements");
+    layout.push_back({it->second, offsets[static_cast<int64_t>(i)][0].item<int64_t>(), numel});
+  }
+  std::vector<std::string> state_names;
+  torch::serialize::InputArchive o;
+  torch::Tensor algo_t;
+  const bool same_algorithm = opt && root.try_read("optim", o) && o.try_read("algorithm", algo_t) &&
+                              tensor_bytes(algo_t) == opt->algorithm();
+  if (opt && !same_algorithm)
+    log_warn("checkpoint '" + path + "' holds the state of another optimizer; optimizer '" + opt->algorithm() +
+             "' starts with none");
+  if (same_algorithm) state_names = opt->state_names();
+  std::vector<torch::Tensor> state;
+  int64_t optimizer_steps = 0;
+  bool has_state = !state_names.empty();
+  int64_t expect_lo = 0;
+  for (int64_t r = 0; r < world; ++r) {
+    const std::string file = shard_file(path, static_cast<int>(r), static_cast<int>(world), step);
+    if (!file_exists(file))
+      throw InvalidInput("checkpoint '" + path + "' is sharded in " + std::to_string(world) + " and its shard " +
+                         std::to_string(r) + " is not beside it ('" + file + "'; a run directory of its own on "
+                         "each of three or more hosts holds only the shards of its host and the next: resume "
+                         "from a run directory that every host shares)");
+    auto ar = open_archive(file);
+    const int64_t lo = read_int(ar, "lo", file), hi = read_int(ar, "hi", file);
+    if (lo != expect_lo || hi < lo || hi > n || read_int(ar, "step", file) != step || read_int(ar, "numel", file) != n)
+      throw InvalidInput("checkpoint shard '" + file + "' does not continue its checkpoint (range " +
+                         std::to_string(lo) + ".." + std::to_string(hi) + " of " + std::to_string(n) + ")");
+    expect_lo = hi;
+    torch::Tensor w;
+    if (!ar.try_read("weights", w) || w.numel() != hi - lo) throw InvalidInput("checkpoint shard '" + file + "' lacks its weights");
+    for (const auto& s : layout) {
+      const int64_t a = std::max(lo, s.offset), b = std::min(hi, s.offset + s.numel);
+      if (b > a) s.param.view({-1}).narrow(0, a - s.offset, b - a).copy_(w.narrow(0, a - lo, b - a));
+    }
+    if (r == 0) optimizer_steps = read_int(ar, "optimizer_steps", file);
+    for (size_t i = 0; i < state_names.size() && has_state; ++i) {
+      torch::Tensor t;
+      if (!ar.try_read(state_names[i], t)) {
+        has_state = false;  // written before the first update
+        break;
+      }
+      if (state.size() <= i) state.push_back(torch::zeros({n}, torch::kFloat32));
+      state[i].narrow(0, lo, hi - lo).copy_(t);
+    }
+  }
+  if (expect_lo != n) throw InvalidInput("checkpoint '" + path + "': its shards do not cover its weights");
+  if (opt && same_algorithm) {
+    if (has_state && !state.empty()) {
+      check_same_trainable(o, model, n, path);
+      opt->set_state(std::move(state), optimizer_steps);
+    } else {
+      opt->set_state({}, optimizer_steps);
+    }
+  } else if (opt) {
+    opt->reset_state();
+  }
+}
+
 }  // namespace
 
+std::string shard_file(const std::string& path, int rank, int world, int64_t step) {
+  return path + ".shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".step-" + std::to_string(step);
+}
+
+void save_shard(const std::string& file, int64_t lo, int64_t hi, int64_t n, int64_t step, const float* weights,
+                const std::vector<std::string>& state_names, const std::vector<const float*>& state,
+                int64_t optimizer_steps) {
+  torch::serialize::OutputArchive root;
+  auto view = [&](const float* p) {
+    return torch::from_blob(const_cast<float*>(p), {hi - lo}, torch::kFloat32);
+  };
+  root.write("lo", scalar(lo));
+  root.write("hi", scalar(hi));
+  root.write("numel", scalar(n));
+  root.write("step", scalar(step));
+  root.write("optimizer_steps", scalar(optimizer_steps));
+  root.write("weights", view(weights));
+  for (size_t i = 0; i < state.size() && i < state_names.size(); ++i) root.write(state_names[i], view(state[i]));
+  write_archive(root, file);
+}
+
+void remove_other_shards(const std::string& path, int world, int64_t step) {
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash);
+  const std::string base = (slash == std::string::npos ? path : path.substr(slash + 1)) + ".shard-";
+  const std::string keep = ".step-" + std::to_string(step);
+  const std::string of = "-of-" + std::to_string(world) + keep;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(base, 0) != 0) continue;
+    const bool current = name.size() >= of.size() && name.compare(name.size() - of.size(), of.size(), of) == 0;
+    if (!current) std::remove((dir + "/" + name).c_str());
+  }
+}
+
 void save_checkpoint(const std::string& path, torch::nn::Module& model, const optim::Optimizer& opt,
-                     const TrainState& st) {
+                     const TrainState& st, const ShardedLayout* sharded) {
   torch::serialize::OutputArchive root, m, o, s;
-  model.save(m);
-  if (opt.has_state()) {
+  if (sharded) {
+    save_buffers(model, m);
+    torch::serialize::OutputArchive sh;
+    sh.write("world", scalar(sharded->world));
+    sh.write("numel", scalar(sharded->numel));
+    std::string names;
+    auto offsets = torch::empty({static_cast<int64_t>(sharded->params.size()), 2}, torch::kInt64);
+    for (size_t i = 0; i < sharded->params.size(); ++i) {
+      names += sharded->params[i].name + "\n";
+      offsets[static_cast<int64_t>(i)][0] = sharded->params[i].offset;
+      offsets[static_cast<int64_t>(i)][1] = sharded->params[i].numel;
+    }
+    sh.write("names", bytes_tensor(names));
+    sh.write("offsets", offsets);
+    root.write("sharded", sh);
+  } else {
+    model.save(m);
+  }
+  if (opt.has_state() && !sharded) {
     const auto names = opt.state_names();
     for (size_t i = 0; i < names.size(); ++i) o.write(names[i], opt.state()[i]);
   }
@@ -225,21 +392,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
   root.write("model", m);
   root.write("optim", o);
   root.write("state", s);
-  std::string tmp = temp_name(path);
-  // Flush to disk before the rename (and the directory after it), so a crash
-  // leaves the old or the new checkpoint, never a torn one; a failed flush
-  // leaves the old checkpoint in place and stops the run.
-  try {
-    root.save_to(tmp);
-    fsync_file(tmp);
-    rename_durably(tmp, path);
-  } catch (const c10::Error& e) {
-    std::remove(tmp.c_str());
-    throw Error("cannot write checkpoint '" + path + "': " + e.what_without_backtrace());
-  } catch (...) {
-    std::remove(tmp.c_str());
-    throw;
-  }
+  write_archive(root, path);
 }
 
 TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Optimizer* opt) {
@@ -257,10 +410,16 @@ TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, op
       throw InvalidInput("checkpoint '" + path + "' was written for another model: " + diff +
                          " (another model.path, model or dataset?)");
   }
-  load_into(model, m, path, "");
-  if (opt) load_optimizer(root, *opt, model, path);
+  torch::serialize::InputArchive sharded;
   TrainState st;
   st.step = read_int(s, "step", path);
+  if (root.try_read("sharded", sharded)) {
+    load_into(model, m, path, "", /*params=*/false);
+    load_shards(path, sharded, st.step, root, model, opt);
+  } else {
+    load_into(model, m, path, "");
+    if (opt) load_optimizer(root, *opt, model, path);
+  }
   st.cursor.epoch = read_int(s, "epoch", path);
   st.cursor.position = read_int(s, "position", path);
   st.samples = read_int(s, "samples", path);

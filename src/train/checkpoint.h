@@ -46,11 +46,39 @@ struct TrainState {
   std::map<std::string, torch::Tensor> extra;  // component state, by name
 };
 
+// A fully sharded checkpoint (optim.shard_weights): the file at `path`
+// holds all but the weights and the optimizer state (model/ holds the
+// buffers; sharded/ the flat layout of the weights below), and each of the
+// `world` shards of the flat weights and state is a file of its own beside
+// it (shard_file), written by a member that holds it, in parallel.
+struct ShardedLayout {
+  int64_t world = 0, numel = 0;
+  struct Param {
+    std::string name;
+    int64_t offset = 0, numel = 0;  // in the flat weights
+  };
+  std::vector<Param> params;
+};
+// "PATH.shard-R-of-W.step-S": a shard's file, named for the step it holds
+// (a checkpoint cut short leaves the last whole one readable).
+std::string shard_file(const std::string& path, int rank, int world, int64_t step);
+// Shard [lo, hi) of n: its weights, and its optimizer state by name (none
+// before the first update), at committed step `step`.
+void save_shard(const std::string& file, int64_t lo, int64_t hi, int64_t n, int64_t step, const float* weights,
+                const std::vector<std::string>& state_names, const std::vector<const float*>& state,
+                int64_t optimizer_steps);
+// Removes the shard files beside `path` of other steps or worlds than the
+// checkpoint's (after it is written).
+void remove_other_shards(const std::string& path, int world, int64_t step);
+
+// `sharded`: the file of a fully sharded checkpoint (above): `opt` gives
+// only the update count and algorithm.
 void save_checkpoint(const std::string& path, torch::nn::Module& model, const optim::Optimizer& opt,
-                     const TrainState& state);
+                     const TrainState& state, const ShardedLayout* sharded = nullptr);
 
 // Loads into an existing model (values copied in place, so flat-parameter
-// views survive) and optimizer (state of another algorithm: started afresh); restores the torch RNG. Throws InvalidInput
+// views survive; a fully sharded checkpoint's weights and state are read
+// from its shard files, whole) and optimizer (state of another algorithm: started afresh); restores the torch RNG. Throws InvalidInput
 // naming the file and the mismatching tensor on a missing file or shape clash.
 TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Optimizer* opt);
 

@@ -25,6 +25,7 @@ Session::Session(SessionParts parts, std::shared_ptr<UpdateRule> rule, std::uniq
       world_(world),
       rank_(rank) {
   if (!p_.run_dir.empty()) checkpoint_path_ = p_.run_dir + "/checkpoint.pt";
+  shard_path_ = !p_.shard_dir.empty() ? p_.shard_dir + "/checkpoint.pt" : checkpoint_path_;
   if (membership_) storage_ = run_dir_.storage_id();
 }
 
@@ -73,6 +74,25 @@ void Session::checkpoint(const std::string& why) {
   st.extra["batch_policy"] = p_.policy.state();
   if (p_.pack_extra) st.extra[kFrontEndState] = p_.pack_extra();
   if (p_.save_local) p_.save_local(st.extra);
+  if (shards_step_ == st.step && rule_->shards_weights()) {
+    // The shards are beside it: this file names them, with the flat
+    // layout of the weights (every parameter that is a view of it).
+    ShardedLayout layout;
+    layout.world = world_;
+    layout.numel = p_.flat.numel();
+    const float* base = p_.flat.data().data_ptr<float>();
+    for (const auto& p : p_.model.named_parameters(true)) {
+      if (p.value().scalar_type() != torch::kFloat32 || p.value().numel() == 0) continue;
+      const int64_t at = p.value().data_ptr<float>() - base;
+      if (at >= 0 && at + p.value().numel() <= layout.numel) layout.params.push_back({p.key(), at, p.value().numel()});
+    }
+    auto bare = optim::make_optimizer(opt.options());
+    bare->set_state({}, opt.steps());
+    save_checkpoint(checkpoint_path_, p_.model, *bare, st, &layout);
+    remove_other_shards(checkpoint_path_, world_, st.step);
+    log_debug("checkpoint (" + why + ") at step " + std::to_string(st.step) + ", in " + std::to_string(world_) + " shards");
+    return;
+  }
   if (opt.has_state() && opt.state()[0].numel() != p_.flat.numel()) {
     // Sharded state that this member does not hold whole (it took over the
     // final files from a writer lost in the job's ending).
@@ -88,6 +108,10 @@ void Session::checkpoint(const std::string& why) {
 }
 
 void Session::checkpoint_now(const std::string& why) {
+  if (write_shards("checkpoint")) {
+    checkpoint(why);
+    return;
+  }
   gather_state("checkpoint", writer_ && !checkpoint_path_.empty());
   checkpoint(why);
   rule_->release_state(p_.opt->optimizer(), p_.state.step);
@@ -202,6 +226,22 @@ void Session::gather_state(const std::string& why, bool here) {
   }
 }
 
+bool Session::write_shards(const std::string& why) {
+  if (!rule_->shards_weights()) return false;
+  for (;;) {
+    const auto t0 = Clock::now();
+    try {
+      if (!rule_->write_shards(shard_path_, p_.state.step)) return false;
+      shards_step_ = p_.state.step;
+      return true;
+    } catch (const Error& e) {
+      if (!membership_ || !recoverable(e)) throw;
+      log_warn("writing the shards of the checkpoint (" + why + ") failed: " + e.what());
+      reform(std::string("failure while writing the checkpoint's shards: ") + e.what(), t0, seconds_since(t0));
+    }
+  }
+}
+
 bool Session::collective(const std::string& what, const std::function<void()>& f) {
   const auto t0 = Clock::now();
   try {
@@ -274,7 +314,9 @@ bool Session::after_step(double epoch, bool publish) {
   if (!membership_->change_agreed()) return false;
   // Sharded state: every member holds it whole across the change (a
   // leaving member's shard stays with the others; a joiner gets its own).
-  gather_state("membership change", true);
+  // Sharded weights too: never whole; the shards go to disk for a leaving
+  // writer's checkpoint, and the state sync re-shards from the homes.
+  if (!write_shards("membership change")) gather_state("membership change", true);
   if (membership_->leaving()) {
     // A member leaving at the request of the job (the launcher stopping
     // it: Ctrl-C, SIGTERM) may be the last: the writer checkpoints first.
@@ -289,6 +331,9 @@ bool Session::after_step(double epoch, bool publish) {
 
 bool Session::gather_final(bool here) {
   try {
+    // Sharded weights: the final checkpoint in shards, then the weights
+    // whole on every member (the model the program holds after training).
+    if (write_shards("final checkpoint")) here = false;
     gather_state("final checkpoint", here);
     return true;
   } catch (const CompletedElsewhere& e) {

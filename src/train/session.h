@@ -77,6 +77,10 @@ struct SessionParts {
   // to the checkpoint. Both empty: none.
   std::function<void(std::map<std::string, torch::Tensor>&)> save_local;
   std::function<void(const std::map<std::string, torch::Tensor>&)> load_local;
+  // Where this member writes its shards of a fully sharded checkpoint when
+  // it writes no run directory (a fixed group's member other than 0 on the
+  // host of member 0: the same directory). Empty: run_dir.
+  std::string shard_dir;
 };
 
 class Session {
@@ -139,6 +143,14 @@ class Session {
   // Sharded optimizer state whole on the members that pass `here` (a
   // collective), re-forming and retrying when a member is lost meanwhile.
   void gather_state(const std::string& why, bool here);
+  // Fully sharded (optim.shard_weights): every member writes its shards of
+  // the committed step beside the checkpoint (a collective, retried across
+  // a re-formation); checkpoint() then writes the file that names them.
+  // False when the rule does not, or cannot (a member without a run
+  // directory): the state is gathered instead.
+  bool write_shards(const std::string& why);
+  int64_t shards_step_ = -1;  // the step whose shards write_shards() wrote
+  std::string shard_path_;    // the checkpoint's path for write_shards() (empty: none)
 
   // A collective of the front end's own between steps (an evaluation's
   // sums): true when it completed; false when a peer failed (elastic): the

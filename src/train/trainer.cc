@@ -461,7 +461,7 @@ nlohmann::json Trainer::run() {
                        "' already holds a checkpoint; pass --resume to continue that run, or "
                        "choose another --run-dir");
   SessionParts parts{*model_, *flat_, rule_optimizer(), *batch_policy_, isgd_.get(), state_, cfg_.run_dir,
-                     t.max_nonfinite_steps, {}, {}};
+                     t.max_nonfinite_steps, {}, {}, false, {}, {}, {}};
   if (outer_) diloco_state_hooks(parts);
   session_ = std::make_unique<Session>(std::move(parts), rule_, std::move(membership_), t.resume,
                                        static_cast<int>(cfg_.loader.world), static_cast<int>(cfg_.loader.rank));

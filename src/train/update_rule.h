@@ -166,6 +166,15 @@ class UpdateRule {
   // for a checkpoint (its writer) or a membership change (everyone); the
   // next update shards it again. No-op by default.
   virtual void gather_state(optim::Optimizer& opt, int64_t step, bool here) {}
+  // Fully sharded (optim.shard_weights): the weights and the state are
+  // only ever in shards.
+  virtual bool shards_weights() const { return false; }
+  // Fully sharded: every member writes the shards it holds (its own, and
+  // its copies of another host's) of committed step `step` beside `path`
+  // (train/checkpoint.h: shard_file), in parallel; a collective. False,
+  // nothing written, when some member has no path (no run directory): the
+  // caller gathers the state instead.
+  virtual bool write_shards(const std::string& path, int64_t step) { return false; }
   // After a checkpoint was written from a gathered state: `opt` holds this
   // member's shard again (the whole stays only where a membership change
   // needs it). No-op by default.

@@ -122,10 +122,24 @@ def test_a_fully_sharded_checkpoint_resumes_into_another_world_size(first, then)
     """An epoch on 2 members, its checkpoint resumed by 3 for a second epoch:
     fully sharded, or switching between replicated and fully sharded across
     the resume; the end is the replicated path's with the same schedule,
-    bit for bit (the checkpoint holds the whole weights and AdamW state)."""
+    bit for bit. A fully sharded run's checkpoint is a file per shard,
+    each written by its member, beside a file that names them:
+    limbo.load_checkpoint() puts the whole model together from them, the
+    first epoch's weights, bit for bit."""
     def two_epochs(a, b):
         d = tempfile.mkdtemp(prefix="limbo-fs-resume-")
-        run(2, a, "--epochs", "1", run_dir=d)
+        first_epoch = run(2, a, "--epochs", "1", run_dir=d)
+        ckpt = os.path.join(d, "checkpoint.pt")
+        shards = sorted(f for f in os.listdir(d) if f.startswith("checkpoint.pt.shard-"))
+        loaded = limbo.load_checkpoint(ckpt)
+        if a == "full":
+            assert shards == ["checkpoint.pt.shard-%d-of-2.step-%d" % (r, loaded["step"]) for r in range(2)], shards
+            assert os.path.getsize(ckpt) < min(os.path.getsize(os.path.join(d, f)) for f in shards)
+        else:
+            assert shards == []
+        for name, w in first_epoch[0]["weights"].items():
+            assert torch.equal(loaded["model"][name], w), name
+        assert set(loaded["optimizer"]) == {"exp_avg", "exp_avg_sq"}
         return run(3, b, "--epochs", "2", run_dir=d, resume=True)
     want = two_epochs("none", "none")
     got = two_epochs(first, then)

@@ -342,13 +342,17 @@ def test_a_joiner_gets_the_state_and_its_share(run_dir, optimizer):
     assert rounds[-1]["world"] == 2 and rounds[-1]["front_end_state_moved"], rounds  # to the joiner
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 128 + signal.SIGINT),
-                                      (signal.SIGUSR1, 75)])
-def test_a_signal_at_the_launcher_stops_after_a_checkpoint_and_resume_goes_on(run_dir, sig, code):
+@pytest.mark.parametrize("sig,code,optimizer", [(signal.SIGTERM, 128 + signal.SIGTERM, "sgd"),
+                                                (signal.SIGINT, 128 + signal.SIGINT, "sgd"),
+                                                (signal.SIGUSR1, 75, "sgd"),
+                                                (signal.SIGTERM, 128 + signal.SIGTERM, "limbo-adamw-full")])
+def test_a_signal_at_the_launcher_stops_after_a_checkpoint_and_resume_goes_on(run_dir, sig, code, optimizer):
+    """Fully sharded (limbo-adamw-full), the checkpoint at the stop is a
+    shard a member, each written by its member, and the resume reads them."""
     # 4 epochs of 32 steps, at least 0.05 s each: over 6 s of training, the
     # signal 1 s after the first committed step.
-    cmd = [LIMBO, "launch", "--nproc", "2", "--min-workers", "1", "--run-dir", run_dir, "--", PY, SCRIPT,
-           "--epochs", "4"]
+    args = ["--epochs", "4", "--optimizer", optimizer]
+    cmd = [LIMBO, "launch", "--nproc", "2", "--min-workers", "1", "--run-dir", run_dir, "--", PY, SCRIPT] + args
     p = subprocess.Popen(cmd, env=env(PACE=0.05), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not glob.glob(os.path.join(run_dir, "samples-*.txt")):
@@ -359,15 +363,17 @@ def test_a_signal_at_the_launcher_stops_after_a_checkpoint_and_resume_goes_on(ru
     assert p.returncode == code, out
     assert os.path.exists(os.path.join(run_dir, "checkpoint.pt")), out
     assert not os.path.exists(os.path.join(run_dir, "summary.json"))
+    shards = glob.glob(os.path.join(run_dir, "checkpoint.pt.shard-*"))
+    assert len(shards) == (2 if optimizer.endswith("full") else 0), shards
     r = subprocess.run([LIMBO, "launch", "--nproc", "2", "--min-workers", "1", "--run-dir", run_dir, "--resume",
-                        "--", PY, SCRIPT, "--epochs", "4"], env=env(), capture_output=True, text=True, timeout=300)
+                        "--", PY, SCRIPT] + args, env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     check_exactly_once(run_dir, 1024, 4)
     resumed = check_identical(run_dir, 2)
     # Against the same job without the interruption: the same weights,
     # buffers, momentum, scheduler and user state (resume dropping any of
     # them would show), up to float rounding.
-    check_close(resumed, uninterrupted(2, ["--epochs", "4"], ["--min-workers", "1"]))
+    check_close(resumed, uninterrupted(2, args, ["--min-workers", "1"]))
 
 
 @pytest.mark.parametrize("habit", ["plain-backward", "set-to-none", "clip", "plain-clip", "no-sync", "aux",
