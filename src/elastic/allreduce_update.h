@@ -105,6 +105,7 @@ class AllReduceUpdate : public train::UpdateRule {
   // Sharded weights and gradient too (optim.shard_weights).
   bool shards_weights() const override { return full_; }
   bool write_shards(const std::string& path, int64_t step) override;
+  void drop_saved_state() override;
   // The first of a home's slots that holds optimizer state: 1 when the
   // weights are sharded (slot 0 holds the shard's weights), else 0.
   int first_state_slot() const { return full_ ? 1 : 0; }

@@ -193,6 +193,12 @@ bool AllReduceUpdate::write_shards(const std::string& path, int64_t step) {
   return true;
 }
 
+void AllReduceUpdate::drop_saved_state() {
+  if (!full_) return;
+  for (ShardHome* h : kept_homes()) h->drop_slots_from(first_state_slot());
+  opt_->optimizer().set_state({}, opt_->optimizer().steps());
+}
+
 void AllReduceUpdate::maybe_die_in_commit(const std::string& where, int64_t iteration) {
   const auto& d = die_in_commit_;
   if (d.where != where || d.iteration != iteration || !group_ || group_->size() < 2 || group_->rank() != d.rank)

@@ -246,6 +246,20 @@ void ShardHome::commit(int v, int64_t step, int64_t optimizer_steps, bool has_st
   h_->step[v].store(step, std::memory_order_release);
 }
 
+void ShardHome::drop_slots_from(int slot) {
+  if (!h_->logged || slot >= states() + 1) return;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t from = (reinterpret_cast<uintptr_t>(state(0, slot)) + page - 1) / page * page;
+  // Whole pages only: a private home is heap memory, whose next page is not its own.
+  const uintptr_t to = (reinterpret_cast<uintptr_t>(base_) + static_cast<uintptr_t>(bytes_)) / page * page;
+  if (to > from) {
+    // Shared memory: its pages go back to the system (MADV_REMOVE punches
+    // the segment); this process's memory: dropped as anonymous pages.
+    ::madvise(reinterpret_cast<void*>(from), to - from, mapped_ ? MADV_REMOVE : MADV_DONTNEED);
+  }
+  h_->has_state[0] = 0;
+}
+
 void ShardHome::unlink() {
   if (!name_.empty()) ::shm_unlink(name_.c_str());
 }

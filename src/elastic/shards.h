@@ -109,6 +109,11 @@ class ShardHome {
   // untouched or its new values whole in the scratch); false when the
   // home holds neither `step` nor its log.
   bool roll_forward(int64_t step, const Update& update, bool first_state_is_weights);
+  // Gives back the memory of every slot from `slot` on (and the log and
+  // scratch): they read as zeros afterwards. Version 0 then holds its
+  // step without state (the optimizer's state is saved elsewhere: a
+  // fully sharded job's final checkpoint).
+  void drop_slots_from(int slot);
   // Removes the name (the memory goes with the last mapping).
   void unlink();
   // Bytes of one version.

@@ -333,7 +333,10 @@ bool Session::gather_final(bool here) {
   try {
     // Sharded weights: the final checkpoint in shards, then the weights
     // whole on every member (the model the program holds after training).
-    if (write_shards("final checkpoint")) here = false;
+    if (write_shards("final checkpoint")) {
+      here = false;
+      rule_->drop_saved_state();  // in the checkpoint now: the whole weights take its place
+    }
     gather_state("final checkpoint", here);
     return true;
   } catch (const CompletedElsewhere& e) {

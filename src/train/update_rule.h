@@ -175,6 +175,10 @@ class UpdateRule {
   // nothing written, when some member has no path (no run directory): the
   // caller gathers the state instead.
   virtual bool write_shards(const std::string& path, int64_t step) { return false; }
+  // Fully sharded, after the final checkpoint's shards are written: the
+  // shards' optimizer state is given back (the weights stay), so that the
+  // whole weights gathered after training fit where the state was.
+  virtual void drop_saved_state() {}
   // After a checkpoint was written from a gathered state: `opt` holds this
   // member's shard again (the whole stays only where a membership change
   // needs it). No-op by default.
