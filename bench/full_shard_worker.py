@@ -89,6 +89,9 @@ def main():
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--pattern", action="store_true",
+                    help="learnable tokens (each the previous times 3 plus 1, mod the vocabulary) instead of "
+                         "random ones: the loss falls")
     args = ap.parse_args()
     torch.set_num_threads(1)
     base = rss("VmRSS")
@@ -99,6 +102,9 @@ def main():
     g = torch.Generator().manual_seed(1)
     samples = 64 * args.batch * args.steps
     data = torch.randint(0, args.vocab, (samples, args.context + 1), generator=g)
+    if args.pattern:
+        for t in range(1, args.context + 1):
+            data[:, t] = (data[:, t - 1] * 3 + 1) % args.vocab
 
     def loss_of(ids):
         x = data[ids]
@@ -132,10 +138,18 @@ def main():
         opt = limbo.Optimizer("adamw", lr=1e-3)
         job = limbo.Job(model, opt, dataset=samples, batch_size=args.batch, max_steps=args.steps, epochs=1,
                         batch_policy="none", checkpoint_every_epochs=0, shard=args.mode)
+        # SAMPLES_DIR: each committed step's global batch, a line a step
+        # (the experiment checks that no sample is used twice).
+        log = open(os.path.join(os.environ["SAMPLES_DIR"], "samples-%d.txt" % os.getpid()), "a") \
+            if os.environ.get("SAMPLES_DIR") else None
         for ids in job.batches(lambda ids: torch.as_tensor(ids)):
             job.backward(loss_of(ids))
+            global_ids = job.global_ids()
             if job.step():
                 losses.append(job.loss)
+                if log:
+                    log.write("%d %s\n" % (job.step_count, " ".join(map(str, global_ids))))
+                    log.flush()
                 if os.environ.get("PRINT_STEPS"):
                     print("step %d loss %.4f rss %.0f MiB" % (job.step_count, job.loss, rss("VmRSS")), flush=True)
                 times.append(time.perf_counter())
@@ -152,7 +166,8 @@ def main():
                        "after_last_step_mib": now, "losses": losses})
     print(line, flush=True)
     if os.environ.get("FULL_SHARD_OUT"):  # one file a member: the members' lines would interleave
-        with open(os.path.join(os.environ["FULL_SHARD_OUT"], "rank%d.json" % rank), "w") as f:
+        name = "rank%d.json" % rank if not os.environ.get("SAMPLES_DIR") else "rank%d-pid%d.json" % (rank, os.getpid())
+        with open(os.path.join(os.environ["FULL_SHARD_OUT"], name), "w") as f:
             f.write(line + "\n")
 
 

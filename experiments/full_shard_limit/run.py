@@ -1,16 +1,25 @@
 #!/usr/bin/python3
-"""A model whose training state one member cannot hold: the same decoder-only
-transformer (bench/full_shard_worker.py) trained by 4 members on this host,
-each held by a memory cgroup of its own (cgroup v1, root; no swap here), once
-replicated (limbo.Job(shard="none")) and once fully sharded (shard="full").
+"""A model whose training state one member cannot hold: a decoder-only
+transformer (bench/full_shard_worker.py, learnable tokens: the loss falls)
+trained by 4 members on this host, each held by a memory cgroup of its own
+(cgroup v1, root; no swap here) whose limit is at most half the replicated
+training state (weights, gradient and AdamW's two moments: 16 bytes a
+parameter), once replicated (limbo.Job(shard="none")) and once fully
+sharded (shard="full").
+
+With --kill-at-step K the fully sharded run loses a member to SIGKILL after
+step K, and the launcher (--elastic-schedule 0:4) starts another that joins
+the job (in a cgroup of the same limit). Every committed step's global batch
+is logged; no sample may be used twice.
 
 For each mode it prints whether a member was ended by the kernel's OOM
 killer, each member's peak usage as its cgroup counted it
-(memory.max_usage_in_bytes), and the losses of the steps that committed,
-and writes results.md beside this file. A replicated run that the OOM
-killer ends is stopped at once (the others would wait for it).
+(memory.max_usage_in_bytes), each member's peak resident set over the
+training steps (VmHWM after step 2), the losses of the steps that
+committed, and writes results.md beside this file. A replicated run that
+the OOM killer ends is stopped at once (the others would wait for it).
 
-    experiments/full_shard_limit/run.py [--width 1024] [--blocks 12] [--limit-mib 1800] [--steps 6]
+    experiments/full_shard_limit/run.py [--width 1024] [--blocks 20] [--limit-mib 1900] [--steps 16] [--kill-at-step 5]
 """
 import argparse
 import glob
@@ -19,7 +28,9 @@ import os
 import shutil
 import subprocess
 import sys
+import signal
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -47,17 +58,21 @@ def run(limbo, mode, args):
     groups_file = tempfile.mktemp(prefix="limbo-memgroups-")
     out = tempfile.mkdtemp(prefix="limbo-fsl-out-")
     env = dict(os.environ, MEMORY_LIMIT_MIB=str(args.limit_mib), MEMORY_GROUP_FILE=groups_file,
-               FULL_SHARD_OUT=out, PRINT_STEPS="1", LIMBO_PYTHON_DIR=os.path.join(ROOT, "build", "python"))
+               FULL_SHARD_OUT=out, SAMPLES_DIR=out, PRINT_STEPS="1",
+               LIMBO_PYTHON_DIR=os.path.join(ROOT, "build", "python"))
     env["PYTHONPATH"] = env["LIMBO_PYTHON_DIR"]
-    cmd = [limbo, "launch", "--nproc", str(args.members), "--min-workers", str(args.members), "--run-dir",
-           tempfile.mkdtemp(prefix="limbo-fsl-"), "--", PY, WORKER, "--mode", mode, "--width", str(args.width),
+    elastic = mode == "full" and args.kill_at_step > 0
+    shape = ["--min-workers", "2", "--elastic-schedule", "0:%d" % args.members] if elastic else \
+        ["--min-workers", str(args.members)]
+    cmd = [limbo, "launch", "--nproc", str(args.members)] + shape + ["--run-dir", tempfile.mkdtemp(prefix="limbo-fsl-"),
+           "--", PY, WORKER, "--mode", mode, "--width", str(args.width), "--pattern",
            "--blocks", str(args.blocks), "--heads", str(args.heads), "--batch", str(args.batch),
            "--steps", str(args.steps), "--context", str(args.context)]
     t0 = time.time()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = []
     killed = 0
-    import threading
+    victim = None
     reader = threading.Thread(target=lambda: log.extend(p.stdout), daemon=True)
     reader.start()
     while p.poll() is None:
@@ -70,7 +85,14 @@ def run(limbo, mode, args):
             except subprocess.TimeoutExpired:
                 p.kill()
             break
-        time.sleep(0.5)
+        if elastic and victim is None and any(l.startswith("step %d loss" % args.kill_at_step) for l in list(log)):
+            # SIGKILL the member in the second cgroup (rank order of their start).
+            procs = read(os.path.join(groups[1], "cgroup.procs")).split() if len(groups) > 1 else []
+            if procs:
+                victim = int(procs[0])
+                os.kill(victim, signal.SIGKILL)
+                print("  killed member pid %d after step %d" % (victim, args.kill_at_step), flush=True)
+        time.sleep(0.2)
     p.wait()
     reader.join(timeout=10)
     groups = read(groups_file).split()
@@ -84,10 +106,28 @@ def run(limbo, mode, args):
             except OSError:
                 time.sleep(0.5)
     results = [json.load(open(f)) for f in sorted(glob.glob(os.path.join(out, "rank*.json")))]
+    # Every committed step's global batch, from every member's log: the
+    # same batch wherever a step was logged, no sample twice.
+    steps = {}
+    consistent = True
+    for path in glob.glob(os.path.join(out, "samples-*.txt")):
+        for line in open(path):
+            if not line.endswith("\n"):
+                continue
+            f = line.split()
+            ids = tuple(map(int, f[1:]))
+            consistent = consistent and steps.setdefault(int(f[0]), ids) == ids
+    used = [i for ids in steps.values() for i in ids]
+    once = consistent and len(used) == len(set(used)) and sorted(steps) == list(range(1, len(steps) + 1))
+    rounds = [l for l in log if "launch: membership round" in l]
+    joins = sum(1 for l in rounds[1:] if "joined" in l)  # after the first round's
     shutil.rmtree(out, ignore_errors=True)
+    losses = max((r["losses"] for r in results), key=len) if results else []
     return {"mode": mode, "exit": p.returncode, "oom_kills": killed, "peaks_mib": peaks, "seconds": time.time() - t0,
-            "losses": results[0]["losses"] if results else [], "params": results[0]["params"] if results else None,
-            "log": "".join(log)[-1500:]}
+            "losses": losses, "params": results[0]["params"] if results else None,
+            "unit_params": results[0]["unit_params"] if results else None,
+            "hwm_mib": [r["peak_mib"] for r in results if r["peak_mib"] == r["peak_mib"]], "steps": len(steps), "once": once,
+            "victim": victim, "joins": joins, "log": "".join(log)[-3000:]}
 
 
 def main():
@@ -95,12 +135,13 @@ def main():
     ap.add_argument("--limbo", default=os.path.join(ROOT, "build", "src", "cli", "limbo"))
     ap.add_argument("--members", type=int, default=4)
     ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--blocks", type=int, default=12)
+    ap.add_argument("--blocks", type=int, default=20)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--limit-mib", type=float, default=1800)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--kill-at-step", type=int, default=5, help="0: no member lost")
+    ap.add_argument("--limit-mib", type=float, default=1900)
     ap.add_argument("--modes", default="none,full")
     args = ap.parse_args()
     if os.geteuid() != 0 or not os.access("/sys/fs/cgroup/memory", os.W_OK):
@@ -109,28 +150,42 @@ def main():
     for mode in args.modes.split(","):
         r = run(args.limbo, mode, args)
         rows.append(r)
-        print("%-5s exit %s, OOM kills %d, peaks %s MiB, %d steps committed, losses %s (%.0f s)" %
-              (mode, r["exit"], r["oom_kills"], " ".join("%.0f" % x for x in r["peaks_mib"]), len(r["losses"]),
-               " ".join("%.3f" % x for x in r["losses"]), r["seconds"]), flush=True)
+        print("%-5s exit %s, OOM kills %d, cgroup peaks %s MiB, VmHWM %s MiB, %d steps committed%s, "
+              "every sample at most once: %s, losses %s (%.0f s)" %
+              (mode, r["exit"], r["oom_kills"], " ".join("%.0f" % x for x in r["peaks_mib"]),
+               " ".join("%.0f" % x for x in r["hwm_mib"]), r["steps"],
+               (", member pid %d SIGKILLed after step %d, %d joined" % (r["victim"], args.kill_at_step, r["joins"])
+                if r["victim"] else ""), r["once"], " ".join("%.3f" % x for x in r["losses"]), r["seconds"]),
+              flush=True)
         if r["exit"] != 0 and not r["oom_kills"]:
             print(r["log"])
     params = next((r["params"] for r in rows if r["params"]), None)
+    unit = next((r["unit_params"] for r in rows if r["unit_params"]), None)
+    mib = 1 << 20
     with open(os.path.join(HERE, "results.md"), "w") as f:
         f.write("# A model whose training state one member cannot hold\n\n")
-        f.write("`experiments/full_shard_limit/run.py --width %d --blocks %d --limit-mib %.0f --steps %d`: "
-                "%d members on one host, each in a memory cgroup of %.0f MiB; %s parameters, so the replicated "
-                "training state (weights, gradient, AdamW's moments: 16 bytes a parameter) is %s MiB, %s the "
-                "limit.\n\n" % (args.width, args.blocks, args.limit_mib, args.steps, args.members, args.limit_mib,
-                                "%.1fM" % (params / 1e6) if params else "?",
-                                "%.0f" % (16 * params / (1 << 20)) if params else "?",
-                                "%.2fx" % (16 * params / (1 << 20) / args.limit_mib) if params else "?"))
-        f.write("| mode | ended by the OOM killer | peak per member (cgroup) | steps committed | losses |\n")
-        f.write("| --- | --- | --- | --- | --- |\n")
+        f.write("`experiments/full_shard_limit/run.py --width %d --blocks %d --limit-mib %.0f --steps %d "
+                "--kill-at-step %d`: %d members on one host, each in a memory cgroup of %.0f MiB (no swap); "
+                "%s parameters, so the replicated training state (weights, gradient, AdamW's moments: 16 bytes a "
+                "parameter) is %s MiB, %s the limit.\n\n" % (
+                    args.width, args.blocks, args.limit_mib, args.steps, args.kill_at_step, args.members,
+                    args.limit_mib, "%.1fM" % (params / 1e6) if params else "?",
+                    "%.0f" % (16 * params / mib) if params else "?",
+                    "%.2fx" % (16 * params / mib / args.limit_mib) if params else "?"))
+        if params and unit:
+            f.write("The formula's state term, 16 bytes a parameter x 2 / %d, is %.0f MiB; one unit's weights "
+                    "(a block, %.1fM parameters) %.0f MiB.\n\n" % (args.members, 16 * params * 2 / args.members / mib,
+                                                                  unit / 1e6, 4 * unit / mib))
+        f.write("| mode | ended by the OOM killer | peak per member (cgroup) | peak resident set over the steps "
+                "(VmHWM after step 2) | steps committed | a member SIGKILLed, one joined | every sample at most "
+                "once | losses |\n")
+        f.write("| --- | --- | --- | --- | --- | --- | --- | --- |\n")
         for r in rows:
-            f.write("| %s | %s | %s MiB | %d | %s |\n" % (
+            f.write("| %s | %s | %s MiB | %s MiB | %d | %s | %s | %s |\n" % (
                 r["mode"], "yes (%d)" % r["oom_kills"] if r["oom_kills"] else "no",
-                " / ".join("%.0f" % x for x in r["peaks_mib"]), len(r["losses"]),
-                " ".join("%.3f" % x for x in r["losses"])))
+                " / ".join("%.0f" % x for x in r["peaks_mib"]), " / ".join("%.0f" % x for x in r["hwm_mib"]) or "-",
+                r["steps"], "after step %d; %d joined" % (args.kill_at_step, r["joins"]) if r["victim"] else "no",
+                "yes" if r["once"] else "NO", " ".join("%.3f" % x for x in r["losses"])))
 
 
 if __name__ == "__main__":

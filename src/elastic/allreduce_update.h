@@ -138,6 +138,12 @@ class AllReduceUpdate : public train::UpdateRule {
   // A live owner elsewhere (frozen, or out of the round) is killed first:
   // it could go on writing the home. See apply_logged().
   void settle_logs(int64_t step);
+  // shard_weights, in a state sync: a part of this process's own homes of
+  // the last group (retired by new_home) given back once the new homes
+  // hold it (ShardHome::give_back).
+  void give_back_retired(ShardHome::Part part);
+  // ... and the logs of every home of this process's, once settled.
+  void give_back_logs();
   bool shards_state() const override { return shard_; }
   const std::vector<int64_t>& bounds() const { return bounds_; }
   ShardHome* home() { return home_.get(); }

@@ -231,6 +231,7 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   if (!rule.home_prefix().empty())
     rule.adopt_dead(open_departed_homes(rule.home_prefix().substr(1), round.members));
   rule.settle_logs(step);
+  rule.give_back_logs();  // settled: their values are in the versions now
   std::vector<Held> held;
   // With sharded weights (optim.shard_weights) a home's slot 0 holds its
   // shard's weights, and the weights are re-sharded into the new homes as
@@ -239,9 +240,13 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   const int first = rule.first_state_slot();
   for (ShardHome* h : rule.kept_homes()) {
     const int v = h->version_of(step);
-    if (v < 0 || h->n() != n || h->states() != states + first) continue;
-    Held x{h->lo(), h->hi(), full ? h->state(v, 0) : nullptr, {}};
-    if (has_state)
+    // A home with a log may hold a part (a sync retried after it gave the
+    // weights back, or wrote them into a new home): each part on its own.
+    const bool w = full && (h->logged() ? h->holds_weights(step) : v >= 0);
+    const bool st = h->logged() ? h->holds_state(step) : v >= 0;
+    if ((!w && !st) || h->n() != n || h->states() != states + first) continue;
+    Held x{h->lo(), h->hi(), w ? h->state(0, 0) : nullptr, {}};
+    if (has_state && st)
       for (int i = 0; i < states; ++i) x.st.push_back(h->state(v, i + first));
     held.push_back(std::move(x));
   }
@@ -354,10 +359,17 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
       }
     }
   };
-  if (full) reshard(send_w, [](const Held& x) { return x.w; }, 0);
+  if (full) {
+    reshard(send_w, [](const Held& x) { return x.w; }, 0);
+    // The new homes hold the weights (a retried sync reads them there):
+    // this member's old homes give theirs back before the state comes.
+    for (ShardHome* h : homes) h->commit_weights(step);
+    rule.give_back_retired(ShardHome::kWeights);
+  }
   if (has_state)
     for (int i = 0; i < states; ++i) reshard(send_s, [i](const Held& x) { return x.st[i]; }, i + first);
   for (ShardHome* h : homes) h->commit(0, step, steps, has_state);
+  rule.give_back_retired(ShardHome::kState);
   std::vector<torch::Tensor> views;
   if (has_state)
     for (int i = 0; i < states; ++i)

@@ -195,8 +195,20 @@ bool AllReduceUpdate::write_shards(const std::string& path, int64_t step) {
 
 void AllReduceUpdate::drop_saved_state() {
   if (!full_) return;
-  for (ShardHome* h : kept_homes()) h->drop_slots_from(first_state_slot());
+  for (ShardHome* h : kept_homes()) h->drop_state();
   opt_->optimizer().set_state({}, opt_->optimizer().steps());
+}
+
+void AllReduceUpdate::give_back_retired(ShardHome::Part part) {
+  if (!full_) return;
+  for (auto& h : retired_)
+    if (h->logged() && h->owner() == ::getpid()) h->give_back(part);
+}
+
+void AllReduceUpdate::give_back_logs() {
+  if (!full_) return;
+  for (ShardHome* h : kept_homes())
+    if (h->logged() && h->owner() == ::getpid()) h->give_back(ShardHome::kLog);
 }
 
 void AllReduceUpdate::maybe_die_in_commit(const std::string& where, int64_t iteration) {

@@ -5,6 +5,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -45,6 +46,9 @@ struct ShardHome::Header {
   std::atomic<int64_t> scratch_at;
   // The process finishing the update (0: none): one at a time.
   std::atomic<int32_t> finisher;
+  // Parts given back (ShardHome::Part bits), and the step slot 0 holds
+  // whole before version 0 is committed (-1: none).
+  std::atomic<int64_t> given_back, weights_step;
   double log_lr;
   int64_t log_skip;
 };
@@ -75,7 +79,17 @@ ShardHome::ShardHome(const std::string& name, int64_t n, int64_t lo, int64_t hi,
     if (fd < 0) {
       why = std::string("shm_open: ") + std::strerror(errno);
     } else {
-      const int rc = ::ftruncate(fd, bytes_) == 0 ? ::posix_fallocate(fd, 0, bytes_) : errno;
+      // Two versions: reserved now (a full /dev/shm fails here, not at a
+      // write). With a log: only checked for room, so that its pages cost
+      // memory as they are first written (the weights first, the state at
+      // the first update): a model that a member holds only in shards is
+      // whole in this process while its home is made.
+      int rc = ::ftruncate(fd, bytes_) == 0 ? 0 : errno;
+      if (rc == 0 && !logged) rc = ::posix_fallocate(fd, 0, bytes_);
+      struct statvfs fs {};
+      if (rc == 0 && logged && ::fstatvfs(fd, &fs) == 0 &&
+          static_cast<int64_t>(fs.f_bavail) * static_cast<int64_t>(fs.f_frsize) < bytes_)
+        rc = ENOSPC;
       if (rc == 0) {
         void* p = ::mmap(nullptr, static_cast<size_t>(bytes_), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (p != MAP_FAILED) {
@@ -114,6 +128,8 @@ ShardHome::ShardHome(const std::string& name, int64_t n, int64_t lo, int64_t hi,
   h_->cursor.store(0);
   h_->scratch_at.store(-1);
   h_->finisher.store(0);
+  h_->given_back.store(0);
+  h_->weights_step.store(-1);
   h_->magic = kMagic;
 }
 
@@ -246,17 +262,35 @@ void ShardHome::commit(int v, int64_t step, int64_t optimizer_steps, bool has_st
   h_->step[v].store(step, std::memory_order_release);
 }
 
-void ShardHome::drop_slots_from(int slot) {
-  if (!h_->logged || slot >= states() + 1) return;
+void ShardHome::give_back(Part part) {
+  if (!h_->logged) return;
   const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const uintptr_t from = (reinterpret_cast<uintptr_t>(state(0, slot)) + page - 1) / page * page;
-  // Whole pages only: a private home is heap memory, whose next page is not its own.
-  const uintptr_t to = (reinterpret_cast<uintptr_t>(base_) + static_cast<uintptr_t>(bytes_)) / page * page;
-  if (to > from) {
+  auto drop = [&](const void* a, const void* b) {
+    // Whole pages only: a private home is heap memory, whose next page is
+    // not its own.
+    const uintptr_t from = (reinterpret_cast<uintptr_t>(a) + page - 1) / page * page;
+    const uintptr_t to = reinterpret_cast<uintptr_t>(b) / page * page;
     // Shared memory: its pages go back to the system (MADV_REMOVE punches
     // the segment); this process's memory: dropped as anonymous pages.
-    ::madvise(reinterpret_cast<void*>(from), to - from, mapped_ ? MADV_REMOVE : MADV_DONTNEED);
-  }
+    if (to > from) ::madvise(reinterpret_cast<void*>(from), to - from, mapped_ ? MADV_REMOVE : MADV_DONTNEED);
+  };
+  const uint8_t* end = base_ + bytes_;
+  if (part == kWeights) drop(state(0, 0), state(0, 1));
+  if (part == kState) drop(state(0, 1), end);
+  if (part == kLog) drop(log(), end);
+  h_->given_back.fetch_or(part == kState ? (kState | kLog) : part);
+}
+
+bool ShardHome::holds_weights(int64_t step) const {
+  return !(h_->given_back.load() & kWeights) && (version_of(step) >= 0 || h_->weights_step.load() == step);
+}
+
+bool ShardHome::holds_state(int64_t step) const { return !(h_->given_back.load() & kState) && version_of(step) >= 0; }
+
+void ShardHome::commit_weights(int64_t step) { h_->weights_step.store(step, std::memory_order_release); }
+
+void ShardHome::drop_state() {
+  give_back(kState);
   h_->has_state[0] = 0;
 }
 

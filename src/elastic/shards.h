@@ -109,11 +109,23 @@ class ShardHome {
   // untouched or its new values whole in the scratch); false when the
   // home holds neither `step` nor its log.
   bool roll_forward(int64_t step, const Update& update, bool first_state_is_weights);
-  // Gives back the memory of every slot from `slot` on (and the log and
-  // scratch): they read as zeros afterwards. Version 0 then holds its
-  // step without state (the optimizer's state is saved elsewhere: a
-  // fully sharded job's final checkpoint).
-  void drop_slots_from(int slot);
+  // A home with a log: parts of its memory given back to the system
+  // (they read as zeros afterwards) once their values are elsewhere: the
+  // log (after the step it holds is settled), the weights (slot 0), the
+  // state (every later slot, with the log). A state sync gives back a
+  // re-sharded part of the homes it re-shards from before it writes the
+  // next, so that a member never holds its old and new shards whole.
+  enum Part { kLog = 4, kWeights = 1, kState = 2 };
+  void give_back(Part part);
+  // Whether the weights, or the state, of `step` are here (not given
+  // back); the weights also once commit_weights(step) marked slot 0 whole
+  // before the version is committed (a sync retried after it wrote them).
+  bool holds_weights(int64_t step) const;
+  bool holds_state(int64_t step) const;
+  void commit_weights(int64_t step);
+  // After a fully sharded job's final checkpoint: the state given back,
+  // version 0 holds its step without state.
+  void drop_state();
   // Removes the name (the memory goes with the last mapping).
   void unlink();
   // Bytes of one version.

@@ -1,5 +1,7 @@
 #include "optim/flat_params.h"
 
+#include <malloc.h>
+
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -115,11 +117,20 @@ FlatParams::FlatParams(torch::nn::Module& module, bool channels_last, bool inclu
     b.tensor.set_data(view);
   }
   buffers_to_flat();
+  int64_t freed = 0;  // bytes of the module's own tensors freed since the heap last gave memory back
   for (size_t i = 0; i < trainable.size(); ++i) {
     const Entry& e = entries_[i];
     auto view = shaped_view(data_, e.offset, e.shape, channels_last);
     view.copy_(trainable[i]);
     trainable[i].set_data(view);
+    // Lazy (a model larger than a member may hold, sharded next): the
+    // module's tensor, freed into the heap, goes back to the system every
+    // 64 MiB, so that the copy never holds the model twice.
+    freed += 4 * e.numel;
+    if (lazy && freed >= (int64_t{64} << 20)) {
+      ::malloc_trim(0);
+      freed = 0;
+    }
     grad_views_.push_back(shaped_view(grad_, e.offset, e.shape, channels_last));
     if (trainable[i].requires_grad()) trainable[i].mutable_grad() = grad_views_.back();
     params_.push_back(trainable[i]);
