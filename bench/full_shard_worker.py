@@ -89,6 +89,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--pattern", action="store_true",
                     help="learnable tokens (each the previous times 3 plus 1, mod the vocabulary) instead of "
                          "random ones: the loss falls")
@@ -135,7 +136,7 @@ def main():
     else:
         sys.path.insert(0, os.environ.get("LIMBO_PYTHON_DIR", ""))
         import limbo
-        opt = limbo.Optimizer("adamw", lr=1e-3)
+        opt = limbo.Optimizer("adamw", lr=args.lr)
         job = limbo.Job(model, opt, dataset=samples, batch_size=args.batch, max_steps=args.steps, epochs=1,
                         batch_policy="none", checkpoint_every_epochs=0, shard=args.mode)
         # SAMPLES_DIR: each committed step's global batch, a line a step
@@ -159,7 +160,11 @@ def main():
                     peak = rss("VmHWM")
                     now = {k: rss(k) for k in ("RssAnon", "RssFile", "RssShmem")}
         rank, world = job.rank, job.world
+        if os.environ.get("PRINT_STEPS"):
+            print("training over, rss %.0f MiB" % rss("VmRSS"), flush=True)
         job.finish()
+        if os.environ.get("PRINT_STEPS"):
+            print("finished, rss %.0f MiB, peak %.0f MiB" % (rss("VmRSS"), rss("VmHWM")), flush=True)
     rate = (len(times) - 2) * args.batch * world / (times[-1] - times[1]) if len(times) > 2 else float("nan")
     line = json.dumps({"mode": args.mode, "rank": rank, "world": world, "base_mib": base, "peak_mib": peak,
                        "params": params, "unit_params": unit, "samples_per_second": rate,

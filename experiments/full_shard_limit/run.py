@@ -65,7 +65,7 @@ def run(limbo, mode, args):
     shape = ["--min-workers", "2", "--elastic-schedule", "0:%d" % args.members] if elastic else \
         ["--min-workers", str(args.members)]
     cmd = [limbo, "launch", "--nproc", str(args.members)] + shape + ["--run-dir", tempfile.mkdtemp(prefix="limbo-fsl-"),
-           "--", PY, WORKER, "--mode", mode, "--width", str(args.width), "--pattern",
+           "--", PY, WORKER, "--mode", mode, "--width", str(args.width), "--pattern", "--lr", str(args.lr),
            "--blocks", str(args.blocks), "--heads", str(args.heads), "--batch", str(args.batch),
            "--steps", str(args.steps), "--context", str(args.context)]
     t0 = time.time()
@@ -73,6 +73,7 @@ def run(limbo, mode, args):
     log = []
     killed = 0
     victim = None
+    where = {}
     reader = threading.Thread(target=lambda: log.extend(p.stdout), daemon=True)
     reader.start()
     while p.poll() is None:
@@ -85,6 +86,13 @@ def run(limbo, mode, args):
             except subprocess.TimeoutExpired:
                 p.kill()
             break
+        for g in groups:  # where each member's usage peaked: the output line just before
+            try:
+                use = int(read(os.path.join(g, "memory.usage_in_bytes"), "0") or 0) / (1 << 20)
+            except ValueError:
+                use = 0
+            if use > where.get(g, (0, ""))[0]:
+                where[g] = (use, log[-1].strip() if log else "")
         if elastic and victim is None and any(l.startswith("step %d loss" % args.kill_at_step) for l in list(log)):
             # SIGKILL the member in the second cgroup (rank order of their start).
             procs = read(os.path.join(groups[1], "cgroup.procs")).split() if len(groups) > 1 else []
@@ -121,6 +129,10 @@ def run(limbo, mode, args):
     once = consistent and len(used) == len(set(used)) and sorted(steps) == list(range(1, len(steps) + 1))
     rounds = [l for l in log if "launch: membership round" in l]
     joins = sum(1 for l in rounds[1:] if "joined" in l)  # after the first round's
+    with open(os.path.join(HERE, "last-%s.log" % mode), "w") as f:  # the launcher's and members' output
+        f.write("".join(log))
+        for g, (use, line) in where.items():
+            f.write("peak of %s: %.0f MiB after: %s\n" % (g, use, line))
     shutil.rmtree(out, ignore_errors=True)
     losses = max((r["losses"] for r in results), key=len) if results else []
     return {"mode": mode, "exit": p.returncode, "oom_kills": killed, "peaks_mib": peaks, "seconds": time.time() - t0,
@@ -141,6 +153,7 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--kill-at-step", type=int, default=5, help="0: no member lost")
+    ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--limit-mib", type=float, default=1900)
     ap.add_argument("--modes", default="none,full")
     args = ap.parse_args()

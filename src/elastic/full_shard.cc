@@ -207,6 +207,12 @@ void AllReduceUpdate::give_back_retired(ShardHome::Part part) {
 
 void AllReduceUpdate::give_back_logs() {
   if (!full_) return;
+  // A step cut short leaves pages of the flat weights and gradient that
+  // its gathers and buckets touched: the new group gathers again.
+  if (!weights_whole_) {
+    flat_.release_weights(0, flat_.numel());
+    flat_.release_grad(0, flat_.numel());
+  }
   for (ShardHome* h : kept_homes())
     if (h->logged() && h->owner() == ::getpid()) h->give_back(ShardHome::kLog);
 }
