@@ -51,7 +51,12 @@ AllReduceUpdate::AllReduceUpdate(std::shared_ptr<comm::Collective> group,
   if (full_ && !shard_)
     throw InvalidInput("optim.shard_weights = true shards the weights with the optimizer state: set optim.shard_state = true");
   if (full_ && !flat_.lazy()) throw Error("internal: sharded weights need lazy flat buffers");
-  if (full_) reducer_.set_reduce_in_hook([this](int64_t a, int64_t b) { bucket_reduced(a, b); }, &queue_);
+  if (full_)
+    reducer_.set_reduce_in_hook([this](int64_t a, int64_t b) { bucket_reduced(a, b); }, &queue_,
+                                [this](int64_t a, int64_t b) {  // the step fails: the bucket's pages go now
+                                  flat_.release_grad(a, b);
+                                  release_weights(a, b);
+                                });
   if (group_) set_group(group_);
 }
 

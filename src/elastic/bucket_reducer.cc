@@ -92,8 +92,10 @@ BucketReducer::BucketReducer(optim::FlatParams& flat, int64_t bucket_bytes, bool
   if (overlap_) install_hooks();
 }
 
-void BucketReducer::set_reduce_in_hook(std::function<void(int64_t, int64_t)> reduced, SerialQueue* queue) {
+void BucketReducer::set_reduce_in_hook(std::function<void(int64_t, int64_t)> reduced, SerialQueue* queue,
+                                       std::function<void(int64_t, int64_t)> failed) {
   reduced_in_hook_ = std::move(reduced);
+  failed_in_hook_ = std::move(failed);
   queue_ = queue;
   overlap_ = false;  // no communication thread: the hooks reduce
   if (hooks_.empty()) install_hooks();
@@ -101,12 +103,22 @@ void BucketReducer::set_reduce_in_hook(std::function<void(int64_t, int64_t)> red
 
 void BucketReducer::run_in_hook(size_t b) {
   if (hook_error_) return;  // the step failed already: finish() throws it
+  const int64_t begin = buckets_[b].begin, end = std::min(buckets_[b].end, flat_.numel());
+  if (queue_ && queue_->error()) {  // a collective of this step failed: nothing more goes out
+    done_[b] = 1;
+    if (failed_in_hook_) failed_in_hook_(begin, end);
+    return;
+  }
   try {
     prepare(b);
     done_[b] = 1;
-    const int64_t begin = buckets_[b].begin, end = std::min(buckets_[b].end, flat_.numel());
     auto job = [this, b, begin, end] {
-      run(op_of(b));
+      try {
+        run(op_of(b));
+      } catch (...) {
+        if (failed_in_hook_) failed_in_hook_(begin, end);
+        throw;
+      }
       if (reduced_in_hook_) reduced_in_hook_(begin, end);
     };
     if (queue_)

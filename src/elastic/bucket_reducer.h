@@ -134,7 +134,11 @@ class BucketReducer {
   // member's collectives come in the one order of its backward, the same
   // everywhere), and once reduced `reduced(begin, end)` is called with its
   // range. finish() waits for the queue and throws its failure.
-  void set_reduce_in_hook(std::function<void(int64_t, int64_t)> reduced, SerialQueue* queue);
+  // `failed(begin, end)`: a bucket whose reduction failed, or that comes
+  // after a failure of this step (its gradient goes nowhere: the step
+  // fails at its end), so that its pages can be given back at once.
+  void set_reduce_in_hook(std::function<void(int64_t, int64_t)> reduced, SerialQueue* queue,
+                          std::function<void(int64_t, int64_t)> failed = {});
   // The shards of the flat gradient (elastic/shards.h) of the next steps'
   // group: between steps, on the training thread.
   void set_shards(const std::vector<int64_t>& bounds);
@@ -204,7 +208,7 @@ class BucketReducer {
   void run(size_t op);          // one collective; either thread
   void comm_loop();
   void run_in_hook(size_t bucket);
-  std::function<void(int64_t, int64_t)> reduced_in_hook_;
+  std::function<void(int64_t, int64_t)> reduced_in_hook_, failed_in_hook_;
   SerialQueue* queue_ = nullptr;
   std::vector<char> done_;  // per bucket: reduced in a hook this step
   std::exception_ptr hook_error_;
