@@ -78,7 +78,7 @@ void Session::checkpoint(const std::string& why) {
     // The shards are beside it: this file names them, with the flat
     // layout of the weights (every parameter that is a view of it).
     ShardedLayout layout;
-    layout.world = world_;
+    layout.world = shards_world_;  // the group that wrote them (the final gather may have re-formed it since)
     layout.numel = p_.flat.numel();
     const float* base = p_.flat.data().data_ptr<float>();
     for (const auto& p : p_.model.named_parameters(true)) {
@@ -89,8 +89,9 @@ void Session::checkpoint(const std::string& why) {
     auto bare = optim::make_optimizer(opt.options());
     bare->set_state({}, opt.steps());
     save_checkpoint(checkpoint_path_, p_.model, *bare, st, &layout);
-    remove_other_shards(checkpoint_path_, world_, st.step);
-    log_debug("checkpoint (" + why + ") at step " + std::to_string(st.step) + ", in " + std::to_string(world_) + " shards");
+    remove_other_shards(checkpoint_path_, shards_world_, st.step);
+    log_debug("checkpoint (" + why + ") at step " + std::to_string(st.step) + ", in " + std::to_string(shards_world_) +
+              " shards");
     return;
   }
   if (opt.has_state() && opt.state()[0].numel() != p_.flat.numel()) {
@@ -233,6 +234,7 @@ bool Session::write_shards(const std::string& why) {
     try {
       if (!rule_->write_shards(shard_path_, p_.state.step)) return false;
       shards_step_ = p_.state.step;
+      shards_world_ = world_;
       return true;
     } catch (const Error& e) {
       if (!membership_ || !recoverable(e)) throw;

@@ -150,6 +150,7 @@ class Session {
   // directory): the state is gathered instead.
   bool write_shards(const std::string& why);
   int64_t shards_step_ = -1;  // the step whose shards write_shards() wrote
+  int shards_world_ = 0;      // ... and the group's size then (a re-formation may follow)
   std::string shard_path_;    // the checkpoint's path for write_shards() (empty: none)
 
   // A collective of the front end's own between steps (an evaluation's
