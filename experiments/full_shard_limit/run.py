@@ -74,6 +74,8 @@ def run(limbo, mode, args):
     killed = 0
     victim = None
     where = {}
+    highest = {}  # each group's peak (with --trace the kernel's is reset every poll)
+    trace = open(args.trace, "w") if args.trace else None
     reader = threading.Thread(target=lambda: log.extend(p.stdout), daemon=True)
     reader.start()
     while p.poll() is None:
@@ -91,6 +93,17 @@ def run(limbo, mode, args):
                 use = int(read(os.path.join(g, "memory.usage_in_bytes"), "0") or 0) / (1 << 20)
             except ValueError:
                 use = 0
+            if trace:  # the peak since the last poll, then a fresh count
+                try:
+                    peak = int(read(os.path.join(g, "memory.max_usage_in_bytes"), "0") or 0) / (1 << 20)
+                    with open(os.path.join(g, "memory.max_usage_in_bytes"), "w") as f:
+                        f.write("0")
+                except (OSError, ValueError):
+                    peak = use
+                highest[g] = max(highest.get(g, 0), peak)
+                use = max(use, peak)
+                trace.write("%.2f %s %.0f %s\n" % (time.time() - t0, os.path.basename(g), peak,
+                                                     log[-1].strip() if log else ""))
             if use > where.get(g, (0, ""))[0]:
                 where[g] = (use, log[-1].strip() if log else "")
         if elastic and victim is None and any(l.startswith("step %d loss" % args.kill_at_step) for l in list(log)):
@@ -100,11 +113,12 @@ def run(limbo, mode, args):
                 victim = int(procs[0])
                 os.kill(victim, signal.SIGKILL)
                 print("  killed member pid %d after step %d" % (victim, args.kill_at_step), flush=True)
-        time.sleep(0.2)
+        time.sleep(0.05 if trace else 0.2)
     p.wait()
     reader.join(timeout=10)
     groups = read(groups_file).split()
-    peaks = [int(read(os.path.join(g, "memory.max_usage_in_bytes"), "0") or 0) / (1 << 20) for g in groups]
+    peaks = [max(highest.get(g, 0), int(read(os.path.join(g, "memory.max_usage_in_bytes"), "0") or 0) / (1 << 20))
+             for g in groups]
     killed = max(killed, sum(oom_kills(g) for g in groups))
     for g in groups:  # the members are gone: their groups go too
         for _ in range(20):
@@ -156,6 +170,7 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--limit-mib", type=float, default=1900)
     ap.add_argument("--modes", default="none,full")
+    ap.add_argument("--trace", help="write each member's peak memory every 50 ms, with the output's last line, here")
     args = ap.parse_args()
     if os.geteuid() != 0 or not os.access("/sys/fs/cgroup/memory", os.W_OK):
         sys.exit("full_shard_limit: needs root and the cgroup v1 memory controller")

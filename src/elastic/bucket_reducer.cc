@@ -425,8 +425,11 @@ void BucketReducer::finish(double flag) {
     }
   }
   // Buckets that backward did not complete (no overlap, or a parameter it
-  // never reached) are prepared here, in order.
-  for (size_t b = 0; b < buckets_.size(); ++b) {
+  // never reached) are prepared here, in order; not when the step failed
+  // already (a fully sharded backward gave its buckets' pages back: scaling
+  // them would touch the whole gradient again for nothing).
+  const bool failed = !threaded_ && (hook_error_ || (queue_ && queue_->error()));
+  for (size_t b = 0; b < buckets_.size() && !failed; ++b) {
     if (prepared_[b]) continue;
     if (finish_in_backward_)
       for (int p : buckets_[b].params) flat_.attach_grad(static_cast<size_t>(p), /*keep=*/true);

@@ -365,6 +365,9 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
     // this member's old homes give theirs back before the state comes.
     for (ShardHome* h : homes) h->commit_weights(step);
     rule.give_back_retired(ShardHome::kWeights);
+    // So do the whole weights of a member that built the model (a joiner,
+    // the first round): the new homes hold what they gave.
+    rule.weights_resharded(step);
   }
   if (has_state)
     for (int i = 0; i < states; ++i) reshard(send_s, [i](const Held& x) { return x.st[i]; }, i + first);
@@ -375,10 +378,7 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
     for (int i = 0; i < states; ++i)
       views.push_back(torch::from_blob(home.state(0, i + first), {hi - lo}, torch::kFloat32));
   opt.set_state(std::move(views), steps);
-  if (full)
-    rule.weights_resharded(step);
-  else
-    rule.set_whole_weights_step(step);
+  if (!full) rule.set_whole_weights_step(step);
   sync_small_state(g, s, source, meta);
   apply_meta(meta, s);
   out.source = source;

@@ -4,12 +4,22 @@ it writes each member's final weights (rank 0's file is the one compared)
 and the steps' losses. Run under `limbo launch`."""
 import argparse
 import os
+import signal
 import sys
 
 import torch
 import torch.nn as nn
 
 import limbo
+
+
+def memory(field):
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 class Block(nn.Module):
@@ -50,6 +60,10 @@ def main():
     ap.add_argument("--nan-step", type=int, default=-1,
                     help="the member of --nan-rank makes its loss NaN after this many committed steps")
     ap.add_argument("--nan-rank", type=int, default=1)
+    ap.add_argument("--die-step", type=int, default=-1,
+                    help="the member of --die-rank SIGKILLs itself before the forward after this many steps; "
+                         "each other member records its memory over that step and the one before")
+    ap.add_argument("--die-rank", type=int, default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -64,8 +78,17 @@ def main():
         opt = limbo.Optimizer("sgd", lr=0.05, momentum=0.9)
     job = limbo.Job(model, opt, dataset=args.samples, batch_size=args.batch, epochs=args.epochs,
                     batch_policy="none", checkpoint_every_epochs=0, clip_grad_norm=args.clip, shard=args.shard)
-    losses, held, middle = [], [], None
+    losses, held, middle, growth = [], [], None, {}
     for ids in job.batches(lambda ids: torch.as_tensor(ids)):
+        watched = args.die_step > 0 and job.step_count in (args.die_step - 1, args.die_step)
+        if watched:
+            marker = os.path.join(args.out, "died")
+            if job.step_count == args.die_step and job.rank == args.die_rank and not os.path.exists(marker):
+                open(marker, "w").close()  # once: the group's next member of that rank goes on
+                os.kill(os.getpid(), signal.SIGKILL)
+            with open("/proc/self/clear_refs", "w") as f:  # the peak resident set starts again from now
+                f.write("5")
+            before = memory("VmRSS")
         out = model(x[ids])
         loss = nn.functional.cross_entropy(out.reshape(-1, vocab), y[ids].reshape(-1))
         hook = None
@@ -76,7 +99,13 @@ def main():
         job.backward(loss)
         if hook is not None:
             hook.remove()
-        if job.step():
+        peak = memory("VmHWM") - before if watched else 0  # of the forward and backward
+        committed = job.step()  # (a failed step's re-formation is in it, and the step is dealt again)
+        if watched and not committed:
+            growth.setdefault("failed", peak)
+        elif watched and job.step_count == args.die_step:
+            growth["committed"] = peak
+        if committed:
             losses.append(job.loss)
             # What a unit's weights read between steps: zeros where this
             # member does not hold them (shard="full").
@@ -87,7 +116,8 @@ def main():
     job.finish()
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     torch.save({"weights": weights, "losses": losses, "world": job.world,
-                "held": held, "middle": middle},
+                "held": held, "middle": middle, "growth": growth,
+                "params": sum(p.numel() for p in model.parameters())},
                os.path.join(args.out, "rank%d.pt" % job.rank))
 
 

@@ -25,18 +25,19 @@ import torch  # noqa: E402
 import limbo  # noqa: E402
 
 
-def run(nproc, shard, *args, run_dir=None, resume=False):
-    """The script under `limbo launch`; every member's results."""
+def run(nproc, shard, *args, run_dir=None, resume=False, launch=(), ending=None):
+    """The script under `limbo launch`; every member's results (the `ending`
+    members' of the last group when that differs)."""
     out = tempfile.mkdtemp(prefix="limbo-fs-")
     e = dict(os.environ)
     e["PYTHONPATH"] = PYDIR + (":" + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
     for k in ("LIMBO_RDZV", "LIMBO_ELASTIC", "LIMBO_RANK", "LIMBO_WORLD", "LIMBO_RUN_DIR", "LIMBO_RESUME"):
         e.pop(k, None)
     cmd = [LIMBO, "launch", "--nproc", str(nproc), "--run-dir", run_dir or os.path.join(out, "run")] + \
-        (["--resume"] if resume else []) + ["--", sys.executable, SCRIPT, "--shard", shard, "--out", out] + list(args)
+        list(launch) + (["--resume"] if resume else []) + ["--", sys.executable, SCRIPT, "--shard", shard, "--out", out] + list(args)
     r = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    return [torch.load(os.path.join(out, "rank%d.pt" % i)) for i in range(nproc)]
+    return [torch.load(os.path.join(out, "rank%d.pt" % i)) for i in range(ending or nproc)]
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.5])
@@ -57,6 +58,31 @@ def test_a_gradient_that_is_not_finite_on_one_member_skips_the_step_everywhere(c
             else:
                 assert (member["weights"][name] - w).abs().max() <= 1e-3 * max(w.abs().max().item(), 1e-6), name
     assert len(full[0]["losses"]) == len(whole[0]["losses"])
+
+
+def test_a_step_a_member_died_in_touches_no_more_memory_than_a_step_that_commits():
+    """A member SIGKILLed between two steps: the survivors' next step fails
+    in its forward's first gather, and the rest of their forward and
+    backward runs for nothing. Its gradient's buckets give their pages back
+    as backward fills them (fully sharded, the whole gradient would not fit
+    a member meant for a shard of it), and the reduction's end scales none
+    of them: the failed step's peak stays below that of a step that
+    commits, which keeps this member's shard of the gradient. (It once
+    scaled every failed bucket at backward's end, touching the whole
+    gradient again: members under a memory limit were killed by the OOM
+    killer there.)"""
+    got = run(3, "full", "--width", "512", "--blocks", "8", "--samples", "384", "--die-step", "4",
+              "--die-rank", "1", launch=["--min-workers", "2"], ending=2)
+    grad_bytes = 4 * got[0]["params"]
+    for member in got:
+        g = member["growth"]
+        assert set(g) == {"committed", "failed"}, g
+        # A step that commits holds its shard of the gradient (a third) and
+        # more; the failed one, without the fix, the whole gradient.
+        assert g["failed"] < g["committed"] + 0.25 * grad_bytes, (g, grad_bytes)
+        # 4 steps of 3 x 16 samples, then the rest of the epoch's 384 at 2 x 16
+        assert len(member["losses"]) == 4 + (384 - 4 * 48) // 32
+        assert member["losses"] == got[0]["losses"]
 
 
 @pytest.mark.parametrize("optimizer,nproc,clip", [("adamw", 2, 0.0), ("sgd", 3, 0.0), ("adamw", 3, 0.5)])
