@@ -214,6 +214,10 @@ def main():
                 " / ".join("%.0f" % x for x in r["peaks_mib"]), " / ".join("%.0f" % x for x in r["hwm_mib"]) or "-",
                 r["steps"], "after step %d; %d joined" % (args.kill_at_step, r["joins"]) if r["victim"] else "no",
                 "yes" if r["once"] else "NO", " ".join("%.3f" % x for x in r["losses"])))
+        f.write("\nA cgroup's count includes page cache (the libraries, the checkpoint's files), which the kernel "
+                "takes back at the limit: a peak at the limit is not a kill; the OOM killer's kills are the second "
+                "column. The resident set counts the shared memory a member maps: a member that finishes a dead "
+                "member's home from its log maps pages the dead member's cgroup holds.\n")
 
 
 if __name__ == "__main__":
