@@ -160,6 +160,10 @@ TEST(Cli, BadInputGivesAClearErrorAndExitCode2) {
       {{"eval", "--checkpoint", d.file("missing.pt")}, {"missing.pt", "does not exist"}},
       {{"launch", "--nproc", "2", "--max-workers", "4", "--start-workers", "5", "--run-dir", d.file("r4")},
        {"--start-workers 5", "--max-workers 4"}},
+      // The schedule's largest count caps the job too (a first round that
+      // waited for more would wait for ever).
+      {{"launch", "--nproc", "2", "--start-workers", "4", "--elastic-schedule", "0:2", "--run-dir", d.file("r5")},
+       {"--start-workers 4", "--elastic-schedule", "--max-workers"}},
   };
   for (const auto& c : cases) {
     auto r = run_limbo(c.args);

@@ -25,6 +25,7 @@ import argparse
 import glob
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 WORKER = os.path.join(ROOT, "bench", "full_shard_worker.py")
 PY = "/usr/bin/python3"
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from limbo_run import Veth  # noqa: E402
+
+VETH = None  # --hosts: 2 namespaces, --members / 2 each
 
 
 def read(path, default=""):
@@ -62,31 +67,44 @@ def run(limbo, mode, args):
                LIMBO_PYTHON_DIR=os.path.join(ROOT, "build", "python"))
     env["PYTHONPATH"] = env["LIMBO_PYTHON_DIR"]
     elastic = mode == "full" and args.kill_at_step > 0
-    shape = ["--min-workers", "2", "--elastic-schedule", "0:%d" % args.members] if elastic else \
-        ["--min-workers", str(args.members)]
-    cmd = [limbo, "launch", "--nproc", str(args.members)] + shape + ["--run-dir", tempfile.mkdtemp(prefix="limbo-fsl-"),
-           "--", PY, WORKER, "--mode", mode, "--width", str(args.width), "--pattern", "--lr", str(args.lr),
-           "--blocks", str(args.blocks), "--heads", str(args.heads), "--batch", str(args.batch),
-           "--steps", str(args.steps), "--context", str(args.context)]
+    hosts = 2 if args.hosts else 1
+    per = args.members // hosts
+    shape = ["--min-workers", "2", "--max-workers", str(args.members), "--start-workers", str(args.members),
+             "--elastic-schedule", "0:%d" % per] if elastic else ["--min-workers", str(args.members)]
+    after = ["--", PY, WORKER, "--mode", mode, "--width", str(args.width), "--pattern", "--lr", str(args.lr),
+             "--blocks", str(args.blocks), "--heads", str(args.heads), "--batch", str(args.batch),
+             "--steps", str(args.steps), "--context", str(args.context)]
+    rdzv = ["--rdzv", "%s:%d" % (VETH.ip[0], random.randint(29000, 29900))] if VETH else []
     t0 = time.time()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = []
+    for h in range(hosts):  # a launcher a host (a network namespace), a run directory each
+        cmd = [limbo, "launch", "--nproc", str(per)] + rdzv + shape + \
+            ["--run-dir", tempfile.mkdtemp(prefix="limbo-fsl-")] + after
+        # nsenter: the host's network only (`ip netns exec` mounts a sysfs
+        # of its own, without the cgroup controllers the members join).
+        prefix = ["nsenter", "--net=/run/netns/" + VETH.ns[h]] if VETH else []
+        procs.append(subprocess.Popen(prefix + cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
     log = []
     killed = 0
     victim = None
     where = {}
     highest = {}  # each group's peak (with --trace the kernel's is reset every poll)
     trace = open(args.trace, "w") if args.trace else None
-    reader = threading.Thread(target=lambda: log.extend(p.stdout), daemon=True)
-    reader.start()
-    while p.poll() is None:
+    readers = [threading.Thread(target=lambda p=p: log.extend(p.stdout), daemon=True) for p in procs]
+    for r in readers:
+        r.start()
+    while any(p.poll() is None for p in procs):
         groups = read(groups_file).split()
         killed = sum(oom_kills(g) for g in groups)
         if killed:  # a member is gone to the OOM killer: the point is made
-            p.terminate()
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
             break
         for g in groups:  # where each member's usage peaked: the output line just before
             try:
@@ -114,8 +132,10 @@ def run(limbo, mode, args):
                 os.kill(victim, signal.SIGKILL)
                 print("  killed member pid %d after step %d" % (victim, args.kill_at_step), flush=True)
         time.sleep(0.05 if trace else 0.2)
-    p.wait()
-    reader.join(timeout=10)
+    for p, r in zip(procs, readers):
+        p.wait()
+        r.join(timeout=10)
+    exit_code = max((p.returncode for p in procs), key=abs)
     groups = read(groups_file).split()
     peaks = [max(highest.get(g, 0), int(read(os.path.join(g, "memory.max_usage_in_bytes"), "0") or 0) / (1 << 20))
              for g in groups]
@@ -141,15 +161,18 @@ def run(limbo, mode, args):
             consistent = consistent and steps.setdefault(int(f[0]), ids) == ids
     used = [i for ids in steps.values() for i in ids]
     once = consistent and len(used) == len(set(used)) and sorted(steps) == list(range(1, len(steps) + 1))
-    rounds = [l for l in log if "launch: membership round" in l]
-    joins = sum(1 for l in rounds[1:] if "joined" in l)  # after the first round's
+    rounds = {}  # round number: its line (every launcher prints it)
+    for l in log:
+        if "launch: membership round" in l:
+            rounds[int(l.split("membership round")[1].split(":")[0])] = l
+    joins = sum(1 for n, l in rounds.items() if n > 1 and "joined" in l)  # after the first round's
     with open(os.path.join(HERE, "last-%s.log" % mode), "w") as f:  # the launcher's and members' output
         f.write("".join(log))
         for g, (use, line) in where.items():
             f.write("peak of %s: %.0f MiB after: %s\n" % (g, use, line))
     shutil.rmtree(out, ignore_errors=True)
     losses = max((r["losses"] for r in results), key=len) if results else []
-    return {"mode": mode, "exit": p.returncode, "oom_kills": killed, "peaks_mib": peaks, "seconds": time.time() - t0,
+    return {"mode": mode, "exit": exit_code, "oom_kills": killed, "peaks_mib": peaks, "seconds": time.time() - t0,
             "losses": losses, "params": results[0]["params"] if results else None,
             "unit_params": results[0]["unit_params"] if results else None,
             "hwm_mib": [r["peak_mib"] for r in results if r["peak_mib"] == r["peak_mib"]], "steps": len(steps), "once": once,
@@ -170,10 +193,23 @@ def main():
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--limit-mib", type=float, default=1900)
     ap.add_argument("--modes", default="none,full")
+    ap.add_argument("--hosts", action="store_true", help="2 hosts (network namespaces, root) of --members / 2 each")
     ap.add_argument("--trace", help="write each member's peak memory every 50 ms, with the output's last line, here")
     args = ap.parse_args()
     if os.geteuid() != 0 or not os.access("/sys/fs/cgroup/memory", os.W_OK):
         sys.exit("full_shard_limit: needs root and the cgroup v1 memory controller")
+    global VETH
+    if args.hosts:
+        VETH = Veth()
+    try:
+        rows = measure(args)
+    finally:
+        if VETH:
+            VETH.close()
+    write_results(args, rows)
+
+
+def measure(args):
     rows = []
     for mode in args.modes.split(","):
         r = run(args.limbo, mode, args)
@@ -187,16 +223,22 @@ def main():
               flush=True)
         if r["exit"] != 0 and not r["oom_kills"]:
             print(r["log"])
+    return rows
+
+
+def write_results(args, rows):
     params = next((r["params"] for r in rows if r["params"]), None)
     unit = next((r["unit_params"] for r in rows if r["unit_params"]), None)
     mib = 1 << 20
-    with open(os.path.join(HERE, "results.md"), "w") as f:
+    with open(os.path.join(HERE, "results-hosts.md" if args.hosts else "results.md"), "w") as f:
         f.write("# A model whose training state one member cannot hold\n\n")
         f.write("`experiments/full_shard_limit/run.py --width %d --blocks %d --limit-mib %.0f --steps %d "
-                "--kill-at-step %d`: %d members on one host, each in a memory cgroup of %.0f MiB (no swap); "
+                "--kill-at-step %d%s`: %d members %s, each in a memory cgroup of %.0f MiB (no swap); "
                 "%s parameters, so the replicated training state (weights, gradient, AdamW's moments: 16 bytes a "
                 "parameter) is %s MiB, %s the limit.\n\n" % (
-                    args.width, args.blocks, args.limit_mib, args.steps, args.kill_at_step, args.members,
+                    args.width, args.blocks, args.limit_mib, args.steps, args.kill_at_step,
+                    " --hosts" if args.hosts else "", args.members,
+                    "on 2 hosts (network namespaces) of %d" % (args.members // 2) if args.hosts else "on one host",
                     args.limit_mib, "%.1fM" % (params / 1e6) if params else "?",
                     "%.0f" % (16 * params / mib) if params else "?",
                     "%.2fx" % (16 * params / mib / args.limit_mib) if params else "?"))

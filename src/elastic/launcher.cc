@@ -577,6 +577,13 @@ int launch(const LaunchOptions& opt_in) {
     opt.max_workers = std::max(opt.max_workers == (1 << 20) ? 0 : opt.max_workers, most);
     if (opt.cores == 0)  // split the cores for the largest scheduled count
       opt.cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) * opt.nproc / most);
+    // The schedule counts this launcher's workers; a job of several hosts
+    // gives its whole size with --max-workers (or its first round would
+    // wait for more workers than the job takes, for ever).
+    if (opt.start_workers > opt.max_workers)
+      throw InvalidInput("--start-workers " + std::to_string(opt.start_workers) + " exceeds the job's most workers, " +
+                         std::to_string(opt.max_workers) + " (the largest count of --elastic-schedule, which counts "
+                         "this launcher's workers): give the job's size with --max-workers");
   }
   if (opt.nproc < 1) throw InvalidInput("--nproc must be >= 1, got " + std::to_string(opt.nproc));
   if (opt.self_exe.empty()) throw InvalidInput("launch: the limbo binary path is unknown");
