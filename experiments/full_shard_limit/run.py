@@ -126,9 +126,9 @@ def run(limbo, mode, args):
                 where[g] = (use, log[-1].strip() if log else "")
         if elastic and victim is None and any(l.startswith("step %d loss" % args.kill_at_step) for l in list(log)):
             # SIGKILL the member in the second cgroup (rank order of their start).
-            procs = read(os.path.join(groups[1], "cgroup.procs")).split() if len(groups) > 1 else []
-            if procs:
-                victim = int(procs[0])
+            pids = read(os.path.join(groups[1], "cgroup.procs")).split() if len(groups) > 1 else []
+            if pids:
+                victim = int(pids[0])
                 os.kill(victim, signal.SIGKILL)
                 print("  killed member pid %d after step %d" % (victim, args.kill_at_step), flush=True)
         time.sleep(0.05 if trace else 0.2)
