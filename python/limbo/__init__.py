@@ -69,6 +69,25 @@ class Optimizer:
         self.options = dict(algorithm=algorithm, momentum=float(momentum), dampening=float(dampening),
                             nesterov=bool(nesterov), weight_decay=float(weight_decay), beta1=float(betas[0]),
                             beta2=float(betas[1]), eps=float(eps), shard_state=bool(shard_state))
+        self._params = None  # the model's parameters, once a limbo.Job took this optimizer
+        self._full = False
+
+    def zero_grad(self, set_to_none=True):
+        """What torch.optim's zero_grad() does, for the loops that call it: the
+        gradient of every parameter of the job's model is gone (None), or
+        zeros with set_to_none=False. The job starts every step's gradient
+        from nothing itself, so the call is never needed. With
+        shard="full" it is always None: zeros would bring back the pages of
+        the whole gradient that the members give back."""
+        if self._params is None:
+            raise UsageError("limbo.Optimizer.zero_grad(): the optimizer is not a limbo.Job's yet "
+                             "(limbo.Job(model, optimizer, ...) takes the model's parameters)")
+        for p in self._params():
+            if set_to_none or p.grad is None or self._full:
+                p.grad = None
+            else:
+                p.grad.detach_()
+                p.grad.zero_()
 
 
 def _unit_names(model, units):
@@ -364,6 +383,10 @@ class Job:
         # model behind the user's, members diverging silently.
         self._param_refs = [(m, n, p, p.requires_grad) for m in model.modules()
                             for n, p in m._parameters.items() if p is not None]
+        if own:  # its zero_grad(), as a loop written for torch.optim calls it
+            me_ref = weakref.ref(self)
+            optimizer._params = lambda: [r[2] for r in me_ref()._param_refs] if me_ref() is not None else []
+            optimizer._full = shard == "full"
         self._buffer_refs = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
         self._groups = None if own else len(optimizer.param_groups)
         self._names = {id(p): n for n, p in params}

@@ -404,6 +404,24 @@ def test_a_habit_of_ddp_scripts_keeps_every_guarantee(run_dir, habit):
         assert norms, "job.log() of the step after job.step() is on its line"
 
 
+@pytest.mark.parametrize("habit", ["plain-backward", "set-to-none", "no-sync", "aux", "reassign"])
+def test_a_habit_of_ddp_scripts_keeps_every_guarantee_fully_sharded(run_dir, habit):
+    """The same habits with limbo.Job(shard="full") and Limbo's AdamW (the
+    loop calls its zero_grad() as it would torch's): each member holds its
+    shard of the weights, the gradient and the state; three members, one
+    SIGKILLed before its step: exit 0, every sample once an epoch, the
+    survivors identical, and it learns."""
+    r = launch(run_dir, 3, ["--habit", habit, "--bucket-mb", "0.002", "--optimizer", "limbo-adamw-full"],
+               ["--min-workers", "1"], DIE_AT_STEP=20, DIE_RANK=1, DIE_HOW="kill", DIE_WHERE="before_step",
+               PACE=0.01)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert os.path.exists(os.path.join(run_dir, "died"))
+    check_exactly_once(run_dir, 1024, 2)
+    check_identical(run_dir, 2)
+    s = summary(run_dir)
+    assert s["skipped_steps"] == 0 and s["test_accuracy"] > 0.45, s
+
+
 @pytest.mark.parametrize("how", ["kill", "join"])
 def test_a_layer_unfrozen_later_trains_on_every_member_and_one_frozen_later_stays(run_dir, how):
     """The fine-tuning schedule: the first layer frozen when the job is made
@@ -652,12 +670,15 @@ def test_a_model_changed_in_the_loop_is_refused_naming_the_fix():
     assert model.ema is taken and torch.allclose(taken, torch.full((2,), 1.875)), taken
 
 
-def test_clipping_by_hand_with_sharded_state_is_refused(run_dir):
-    """With Limbo's optimizer state sharded, `.grad` holds the group's sum
-    only in the member's shard when backward returns (reduce-scatter): a
-    gradient changed by hand before the step is refused, naming
-    clip_grad_norm=, never a silent divergence of a shard and its copy."""
-    r = launch(run_dir, 2, ["--habit", "clip", "--clip-max", "1e-4", "--optimizer", "limbo-adamw-sharded"])
+@pytest.mark.parametrize("optimizer,habit", [("limbo-adamw-sharded", "clip"), ("limbo-adamw-full", "clip"),
+                                             ("limbo-adamw-full", "plain-clip")])
+def test_clipping_by_hand_with_sharded_state_is_refused(run_dir, optimizer, habit):
+    """With Limbo's optimizer state sharded (and fully sharded: the weights
+    and the gradient too), `.grad` holds the group's sum only in the
+    member's shard when backward returns (reduce-scatter): a gradient
+    changed by hand before the step is refused, naming clip_grad_norm=,
+    never a silent divergence of a shard and its copy."""
+    r = launch(run_dir, 2, ["--habit", habit, "--clip-max", "1e-4", "--optimizer", optimizer])
     assert r.returncode != 0, r.stdout + r.stderr
     assert "clip_grad_norm=" in r.stderr, r.stderr
 
@@ -687,9 +708,10 @@ for x, y in job.batches(torch.utils.data.DataLoader(data, batch_sampler=job.samp
     assert "job.no_sync()" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("samples,nproc,fetch,elastic", [
-    (1025, 2, False, False), (1025, 2, True, True), (1009, 3, False, True), (2, 3, True, True)])
-def test_any_data_set_size_uses_every_sample_once(run_dir, samples, nproc, fetch, elastic):
+@pytest.mark.parametrize("samples,nproc,fetch,elastic,optimizer", [
+    (1025, 2, False, False, "sgd"), (1025, 2, True, True, "sgd"), (1009, 3, False, True, "sgd"),
+    (2, 3, True, True, "sgd"), (1009, 3, True, True, "limbo-adamw-full")])
+def test_any_data_set_size_uses_every_sample_once(run_dir, samples, nproc, fetch, elastic, optimizer):
     """A data set whose size is not a multiple of the global batch: a
     remainder of fewer samples than members joins the epoch's last batch
     (1,025 samples, 2 x 16; 1,009 samples, 3 x 16), so no member is dealt an
@@ -698,8 +720,8 @@ def test_any_data_set_size_uses_every_sample_once(run_dir, samples, nproc, fetch
     1) gets one sample of another slice with weight 0, so its loop runs as
     the others' do. Every sample once an epoch, members identical (the
     user's state too), no step skipped, in a fixed group and an elastic
-    one, from a DataLoader and from a fetch function."""
-    args = ["--samples", str(samples), "--model", "plain"] + (["--fetch"] if fetch else [])
+    one, from a DataLoader and from a fetch function; fully sharded too."""
+    args = ["--samples", str(samples), "--model", "plain", "--optimizer", optimizer] + (["--fetch"] if fetch else [])
     if samples < nproc:
         args += ["--batch-size", "1", "--epochs", "3"]
     r = launch(run_dir, nproc, args, ["--min-workers", "1"] if elastic else [])
