@@ -93,6 +93,19 @@ int run_train(const TrainArgs& a) {
   reduce_options.bucket_bytes = static_cast<int64_t>(cfg.get_float("elastic.bucket_mb") * (1 << 20));
   reduce_options.testing_die_in_bucket = cfg.get_int("train.testing_die_in_bucket");
   reduce_options.shard_state = cfg.get_bool("optim.shard_state");
+  reduce_options.shard_weights = tc.shard_weights;
+  if (tc.shard_weights) {
+    if (!distributed && !a.elastic)
+      throw InvalidInput("optim.shard_weights = true shards the weights across the workers of a data-parallel "
+                         "job: run it under `limbo launch` (one process holds the whole model anyway)");
+    if (trainer.diloco())
+      throw InvalidInput("optim.shard_weights = true does not run with elastic.sync = \"diloco\" (each member's "
+                         "inner steps train a whole model of its own)");
+    if (tc.train.precision == "bf16")
+      throw InvalidInput("optim.shard_weights = true does not run with train.precision = \"bf16\" yet; use fp32");
+    if (tc.train.accumulate > 1)
+      throw InvalidInput("optim.shard_weights = true does not run with train.accumulate > 1 yet");
+  }
   // DiLoCo's shares by pace are its outer steps' (train/outer_steps.h);
   // these are a synchronous step's ("auto": equal).
   if (cfg.get_string("elastic.shares") == "pace" && !trainer.diloco() && (distributed || a.elastic)) {

@@ -414,11 +414,12 @@ train::StepResult AllReduceUpdate::apply(train::StepContext& ctx) {
   if (gather_error_) {  // a unit's gather failed in forward or backward: the step fails with it
     auto e = gather_error_;
     gather_error_ = nullptr;
-    if (reducer_.finished()) {
-      try {
+    try {
+      if (reducer_.finished())
         reducer_.take_finished();
-      } catch (...) {
-      }
+      else if (reducer_.armed())  // the CLI's steps finish the reduction here: it ends (failing) with the step
+        reducer_.finish(0.0);
+    } catch (...) {
     }
     std::rethrow_exception(e);
   }

@@ -113,6 +113,7 @@ class AllReduceUpdate : public train::UpdateRule {
   // and the flat weights, whole until now (a new job), are given back; from
   // here on only gathered units are in them. No-op otherwise.
   void ready_weights(int64_t step);
+  void before_forward(int64_t step) override;
   // shard_weights: [a, b) of the flat weights (whole parameters) gathered
   // from every member's home into the flat weights, or given back. Every
   // member calls them alike, in the same order (collectives). No-ops while

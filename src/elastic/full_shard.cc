@@ -32,6 +32,12 @@ void AllReduceUpdate::ready_weights(int64_t step) {
   }
 }
 
+void AllReduceUpdate::before_forward(int64_t step) {
+  if (!full_) return;
+  ready_weights(step);
+  gather_weights(0, flat_.numel());
+}
+
 void AllReduceUpdate::weights_resharded(int64_t step) {
   weights_at_ = step;
   if (weights_whole_) {  // this member's own weights, not the group's: given back

@@ -129,6 +129,11 @@ std::shared_ptr<const Schema> train_schema() {
              "data-parallel: each worker keeps and updates only its shard of the optimizer state "
              "(reduce-scattered gradient, all-gathered weights; ZeRO stage 1), kept in shared memory "
              "that outlives the worker, re-sharded when membership changes (docs/sharded_state.md)"));
+    s->add(B("optim.shard_weights", false,
+             "data-parallel, with optim.shard_state: the weights and the gradient sharded too (fully sharded, "
+             "ZeRO stage 3): each worker keeps its shard, the weights are gathered whole for each step's "
+             "forward and given back as backward reduces the gradient; checkpoints a shard a worker "
+             "(docs/sharded_state.md)"));
     s->add(S("optim.schedule", "constant", {"constant", "step", "multistep", "cosine", "inv"},
              "learning-rate schedule"));
     s->add(F("optim.gamma", 0.1, 0.0, 1.0, "step/multistep decay factor", true));
@@ -388,6 +393,7 @@ train::TrainerConfig trainer_config(const Config& c) {
 
   t.loader.batch_size = c.get_int("data.batch_size");
   t.algorithm = c.get_string("optim.algorithm");
+  t.shard_weights = c.get_bool("optim.shard_weights");
   const std::string& order = c.get_string("data.order");
   t.loader.order = data::parse_order(order != "auto" ? order
                                      : t.algorithm == "isgd" ? "fixed-cycle"

@@ -95,7 +95,8 @@ Trainer::Trainer(TrainerConfig cfg) : cfg_(std::move(cfg)) {
     throw InvalidInput("model '" + cfg_.model.name + "' is a classifier and needs integer labels; "
                        "float targets need a TorchScript model (model.name = \"torchscript\")");
   model_ = models::make_model(cfg_.model, input_spec(splits_->train));
-  flat_ = std::make_unique<optim::FlatParams>(*model_, cfg_.model.channels_last);
+  flat_ = std::make_unique<optim::FlatParams>(*model_, cfg_.model.channels_last, /*include_frozen=*/false,
+                                              /*lazy=*/cfg_.shard_weights);
   step_ = std::make_unique<TrainStep>(*model_, *flat_, cfg_.loss, cfg_.model.channels_last);
   step_->set_testing_delay(cfg_.train.slow_step);
   step_->set_micro_batches(cfg_.train.accumulate);
@@ -177,6 +178,9 @@ void Trainer::reformed(Run& r, const Membership::Established& est) {
 
 void Trainer::eval_now(Run& r) {
   auto e0 = Clock::now();
+  // Fully sharded: the weights whole on every member (a collective at the
+  // same point everywhere; the next step gives them back).
+  if (rule_->shards_weights()) r.s.gather_state("evaluation", false);
   r.last_eval = evaluate_test();
   r.last_eval_step = state_.step;
   const double epoch = r.epoch_now(state_.cursor);
@@ -234,6 +238,7 @@ bool Trainer::train_step(Run& r) {
   // Between forward and backward the rule may start reducing gradient
   // buckets as backward produces them (elastic.overlap).
   const auto compute_start = Clock::now();
+  rule_->before_forward(state_.step);  // fully sharded: the weights gathered whole
   ctx.loss = step_->gradient(batch, [&](double loss) {
     ctx.loss = loss;
     rule_->backward_starts(ctx);

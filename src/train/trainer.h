@@ -122,6 +122,9 @@ struct TrainerConfig {
   optim::LrScheduleOptions lr;
   optim::BatchPolicyOptions batch_policy;  // learning rate vs. global batch
   std::string algorithm = "sgd";  // "sgd" | "isgd" | "adam" | "adamw"
+  // optim.shard_weights: the weights and the gradient sharded too (the flat
+  // buffers lazy: pages only where a member writes).
+  bool shard_weights = false;
   // elastic.sync: "step" (every step all-reduces the gradient) or "diloco"
   // (train/diloco.h: `optimizer` is the inner optimizer, the outer one is
   // SGD with diloco.outer_lr and Nesterov momentum).

@@ -169,6 +169,11 @@ class UpdateRule {
   // Fully sharded (optim.shard_weights): the weights and the state are
   // only ever in shards.
   virtual bool shards_weights() const { return false; }
+  // Fully sharded, before the forward of step `step` + 1 on a model that
+  // has no units (the CLI's): the homes hold committed step `step`; the
+  // weights are gathered whole (backward's buckets give them back). A
+  // gather that fails fails the step (apply() throws it).
+  virtual void before_forward(int64_t step) {}
   // Fully sharded: every member writes the shards it holds (its own, and
   // its copies of another host's) of committed step `step` beside `path`
   // (train/checkpoint.h: shard_file), in parallel; a collective. False,
