@@ -131,6 +131,36 @@ TEST(UserState, DataParallelMembersEndWithTheSameBuffersOfEveryDtype) {
   EXPECT_GT(state["buffers"]["mean16"]["sum"].get<double>(), 0);
 }
 
+// A user's TorchScript CNN with BatchNorm, fully sharded
+// (optim.shard_weights): two members end with the replicated run's
+// parameters and buffers bit for bit; and with a joiner (the job paced
+// while alone), every member ends with the same weights and buffers.
+TEST(UserState, AFullyShardedTorchScriptModuleTrainsAsTheReplicatedOneAndTakesAJoiner) {
+  NEED_FIXTURES();
+  TempDir d;
+  const std::vector<std::string> common = {"train.epochs=1", "train.threads=1", "optim.algorithm=\"adamw\"",
+                                           "optim.lr=0.002", "data.train_limit=2000", "data.test_limit=200"};
+  auto full = common;
+  full.insert(full.end(), {"optim.shard_state=true", "optim.shard_weights=true"});
+  ASSERT_EQ(run_in_mode("data-parallel", d.file("rep"), user_job(fx, "cnn_bn.pt", "fmnist_npy", common)).exit_code, 0);
+  auto r = run_in_mode("data-parallel", d.file("full"), user_job(fx, "cnn_bn.pt", "fmnist_npy", full));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const json a = exported_state(d.file("rep")), b = exported_state(d.file("full"));
+  ASSERT_FALSE(a["parameters"].empty());
+  for (const char* kind : {"parameters", "buffers"})
+    for (const auto& [name, t] : a[kind].items()) EXPECT_EQ(t["hash"], b[kind][name]["hash"]) << kind << " " << name;
+  EXPECT_EQ(summary(d.file("rep"))["test_accuracy"], summary(d.file("full"))["test_accuracy"]);
+
+  const std::string run = d.file("join");
+  auto paced = full;
+  paced.insert(paced.end(), {"train.sample_log=true", "train.slow_step_ms=30", "train.testing_pace_until_workers=2"});
+  r = run_limbo(cat({"launch", "--nproc", "2", "--min-workers", "1", "--elastic-schedule", "0:1,0.5:2", "--",
+                     "--run-dir", run}, user_job(fx, "cnn_bn.pt", "fmnist_npy", paced)));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(summary(run)["workers"], 2);
+  expect_members_agree(run, 2);
+}
+
 // ISGD's extra passes over an under-trained batch run forward in train mode
 // but are not new data: BatchNorm's statistics and the module's counters end
 // as the step itself left them, alone and on two members.

@@ -225,10 +225,17 @@ void load_shards(const std::string& path, torch::serialize::InputArchive& sharde
   const auto names = split_lines(tensor_bytes(names_t));
   std::map<std::string, torch::Tensor> params;
   for (const auto& p : model.named_parameters(true)) params[p.key()] = p.value();
+  // A parameter's elements in the flat weights are in the writer's memory
+  // order (NHWC for a channels-last 4-D weight): each is put together from
+  // its shards, then copied into the parameter whatever its own order.
   struct Slot {
     torch::Tensor param;
     int64_t offset, numel;
+    bool nhwc;
+    torch::Tensor whole;  // while it is put together
   };
+  torch::Tensor nhwc_t;
+  const bool has_nhwc = sharded.try_read("channels_last", nhwc_t);
   std::vector<Slot> layout;
   for (size_t i = 0; i < names.size(); ++i) {
     auto it = params.find(names[i]);
@@ -236,7 +243,8 @@ void load_shards(const std::string& path, torch::serialize::InputArchive& sharde
     if (it == params.end() || it->second.numel() != numel)
       throw InvalidInput("checkpoint '" + path + "' was written for another model: its sharded weights hold '" +
                          names[i] + "' of " + std::to_string(numel) + " elements");
-    layout.push_back({it->second, offsets[static_cast<int64_t>(i)][0].item<int64_t>(), numel});
+    const bool nhwc = has_nhwc && nhwc_t[static_cast<int64_t>(i)].item<int64_t>() != 0 && it->second.dim() == 4;
+    layout.push_back({it->second, offsets[static_cast<int64_t>(i)][0].item<int64_t>(), numel, nhwc, {}});
   }
   std::vector<std::string> state_names;
   torch::serialize::InputArchive o;
@@ -266,9 +274,18 @@ void load_shards(const std::string& path, torch::serialize::InputArchive& sharde
     expect_lo = hi;
     torch::Tensor w;
     if (!ar.try_read("weights", w) || w.numel() != hi - lo) throw InvalidInput("checkpoint shard '" + file + "' lacks its weights");
-    for (const auto& s : layout) {
+    for (auto& s : layout) {
       const int64_t a = std::max(lo, s.offset), b = std::min(hi, s.offset + s.numel);
-      if (b > a) s.param.view({-1}).narrow(0, a - s.offset, b - a).copy_(w.narrow(0, a - lo, b - a));
+      if (b <= a) continue;
+      if (!s.whole.defined()) s.whole = torch::empty({s.numel}, torch::kFloat32);
+      s.whole.narrow(0, a - s.offset, b - a).copy_(w.narrow(0, a - lo, b - a));
+      if (b < s.offset + s.numel) continue;  // the rest is in the next shard
+      const auto sz = s.param.sizes();
+      if (s.nhwc)
+        s.param.permute({0, 2, 3, 1}).copy_(s.whole.view({sz[0], sz[2], sz[3], sz[1]}));
+      else
+        s.param.copy_(s.whole.view(sz));
+      s.whole = torch::Tensor();
     }
     if (r == 0) optimizer_steps = read_int(ar, "optimizer_steps", file);
     for (size_t i = 0; i < state_names.size() && has_state; ++i) {
@@ -342,13 +359,16 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
     sh.write("numel", scalar(sharded->numel));
     std::string names;
     auto offsets = torch::empty({static_cast<int64_t>(sharded->params.size()), 2}, torch::kInt64);
+    auto nhwc = torch::zeros({static_cast<int64_t>(sharded->params.size())}, torch::kInt64);
     for (size_t i = 0; i < sharded->params.size(); ++i) {
       names += sharded->params[i].name + "\n";
       offsets[static_cast<int64_t>(i)][0] = sharded->params[i].offset;
       offsets[static_cast<int64_t>(i)][1] = sharded->params[i].numel;
+      nhwc[static_cast<int64_t>(i)] = sharded->params[i].channels_last ? 1 : 0;
     }
     sh.write("names", bytes_tensor(names));
     sh.write("offsets", offsets);
+    sh.write("channels_last", nhwc);
     root.write("sharded", sh);
   } else {
     model.save(m);

@@ -56,6 +56,7 @@ struct ShardedLayout {
   struct Param {
     std::string name;
     int64_t offset = 0, numel = 0;  // in the flat weights
+    bool channels_last = false;     // its elements in the flat weights in NHWC order (a 4-D weight)
   };
   std::vector<Param> params;
 };

@@ -84,7 +84,9 @@ void Session::checkpoint(const std::string& why) {
     for (const auto& p : p_.model.named_parameters(true)) {
       if (p.value().scalar_type() != torch::kFloat32 || p.value().numel() == 0) continue;
       const int64_t at = p.value().data_ptr<float>() - base;
-      if (at >= 0 && at + p.value().numel() <= layout.numel) layout.params.push_back({p.key(), at, p.value().numel()});
+      const auto& t = p.value();
+      const bool nhwc = t.dim() == 4 && !t.is_contiguous() && t.is_contiguous(at::MemoryFormat::ChannelsLast);
+      if (at >= 0 && at + t.numel() <= layout.numel) layout.params.push_back({p.key(), at, t.numel(), nhwc});
     }
     auto bare = optim::make_optimizer(opt.options());
     bare->set_state({}, opt.steps());
