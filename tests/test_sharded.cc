@@ -166,7 +166,8 @@ TEST(ShardedState, ASigkilledMembersShardComesFromItsHomeAndNothingIsLost) {
 
 // The CLI's models fully sharded (optim.shard_weights: the weights and the
 // gradient sharded too, gathered whole for each forward and for the
-// evaluation): SGD with momentum and AdamW, two workers, rank 1 SIGKILLed
+// evaluation): SGD with momentum, AdamW, and AdamW over two micro-batches a
+// step (train.accumulate), two workers, rank 1 SIGKILLed
 // as it starts step 41. The checkpoint is a shard file a member; put
 // together, its weights and optimizer state equal the replicated run's
 // (the same membership history) bit for bit, the test accuracy too, every
@@ -174,15 +175,17 @@ TEST(ShardedState, ASigkilledMembersShardComesFromItsHomeAndNothingIsLost) {
 TEST(FullyShardedCli, EqualsTheReplicatedPathThroughAKillBitForBit) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   TempDir d;
-  for (const std::string algo : {"sgd", "adamw"}) {
-    SCOPED_TRACE(algo);
-    const std::vector<std::string> die = {"--set", "optim.algorithm=\"" + algo + "\"", "--set",
-                                          algo == "sgd" ? "optim.lr=0.01" : "optim.lr=0.002",
-                                          "--set", "train.testing_die_at_step=40"};
+  for (const std::string c : {"sgd", "adamw", "adamw-accumulate"}) {
+    SCOPED_TRACE(c);
+    const std::string algo = c.substr(0, c.find('-'));
+    std::vector<std::string> die = {"--set", "optim.algorithm=\"" + algo + "\"", "--set",
+                                    algo == "sgd" ? "optim.lr=0.01" : "optim.lr=0.002",
+                                    "--set", "train.testing_die_at_step=40"};
+    if (c == "adamw-accumulate") die.insert(die.end(), {"--set", "train.accumulate=2"});  // two micro-batches a step
     auto on = die;
     on.insert(on.end(), {"--set", "optim.shard_state=true", "--set", "optim.shard_weights=true"});
-    const auto rep = run_job(d, "rep-" + algo, 2, 2, die);
-    const auto full = run_job(d, "full-" + algo, 2, 2, on);
+    const auto rep = run_job(d, "rep-" + c, 2, 2, die);
+    const auto full = run_job(d, "full-" + c, 2, 2, on);
     int shards = 0;
     if (DIR* dir = ::opendir(full.c_str())) {
       while (dirent* e = ::readdir(dir)) shards += std::string(e->d_name).rfind("checkpoint.pt.shard-", 0) == 0;

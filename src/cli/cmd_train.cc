@@ -103,8 +103,6 @@ int run_train(const TrainArgs& a) {
                          "inner steps train a whole model of its own)");
     if (tc.train.precision == "bf16")
       throw InvalidInput("optim.shard_weights = true does not run with train.precision = \"bf16\" yet; use fp32");
-    if (tc.train.accumulate > 1)
-      throw InvalidInput("optim.shard_weights = true does not run with train.accumulate > 1 yet");
   }
   // DiLoCo's shares by pace are its outer steps' (train/outer_steps.h);
   // these are a synchronous step's ("auto": equal).
