@@ -166,22 +166,23 @@ TEST(ShardedState, ASigkilledMembersShardComesFromItsHomeAndNothingIsLost) {
 
 // The CLI's models fully sharded (optim.shard_weights: the weights and the
 // gradient sharded too, gathered whole for each forward and for the
-// evaluation): SGD with momentum, AdamW, and AdamW over two micro-batches a
-// step (train.accumulate), two workers, rank 1 SIGKILLed
-// as it starts step 41. The checkpoint is a shard file a member; put
+// evaluation): SGD with momentum, AdamW, AdamW over two micro-batches a
+// step (train.accumulate) and AdamW computing in bf16, two workers, rank 1
+// SIGKILLed as it starts step 41. The checkpoint is a shard file a member; put
 // together, its weights and optimizer state equal the replicated run's
 // (the same membership history) bit for bit, the test accuracy too, every
 // sample once. Refused where it cannot run, saying why.
 TEST(FullyShardedCli, EqualsTheReplicatedPathThroughAKillBitForBit) {
   if (!have_fmnist()) GTEST_SKIP() << "dataset-fashion-mnist is not installed";
   TempDir d;
-  for (const std::string c : {"sgd", "adamw", "adamw-accumulate"}) {
+  for (const std::string c : {"sgd", "adamw", "adamw-accumulate", "adamw-bf16"}) {
     SCOPED_TRACE(c);
     const std::string algo = c.substr(0, c.find('-'));
     std::vector<std::string> die = {"--set", "optim.algorithm=\"" + algo + "\"", "--set",
                                     algo == "sgd" ? "optim.lr=0.01" : "optim.lr=0.002",
                                     "--set", "train.testing_die_at_step=40"};
     if (c == "adamw-accumulate") die.insert(die.end(), {"--set", "train.accumulate=2"});  // two micro-batches a step
+    if (c == "adamw-bf16") die.insert(die.end(), {"--set", "train.precision=\"bf16\""});  // bf16 compute
     auto on = die;
     on.insert(on.end(), {"--set", "optim.shard_state=true", "--set", "optim.shard_weights=true"});
     const auto rep = run_job(d, "rep-" + c, 2, 2, die);
@@ -205,8 +206,8 @@ TEST(FullyShardedCli, EqualsTheReplicatedPathThroughAKillBitForBit) {
       {"train", "--set", "optim.shard_state=true", "--set", "optim.shard_weights=true", "--set",
        "data.dataset=\"synthetic\"", "--run-dir", d.file("alone")},
       {"launch", "--nproc", "2", "--min-workers", "1", "--", "--set", "optim.shard_state=true", "--set",
-       "optim.shard_weights=true", "--set", "train.precision=\"bf16\"", "--set", "data.dataset=\"synthetic\"",
-       "--run-dir", d.file("bf16")}};
+       "optim.shard_weights=true", "--set", "elastic.sync=\"diloco\"", "--set", "data.dataset=\"synthetic\"",
+       "--run-dir", d.file("diloco")}};
   for (const auto& a : refused) {
     auto r = limbo::testing::run_limbo(a);
     EXPECT_NE(r.exit_code, 0) << r.output;

@@ -101,8 +101,6 @@ int run_train(const TrainArgs& a) {
     if (trainer.diloco())
       throw InvalidInput("optim.shard_weights = true does not run with elastic.sync = \"diloco\" (each member's "
                          "inner steps train a whole model of its own)");
-    if (tc.train.precision == "bf16")
-      throw InvalidInput("optim.shard_weights = true does not run with train.precision = \"bf16\" yet; use fp32");
   }
   // DiLoCo's shares by pace are its outer steps' (train/outer_steps.h);
   // these are a synchronous step's ("auto": equal).
