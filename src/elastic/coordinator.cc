@@ -303,7 +303,9 @@ void Coordinator::mark_silent(const Liveness& l) {
 // Too few members for a round (the first one waits for initial_workers):
 // true, with the time below the minimum noted in `r`.
 bool Coordinator::below_minimum(size_t alive, Time now, Result& r) {
-  const int needed = current_.number == 0 ? std::max(opt_.min_workers, opt_.initial_workers) : opt_.min_workers;
+  const int needed = current_.number == 0 ? std::max(opt_.min_workers, opt_.initial_workers)
+                     : stopping_         ? 1
+                                         : opt_.min_workers;
   if (static_cast<int>(alive) >= needed) {
     below_ = false;
     return false;

@@ -105,6 +105,11 @@ class Coordinator {
     dead_.insert(id);
     pending_.push_back(id);
   }
+  // The job stops (its hosting launcher got a signal): the members still
+  // in it leave one change after another as their signals come, and the
+  // writer checkpoints in the last; a round of fewer than min_workers is
+  // written so that none is left without a round to leave in.
+  void stopping() { stopping_ = true; }
   const Round& current() const { return current_; }
   // Testing aid: every poll looks at every member, as polls did before
   // silence was found by deadline (the two must agree).
@@ -175,6 +180,7 @@ class Coordinator {
   int64_t events_ = 0;  // the last event written
   std::chrono::steady_clock::time_point below_since_{};
   bool below_ = false;
+  bool stopping_ = false;
   bool failed_ = false;  // a poll failed since the last one that went through
   bool resumed_ = false;  // took over a running job; settling (see poll)
   std::chrono::steady_clock::time_point resumed_at_{};

@@ -47,10 +47,28 @@ void Job::complete(const std::string& why) {
 }
 
 void Job::stop(int code, const std::string& why, int sig) {
+  if (phase_ != Phase::Stopping) stopped_at_ = Clock::now();
   result_ = code;
   exit_reason_ = why;
   sup_.begin_stop(sig, opt_.kill_grace);  // SIGKILL after the grace period
   enter(Phase::Stopping, why);
+}
+
+// While the job stops, the hosting launcher's coordinator still writes
+// rounds: a member whose signal came after the others had left (each host's
+// launcher gets its own) leaves in a round of its own, and if it writes the
+// run directory, checkpoints first. The rounds keep the phase (stopping).
+void Job::stopping_tick() {
+  if (!hosting_ || !coordinator_) return;
+  try {
+    const auto r = coordinator_->poll();
+    alive_ = r.alive;
+    if (r.new_round)
+      log_info("launch: membership round " + std::to_string(r.round.number) + ": workers [" +
+               format_members(r.round.members) + "] (" + r.reason + "; the job is stopping)");
+  } catch (const std::exception& e) {
+    poll_errors_.warn(std::string("launch: the coordinator's poll failed (") + e.what() + "); retrying");
+  }
 }
 
 // Feeds this launcher's page with the records rank 0 published since the
@@ -191,6 +209,7 @@ bool Job::finished() {
     // requeued): one last look.
     warned_job_completed("its workers have ended");
   }
+  if (phase_ == Phase::Stopping && opt_.elastic) return stop_ended();
   if (phase_ == Phase::Stopping || phase_ == Phase::Lost) return true;
   if (phase_ != Phase::Completing) return false;
   if (!opt_.elastic) return true;
@@ -206,6 +225,10 @@ bool Job::finished() {
   // job has beaten for kAckGrace (their launchers are gone or cut off), at
   // most --finish-timeout.
   if (seconds_since(done_at_) > opt_.finish_timeout.count() / 1000.0) return true;
+  return others_done(done_at_);
+}
+
+bool Job::others_done(Clock::time_point since) {
   bool all = true;
   const bool answered = with_store([&] {
     const int64_t n = kv_->add("elastic/launchers", 0);
@@ -215,7 +238,22 @@ bool Job::finished() {
   // Any worker's heartbeat heard (the coordinator's listener, while it runs).
   if (listener_) last_beat_seen_ = std::max(last_beat_seen_, listener_->table()->last_arrival());
   if (!answered) return seconds_since(last_contact_) > kAckGrace;
-  return all || seconds_since(std::max(last_beat_seen_, done_at_)) > kAckGrace;
+  return all || seconds_since(std::max(last_beat_seen_, since)) > kAckGrace;
+}
+
+// A stop whose workers here are gone. A launcher on another host says so
+// and exits; the hosting launcher keeps the store up (and its coordinator
+// writing rounds) while the others' workers leave, as at the end of
+// training: until each launcher said so, or no worker has beaten for
+// kAckGrace, at most the workers' grace period and kAckGrace after the stop.
+bool Job::stop_ended() {
+  if (!hosting_) {
+    if (!acked_ && !opt_.etcd && !store_down())
+      acked_ = with_store([&] { kv_->set("elastic/launcher_done/" + std::to_string(launcher_id_), "1"); });
+    return true;
+  }
+  if (seconds_since(stopped_at_) > opt_.kill_grace.count() / 1000.0 + kAckGrace) return true;
+  return others_done(stopped_at_);
 }
 
 // The job's shard homes on this host (elastic/shards.h): they outlive

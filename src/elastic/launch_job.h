@@ -68,7 +68,8 @@ class Job {
   int run();
 
  private:
-  void on_signal(int sig);
+  // `relayed`: the hosting launcher stopped the job with `sig` (elastic/stop).
+  void on_signal(int sig, bool relayed = false);
   void on_exit(const Supervisor::Exit& ex);
   void on_all_gone();
   void on_round(const Coordinator::Result& r);
@@ -76,6 +77,12 @@ class Job {
   void poll_store(bool now = false);
   void complete_tick();
   void warned_tick();
+  void stopping_tick();
+  // A stop: whether this launcher may exit now that its workers are gone.
+  bool stop_ended();
+  // The keeper at the end: every other launcher said it is done, or no
+  // worker of the job has beaten for kAckGrace since `since`.
+  bool others_done(Clock::time_point since);
   bool warned_job_completed(const std::string& what_now);
   void check_job_name();
   void apply_schedule();
@@ -129,6 +136,7 @@ class Job {
   int user_signal_ = 0;
   bool warned_stop_ = false;  // Stopping on Slurm's warning (SIGUSR1)
   bool warned_completed_ = false;  // ... that found the job completed: its final files are checked
+  Clock::time_point stopped_at_{};  // when this launcher entered Stopping
   Clock::time_point warned_at_{};  // when Slurm's warning came (the ending's bound: --warning-grace)
   Clock::time_point done_at_{}, last_contact_ = Clock::now(), last_done_check_{};
   std::string last_store_error_;

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -302,19 +303,20 @@ void Job::check_job_name() {
                        "node; give one of them --rdzv HOST:PORT)");
 }
 
-void Job::on_signal(int sig) {
+void Job::on_signal(int sig, bool relayed) {
   // Elastic workers take SIGTERM as "leave cleanly" (the writer
   // checkpoints); the job stops without a restart. SIGUSR1 (Slurm's warning
   // ahead of preemption) reaches the workers as SIGTERM too.
   const int fwd = opt_.elastic || sig == SIGUSR1 ? SIGTERM : sig;
-  log_info("launch: got signal " + std::to_string(sig) + "; stopping the job (workers get signal " +
-           std::to_string(fwd) + ")");
+  log_info((relayed ? "launch: the hosting launcher got signal " + std::to_string(sig) + " and stops the job"
+                    : "launch: got signal " + std::to_string(sig)) +
+           "; stopping the job (workers get signal " + std::to_string(fwd) + ")");
   if (!user_signal_) user_signal_ = sig;
   if (sig == SIGUSR1 && warned_at_ == Clock::time_point{}) warned_at_ = Clock::now();
   // Training may have completed a moment ago, before this launcher's next
   // look at the store (it looks every 0.1 s): it looks now, so that a
   // warning in the ending is taken as one.
-  if (opt_.elastic && sig == SIGUSR1 && phase_ != Phase::Completing && phase_ != Phase::Stopping &&
+  if (opt_.elastic && sig == SIGUSR1 && !relayed && phase_ != Phase::Completing && phase_ != Phase::Stopping &&
       phase_ != Phase::Lost)
     poll_store(true);
   if (phase_ == Phase::Completing && sig == SIGUSR1) {
@@ -330,6 +332,15 @@ void Job::on_signal(int sig) {
   else {
     warned_stop_ = sig == SIGUSR1;
     stop(128 + sig, "stopped by signal " + std::to_string(sig), fwd);
+    if (opt_.elastic && hosting_) {
+      // The store goes with this launcher, so the whole job stops: the
+      // other launchers stop their workers too, and the coordinator goes
+      // on forming rounds until every member has left (members whose
+      // signals come later than the others' leave in rounds of their own;
+      // the writer checkpoints in its last).
+      with_store([&] { kv_->set("elastic/stop", std::to_string(sig)); });
+      if (coordinator_) coordinator_->stopping();
+    }
   }
 }
 
@@ -449,7 +460,11 @@ void Job::tick() {
     url_written_ = true;
   }
   if (phase_ == Phase::Completing) return complete_tick();
-  if (opt_.elastic && phase_ == Phase::Stopping && warned_stop_) return warned_tick();
+  if (opt_.elastic && phase_ == Phase::Stopping) {
+    stopping_tick();
+    if (warned_stop_) warned_tick();
+    return;
+  }
   if (!opt_.elastic || phase_ == Phase::Stopping || phase_ == Phase::Lost) return;
   poll_store();
   if (phase_ == Phase::Completing || phase_ == Phase::Lost) return;
@@ -479,8 +494,14 @@ void Job::poll_store(bool now) {
   if (!now && seconds_since(last_done_check_) < 0.1) return;
   last_done_check_ = Clock::now();
   bool done = false;
-  if (with_store([&] { done = kv_->try_get("elastic/done").has_value(); })) {
+  std::optional<std::string> stopped;
+  if (with_store([&] {
+        done = kv_->try_get("elastic/done").has_value();
+        // The hosting launcher stopped the job (a signal): its store goes.
+        if (!done && !hosting_ && !opt_.etcd) stopped = kv_->try_get("elastic/stop");
+      })) {
     if (done) complete("training completed (elastic/done)");
+    else if (stopped) on_signal(std::atoi(stopped->c_str()), true);
     return;
   }
   // Lost after --rdzv-timeout in all: the workers get SIGTERM a grace
