@@ -54,18 +54,23 @@ void Job::stop(int code, const std::string& why, int sig) {
   enter(Phase::Stopping, why);
 }
 
-// While the job stops, the hosting launcher's coordinator still writes
-// rounds: a member whose signal came after the others had left (each host's
-// launcher gets its own) leaves in a round of its own, and if it writes the
-// run directory, checkpoints first. The rounds keep the phase (stopping).
+// While the job stops, the coordinator (the hosting launcher's, or under
+// etcd the elected one's) still writes rounds: a member whose signal came
+// after the others had left (each host's launcher gets its own) leaves in a
+// round of its own, and if it writes the run directory, checkpoints first.
+// The rounds keep the phase (stopping).
 void Job::stopping_tick() {
-  if (!hosting_ || !coordinator_) return;
+  if (!coordinator_) return;
   try {
     const auto r = coordinator_->poll();
     alive_ = r.alive;
     if (r.new_round)
       log_info("launch: membership round " + std::to_string(r.round.number) + ": workers [" +
                format_members(r.round.members) + "] (" + r.reason + "; the job is stopping)");
+  } catch (const comm::FencedOut& e) {
+    election_->step_down(e.what());
+    coordinator_.reset();
+    listener_.reset();
   } catch (const std::exception& e) {
     poll_errors_.warn(std::string("launch: the coordinator's poll failed (") + e.what() + "); retrying");
   }
