@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -66,7 +67,9 @@ def run(limbo, mode, nproc, extra):
         if any(p.returncode != 0 for p in procs):
             sys.exit("%s failed:\n%s" % (mode, "".join(logs)[-3000:]))
         d = env["FULL_SHARD_OUT"]
-        return [json.load(open(os.path.join(d, f))) for f in sorted(os.listdir(d))]
+        out = [json.load(open(os.path.join(d, f))) for f in sorted(os.listdir(d))]
+        shutil.rmtree(d, ignore_errors=True)
+        return out
     env["FULL_SHARD_OUT"] = tempfile.mkdtemp(prefix="limbo-fsm-out-")
     run_dir = tempfile.mkdtemp(prefix="limbo-fsm-")
     after = ["--", PY, WORKER, "--mode", mode] + extra
@@ -87,6 +90,9 @@ def run(limbo, mode, nproc, extra):
         if r.returncode != 0:
             sys.exit("%s failed:\n%s" % (mode, (r.stdout + r.stderr)[-3000:]))
     out = [json.load(open(os.path.join(env["FULL_SHARD_OUT"], f))) for f in sorted(os.listdir(env["FULL_SHARD_OUT"]))]
+    # (a run's checkpoint is its state's size: rounds would fill the disk)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(env["FULL_SHARD_OUT"], ignore_errors=True)
     if len(out) != nproc:
         sys.exit("%s: %d of %d members reported:\n%s" % (mode, len(out), nproc, r.stdout[-2000:]))
     return out

@@ -77,9 +77,10 @@ def run(limbo, mode, args):
     rdzv = ["--rdzv", "%s:%d" % (VETH.ip[0], random.randint(29000, 29900))] if VETH else []
     t0 = time.time()
     procs = []
+    run_dirs = [tempfile.mkdtemp(prefix="limbo-fsl-") for _ in range(hosts)]
     for h in range(hosts):  # a launcher a host (a network namespace), a run directory each
         cmd = [limbo, "launch", "--nproc", str(per)] + rdzv + shape + \
-            ["--run-dir", tempfile.mkdtemp(prefix="limbo-fsl-")] + after
+            ["--run-dir", run_dirs[h]] + after
         # nsenter: the host's network only (`ip netns exec` mounts a sysfs
         # of its own, without the cgroup controllers the members join).
         prefix = ["nsenter", "--net=/run/netns/" + VETH.ns[h]] if VETH else []
@@ -171,6 +172,8 @@ def run(limbo, mode, args):
         for g, (use, line) in where.items():
             f.write("peak of %s: %.0f MiB after: %s\n" % (g, use, line))
     shutil.rmtree(out, ignore_errors=True)
+    for d in run_dirs:  # (checkpoints of the model's whole state: runs would fill the disk)
+        shutil.rmtree(d, ignore_errors=True)
     losses = max((r["losses"] for r in results), key=len) if results else []
     return {"mode": mode, "exit": exit_code, "oom_kills": killed, "peaks_mib": peaks, "seconds": time.time() - t0,
             "losses": losses, "params": results[0]["params"] if results else None,

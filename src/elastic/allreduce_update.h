@@ -195,6 +195,11 @@ class AllReduceUpdate : public train::UpdateRule {
   // bits; and in `opt` where it holds the whole state.
   void scale_momentum(optim::Optimizer& opt, double factor, int64_t step) override;
   void state_replaced() override { weights_step_ = kWeightsUnknown; gathered_everywhere_ = -1; }
+  bool takes_deferred_state() const override { return shards_state(); }
+  void set_deferred_state(std::shared_ptr<const train::DeferredShardState> d) override { deferred_ = std::move(d); }
+  // The state a resume left in the checkpoint's shard files (null: none),
+  // read by the next re-sharding (sync_sharded_state), which drops it.
+  const train::DeferredShardState* deferred_state() const { return deferred_.get(); }
   // Removes the names of this member's homes (train.testing_die_without_home).
   void testing_drop_kept_state() override;
   // The optimizer's update count and whether it has state, at committed
@@ -217,6 +222,7 @@ class AllReduceUpdate : public train::UpdateRule {
   std::shared_ptr<data::PaceShares> paces_;
   std::shared_ptr<comm::Collective> group_;
   std::shared_ptr<train::OptimizerStep> opt_;
+  std::shared_ptr<const train::DeferredShardState> deferred_;
   optim::FlatParams& flat_;
   BucketReducer reducer_;
   torch::Tensor loss_buf_;

@@ -9,6 +9,7 @@
 
 #include "common/error.h"
 #include "common/log.h"
+#include "train/checkpoint.h"
 
 namespace limbo::elastic {
 namespace {
@@ -177,6 +178,8 @@ struct Held {
   int64_t lo = 0, hi = 0;
   const float* w = nullptr;
   std::vector<const float*> st;
+  // The state is in a checkpoint's shard files (a resume), read as sent.
+  const train::DeferredShardState* disk = nullptr;
 };
 
 using Ranges = std::vector<std::pair<int64_t, int64_t>>;
@@ -212,7 +215,13 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   const bool whole_state = opt.has_state() && opt.state()[0].numel() == n;
   int64_t steps = opt.steps();
   bool has_state = opt.has_state();
-  if (!whole_state) rule.version_meta(s.state.step, &steps, &has_state);
+  // A resume left the state of this member's step in the checkpoint's
+  // shard files (its update count is the optimizer's).
+  const train::DeferredShardState* disk = rule.deferred_state();
+  if (disk && (disk->step != s.state.step || disk->numel != n || disk->names.size() != static_cast<size_t>(states) ||
+               disk->names != opt.state_names()))
+    disk = nullptr;
+  if (!whole_state && !rule.version_meta(s.state.step, &steps, &has_state) && disk) has_state = true;
   auto meta = meta_of(s, has_state, steps);
   g.broadcast(meta, source);
   const int64_t step = meta[0].item<int64_t>();
@@ -259,6 +268,9 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
     for (int i = 0; i < states; ++i) x.st.push_back(opt.state()[i].data_ptr<float>());
     held.push_back(std::move(x));
   }
+  // Last: what is in memory anywhere is sent from there.
+  if (disk && disk->step == step && has_state)
+    held.push_back({0, n, nullptr, std::vector<const float*>(static_cast<size_t>(states), nullptr), disk});
   // Everyone's ranges, weights and state separately: [rank][slot] = (lo, hi).
   constexpr int kSlots = 32;
   if (held.size() > static_cast<size_t>(kSlots)) held.resize(kSlots);
@@ -307,14 +319,18 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
   auto buf = torch::empty({std::min(piece, std::max<int64_t>(n, 1))}, torch::kFloat32);
   float* f = buf.data_ptr<float>();
   // Fills buf with this member's pieces of [at, at + m) of one tensor.
+  // (`tensor`: the state tensor's index, or -1 for the weights.)
   auto fill = [&](const std::vector<std::pair<Ranges, const Held*>>& send, int64_t at, int64_t m,
-                  const std::function<const float*(const Held&)>& data) {
+                  const std::function<const float*(const Held&)>& data, int tensor) {
     std::fill(f, f + m, -0.0f);
     for (const auto& [pieces, x] : send)
       for (const auto& [a, b] : pieces) {
         const int64_t lo = std::max(a, at), hi = std::min(b, at + m);
         if (hi <= lo) continue;
-        std::memcpy(f + (lo - at), data(*x) + (lo - x->lo), sizeof(float) * (hi - lo));
+        if (x->disk)
+          x->disk->read(static_cast<size_t>(tensor), lo, hi, f + (lo - at));
+        else
+          std::memcpy(f + (lo - at), data(*x) + (lo - x->lo), sizeof(float) * (hi - lo));
         out.bytes_sent += 4 * (hi - lo);
       }
   };
@@ -324,7 +340,7 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
     float* whole = s.weights.data_ptr<float>();
     for (int64_t at = 0; at < n; at += piece) {
       const int64_t m = std::min(piece, n - at);
-      fill(send_w, at, m, [](const Held& x) { return x.w; });
+      fill(send_w, at, m, [](const Held& x) { return x.w; }, -1);
       auto part = buf.narrow(0, 0, m);
       g.allreduce_sum(part);
       std::memcpy(whole + at, f, sizeof(float) * m);
@@ -343,7 +359,7 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
                      const std::function<const float*(const Held&)>& data, int slot) {
     for (int64_t at = 0; at < n; at += piece) {
       const int64_t m = std::min(piece, n - at);
-      fill(send, at, m, data);
+      fill(send, at, m, data, slot - first);
       std::vector<int64_t> rel;
       for (int64_t b : bounds) rel.push_back(std::clamp(b, at, at + m) - at);
       auto part = buf.narrow(0, 0, m);
@@ -379,6 +395,7 @@ ShardSync sync_sharded_state(comm::Collective& g, train::SyncTargets& s, AllRedu
       views.push_back(torch::from_blob(home.state(0, i + first), {hi - lo}, torch::kFloat32));
   opt.set_state(std::move(views), steps);
   if (!full) rule.set_whole_weights_step(step);
+  rule.set_deferred_state(nullptr);  // the homes hold the state now (or a newer step's)
   sync_small_state(g, s, source, meta);
   apply_meta(meta, s);
   out.source = source;

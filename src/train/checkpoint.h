@@ -77,11 +77,33 @@ void remove_other_shards(const std::string& path, int world, int64_t step);
 void save_checkpoint(const std::string& path, torch::nn::Module& model, const optim::Optimizer& opt,
                      const TrainState& state, const ShardedLayout* sharded = nullptr);
 
+// The optimizer state of a fully sharded checkpoint left in its shard
+// files for a resume that shards the state (load_checkpoint's `deferred`):
+// whoever re-shards it reads the ranges it sends straight from the files,
+// so that no member puts the whole state together.
+struct DeferredShardState {
+  int64_t step = -1, numel = 0, optimizer_steps = 0;
+  std::vector<std::string> names;  // the optimizer's state tensors, in order
+  struct Shard {
+    std::string file;
+    int64_t lo = 0, hi = 0;
+    std::vector<uint64_t> offsets;  // where each state tensor's elements begin in the file
+  };
+  std::vector<Shard> shards;  // covering [0, numel) in order
+  bool valid() const { return step >= 0 && !shards.empty(); }
+  // Elements [a, b) of state tensor `i` into `dst`.
+  void read(size_t i, int64_t a, int64_t b, float* dst) const;
+};
+
 // Loads into an existing model (values copied in place, so flat-parameter
 // views survive; a fully sharded checkpoint's weights and state are read
 // from its shard files, whole) and optimizer (state of another algorithm: started afresh); restores the torch RNG. Throws InvalidInput
 // naming the file and the mismatching tensor on a missing file or shape clash.
-TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Optimizer* opt);
+// `deferred` (a resume whose state is sharded): a fully sharded
+// checkpoint's optimizer state is not read but described there (`opt`
+// gets its update count alone); other checkpoints load as without it.
+TrainState load_checkpoint(const std::string& path, torch::nn::Module& model, optim::Optimizer* opt,
+                           DeferredShardState* deferred = nullptr);
 
 // The model's fingerprint stored in every checkpoint (state/model_description)
 // and checked on load: one "parameter|buffer NAME[SHAPE]:DTYPE" per tensor.

@@ -44,7 +44,13 @@ void Session::resume() {
   if (checkpoint_path_.empty() || !file_exists(checkpoint_path_))
     throw InvalidInput("--resume: no checkpoint at '" + checkpoint_path_ + "'");
   const std::string config = st.config_toml;
-  st = load_checkpoint(checkpoint_path_, p_.model, &p_.opt->optimizer());
+  // An elastic job whose state is sharded leaves a fully sharded
+  // checkpoint's state in its shard files: each member's first re-sharding
+  // reads what its new homes need from them (no member holds it whole).
+  std::shared_ptr<DeferredShardState> deferred;
+  if (membership_ && rule_->takes_deferred_state()) deferred = std::make_shared<DeferredShardState>();
+  st = load_checkpoint(checkpoint_path_, p_.model, &p_.opt->optimizer(), deferred.get());
+  rule_->set_deferred_state(deferred && deferred->valid() ? deferred : nullptr);
   st.config_toml = config;
   if (auto bp = st.extra.find("batch_policy"); bp != st.extra.end()) p_.policy.load_state(bp->second);
   if (p_.isgd) {
@@ -63,7 +69,9 @@ void Session::resume() {
   }
   if (p_.load_local) p_.load_local(st.extra);
   log_info("resumed from step " + std::to_string(st.step) + " (epoch " + std::to_string(st.cursor.epoch) +
-           ", position " + std::to_string(st.cursor.position) + ")");
+           ", position " + std::to_string(st.cursor.position) + ")" +
+           (deferred && deferred->valid() ? "; the optimizer state is read from its shard files as it is re-sharded"
+                                          : ""));
 }
 
 void Session::checkpoint(const std::string& why) {

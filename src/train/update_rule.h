@@ -24,6 +24,8 @@
 
 namespace limbo::train {
 
+struct DeferredShardState;  // train/checkpoint.h
+
 struct StepContext {
   torch::Tensor& weights;  // flat, updated in place
   torch::Tensor& grad;     // flat mean gradient of this worker's batch
@@ -195,6 +197,12 @@ class UpdateRule {
   // The trainer replaced the weights and state (a checkpoint loaded after
   // the state was lost): what the rule knew of them no longer holds.
   virtual void state_replaced() {}
+  // A resume of a fully sharded checkpoint by a rule that shards the
+  // state: the state is left in the checkpoint's shard files, and the first
+  // re-sharding reads from them what the new homes need (false: the rule
+  // takes the state whole, as loaded).
+  virtual bool takes_deferred_state() const { return false; }
+  virtual void set_deferred_state(std::shared_ptr<const DeferredShardState> d) {}
   // Testing aid: a rule that keeps state outside the process removes it.
   virtual void testing_drop_kept_state() {}
 };

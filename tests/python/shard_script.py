@@ -64,6 +64,9 @@ def main():
                     help="the member of --die-rank SIGKILLs itself before the forward after this many steps; "
                          "each other member records its memory over that step and the one before")
     ap.add_argument("--die-rank", type=int, default=1)
+    ap.add_argument("--watch-start", action="store_true",
+                    help="record the growth of the peak resident set over the making of the job (a resume's load "
+                         "and the group's first re-sharding)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -76,9 +79,15 @@ def main():
         opt = limbo.Optimizer("adamw", lr=3e-3, weight_decay=0.01)
     else:
         opt = limbo.Optimizer("sgd", lr=0.05, momentum=0.9)
+    if args.watch_start:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        start = memory("VmRSS")
     job = limbo.Job(model, opt, dataset=args.samples, batch_size=args.batch, epochs=args.epochs,
                     batch_policy="none", checkpoint_every_epochs=0, clip_grad_norm=args.clip, shard=args.shard)
     losses, held, middle, growth = [], [], None, {}
+    if args.watch_start:  # the job made: a resume's load and the group's first re-sharding are in it
+        growth["start"] = memory("VmHWM") - start
     for ids in job.batches(lambda ids: torch.as_tensor(ids)):
         watched = args.die_step > 0 and job.step_count in (args.die_step - 1, args.die_step)
         if watched:

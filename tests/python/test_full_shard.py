@@ -143,7 +143,7 @@ def test_fully_sharded_refusals_say_why():
         limbo.Job(model, own, dataset=8, batch_size=2, units=["0"])
 
 
-@pytest.mark.parametrize("first,then", [("full", "full"), ("none", "full"), ("full", "none")])
+@pytest.mark.parametrize("first,then", [("full", "full"), ("none", "full"), ("full", "none"), ("full", "state")])
 def test_a_fully_sharded_checkpoint_resumes_into_another_world_size(first, then):
     """An epoch on 2 members, its checkpoint resumed by 3 for a second epoch:
     fully sharded, or switching between replicated and fully sharded across
@@ -174,3 +174,33 @@ def test_a_fully_sharded_checkpoint_resumes_into_another_world_size(first, then)
         for name, w in want[0]["weights"].items():
             assert torch.equal(member["weights"][name], w), name
     assert got[0]["losses"] == want[0]["losses"]
+
+
+def test_a_resume_reads_each_members_state_from_the_shard_files_and_never_holds_it_whole():
+    """A fully sharded elastic job resumed from its checkpoint: the
+    optimizer state stays in the checkpoint's shard files, and the group's
+    first re-sharding reads from them the ranges each new home needs, so a
+    member never puts the whole state together (it did: a job under a
+    memory limit of half its state could not resume). The making of the
+    job (the resume's load and that re-sharding) grows a resumed member's
+    peak by a fresh start's growth plus its home's share of the state (a
+    fresh start's comes with its first update), not by the whole state;
+    and the resumed run ends where an uninterrupted one does, bit for bit."""
+    args = ["--width", "384", "--blocks", "8", "--samples", "256", "--watch-start"]
+    elastic = ["--min-workers", "4"]
+    d = tempfile.mkdtemp(prefix="limbo-fs-resume-")
+    first = run(4, "full", *args, "--epochs", "1", run_dir=d, launch=elastic)
+    resumed = run(4, "full", *args, "--epochs", "2", run_dir=d, resume=True, launch=elastic)
+    whole = run(4, "full", *args, "--epochs", "2", launch=elastic)
+    state_bytes = 8 * first[0]["params"]  # AdamW's two moments, whole
+    fresh = sorted(m["growth"]["start"] for m in first)
+    again = sorted(m["growth"]["start"] for m in resumed)
+    # A quarter of the state is each member's home's; before, every member
+    # also held the whole state (and more) while it loaded.
+    base = fresh[len(fresh) // 2]
+    for g in again:
+        assert g < base + 0.5 * state_bytes, (again, fresh, state_bytes)
+    assert resumed[0]["losses"] == whole[0]["losses"][len(first[0]["losses"]):]
+    for member in resumed:
+        for name, w in whole[0]["weights"].items():
+            assert torch.equal(member["weights"][name], w), name
