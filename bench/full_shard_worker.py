@@ -89,6 +89,9 @@ def main():
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--data-steps", type=int, default=0,
+                    help="size the data set for this many steps (default --steps): a run stopped early and "
+                         "resumed sees the same data")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--pattern", action="store_true",
                     help="learnable tokens (each the previous times 3 plus 1, mod the vocabulary) instead of "
@@ -101,7 +104,7 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     unit = max(sum(p.numel() for p in b.parameters()) for b in model.blocks)
     g = torch.Generator().manual_seed(1)
-    samples = 64 * args.batch * args.steps
+    samples = 64 * args.batch * (args.data_steps or args.steps)
     data = torch.randint(0, args.vocab, (samples, args.context + 1), generator=g)
     if args.pattern:
         for t in range(1, args.context + 1):

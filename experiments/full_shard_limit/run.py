@@ -59,28 +59,29 @@ def oom_kills(group):
     return 0
 
 
-def run(limbo, mode, args):
+def run(limbo, mode, args, steps=None, run_dirs=None, resume=False, keep=False, kill=True):
+    steps = steps or args.steps
     groups_file = tempfile.mktemp(prefix="limbo-memgroups-")
     out = tempfile.mkdtemp(prefix="limbo-fsl-out-")
     env = dict(os.environ, MEMORY_LIMIT_MIB=str(args.limit_mib), MEMORY_GROUP_FILE=groups_file,
                FULL_SHARD_OUT=out, SAMPLES_DIR=out, PRINT_STEPS="1",
                LIMBO_PYTHON_DIR=os.path.join(ROOT, "build", "python"))
     env["PYTHONPATH"] = env["LIMBO_PYTHON_DIR"]
-    elastic = mode == "full" and args.kill_at_step > 0
+    elastic = mode == "full" and args.kill_at_step > 0 and kill
     hosts = 2 if args.hosts else 1
     per = args.members // hosts
     shape = ["--min-workers", "2", "--max-workers", str(args.members), "--start-workers", str(args.members),
              "--elastic-schedule", "0:%d" % per] if elastic else ["--min-workers", str(args.members)]
     after = ["--", PY, WORKER, "--mode", mode, "--width", str(args.width), "--pattern", "--lr", str(args.lr),
              "--blocks", str(args.blocks), "--heads", str(args.heads), "--batch", str(args.batch),
-             "--steps", str(args.steps), "--context", str(args.context)]
+             "--steps", str(steps), "--data-steps", str(args.steps), "--context", str(args.context)]
     rdzv = ["--rdzv", "%s:%d" % (VETH.ip[0], random.randint(29000, 29900))] if VETH else []
     t0 = time.time()
     procs = []
-    run_dirs = [tempfile.mkdtemp(prefix="limbo-fsl-") for _ in range(hosts)]
+    run_dirs = run_dirs or [tempfile.mkdtemp(prefix="limbo-fsl-") for _ in range(hosts)]
     for h in range(hosts):  # a launcher a host (a network namespace), a run directory each
         cmd = [limbo, "launch", "--nproc", str(per)] + rdzv + shape + \
-            ["--run-dir", run_dirs[h]] + after
+            ["--run-dir", run_dirs[h]] + (["--resume"] if resume else []) + after
         # nsenter: the host's network only (`ip netns exec` mounts a sysfs
         # of its own, without the cgroup controllers the members join).
         prefix = ["nsenter", "--net=/run/netns/" + VETH.ns[h]] if VETH else []
@@ -161,7 +162,9 @@ def run(limbo, mode, args):
             ids = tuple(map(int, f[1:]))
             consistent = consistent and steps.setdefault(int(f[0]), ids) == ids
     used = [i for ids in steps.values() for i in ids]
-    once = consistent and len(used) == len(set(used)) and sorted(steps) == list(range(1, len(steps) + 1))
+    first_step = min(steps) if steps else 1  # (a resumed run's first is the checkpoint's next)
+    once = consistent and len(used) == len(set(used)) and \
+        sorted(steps) == list(range(first_step, first_step + len(steps)))
     rounds = {}  # round number: its line (every launcher prints it)
     for l in log:
         if "launch: membership round" in l:
@@ -172,14 +175,15 @@ def run(limbo, mode, args):
         for g, (use, line) in where.items():
             f.write("peak of %s: %.0f MiB after: %s\n" % (g, use, line))
     shutil.rmtree(out, ignore_errors=True)
-    for d in run_dirs:  # (checkpoints of the model's whole state: runs would fill the disk)
+    for d in run_dirs if not keep else []:  # (checkpoints of the model's whole state: runs would fill the disk)
         shutil.rmtree(d, ignore_errors=True)
     losses = max((r["losses"] for r in results), key=len) if results else []
     return {"mode": mode, "exit": exit_code, "oom_kills": killed, "peaks_mib": peaks, "seconds": time.time() - t0,
             "losses": losses, "params": results[0]["params"] if results else None,
             "unit_params": results[0]["unit_params"] if results else None,
             "hwm_mib": [r["peak_mib"] for r in results if r["peak_mib"] == r["peak_mib"]], "steps": len(steps), "once": once,
-            "victim": victim, "joins": joins, "log": "".join(log)[-3000:]}
+            "victim": victim, "joins": joins, "log": "".join(log)[-3000:], "run_dirs": run_dirs,
+            "resumed": resume}
 
 
 def main():
@@ -198,6 +202,9 @@ def main():
     ap.add_argument("--modes", default="none,full")
     ap.add_argument("--hosts", action="store_true", help="2 hosts (network namespaces, root) of --members / 2 each")
     ap.add_argument("--trace", help="write each member's peak memory every 50 ms, with the output's last line, here")
+    ap.add_argument("--resume-at", type=int, default=0,
+                    help="the fully sharded job stops after this many steps (its checkpoint a shard a member), "
+                         "and is resumed to --steps under the same limit (no member lost)")
     args = ap.parse_args()
     if os.geteuid() != 0 or not os.access("/sys/fs/cgroup/memory", os.W_OK):
         sys.exit("full_shard_limit: needs root and the cgroup v1 memory controller")
@@ -215,32 +222,54 @@ def main():
 def measure(args):
     rows = []
     for mode in args.modes.split(","):
-        r = run(args.limbo, mode, args)
-        rows.append(r)
-        print("%-5s exit %s, OOM kills %d, cgroup peaks %s MiB, VmHWM %s MiB, %d steps committed%s, "
-              "every sample at most once: %s, losses %s (%.0f s)" %
-              (mode, r["exit"], r["oom_kills"], " ".join("%.0f" % x for x in r["peaks_mib"]),
-               " ".join("%.0f" % x for x in r["hwm_mib"]), r["steps"],
-               (", member pid %d SIGKILLed after step %d, %d joined" % (r["victim"], args.kill_at_step, r["joins"])
-                if r["victim"] else ""), r["once"], " ".join("%.3f" % x for x in r["losses"]), r["seconds"]),
-              flush=True)
-        if r["exit"] != 0 and not r["oom_kills"]:
-            print(r["log"])
+        runs = [run(args.limbo, mode, args)] if not (args.resume_at and mode == "full") else []
+        if not runs:  # stopped after --resume-at steps, resumed from its checkpoint to --steps
+            first = run(args.limbo, mode, args, steps=args.resume_at, keep=True, kill=False)
+            runs.append(first)
+            if first["exit"] == 0:
+                runs.append(run(args.limbo, mode, args, run_dirs=first["run_dirs"], resume=True, kill=False))
+            for d in first["run_dirs"]:
+                shutil.rmtree(d, ignore_errors=True)
+            # The same steps uninterrupted: the resumed run's losses are its last ones.
+            whole = run(args.limbo, mode, args, kill=False)
+            runs.append(whole)
+            if len(runs) == 3:
+                same = runs[1]["losses"] == whole["losses"][len(first["losses"]):]
+                print("the resumed run's losses are the uninterrupted run's last %d: %s" %
+                      (len(runs[1]["losses"]), same), flush=True)
+                runs[1]["same_as_uninterrupted"] = same
+        for r in runs:
+            report(args, mode, r)
+        rows.extend(runs)
     return rows
+
+
+def report(args, mode, r):
+    print("%-5s%s exit %s, OOM kills %d, cgroup peaks %s MiB, VmHWM %s MiB, %d steps committed%s, "
+          "every sample at most once: %s, losses %s (%.0f s)" %
+          (mode, " (resumed)" if r["resumed"] else "", r["exit"], r["oom_kills"], " ".join("%.0f" % x for x in r["peaks_mib"]),
+           " ".join("%.0f" % x for x in r["hwm_mib"]), r["steps"],
+           (", member pid %d SIGKILLed after step %d, %d joined" % (r["victim"], args.kill_at_step, r["joins"])
+            if r["victim"] else ""), r["once"], " ".join("%.3f" % x for x in r["losses"]), r["seconds"]),
+          flush=True)
+    if r["exit"] != 0 and not r["oom_kills"]:
+        print(r["log"])
 
 
 def write_results(args, rows):
     params = next((r["params"] for r in rows if r["params"]), None)
     unit = next((r["unit_params"] for r in rows if r["unit_params"]), None)
     mib = 1 << 20
-    with open(os.path.join(HERE, "results-hosts.md" if args.hosts else "results.md"), "w") as f:
+    name = "results-hosts" if args.hosts else "results"
+    with open(os.path.join(HERE, name + ("-resume" if args.resume_at else "") + ".md"), "w") as f:
         f.write("# A model whose training state one member cannot hold\n\n")
         f.write("`experiments/full_shard_limit/run.py --width %d --blocks %d --limit-mib %.0f --steps %d "
-                "--kill-at-step %d%s`: %d members %s, each in a memory cgroup of %.0f MiB (no swap); "
+                "--kill-at-step %d%s%s`: %d members %s, each in a memory cgroup of %.0f MiB (no swap); "
                 "%s parameters, so the replicated training state (weights, gradient, AdamW's moments: 16 bytes a "
                 "parameter) is %s MiB, %s the limit.\n\n" % (
-                    args.width, args.blocks, args.limit_mib, args.steps, args.kill_at_step,
-                    " --hosts" if args.hosts else "", args.members,
+                    args.width, args.blocks, args.limit_mib, args.steps, 0 if args.resume_at else args.kill_at_step,
+                    " --hosts" if args.hosts else "", " --resume-at %d" % args.resume_at if args.resume_at else "",
+                    args.members,
                     "on 2 hosts (network namespaces) of %d" % (args.members // 2) if args.hosts else "on one host",
                     args.limit_mib, "%.1fM" % (params / 1e6) if params else "?",
                     "%.0f" % (16 * params / mib) if params else "?",
@@ -255,7 +284,9 @@ def write_results(args, rows):
         f.write("| --- | --- | --- | --- | --- | --- | --- | --- |\n")
         for r in rows:
             f.write("| %s | %s | %s MiB | %s MiB | %d | %s | %s | %s |\n" % (
-                r["mode"], "yes (%d)" % r["oom_kills"] if r["oom_kills"] else "no",
+                r["mode"] + (", resumed from its checkpoint" if r["resumed"] else "") +
+                ("" if r.get("same_as_uninterrupted") is None else
+                 " (losses the uninterrupted run's: %s)" % ("yes" if r["same_as_uninterrupted"] else "NO")), "yes (%d)" % r["oom_kills"] if r["oom_kills"] else "no",
                 " / ".join("%.0f" % x for x in r["peaks_mib"]), " / ".join("%.0f" % x for x in r["hwm_mib"]) or "-",
                 r["steps"], "after step %d; %d joined" % (args.kill_at_step, r["joins"]) if r["victim"] else "no",
                 "yes" if r["once"] else "NO", " ".join("%.3f" % x for x in r["losses"])))

@@ -36,13 +36,28 @@ std::string tensor_bytes(const torch::Tensor& t) {
   return std::string(reinterpret_cast<const char*>(c.data_ptr<uint8_t>()), c.numel());
 }
 
-// Like nn::Module::save, the buffers only (a fully sharded checkpoint's
-// weights are in its shards).
-void save_buffers(torch::nn::Module& m, torch::serialize::OutputArchive& ar) {
-  for (auto& b : m.named_buffers(false)) ar.write(b.key(), b.value(), /*is_buffer=*/true);
+// A tensor as a file should hold it: an archive writes a tensor's whole
+// storage, and a float32 buffer is a view into the flat region that also
+// holds the whole gradient (optim/flat_params.h), so it is written as a
+// copy of its own elements.
+torch::Tensor own_elements(const torch::Tensor& t) {
+  if (!t.defined() || t.storage_offset() != 0 ||
+      t.storage().nbytes() > static_cast<size_t>(t.numel()) * t.element_size())
+    return t.clone();
+  return t;
+}
+
+// Like nn::Module::save (`params`: false for a fully sharded checkpoint,
+// whose weights are in its shards), each buffer's elements alone. The
+// parameters are views of the flat weights, which they fill: written once.
+void save_module(torch::nn::Module& m, torch::serialize::OutputArchive& ar, bool params) {
+  if (params)
+    for (auto& p : m.named_parameters(false)) ar.write(p.key(), p.value());
+  for (auto& b : m.named_buffers(false)) ar.write(b.key(), own_elements(b.value()), /*is_buffer=*/true);
   for (auto& c : m.named_children()) {
+    if (!c.value()->is_serializable()) continue;  // (as nn::Module::save: a Functional, say)
     torch::serialize::OutputArchive child;
-    save_buffers(*c.value(), child);
+    save_module(*c.value(), child, params);
     ar.write(c.key(), child);
   }
 }
@@ -482,7 +497,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
                      const TrainState& st, const ShardedLayout* sharded) {
   torch::serialize::OutputArchive root, m, o, s;
   if (sharded) {
-    save_buffers(model, m);
+    save_module(model, m, /*params=*/false);
     torch::serialize::OutputArchive sh;
     sh.write("world", scalar(sharded->world));
     sh.write("numel", scalar(sharded->numel));
@@ -500,7 +515,7 @@ void save_checkpoint(const std::string& path, torch::nn::Module& model, const op
     sh.write("channels_last", nhwc);
     root.write("sharded", sh);
   } else {
-    model.save(m);
+    save_module(model, m, /*params=*/true);
   }
   if (opt.has_state() && !sharded) {
     const auto names = opt.state_names();

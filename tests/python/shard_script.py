@@ -33,15 +33,19 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, vocab, width, blocks):
+    def __init__(self, vocab, width, blocks, buffer=False):
         super().__init__()
         self.emb = nn.Embedding(vocab, width)
+        # a float32 buffer (it lives in Limbo's flat region, beside the gradient)
+        self.register_buffer("scale", torch.ones(width) if buffer else None)
         self.blocks = nn.ModuleList([Block(width) for _ in range(blocks)])
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab)
 
     def forward(self, x):
         h = self.emb(x)
+        if self.scale is not None:
+            h = h * self.scale
         for b in self.blocks:
             h = b(h)
         return self.head(self.ln(h))
@@ -67,6 +71,7 @@ def main():
     ap.add_argument("--watch-start", action="store_true",
                     help="record the growth of the peak resident set over the making of the job (a resume's load "
                          "and the group's first re-sharding)")
+    ap.add_argument("--buffer", action="store_true", help="the model has a float32 buffer")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -74,7 +79,7 @@ def main():
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, vocab, (args.samples, context), generator=g)
     y = (x * 7 + 3) % vocab  # a function of each token: learnable
-    model = Net(vocab, args.width, args.blocks)
+    model = Net(vocab, args.width, args.blocks, args.buffer)
     if args.optimizer == "adamw":
         opt = limbo.Optimizer("adamw", lr=3e-3, weight_decay=0.01)
     else:

@@ -204,3 +204,26 @@ def test_a_resume_reads_each_members_state_from_the_shard_files_and_never_holds_
     for member in resumed:
         for name, w in whole[0]["weights"].items():
             assert torch.equal(member["weights"][name], w), name
+
+
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_a_checkpoint_holds_a_buffers_elements_not_the_region_it_lives_in(shard):
+    """A float32 buffer lives in Limbo's flat region beside the whole
+    gradient, and an archive writes a tensor's whole storage: each
+    checkpoint held a copy of the gradient (fully sharded: checkpoint.pt,
+    meant to hold the buffers and the layout, was the size of the weights,
+    and a resume loaded it whole). Now a buffer is written as its own
+    elements: replicated, the file holds the weights, AdamW's two moments
+    and little more; fully sharded, far less than the weights."""
+    d = tempfile.mkdtemp(prefix="limbo-fs-buffer-")
+    got = run(2, shard, "--width", "256", "--blocks", "4", "--samples", "64", "--buffer", run_dir=d)
+    weights = 4 * got[0]["params"]
+    size = os.path.getsize(os.path.join(d, "checkpoint.pt"))
+    if shard == "none":
+        assert size < 3.25 * weights, (size, weights)  # weights + 2 moments; the gradient was a 4th
+    else:
+        assert size < 0.25 * weights, (size, weights)
+    loaded = limbo.load_checkpoint(os.path.join(d, "checkpoint.pt"))
+    assert torch.equal(loaded["model"]["scale"], torch.ones(256))
+    for name, w in got[0]["weights"].items():
+        assert torch.equal(loaded["model"][name], w), name
