@@ -61,19 +61,13 @@ void Job::stop(int code, const std::string& why, int sig) {
 // The rounds keep the phase (stopping).
 void Job::stopping_tick() {
   if (!coordinator_) return;
-  try {
+  with_coordinator([&] {
     const auto r = coordinator_->poll();
     alive_ = r.alive;
     if (r.new_round)
       log_info("launch: membership round " + std::to_string(r.round.number) + ": workers [" +
                format_members(r.round.members) + "] (" + r.reason + "; the job is stopping)");
-  } catch (const comm::FencedOut& e) {
-    election_->step_down(e.what());
-    coordinator_.reset();
-    listener_.reset();
-  } catch (const std::exception& e) {
-    poll_errors_.warn(std::string("launch: the coordinator's poll failed (") + e.what() + "); retrying");
-  }
+  });
 }
 
 // Feeds this launcher's page with the records rank 0 published since the

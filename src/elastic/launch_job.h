@@ -78,6 +78,10 @@ class Job {
   void complete_tick();
   void warned_tick();
   void stopping_tick();
+  // Runs a call of the coordinator's: fenced out (etcd: another launcher
+  // leads now), it steps down; a failed store call is logged (throttled)
+  // and the next tick tries again.
+  void with_coordinator(const std::function<void()>& f);
   // A stop: whether this launcher may exit now that its workers are gone.
   bool stop_ended();
   // The keeper at the end: every other launcher said it is done, or no

@@ -468,19 +468,24 @@ void Job::tick() {
   if (!opt_.elastic || phase_ == Phase::Stopping || phase_ == Phase::Lost) return;
   poll_store();
   if (phase_ == Phase::Completing || phase_ == Phase::Lost) return;
-  if (coordinator_) {
-    try {
+  if (coordinator_)
+    with_coordinator([&] {
       apply_schedule();
       on_round(coordinator_->poll());
-    } catch (const comm::FencedOut& e) {
-      election_->step_down(e.what());
-      coordinator_.reset();
-      listener_.reset();
-    } catch (const std::exception& e) {
-      // A store call that timed out (a starved machine): the next poll, 20 ms
-      // later, takes it up again; the coordinator commits nothing half-written.
-      poll_errors_.warn(std::string("launch: the coordinator's poll failed (") + e.what() + "); retrying");
-    }
+    });
+}
+
+void Job::with_coordinator(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const comm::FencedOut& e) {
+    election_->step_down(e.what());
+    coordinator_.reset();
+    listener_.reset();
+  } catch (const std::exception& e) {
+    // A store call that timed out (a starved machine): the next poll, 20 ms
+    // later, takes it up again; the coordinator commits nothing half-written.
+    poll_errors_.warn(std::string("launch: the coordinator's poll failed (") + e.what() + "); retrying");
   }
 }
 
