@@ -263,11 +263,17 @@ std::optional<ShardRecords> locate_records(const std::string& file) {
     ShardRecords r{v[0], v[1], v[2], v[3], v[4], {}};
     // (a shard of 2 floats would look like the 8-byte numbers: read whole)
     if (r.lo < 0 || r.hi - r.lo < 3 || r.hi > r.numel) return std::nullopt;
-    for (size_t i = 5; i < data.size(); ++i) {
-      auto [ptr, size] = reader.getRecord(data[static_cast<int64_t>(i)]);
-      if (size != static_cast<size_t>(4 * (r.hi - r.lo))) return std::nullopt;
-      r.offsets.push_back(reader.getRecordOffset(data[static_cast<int64_t>(i)]));
-    }
+    // Each tensor's record is followed by the next record's header (and
+    // the last by the pickle's): its elements fit between the two offsets,
+    // with at most a header's room left (never read to be measured: the
+    // records are the shard's whole weights and state).
+    for (size_t i = 5; i < data.size(); ++i) r.offsets.push_back(reader.getRecordOffset(data[static_cast<int64_t>(i)]));
+    if (!reader.hasRecord("data.pkl")) return std::nullopt;
+    r.offsets.push_back(reader.getRecordOffset("data.pkl"));
+    const uint64_t bytes = 4 * static_cast<uint64_t>(r.hi - r.lo);
+    for (size_t i = 0; i + 1 < r.offsets.size(); ++i)
+      if (r.offsets[i + 1] < r.offsets[i] + bytes || r.offsets[i + 1] > r.offsets[i] + bytes + 4096) return std::nullopt;
+    r.offsets.pop_back();
     return r;
   } catch (const c10::Error&) {
     return std::nullopt;
