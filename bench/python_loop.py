@@ -100,9 +100,10 @@ def rate_of(out, contender, model):
     if "phases_mean_ms" in j:
         print("  mean   %-14s %-9s %s" % (contender, model, " ".join("%s %.2f" % kv for kv in j["phases_mean_ms"].items())),
               flush=True)
-    if "phases_cpu_ms" in j:
-        print("  cpu    %-14s %-9s %s" % (contender, model, " ".join("%s %.2f" % kv for kv in j["phases_cpu_ms"].items())),
-              flush=True)
+    for key, label in (("phases_cpu_ms", "cpu"), ("phases_runq_ms", "runq"), ("phases_blocked_ms", "blocked")):
+        if key in j:
+            print("  %-6s %-14s %-9s %s" % (label, contender, model, " ".join("%s %.2f" % kv for kv in j[key].items())),
+                  flush=True)
     return j["samples_per_second"]
 
 

@@ -130,16 +130,29 @@ def main():
         return tx[i], ty[i]
 
     times = []
-    phases, cpu = {}, {}  # name: [seconds a step], of the wall clock and of this thread's CPU
-    last = [time.perf_counter(), time.thread_time()]
+    # name: [seconds a step] of the wall clock, of this thread's CPU, and of
+    # its wait in the run queue (runnable, not running: preempted)
+    phases, cpu, runq = {}, {}, {}
+
+    def schedstat():  # this thread's CPU and run-queue seconds so far
+        # (the run-queue wait from the kernel's schedstat: complete whenever
+        # the thread runs; its CPU field lags to the last tick, thread_time not)
+        try:
+            with open("/proc/thread-self/schedstat") as f:
+                wait = int(f.read().split()[1]) * 1e-9
+        except OSError:
+            wait = 0.0
+        return time.thread_time(), wait
+    last = [time.perf_counter(), *schedstat()]
 
     def mark(name):  # the time since the last mark, as this step's `name`
         now = time.perf_counter()
         if args.phases:
-            used = time.thread_time()
+            used, waited = schedstat()
             phases.setdefault(name, []).append(now - last[0])
             cpu.setdefault(name, []).append(used - last[1])
-            last[1] = used
+            runq.setdefault(name, []).append(waited - last[2])
+            last[1:] = [used, waited]
         last[0] = now
     if args.mode == "plain":
         rank, world = 0, 1
@@ -245,6 +258,10 @@ def main():
             # the main thread's CPU time in each phase: below the wall time, the process waited or was preempted
             out["phases_mean_ms"] = {k: round(1000 * statistics.mean(v[args.warmup:]), 3) for k, v in phases.items()}
             out["phases_cpu_ms"] = {k: round(1000 * statistics.median(v[args.warmup:]), 3) for k, v in cpu.items()}
+            # wall = CPU + run-queue wait (preempted) + blocked (asleep: a lock, the GIL, I/O, a collective)
+            out["phases_runq_ms"] = {k: round(1000 * statistics.mean(v[args.warmup:]), 3) for k, v in runq.items()}
+            out["phases_blocked_ms"] = {k: round(1000 * statistics.mean(
+                [w - c - q for w, c, q in zip(phases[k], cpu[k], runq[k])][args.warmup:]), 3) for k in phases}
         print(json.dumps(out), flush=True)
 
 

@@ -153,8 +153,12 @@ TEST(UserState, AFullyShardedTorchScriptModuleTrainsAsTheReplicatedOneAndTakesAJ
 
   const std::string run = d.file("join");
   auto paced = full;
-  paced.insert(paced.end(), {"train.sample_log=true", "train.slow_step_ms=30", "train.testing_pace_until_workers=2"});
-  r = run_limbo(cat({"launch", "--nproc", "2", "--min-workers", "1", "--elastic-schedule", "0:1,0.5:2", "--",
+  // Paced while alone (150 ms a step: 8 s for the 56 steps after the
+  // schedule starts the joiner), so the job cannot end before the joiner
+  // got in, however busy the machine (30 ms from half the epoch, 1 s, was
+  // missed once beside three other tests).
+  paced.insert(paced.end(), {"train.sample_log=true", "train.slow_step_ms=150", "train.testing_pace_until_workers=2"});
+  r = run_limbo(cat({"launch", "--nproc", "2", "--min-workers", "1", "--elastic-schedule", "0:1,0.1:2", "--",
                      "--run-dir", run}, user_job(fx, "cnn_bn.pt", "fmnist_npy", paced)));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(summary(run)["workers"], 2);
