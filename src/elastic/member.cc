@@ -99,15 +99,16 @@ Member::Member(std::shared_ptr<comm::KvStore> store, MemberOptions opt)
 Member::~Member() {
   stop_ = true;
   cv_.notify_all();
+  { std::lock_guard<std::mutex> lock(sleep_mu_); }  // a sleeper has seen stop_ false and waits, or sees it true
+  sleep_cv_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
   if (publish_.joinable()) publish_.join();
   if (watch_.joinable()) watch_.join();
 }
 
 void Member::sleep_while_running(std::chrono::milliseconds d) {
-  const auto until = Clock::now() + d;
-  while (!stop_ && Clock::now() < until)
-    std::this_thread::sleep_for(std::min<Clock::duration>(until - Clock::now(), std::chrono::milliseconds(20)));
+  std::unique_lock<std::mutex> lock(sleep_mu_);
+  sleep_cv_.wait_until(lock, Clock::now() + d, [&] { return stop_.load(); });
 }
 
 // A beat is a store of this member's slot (no system call). This thread

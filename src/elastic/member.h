@@ -161,6 +161,11 @@ class Member {
   std::chrono::milliseconds cut_off_after_{400};
 
   std::atomic<bool> stop_{false};
+  // The service threads sleep on this until their next turn or stop_: no
+  // wake-ups in between (each one takes a core from a training thread where
+  // members share cores).
+  std::mutex sleep_mu_;
+  std::condition_variable sleep_cv_;
   std::atomic<int64_t> latest_round_{0};
   std::atomic<int64_t> latest_abort_{0};
   std::atomic<bool> cut_off_{false};
