@@ -26,8 +26,18 @@ def _read(path):
         return None
 
 
-def _snapshot(marker):
-    """{(kind, thread name): CPU seconds} for every live thread, and whether a member is alive."""
+def _cpu_group(pid):
+    """The process's cgroup v1 cpu group ("/" for the root), or "" when unknown."""
+    for line in (_read("/proc/%d/cgroup" % pid) or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and "cpu" in parts[1].split(","):
+            return parts[2]
+    return ""
+
+
+def _snapshot(marker, by_group=False):
+    """{(kind, thread name): CPU seconds} for every live thread, and whether a member is alive
+    (with by_group, each kind is prefixed by the process's cpu cgroup)."""
     out, members = {}, 0
     procs = {}
     for p in os.listdir("/proc"):
@@ -48,6 +58,8 @@ def _snapshot(marker):
             kind = "launcher"
         else:
             kind = "other"
+        if by_group:
+            kind = _cpu_group(pid).strip("/").split("/")[-1] + ":" + kind
         try:
             tids = os.listdir("/proc/%d/task" % pid)
         except OSError:
@@ -59,14 +71,14 @@ def _snapshot(marker):
             name = s[s.index("(") + 1:s.rindex(")")]
             f = s[s.rindex(")") + 2:].split()
             cpu = (int(f[11]) + int(f[12])) / TICK
-            key = (kind, name if kind != "other" else comm)
+            key = (kind, name if not kind.endswith("other") else comm)
             out[key] = out.get(key, 0.0) + cpu
     return out, members
 
 
 class CpuSampler:
-    def __init__(self, marker, period=0.5, skip=0.3):
-        self.marker, self.period, self.skip = marker, period, skip
+    def __init__(self, marker, period=0.5, skip=0.3, by_group=False):
+        self.marker, self.period, self.skip, self.by_group = marker, period, skip, by_group
         self.samples = []  # (wall, {key: cpu}, members alive)
         self._stop = threading.Event()
 
@@ -81,7 +93,7 @@ class CpuSampler:
 
     def _run(self):
         while not self._stop.is_set():
-            snap, members = _snapshot(self.marker)
+            snap, members = _snapshot(self.marker, self.by_group)
             self.samples.append((time.monotonic(), snap, members))
             self._stop.wait(self.period)
 
@@ -106,6 +118,7 @@ class CpuSampler:
         kinds = {}
         for (kind, _), v in busy.items():
             kinds[kind] = kinds.get(kind, 0.0) + v
-        threads = sorted(((v, "%s/%s" % k) for k, v in busy.items() if k[0] != "other"), reverse=True)[:top]
+        threads = sorted(((v, "%s/%s" % k) for k, v in busy.items() if not k[0].endswith("other")),
+                         reverse=True)[:top]
         return ("cpu over %.0f s, cores busy: " % dt + " ".join("%s %.3f" % kv for kv in sorted(kinds.items())) +
                 "; threads: " + " ".join("%s %.3f" % (n, v) for v, n in threads))

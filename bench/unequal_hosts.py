@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
 import cpu_limit  # noqa: E402
+from cpu_sampler import CpuSampler  # noqa: E402
 import python_loop as pl  # noqa: E402
 import slow_link  # noqa: E402
 
@@ -56,7 +57,7 @@ def worker(model, batch, steps, *extra):
 
 
 def env_of(**kw):
-    env = dict(os.environ, THREADS="1", **kw)
+    env = dict(os.environ, THREADS="1", LIMBO_THREADS="1", **kw)  # one thread a worker, launched or not
     env.update(pl.HEAP)
     return env
 
@@ -86,6 +87,13 @@ def bound(model, batch, steps):
     return sum(pl.last_json(o)["samples_per_second"] for o in outs)
 
 
+def throttled(group):
+    """The group's periods throttled so far and seconds throttled (cpu.stat)."""
+    with open(os.path.join(cpu_limit.path(group), "cpu.stat")) as f:
+        st = dict(line.split() for line in f if line.strip())
+    return int(st.get("nr_throttled", 0)), int(st.get("throttled_time", 0)) * 1e-9
+
+
 GROUPS, HOSTS, HOSTS_PREFIX = [], None, None
 
 
@@ -102,6 +110,11 @@ def main():
     ap.add_argument("--gpt-steps", type=int, default=160)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--contenders", default="equal,pace,ddp,bound",
+                    help="which contenders run (the ratios of those left out print nan)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="print each run's cores busy by host group and process kind (launcher, member) and "
+                         "its busiest threads, and each group's throttled periods (cpu.stat)")
     a = ap.parse_args()
     if not cpu_limit.available():
         sys.exit("unequal_hosts: the cgroup v1 cpu controller is not writable here (run as root)")
@@ -123,22 +136,36 @@ def main():
         for model in a.models.split(","):
             batch, steps = (a.gpt_batch, a.gpt_steps) if model == "gpt" else (a.batch, a.steps)
             runs = {n: [] for n in names}
+            contenders = {"equal": lambda: limbo_job(limbo, model, batch, steps, "equal"),
+                          "pace": lambda: limbo_job(limbo, model, batch, steps, "pace"),
+                          "ddp": lambda: ddp(model, batch, steps),
+                          "bound": lambda: bound(model, batch, steps)}
+            chosen = [n for n in names if n in a.contenders.split(",")]
             for _ in range(a.repeats):
-                runs["equal"].append(limbo_job(limbo, model, batch, steps, "equal"))
-                runs["pace"].append(limbo_job(limbo, model, batch, steps, "pace"))
-                runs["ddp"].append(ddp(model, batch, steps))
-                runs["bound"].append(bound(model, batch, steps))
-                print("  round: " + " ".join("%s %.1f" % (n, runs[n][-1]) for n in names), flush=True)
-            med = {n: statistics.median(v) for n, v in runs.items()}
+                for n in chosen:
+                    if not a.cpu:
+                        runs[n].append(contenders[n]())
+                        continue
+                    before = [throttled(g) for g in GROUPS]
+                    with CpuSampler(os.path.basename(pl.WORKER), by_group=True) as s:
+                        runs[n].append(contenders[n]())
+                    print("  %-6s %s" % (n, s.report(top=12)), flush=True)
+                    print("  %-6s throttled periods / seconds by host: %s" % (n, " ".join(
+                        "%d / %.1f" % (t[0] - b[0], t[1] - b[1])
+                        for t, b in zip([throttled(g) for g in GROUPS], before))), flush=True)
+                print("  round: " + " ".join("%s %.1f" % (n, runs[n][-1]) for n in chosen), flush=True)
+            nan = float("nan")
+            med = {n: statistics.median(v) if v else nan for n, v in runs.items()}
 
             def ratio(x, y):
-                return statistics.median(p / q for p, q in zip(runs[x], runs[y]))
+                return statistics.median(p / q for p, q in zip(runs[x], runs[y])) if runs[x] and runs[y] else nan
             print("%-7s %-7s" % (model, "median (batch %d, %d steps)" % (batch, steps)) +
                   "".join("%12.1f" % med[n] for n in names) +
                   "".join("%13.3fx" % ratio(x, y) for x, y in (("pace", "equal"), ("pace", "ddp"), ("pace", "bound"),
                                                                ("equal", "bound"), ("ddp", "bound"))), flush=True)
             print("%-7s %-7s" % ("", "range") + "".join(
-                "%12s" % ("%.1f-%.1f" % (min(runs[n]), max(runs[n]))) for n in names), flush=True)
+                "%12s" % ("%.1f-%.1f" % (min(runs[n]), max(runs[n])) if runs[n] else "-") for n in names),
+                flush=True)
     finally:
         HOSTS.close()
         for g in GROUPS:

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "common/files.h"
+#include "common/process.h"
 #include "models/net.h"
 #include "optim/flat_params.h"
 #include "test_util.h"
@@ -222,6 +223,51 @@ TEST(Launch, SharesByPaceFollowAWorkerHeldToAFractionOfACore) {
   EXPECT_LT(last["shares"][1].get<double>(), 0.4) << last.dump();
   std::printf("the held worker's last share: %.4f\n", last["shares"][1].get<double>());
   EXPECT_LT(last["paces"][1].get<double>(), last["paces"][0].get<double>()) << last.dump();
+}
+
+// A host or container held to a fraction of a core: the launcher gives its
+// worker the cores the quota allows (1), not every core of the machine (2
+// here). More compute threads than the quota only spin out its periods: on
+// three hosts held to 100 %, 50 % and 25 % of a core, two threads a worker
+// made equal shares run at 0.64x DDP's one.
+TEST(Launch, AWorkerOfALauncherHeldToHalfACoreGetsOneThread) {
+  ASSERT_TRUE(limbo::testing::CpuLimit::available()) << "the cgroup v1 cpu controller (root) holds the launcher";
+  if (limbo::usable_cores() < 2) GTEST_SKIP() << "one core: a worker gets one thread anyway";
+  TempDir dir;
+  limbo::testing::CpuLimit half("limbo-test-half-" + std::to_string(::getpid()), 0.5);
+  const std::string procs = "/sys/fs/cgroup/cpu/limbo-test-half-" + std::to_string(::getpid()) + "/cgroup.procs";
+  // The launcher starts in the group (what it starts stays there); its
+  // worker is a shell that writes what it was given.
+  auto held = [&](const std::vector<std::string>& args, const std::string& log) {
+    std::vector<std::string> argv = {"/bin/sh", "-c", "echo $$ > \"$0\" && exec \"$@\"", procs, LIMBO_BINARY};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return limbo::testing::wait_child(limbo::testing::spawn_process(argv, log), log, 120);
+  };
+  const std::string seen = dir.file("threads.txt");
+  auto r = held({"launch", "--nproc", "1", "--", "/bin/sh", "-c", "echo \"$LIMBO_THREADS\" > " + seen},
+                dir.file("launch.log"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(slurp(seen), "1\n") << r.output;
+  EXPECT_NE(r.output.find("1 workers, 1 threads each"), std::string::npos) << r.output;
+  // The same launcher outside the group splits the machine's cores.
+  const std::string free_seen = dir.file("free.txt");
+  auto f = run_limbo({"launch", "--nproc", "1", "--", "/bin/sh", "-c", "echo \"$LIMBO_THREADS\" > " + free_seen});
+  ASSERT_EQ(f.exit_code, 0) << f.output;
+  EXPECT_EQ(slurp(free_seen), std::to_string(limbo::usable_cores()) + "\n") << f.output;
+  // LIMBO_THREADS in the launcher's environment is the user's choice.
+  ::setenv("LIMBO_THREADS", "3", 1);
+  auto c = held({"launch", "--nproc", "1", "--", "/bin/sh", "-c", "echo \"$LIMBO_THREADS\" > " + free_seen},
+                dir.file("chosen.log"));
+  ::unsetenv("LIMBO_THREADS");
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_EQ(slurp(free_seen), "3\n") << c.output;
+  // `limbo train` alone in the group takes one thread by default too.
+  if (!have_fmnist()) return;
+  auto t = held({"train", "--run-dir", dir.file("run"), "--set", "model.name=mlp", "--set", "data.train_limit=256",
+                 "--set", "data.test_limit=64", "--set", "train.epochs=1"},
+                dir.file("train.log"));
+  ASSERT_EQ(t.exit_code, 0) << t.output;
+  EXPECT_NE(t.output.find(", 1 threads,"), std::string::npos) << t.output;
 }
 
 // Found: `limbo launch --run-dir D` (before --) was taken by the

@@ -6,7 +6,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <chrono>
 #include <thread>
 
@@ -110,3 +113,48 @@ TEST(Supervisor, LeavesNoChildBehind) {
 }
 
 }  // namespace
+
+// The CPU quota of a group and the groups above it, from a tree laid out as
+// the cgroup v1 cpu controller and the v2 hierarchy lay theirs out.
+TEST(UsableCores, TheQuotaIsTheSmallestOfTheGroupAndItsAncestors) {
+  char tmpl[] = "/tmp/limbo-cgroup-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string root = tmpl;
+  auto group = [&](const std::string& path, const std::string& file, const std::string& text,
+                   const std::string& file2 = "", const std::string& text2 = "") {
+    ASSERT_EQ(std::system(("mkdir -p " + root + path).c_str()), 0);
+    FILE* f = std::fopen((root + path + "/cgroup.procs").c_str(), "w");
+    std::fclose(f);
+    f = std::fopen((root + path + "/" + file).c_str(), "w");
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+    if (file2.empty()) return;
+    f = std::fopen((root + path + "/" + file2).c_str(), "w");
+    std::fputs(text2.c_str(), f);
+    std::fclose(f);
+  };
+  // v1: the root unlimited, /a at 1.5 cores, /a/b at half a core, /a/c unlimited.
+  group("/v1", "cpu.cfs_quota_us", "-1\n", "cpu.cfs_period_us", "100000\n");
+  group("/v1/a", "cpu.cfs_quota_us", "150000\n", "cpu.cfs_period_us", "100000\n");
+  group("/v1/a/b", "cpu.cfs_quota_us", "5000\n", "cpu.cfs_period_us", "10000\n");
+  group("/v1/a/c", "cpu.cfs_quota_us", "-1\n", "cpu.cfs_period_us", "100000\n");
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/a/b", root + "/v1", ""), 0.5);
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/a/c", root + "/v1", ""), 1.5);
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/a", root + "/v1", ""), 1.5);
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/", root + "/v1", ""), 0.0);
+  // v2: cpu.max, "max" for none; a group the v1 tree lacks is read there.
+  group("/v2", "cpu.max", "max 100000\n");
+  group("/v2/job", "cpu.max", "max 100000\n");
+  group("/v2/job/member", "cpu.max", "25000 100000\n");
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/job/member", root + "/v1", root + "/v2"), 0.25);
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/job", "", root + "/v2"), 0.0);
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/elsewhere", root + "/v1", root + "/v2"), 0.0);
+  ASSERT_EQ(std::system(("rm -rf " + root).c_str()), 0);
+}
+
+// This process's usable cores: at least one, at most the machine's.
+TEST(UsableCores, AtLeastOneAndAtMostTheMachinesCores) {
+  const int n = limbo::usable_cores();
+  EXPECT_GE(n, 1);
+  EXPECT_LE(n, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+}

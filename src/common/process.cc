@@ -1,15 +1,20 @@
 #include "common/process.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "common/error.h"
@@ -57,6 +62,89 @@ int exit_code_of(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
   return 1;
+}
+
+namespace {
+
+// The file's first line, "" when it cannot be read.
+std::string first_line(const std::string& path) {
+  std::ifstream f(path);
+  std::string line;
+  std::getline(f, line);
+  return line;
+}
+
+// One group's quota in cores (0: none or unreadable).
+double group_quota(const std::string& dir, bool v2) {
+  double quota = 0, period = 0;
+  if (v2) {  // "max 100000" or "50000 100000"
+    std::istringstream in(first_line(dir + "/cpu.max"));
+    std::string q;
+    if (!(in >> q >> period) || q == "max") return 0;
+    quota = std::atof(q.c_str());
+  } else {
+    const std::string q = first_line(dir + "/cpu.cfs_quota_us"), p = first_line(dir + "/cpu.cfs_period_us");
+    if (q.empty() || p.empty()) return 0;
+    quota = std::atof(q.c_str());
+    period = std::atof(p.c_str());
+  }
+  return quota > 0 && period > 0 ? quota / period : 0;
+}
+
+bool has_group(const std::string& dir) { return static_cast<bool>(std::ifstream(dir + "/cgroup.procs")); }
+
+}  // namespace
+
+double cgroup_cpu_quota(const std::string& path, const std::string& v1_root, const std::string& v2_root) {
+  for (const std::string& root : {v1_root, v2_root}) {
+    if (root.empty() || !has_group(root + (path == "/" ? "" : path))) continue;
+    const bool v2 = root == v2_root;
+    double least = 0;
+    for (std::string p = path;;) {  // the group, then each group above it up to the root
+      const double q = group_quota(root + (p == "/" ? "" : p), v2);
+      if (q > 0 && (least == 0 || q < least)) least = q;
+      if (p.empty() || p == "/") break;
+      const auto slash = p.rfind('/');
+      p = slash == 0 || slash == std::string::npos ? "/" : p.substr(0, slash);
+    }
+    return least;
+  }
+  return 0;
+}
+
+int threads_per_worker(const std::vector<std::string>& train_args, int cores, int workers) {
+  for (const auto& a : train_args)
+    if (a.rfind("train.threads=", 0) == 0) return 0;
+  if (const char* env = std::getenv("LIMBO_THREADS"); env && std::atoi(env) > 0) return std::atoi(env);
+  return std::max(1, (cores > 0 ? cores : usable_cores()) / std::max(1, workers));
+}
+
+int usable_cores() {
+  int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) cores = std::min(cores, CPU_COUNT(&set));
+  std::ifstream f("/proc/self/cgroup");
+  std::string v1, v2;
+  for (std::string line; std::getline(f, line);) {  // "ID:CONTROLLERS:PATH"
+    const auto a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1), path = line.substr(b + 1);
+    std::istringstream names(controllers);
+    for (std::string c; std::getline(names, c, ',');)
+      if (c == "cpu") v1 = path;
+    if (line.compare(0, a + 1, "0:") == 0 && controllers.empty()) v2 = path;
+  }
+  double quota = 0;
+  if (!v1.empty()) {
+    quota = cgroup_cpu_quota(v1, "/sys/fs/cgroup/cpu", "");
+    if (quota == 0 && std::ifstream("/sys/fs/cgroup/cpu,cpuacct/cgroup.procs"))
+      quota = cgroup_cpu_quota(v1, "/sys/fs/cgroup/cpu,cpuacct", "");
+  } else if (!v2.empty()) {
+    quota = cgroup_cpu_quota(v2, "", "/sys/fs/cgroup");
+  }
+  if (quota > 0) cores = std::min(cores, std::max(1, static_cast<int>(quota + 1e-9)));
+  return cores;
 }
 
 std::string describe_status(int status) {

@@ -27,6 +27,25 @@ pid_t spawn_program(const std::string& exe, const std::vector<std::string>& args
 // /proc/PID/task/TID/comm and the benches' CPU accounting.
 void name_this_thread(const char* name);
 
+// The cores this process may use: the CPUs of its affinity mask (taskset,
+// a cpuset), capped by the CPU quota of its cgroup and of every group above
+// it (v1: cpu.cfs_quota_us / cpu.cfs_period_us; v2: cpu.max), rounded down
+// and at least 1. A container or a cgroup held to half a core gets 1, not
+// every core of its host: more compute threads than the quota only spin
+// and wait out its throttled periods. What the launchers split among their
+// workers and what `limbo train` takes by default.
+int usable_cores();
+// The intra-op threads each of `workers` workers of a launcher gets: 0 when
+// the training arguments set train.threads themselves; LIMBO_THREADS from
+// the launcher's environment when set (the user's choice); else `cores`
+// (0: usable_cores()) split evenly, at least 1.
+int threads_per_worker(const std::vector<std::string>& train_args, int cores, int workers);
+// The quota in cores (0: none) of the group `path` ("/a/b", as
+// /proc/self/cgroup names it) and every group above it: the smallest, read
+// under `v1_root` (the cpu controller's mount) or, where that has no such
+// group, `v2_root` (cpu.max).
+double cgroup_cpu_quota(const std::string& path, const std::string& v1_root, const std::string& v2_root);
+
 // A waitpid() status as a shell would report it: the exit code, or 128 + signal.
 int exit_code_of(int status);
 // "exit code N" or "killed by signal N".

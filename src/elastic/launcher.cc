@@ -91,8 +91,7 @@ Job::Job(LaunchOptions opt) : opt_(std::move(opt)) {
     log_warn("launch: the rendezvous store on " + opt_.rdzv_host + " takes anyone who reaches it; give every "
              "launcher --token-file FILE (docs/elastic.md, \"Security\")");
   rdzv_ = opt_.etcd ? opt_.etcd->url() : opt_.rdzv_host + ":" + std::to_string(port_);
-  const int cores = opt_.cores > 0 ? opt_.cores : static_cast<int>(std::thread::hardware_concurrency());
-  threads_ = sets_threads(opt_.train_args) ? 0 : std::max(1, cores / opt_.nproc);
+  threads_ = threads_per_worker(opt_.train_args, opt_.cores, opt_.nproc);
   log_info("launch: rendezvous store at " + rdzv_ + ", " + std::to_string(opt_.nproc) + " workers" +
            (threads_ ? ", " + std::to_string(threads_) + " threads each" : ""));
   for (size_t i = 0; i + 1 < opt_.train_args.size(); ++i)
@@ -602,7 +601,7 @@ int launch(const LaunchOptions& opt_in) {
     for (const auto& [e, c] : opt.schedule) most = std::max(most, c);
     opt.max_workers = std::max(opt.max_workers == (1 << 20) ? 0 : opt.max_workers, most);
     if (opt.cores == 0)  // split the cores for the largest scheduled count
-      opt.cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) * opt.nproc / most);
+      opt.cores = std::max(1, usable_cores() * opt.nproc / most);
     // The schedule counts this launcher's workers; a job of several hosts
     // gives its whole size with --max-workers (or its first round would
     // wait for more workers than the job takes, for ever).

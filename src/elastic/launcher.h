@@ -42,7 +42,7 @@ struct LaunchOptions {
   // Put first on a program's PYTHONPATH; empty: the build's Python module
   // (<build>/python).
   std::string python_path;
-  int cores = 0;         // cores to split among workers; 0 = all
+  int cores = 0;         // cores to split among workers; 0 = those this process may use (usable_cores())
   std::chrono::milliseconds store_timeout{300000};
   std::chrono::milliseconds kill_grace{5000};
   bool elastic = false;

@@ -14,12 +14,6 @@
 
 namespace limbo::elastic {
 
-bool sets_threads(const std::vector<std::string>& args) {
-  for (const auto& a : args)
-    if (a.rfind("train.threads=", 0) == 0) return true;
-  return false;
-}
-
 // `name` as execve needs it: as given when it holds a '/', else the first
 // executable of that name on PATH ("" when there is none).
 std::string find_program_or_empty(const std::string& name) {

@@ -14,9 +14,6 @@
 
 namespace limbo::elastic {
 
-// Whether the training arguments set train.threads themselves.
-bool sets_threads(const std::vector<std::string>& args);
-
 // The program to exec for `name`: a bare python3 (or python) is the
 // interpreter the Python module is built for; a name without '/' is looked
 // up on PATH. Throws InvalidInput when there is none.

@@ -28,12 +28,6 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
-bool sets_threads(const std::vector<std::string>& args) {
-  for (const auto& a : args)
-    if (a.rfind("train.threads=", 0) == 0) return true;
-  return false;
-}
-
 json read_json(const std::string& path) {
   if (!file_exists(path)) return json();
   try {
@@ -64,8 +58,7 @@ class AsyncJob {
     common_.insert(common_.end(), {"--set", "ps.protocol=" + opt_.protocol});
     if (opt_.softsync_n > 0) common_.insert(common_.end(), {"--set", "ps.softsync_n=" + std::to_string(opt_.softsync_n)});
     if (!opt_.keys_file.empty()) common_.insert(common_.end(), {"--keys", opt_.keys_file});
-    const int cores = opt_.cores > 0 ? opt_.cores : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    worker_threads_ = sets_threads(opt_.train_args) ? 0 : std::max(1, cores / opt_.workers);
+    worker_threads_ = threads_per_worker(opt_.train_args, opt_.cores, opt_.workers);
 
     for (int k = 0; k < opt_.servers; ++k) {
       Shard s;

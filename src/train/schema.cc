@@ -281,7 +281,7 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(I("train.epochs", 2, 1, 100000, "epochs to train"));
     s->add(I("train.max_steps", 0, 0, std::nullopt, "stop after this many steps (0 = no limit)"));
     s->add(I("train.seed", 1, 0, std::nullopt, "seed for initialisation and data order"));
-    s->add(I("train.threads", 0, 0, 1024, "intra-op (OpenMP) threads; 0 = all cores"));
+    s->add(I("train.threads", 0, 0, 1024, "intra-op (OpenMP) threads; 0 = the cores this process may use (its CPU affinity, capped by a cgroup CPU quota)"));
     s->add(I("train.blas_threads", 0, 0, 1024,
              "BLAS threads; 0 = share the intra-op OpenMP pool (OpenBLAS-OpenMP)"));
     s->add(I("train.log_every", 50, 1, std::nullopt, "steps between metrics.jsonl lines"));

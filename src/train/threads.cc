@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include "common/log.h"
+#include "common/process.h"
 
 namespace limbo::train {
 namespace {
@@ -22,7 +23,7 @@ F lookup(const char* name) {
 
 ThreadReport apply_thread_settings(const ThreadSettings& s) {
   ThreadReport r;
-  int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = usable_cores();
   r.intra_op = s.intra_op > 0 ? s.intra_op : cores;
 
   auto get_parallel = lookup<int (*)()>("openblas_get_parallel");

@@ -13,7 +13,7 @@
 namespace limbo::train {
 
 struct ThreadSettings {
-  int intra_op = 0;     // 0 = all cores
+  int intra_op = 0;     // 0 = the cores this process may use (usable_cores())
   int blas = 0;         // 0 = share the intra-op pool; n > 0 = pin BLAS to n
 };
 
