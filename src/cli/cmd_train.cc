@@ -105,7 +105,14 @@ int run_train(const TrainArgs& a) {
   // DiLoCo's shares by pace are its outer steps' (train/outer_steps.h);
   // these are a synchronous step's ("auto": equal).
   if (cfg.get_string("elastic.shares") == "pace" && !trainer.diloco() && (distributed || a.elastic)) {
-    reduce_options.paces = std::make_shared<data::PaceShares>(data::PaceShares::Options{});
+    // The loader keeps data.prefetch batches ahead (4 by default, one job
+    // config for every member): while step s runs it may plan step
+    // s + prefetch, so shares agreed at step p can hold from p + prefetch + 1
+    // without it ever waiting; one step of margin. (A Python DataLoader may
+    // read 15 ahead: the module keeps the default lag of 16.)
+    data::PaceShares::Options po;
+    po.lag = cfg.get_int("data.prefetch") + 2;
+    reduce_options.paces = std::make_shared<data::PaceShares>(po);
     trainer.set_paces(reduce_options.paces);
   }
   if (reduce_options.shard_state && cfg.get_string("optim.algorithm") == "isgd")
