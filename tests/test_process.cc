@@ -138,17 +138,22 @@ TEST(UsableCores, TheQuotaIsTheSmallestOfTheGroupAndItsAncestors) {
   group("/v1/a", "cpu.cfs_quota_us", "150000\n", "cpu.cfs_period_us", "100000\n");
   group("/v1/a/b", "cpu.cfs_quota_us", "5000\n", "cpu.cfs_period_us", "10000\n");
   group("/v1/a/c", "cpu.cfs_quota_us", "-1\n", "cpu.cfs_period_us", "100000\n");
-  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/a/b", root + "/v1", ""), 0.5);
-  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/a/c", root + "/v1", ""), 1.5);
-  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/a", root + "/v1", ""), 1.5);
-  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/", root + "/v1", ""), 0.0);
-  // v2: cpu.max, "max" for none; a group the v1 tree lacks is read there.
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/a/b", root + "/v1", false), 0.5);
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/a/c", root + "/v1", false), 1.5);
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/a", root + "/v1", false), 1.5);
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/", root + "/v1", false), 0.0);
+  // v2: cpu.max, "max" for none.
   group("/v2", "cpu.max", "max 100000\n");
   group("/v2/job", "cpu.max", "max 100000\n");
   group("/v2/job/member", "cpu.max", "25000 100000\n");
-  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/job/member", root + "/v1", root + "/v2"), 0.25);
-  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/job", "", root + "/v2"), 0.0);
-  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/elsewhere", root + "/v1", root + "/v2"), 0.0);
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/job/member", root + "/v2", true), 0.25);
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/job", root + "/v2", true), 0.0);
+  // No such mount: no quota.
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/a/b", root + "/none", false), 0.0);
+  // A container's mount is its own group while /proc/self/cgroup names the
+  // host's path for it: the mount's quota.
+  group("/container", "cpu.cfs_quota_us", "200000\n", "cpu.cfs_period_us", "100000\n");
+  EXPECT_DOUBLE_EQ(limbo::cgroup_cpu_quota("/docker/0123abcd", root + "/container", false), 2.0);
   ASSERT_EQ(std::system(("rm -rf " + root).c_str()), 0);
 }
 

@@ -95,21 +95,21 @@ bool has_group(const std::string& dir) { return static_cast<bool>(std::ifstream(
 
 }  // namespace
 
-double cgroup_cpu_quota(const std::string& path, const std::string& v1_root, const std::string& v2_root) {
-  for (const std::string& root : {v1_root, v2_root}) {
-    if (root.empty() || !has_group(root + (path == "/" ? "" : path))) continue;
-    const bool v2 = root == v2_root;
-    double least = 0;
-    for (std::string p = path;;) {  // the group, then each group above it up to the root
-      const double q = group_quota(root + (p == "/" ? "" : p), v2);
-      if (q > 0 && (least == 0 || q < least)) least = q;
-      if (p.empty() || p == "/") break;
-      const auto slash = p.rfind('/');
-      p = slash == 0 || slash == std::string::npos ? "/" : p.substr(0, slash);
-    }
-    return least;
+double cgroup_cpu_quota(const std::string& path, const std::string& root, bool v2) {
+  if (!has_group(root)) return 0;
+  // A container without a cgroup namespace sees its host's name for its
+  // group ("/docker/ID") while its mount is that group itself: the mount's
+  // own quota then.
+  if (!has_group(root + (path == "/" ? "" : path))) return group_quota(root, v2);
+  double least = 0;
+  for (std::string p = path;;) {  // the group, then each group above it up to the root
+    const double q = group_quota(root + (p == "/" ? "" : p), v2);
+    if (q > 0 && (least == 0 || q < least)) least = q;
+    if (p.empty() || p == "/") break;
+    const auto slash = p.rfind('/');
+    p = slash == 0 || slash == std::string::npos ? "/" : p.substr(0, slash);
   }
-  return 0;
+  return least;
 }
 
 int threads_per_worker(const std::vector<std::string>& train_args, int cores, int workers) {
@@ -137,11 +137,10 @@ int usable_cores() {
   }
   double quota = 0;
   if (!v1.empty()) {
-    quota = cgroup_cpu_quota(v1, "/sys/fs/cgroup/cpu", "");
-    if (quota == 0 && std::ifstream("/sys/fs/cgroup/cpu,cpuacct/cgroup.procs"))
-      quota = cgroup_cpu_quota(v1, "/sys/fs/cgroup/cpu,cpuacct", "");
+    quota = cgroup_cpu_quota(v1, "/sys/fs/cgroup/cpu", false);
+    if (quota == 0) quota = cgroup_cpu_quota(v1, "/sys/fs/cgroup/cpu,cpuacct", false);
   } else if (!v2.empty()) {
-    quota = cgroup_cpu_quota(v2, "", "/sys/fs/cgroup");
+    quota = cgroup_cpu_quota(v2, "/sys/fs/cgroup", true);
   }
   if (quota > 0) cores = std::min(cores, std::max(1, static_cast<int>(quota + 1e-9)));
   return cores;

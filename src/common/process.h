@@ -42,9 +42,11 @@ int usable_cores();
 int threads_per_worker(const std::vector<std::string>& train_args, int cores, int workers);
 // The quota in cores (0: none) of the group `path` ("/a/b", as
 // /proc/self/cgroup names it) and every group above it: the smallest, read
-// under `v1_root` (the cpu controller's mount) or, where that has no such
-// group, `v2_root` (cpu.max).
-double cgroup_cpu_quota(const std::string& path, const std::string& v1_root, const std::string& v2_root);
+// under `root` (the v1 cpu controller's mount: cpu.cfs_quota_us and
+// cpu.cfs_period_us; with `v2`, the unified hierarchy's: cpu.max). A path
+// the mount does not hold (a container's own group mounted as the root, its
+// name the host's) reads the root's quota.
+double cgroup_cpu_quota(const std::string& path, const std::string& root, bool v2);
 
 // A waitpid() status as a shell would report it: the exit code, or 128 + signal.
 int exit_code_of(int status);
