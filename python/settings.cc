@@ -187,6 +187,10 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
   const std::string shares = get<std::string>(o, "shares", "auto");
   if (shares != "auto" && shares != "equal" && shares != "pace")
     throw InvalidInput("shares must be \"auto\", \"equal\" or \"pace\", got '" + shares + "'");
+  const int64_t read_ahead = get<int64_t>(o, "read_ahead", 15);
+  if (read_ahead < 0 || read_ahead > 100000)
+    throw InvalidInput("read_ahead must be in [0, 100000] (batches a loader may read ahead), got " +
+                       std::to_string(read_ahead));
   diloco_.pace = shares != "equal";  // an outer step's shares by pace (sync="diloco"; "auto": pace)
   if (rdzv.empty()) {
     rule = std::make_shared<train::LocalUpdate>(rule_opt);
@@ -210,7 +214,13 @@ Core::Core(const Named& params, const Named& buffers, const py::dict& o, py::fun
     // `.grad` is the group's when the user's backward returns, as with
     // DDP: clipping or reading it by hand sees the reduced gradient.
     jo.reduce.finish_in_backward = true;
-    if (shares == "pace" && !outer_) jo.reduce.paces = paces_ = std::make_shared<data::PaceShares>(data::PaceShares::Options{});
+    if (shares == "pace" && !outer_) {
+      // A batch's share must be agreed before a loader asks for it: the
+      // shares a publication makes hold read_ahead + 1 steps later.
+      data::PaceShares::Options po;
+      po.lag = read_ahead + 1;
+      jo.reduce.paces = paces_ = std::make_shared<data::PaceShares>(po);
+    }
     if (elastic) {
       py::gil_scoped_release no_gil;
       auto joined = elastic::join_elastic(jo, rule_opt, *flat_,

@@ -27,9 +27,11 @@ py::object Core::plan(int64_t epoch, int64_t position, int64_t first_step, int64
     auto w = paces_->weights_for(first_step + steps_ahead);
     if (!w)
       throw InvalidInput("the loader asked for the batch " + std::to_string(steps_ahead) + " steps ahead; with "
-                         "shares=\"pace\" a batch's share is known " +
-                         std::to_string(paces_->options().lag) + " steps ahead: read fewer batches ahead "
-                         "(a DataLoader's num_workers x prefetch_factor), or shares=\"equal\"");
+                         "shares=\"pace\" and read_ahead=" + std::to_string(paces_->options().lag - 1) +
+                         " a batch's share is known " + std::to_string(paces_->options().lag) +
+                         " steps ahead: read fewer batches ahead (a DataLoader's num_workers x prefetch_factor), "
+                         "limbo.Job(read_ahead=N) for a loader N batches ahead (here at least " +
+                         std::to_string(steps_ahead) + "), or shares=\"equal\"");
     weights = std::move(*w);
   }
   auto p = data::plan_batch(*sampler_, {epoch, position}, batch_size_, world(), rank(), drop_last_, weights);

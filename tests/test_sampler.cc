@@ -4,7 +4,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <set>
+#include <random>
 #include <thread>
 
 #include "common/error.h"
@@ -239,6 +242,75 @@ TEST(PaceShares, AgreedPacesMoveTheSharesAlikeWithinTheirBounds) {
   EXPECT_EQ(a.shares_at(200).size(), 3u);
   EXPECT_NEAR(a.shares_at(200)[2], 1.0 / 3, 1e-4);
   EXPECT_TRUE(a.last_paces().empty());
+}
+
+// Two members fed the same paces every step (publication and agreement as
+// the reduction does them); the second member's share in force at each step.
+static std::vector<double> shares_over(PaceShares::Options o, const std::vector<double>& pace0,
+                                       const std::vector<double>& pace1) {
+  PaceShares m0(o), m1(o);
+  m0.reset(2, 0);
+  m1.reset(2, 0);
+  std::vector<double> out;
+  for (int64_t step = 0; step < static_cast<int64_t>(pace0.size()); ++step) {
+    out.push_back(m0.shares_at(step)[1]);
+    // 0.1 s a step at 10,000 samples/s; a step lasts as long as its slowest
+    const double wall = std::max(1000.0 / pace0[step], 1000.0 / pace1[step]);
+    m0.record(1000, 1000.0 / pace0[step], wall);
+    m1.record(1000, 1000.0 / pace1[step], wall);
+    if (m0.publishes(step)) {
+      auto a = m0.publication(0), b = m1.publication(1);
+      std::vector<float> sum{a[0] + b[0], a[1] + b[1]};
+      m0.agreed(step, sum);
+      m1.agreed(step, sum);
+      EXPECT_EQ(*m0.weights_for(step + o.lag), *m1.weights_for(step + o.lag));
+    }
+  }
+  return out;
+}
+
+// The defaults publish every step: with steps of 0.1 s, when a member's
+// pace falls to 30 % the shares cover three quarters of their move within
+// lag + 4 steps; a pace that jitters by +-30 % from step to step (a noisy
+// machine) moves the shares far less than shares by each step's pace.
+TEST(PaceShares, SharesFollowAChangeOfPaceWithinAFewStepsAndDoNotSwingWithNoise) {
+  PaceShares::Options o;  // the defaults
+  o.lag = 6;
+  ASSERT_EQ(o.period, 1);
+  std::vector<double> fast(130, 10000.0), slow(60, 10000.0);
+  slow.resize(130, 3000.0);
+  const auto s = shares_over(o, fast, slow);
+  EXPECT_NEAR(s[60], 0.5, 1e-3);
+  const double settled = s[125];
+  EXPECT_NEAR(settled, 0.3 / 1.3, 0.01);
+  int64_t followed = -1;
+  for (int64_t k = 60; k < 126 && followed < 0; ++k)
+    if (s[k] - settled <= 0.25 * (0.5 - settled)) followed = k - 60;
+  EXPECT_GE(followed, o.lag);  // nothing acts before its lag
+  EXPECT_LE(followed, o.lag + 4);
+
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<double> jitter(0.7, 1.3);
+  std::vector<double> p0, p1;
+  for (int i = 0; i < 400; ++i) {
+    p0.push_back(10000.0 * jitter(rng));
+    p1.push_back(10000.0 * jitter(rng));
+  }
+  auto spread = [](const std::vector<double>& v) {
+    double m = 0, q = 0;
+    for (double x : v) m += x / v.size();
+    for (double x : v) q += (x - m) * (x - m) / v.size();
+    return std::sqrt(q);
+  };
+  PaceShares::Options each_step = o;  // each step's pace alone
+  each_step.memory = 1e-6;
+  auto tail = [](std::vector<double> v) { return std::vector<double>(v.begin() + 100, v.end()); };
+  const double smoothed = spread(tail(shares_over(o, p0, p1)));
+  const double raw = spread(tail(shares_over(each_step, p0, p1)));
+  std::printf("followed in %d steps (lag %d); share spread %.4f, by each step's pace %.4f\n",
+              static_cast<int>(followed), static_cast<int>(o.lag), smoothed, raw);
+  EXPECT_LT(smoothed, 0.7 * raw) << smoothed << " " << raw;
+  EXPECT_LT(smoothed, 0.04);
 }
 
 // A loader thread waits for the shares of a step ahead until they are agreed.

@@ -65,10 +65,12 @@ def children(pid):
 
 class Records:
     """Train records of a metrics.jsonl, each stamped with the time it was
-    first seen (polled every 0.2 s), as (seconds since t0, samples)."""
+    first seen (polled every 0.05 s), as (seconds since t0, samples)."""
 
     def __init__(self, path):
         self.path, self.pos, self.points, self.accuracy = path, 0, [], None
+        self.shares = []  # (seconds since t0, step, the held member's share) of each train record
+
 
     def poll(self, t0):
         if not os.path.exists(self.path):
@@ -82,6 +84,8 @@ class Records:
             r = json.loads(line)
             if r.get("kind") == "train":
                 self.points.append((time.monotonic() - t0, r["samples"]))
+                if "shares" in r and len(r["shares"]) == 2:
+                    self.shares.append((time.monotonic() - t0, r["step"], r["shares"][1]))
             elif r.get("kind") == "eval":
                 self.accuracy = r["test_accuracy"]
 
@@ -107,7 +111,7 @@ def drive(procs, held_pid_of, records, a, deadline=None):
             if deadline and time.monotonic() - t0 > deadline:
                 for p in procs:
                     p.terminate()
-        time.sleep(0.2)
+        time.sleep(0.05)
     for r in records:
         r.poll(t0 or time.monotonic())
     cpu_limit.remove(GROUP)
@@ -176,6 +180,30 @@ def phase_rates(points, a, upto):
     return (hi[0] / hi[1] if hi[1] else float("nan")), (lo[0] / lo[1] if lo[1] else float("nan"))
 
 
+def follow(shares, a):
+    """For each switch of the limit after the first phase: the steps from the
+    switch until the held member's share has covered three quarters of its
+    move (from its value at the switch to its median over the last 40 % of
+    the phase's records). A record is stamped with the time it was seen, so
+    a switch's step is known to about a record (2 steps)."""
+    out, k = [], 1
+    while shares and (k + 1) * a.every <= shares[-1][0]:
+        t = k * a.every
+        before = [x for x in shares if x[0] < t]
+        phase = [x for x in shares if t <= x[0] < t + a.every]
+        k += 1
+        if not before or len(phase) < 10:
+            continue
+        at, settled = before[-1][2], statistics.median(x[2] for x in phase[len(phase) * 6 // 10:])
+        if abs(at - settled) < 0.05:
+            continue  # no move to follow
+        switch_step = before[-1][1]
+        hit = next((x for x in phase if abs(x[2] - settled) <= 0.25 * abs(at - settled)), None)
+        if hit:
+            out.append(hit[1] - switch_step)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limbo", default=os.path.join(ROOT, "build", "src", "cli", "limbo"))
@@ -188,6 +216,9 @@ def main():
     ap.add_argument("--every", type=float, default=20.0, help="seconds between switches")
     ap.add_argument("--period-us", type=int, default=100000, help="the cgroup's cfs period")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--modes", default="equal,pace,bound",
+                    help="which runs to make (the table and plot need all three; with fewer, each run's "
+                         "row is printed only)")
     ap.add_argument("--only-bound", action="store_true",
                     help="run the bound again for --seeds (for the length of each seed's pace run in "
                          "<out>/rows.json) and rewrite the table and plot with it")
@@ -201,15 +232,20 @@ def main():
             saved = json.load(f)
         rows = [r for r in saved["rows"] if r["mode"] != "bound"]
         series = {k: v for k, v in saved["series"].items() if k != "bound"}
+    modes = a.modes.split(",")
     for seed in [int(s) for s in a.seeds.split(",")]:
-        for shares in ("equal", "pace") if not a.only_bound else ():
+        for shares in [m for m in ("equal", "pace") if m in modes] if not a.only_bound else ():
             rec = job(a, seed, shares, os.path.join(a.out, "runs", "%s-%d" % (shares, seed)))
             end = rec.points[-1][0]
             hi, lo = phase_rates(rec.points, a, end)
             rows.append({"seed": seed, "mode": shares, "seconds": end, "high": hi, "low": lo,
                          "mean": rec.points[-1][1] / end, "accuracy": rec.accuracy})
+            if shares == "pace":
+                rows[-1]["follow"] = follow(rec.shares, a)
             series.setdefault(shares, []).append(rate_series(rec.points))
             print(json.dumps(rows[-1]), flush=True)
+        if "bound" not in modes:
+            continue
         pace_seconds = [r["seconds"] for r in rows if r["mode"] == "pace" and r["seed"] == seed][0]
         recs = bound(a, seed, os.path.join(a.out, "runs", "bound-%d" % seed), pace_seconds)
         end = min(r.points[-1][0] for r in recs)
@@ -220,6 +256,8 @@ def main():
         series.setdefault("bound", []).append(sorted((t, v + parts[1][t]) for t, v in parts[0].items()
                                                      if t in parts[1]))
         print(json.dumps(rows[-1]), flush=True)
+    if not a.only_bound and set(modes) != {"equal", "pace", "bound"}:
+        return
     order = {"equal": 0, "pace": 1, "bound": 2}
     rows.sort(key=lambda r: (r["seed"], order[r["mode"]]))
     write(a, rows, series)
@@ -254,6 +292,11 @@ def write(a, rows, series):
                                               [r for r in rows if r["mode"] == den])]
             cells.append("%.3f (%.3f–%.3f)" % (statistics.median(rs), min(rs), max(rs)))
         lines.append("| %s / %s | %s |" % (num, den, " | ".join(cells)))
+    steps = sorted(x for r in rows if r["mode"] == "pace" for x in r.get("follow", []))
+    if steps:
+        lines += ["", "Shares by pace follow a switch of the limit (the held member's share covers three quarters "
+                  "of its move) in a median of %d steps (%d–%d over %d switches)." %
+                  (statistics.median(steps), steps[0], steps[-1], len(steps))]
     lines += ["", "Each run: " + ", ".join("%s seed %d %.1f s" % (r["mode"], r["seed"], r["seconds"]) for r in rows),
               "", "![samples/s against time](rate.png)", ""]
     with open(os.path.join(a.out, "README.md"), "w") as f:

@@ -222,12 +222,17 @@ class Job:
                 "pace" (slices by each member's pace, as elastic.shares:
                 members of unequal speed do not wait for the slowest;
                 job.batch_ids() is this member's slice, and train records
-                carry "shares" and "paces"). With "pace" a loader may read
-                at most 15 batches ahead. With sync="diloco", each
+                carry "shares" and "paces"). With sync="diloco", each
                 member's share of an outer step follows its pace in the
                 previous one (outer records carry "shares" and "paces").
                 "auto" (the default): "pace" with sync="diloco", "equal"
                 with sync="step".
+    read_ahead  with shares="pace" and sync="step": batches a loader may
+                read ahead of the step it feeds (a DataLoader's num_workers
+                x prefetch_factor; default 15, one more is refused, naming
+                this). A batch's share is agreed read_ahead + 1 steps
+                before it, so a smaller value follows a change of pace
+                sooner. The same on every member.
     sync        "step" (every step's gradient reduced across the group) or
                 "diloco" (docs/diloco.md): the optimizer becomes the inner
                 one, stepped by job.step() on this member alone, for the
@@ -250,7 +255,7 @@ class Job:
                  batch_policy="dynamic", lr_scaling="auto", reference_batch=0, ramp_steps=200,
                  accumulate=1, checkpoint_every_epochs=1, checkpoint_every_steps=0, log_every=50,
                  overlap=True, bucket_mb=4.0, compression="none", shared_memory=True,
-                 hierarchical=True, collective_timeout=10.0, round_timeout=120.0, shares="auto",
+                 hierarchical=True, collective_timeout=10.0, round_timeout=120.0, shares="auto", read_ahead=15,
                  max_nonfinite_steps=10, sync="step", inner_steps=500, outer_lr=0.7, outer_momentum=0.9,
                  nesterov=True, max_wait=1.0, fragments=1, mixing=0.0, scheduler_every=None,
                  frozen="may_train", shard="none", units=None):
@@ -346,6 +351,7 @@ class Job:
             reference_batch=int(reference_batch), ramp_steps=int(ramp_steps), log_every=self._log_every,
             checkpoint_every_epochs=self._checkpoint_epochs, checkpoint_every_steps=self._checkpoint_steps,
             overlap=bool(overlap), bucket_mb=float(bucket_mb), compression=compression, shares=shares,
+            read_ahead=int(read_ahead),
             shared_memory=bool(shared_memory), hierarchical=bool(hierarchical),
             collective_timeout=float(collective_timeout), round_timeout=float(round_timeout),
             max_nonfinite_steps=int(max_nonfinite_steps), accumulate=int(accumulate),

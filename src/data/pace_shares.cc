@@ -10,7 +10,7 @@ namespace limbo::data {
 
 PaceShares::PaceShares(Options o) : o_(o) {
   if (o_.period < 1 || o_.lag < 1 || !(o_.alpha > 0 && o_.alpha <= 1) || !(o_.max_move > 0) ||
-      !(o_.floor >= 0 && o_.floor < 1))
+      !(o_.floor >= 0 && o_.floor < 1) || !(o_.memory >= 0))
     throw Error("internal: pace shares with period " + std::to_string(o_.period) + ", lag " +
                 std::to_string(o_.lag));
   reset(1, 0);
@@ -32,15 +32,21 @@ void PaceShares::reset(int world, int64_t formed_at) {
     last_paces_.clear();
     window_samples_ = 0;
     window_seconds_ = 0;
+    recorded_ = false;
   }
   cv_.notify_all();
 }
 
-void PaceShares::record(int64_t samples, double seconds) {
+void PaceShares::record(int64_t samples, double seconds, double since_last) {
   if (samples <= 0 || !(seconds > 0) || !std::isfinite(seconds)) return;
   std::lock_guard<std::mutex> lock(mu_);
-  window_samples_ += samples;
-  window_seconds_ += seconds;
+  const auto now = std::chrono::steady_clock::now();
+  if (since_last < 0) since_last = recorded_ ? std::chrono::duration<double>(now - last_record_).count() : seconds;
+  last_record_ = now;
+  recorded_ = true;
+  const double fade = o_.memory > 0 ? std::exp(-std::max(since_last, seconds) / o_.memory) : 1.0;
+  window_samples_ = window_samples_ * fade + static_cast<double>(samples);
+  window_seconds_ = window_seconds_ * fade + seconds;
 }
 
 bool PaceShares::publishes(int64_t step) const {
@@ -53,8 +59,10 @@ std::vector<float> PaceShares::publication(int rank) {
   std::vector<float> v(static_cast<size_t>(world_), 0.0f);
   if (rank < 0 || rank >= world_) throw Error("internal: rank " + std::to_string(rank) + " publishing a pace");
   if (window_seconds_ > 0) v[static_cast<size_t>(rank)] = static_cast<float>(window_samples_ / window_seconds_);
-  window_samples_ = 0;
-  window_seconds_ = 0;
+  if (o_.memory <= 0) {  // the next publication measures only the steps after this one
+    window_samples_ = 0;
+    window_seconds_ = 0;
+  }
   return v;
 }
 

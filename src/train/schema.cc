@@ -205,7 +205,8 @@ std::shared_ptr<const Schema> train_schema() {
     s->add(S("elastic.shares", "auto", {"auto", "equal", "pace"},
              "how the work is shared out: equal (a synchronous step's global batch in equal slices, an outer "
              "step's samples in equal shares) or pace (slices by each member's pace: samples a second of its "
-             "own forward and backward, agreed every 8 steps, in force 16 steps later; with elastic.sync = "
+             "own forward and backward over the last quarter of a second, agreed every step, in force "
+             "data.prefetch + 2 steps later; with elastic.sync = "
              "diloco, each member's share of an outer step by its pace in the previous one), so that members "
              "of unequal speed do not wait for the slowest; auto: pace for diloco, equal for step"));
     s->add(F("elastic.bucket_mb", 4.0, 0.0, 4096.0,

@@ -172,6 +172,7 @@ def main():
     p.add_argument("--read-ahead", type=int, default=0,
                    help="at the first batch, ask the job's sampler for this many batches ahead (a loader that "
                         "prefetches that far); exit 3 with the job's message if it refuses")
+    p.add_argument("--job-read-ahead", type=int, default=None, help="limbo.Job(read_ahead=...)")
     p.add_argument("--unfreeze-at", type=int, default=0,
                    help="the plain model's first layer is frozen when the job is made and unfrozen at the batch "
                         "after this many committed steps (once: a joiner never runs it)")
@@ -235,7 +236,8 @@ def main():
                     state=state, run_dir=args.run_dir, checkpoint_every_steps=args.checkpoint_every_steps,
                     log_every=10, sync=args.sync, inner_steps=args.inner_steps, compression=args.compression,
                     max_wait=0, fragments=args.fragments, mixing=0.5 if args.fragments > 1 else 0.0,
-                    bucket_mb=args.bucket_mb, shares=args.shares, **schedule)
+                    bucket_mb=args.bucket_mb, shares=args.shares,
+                    **({} if args.job_read_ahead is None else {"read_ahead": args.job_read_ahead}), **schedule)
     diloco = args.sync == "diloco"
     logged = [0]
 

@@ -198,13 +198,20 @@ def test_shares_by_pace_follow_a_member_held_to_a_fraction_of_a_core(run_dir):
 
 
 def test_shares_by_pace_refuse_a_loader_that_reads_further_ahead_than_agreed(run_dir):
-    """shares="pace": a batch's share is agreed 16 steps ahead, so a loader
-    that asks for more batches ahead than that is refused, naming the fix;
-    with equal shares it gets them."""
+    """shares="pace": a batch's share is agreed read_ahead + 1 (16) steps
+    ahead, so a loader that asks for more batches ahead than that is refused,
+    naming the fixes; with read_ahead raised, or equal shares, it gets them;
+    a smaller read_ahead refuses sooner."""
     args = ["--model", "plain", "--loader-workers", "0", "--read-ahead", "40"]
     r = launch(os.path.join(run_dir, "pace"), 2, args + ["--shares", "pace"])
     assert r.returncode != 0, r.stdout + r.stderr
-    assert "refused:" in r.stderr and "shares=\"equal\"" in r.stderr and "ahead" in r.stderr, r.stderr
+    assert ("refused:" in r.stderr and "shares=\"equal\"" in r.stderr and "read_ahead=N" in r.stderr
+            and "read_ahead=15" in r.stderr), r.stderr
+    r = launch(os.path.join(run_dir, "raised"), 2, args + ["--shares", "pace", "--job-read-ahead", "40"])
+    assert "read 40 batches ahead" in r.stderr, r.stdout + r.stderr
+    r = launch(os.path.join(run_dir, "small"), 2, ["--model", "plain", "--loader-workers", "0", "--read-ahead", "6",
+                                                   "--shares", "pace", "--job-read-ahead", "3"])
+    assert r.returncode != 0 and "refused:" in r.stderr and "read_ahead=3" in r.stderr, r.stdout + r.stderr
     r = launch(os.path.join(run_dir, "equal"), 2, args)
     assert "read 40 batches ahead" in r.stderr, r.stdout + r.stderr
 
